@@ -1,0 +1,44 @@
+# Ingero: the two commands a new user runs are `make demo` and `make test`.
+# Both set up what is missing first (Debian packages, kernel headers link,
+# tracefs, the virtual environment), so they work on a fresh Debian machine as root.
+
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+DEB_PACKAGES := python3-bpfcc python3-venv linux-headers-amd64 nftables iproute2 gcc make libc6-dev kmod procps
+SCENARIO ?= lossy-link
+
+.PHONY: setup system venv test test-unit test-bpf demo bench clean
+
+setup: system venv
+
+# Debian packages and the host facts the agent needs (headers link, tracefs).
+system:
+	@bash scripts/setup-system.sh $(DEB_PACKAGES)
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || /usr/bin/python3 -m venv --system-site-packages $(VENV)
+	@$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	@touch $@
+
+venv: $(VENV)/.installed
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-unit: venv
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+test-bpf: setup
+	$(PY) -m pytest tests/bpf $(PYTEST_ARGS)
+
+demo: setup
+	$(VENV)/bin/ingero lab run --scenario $(SCENARIO) --trace --out out/demo
+	$(VENV)/bin/ingero query out/demo/trace.duckdb "SELECT op, rank, nranks, duration_ns/1e6 AS ms FROM nccl_events ORDER BY duration_ns DESC LIMIT 20"
+
+bench: setup
+	$(PY) -m bench.run_all
+
+clean:
+	rm -rf $(VENV) out build *.egg-info

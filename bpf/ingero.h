@@ -1,0 +1,137 @@
+/* ingero.h: event records shared by the kernel side (bpf/*.c, compiled by bcc)
+ * and the user side (ingero_agent/records.py mirrors these layouts as numpy
+ * dtypes; tests/unit/test_records.py checks that the two agree).
+ *
+ * Every record is a fixed size and a multiple of 8 bytes, so the user side can
+ * decode a whole span of a ring buffer at once instead of one Python call per
+ * record. Keep fields naturally aligned and never reorder them without
+ * changing records.py in the same commit.
+ *
+ * Times are CLOCK_MONOTONIC nanoseconds (bpf_ktime_get_ns); the agent converts
+ * them to wall clock with the offset it records in the `nodes` table.
+ *
+ * Settings arrive as -D flags from typed config (never by editing this text):
+ *   INGERO_TARGET_ALL      1: trace every process; 0: only targets below
+ *   INGERO_CGROUP_LEVELS   how many ancestor levels the cgroup filter checks
+ *   INGERO_SCHED_MIN_NS    off-CPU intervals shorter than this are only summed
+ *   INGERO_RINGBUF_PAGES   ring buffer size per probe family, in pages
+ */
+#ifndef INGERO_H
+#define INGERO_H
+
+#ifndef INGERO_TARGET_ALL
+#define INGERO_TARGET_ALL 0
+#endif
+#ifndef INGERO_CGROUP_LEVELS
+#define INGERO_CGROUP_LEVELS 8
+#endif
+#ifndef INGERO_SCHED_MIN_NS
+#define INGERO_SCHED_MIN_NS 1000000ULL
+#endif
+#ifndef INGERO_RINGBUF_PAGES
+#define INGERO_RINGBUF_PAGES 4096
+#endif
+
+/* ---- NCCL call kinds (ingero_nccl_event.op) ---------------------------- */
+#define OP_ALL_REDUCE      1
+#define OP_ALL_GATHER      2
+#define OP_REDUCE_SCATTER  3
+#define OP_BROADCAST       4   /* ncclBroadcast and ncclBcast */
+#define OP_REDUCE          5
+#define OP_SEND            6
+#define OP_RECV            7
+#define OP_GROUP_START     8
+#define OP_GROUP_END       9
+#define OP_COMM_INIT_RANK  10  /* ncclCommInitRank and ncclCommInitRankConfig */
+#define OP_COMM_INIT_ALL   11
+#define OP_COMM_SPLIT      12
+#define OP_COMM_DESTROY    13
+#define OP_COMM_ABORT      14
+#define OP_COMM_INIT_RANK_CONFIG 15
+
+/* ingero_nccl_event.flags */
+#define NCCL_F_IN_GROUP     1  /* called between ncclGroupStart and ncclGroupEnd */
+#define NCCL_F_COMM_UNKNOWN 2  /* communicator created before tracing began */
+#define NCCL_F_BCAST_ALIAS  4  /* ncclBcast (in-place) rather than ncclBroadcast */
+
+/* One record per NCCL API call, emitted at return. 96 bytes. */
+struct ingero_nccl_event {
+    __u64 ts_ns;         /* monotonic time at entry */
+    __u64 duration_ns;   /* entry to return */
+    __u64 cgroup_id;
+    __u64 comm;          /* communicator handle (opaque pointer) */
+    __u64 comm_hash;     /* splitmix64 fold of the ncclUniqueId (see nccl.c) */
+    __u64 count;         /* elements (COMM_INIT_ALL: ndev) */
+    __u64 stream;
+    __u64 parent_hash;   /* COMM_SPLIT: the parent communicator's hash */
+    __u32 pid;           /* tgid */
+    __u32 tid;
+    __u32 seq;           /* per-communicator number: collectives and p2p counted apart */
+    __s32 rank;          /* -1 when not known in the kernel (split children) */
+    __s32 nranks;
+    __s32 peer;          /* SEND/RECV peer, BROADCAST/REDUCE root, else -1 */
+    __s32 ret;           /* ncclResult_t */
+    __s32 color;         /* COMM_SPLIT color, else 0 */
+    __s32 key;           /* COMM_SPLIT key, else 0 */
+    __u8  op;            /* OP_* */
+    __u8  datatype;      /* ncclDataType_t */
+    __u8  redop;         /* ncclRedOp_t */
+    __u8  flags;         /* NCCL_F_* */
+};
+
+/* ---- TCP -------------------------------------------------------------- */
+#define TCP_EV_RETRANSMIT     1  /* tcp:tcp_retransmit_skb */
+#define TCP_EV_SEND_RESET     2  /* tcp:tcp_send_reset */
+#define TCP_EV_RECEIVE_RESET  3  /* tcp:tcp_receive_reset */
+#define TCP_EV_STATE          4  /* sock:inet_sock_set_state */
+
+/* ingero_tcp_event.owner_src: how the owner (pid/cgroup) was found */
+#define OWNER_NONE     0  /* not known in the kernel; user space matches by address */
+#define OWNER_SOCKET   1  /* socket owner map, filled in process context */
+#define OWNER_CURRENT  2  /* the current task (only in process context) */
+
+/* One record per TCP event. 80 bytes. Addresses are in network order; an
+ * IPv4 address sits in the first 4 bytes. */
+struct ingero_tcp_event {
+    __u64 ts_ns;
+    __u64 cgroup_id;     /* owner's cgroup, 0 when not known */
+    __u64 skaddr;        /* struct sock pointer: identifies the connection */
+    __u32 pid;           /* owner's tgid, 0 when not known */
+    __u32 tid;
+    __u8  saddr[16];
+    __u8  daddr[16];
+    __u16 sport;         /* host order */
+    __u16 dport;
+    __u16 family;        /* AF_INET 2, AF_INET6 10 */
+    __u8  kind;          /* TCP_EV_* */
+    __u8  state;         /* TCP state (new state for TCP_EV_STATE) */
+    __u8  oldstate;
+    __u8  owner_src;     /* OWNER_* */
+    __u8  _pad[6];
+};
+
+/* ---- Scheduler -------------------------------------------------------- */
+#define OFFCPU_RUNQUEUE 0  /* preempted while runnable: waited for a CPU (incl. CFS throttling) */
+#define OFFCPU_IO       1  /* uninterruptible sleep (TASK_UNINTERRUPTIBLE): I/O, page faults, locks */
+#define OFFCPU_SLEEP    2  /* voluntary sleep (TASK_INTERRUPTIBLE): waiting on a socket, futex, timer */
+
+/* One record per off-CPU interval of a target thread longer than
+ * INGERO_SCHED_MIN_NS. 48 bytes. */
+struct ingero_sched_event {
+    __u64 ts_ns;         /* when the thread left the CPU */
+    __u64 off_ns;        /* until it ran again */
+    __u64 runq_ns;       /* part of off_ns spent runnable, waiting for a CPU */
+    __u64 cgroup_id;
+    __u32 pid;
+    __u32 tid;
+    __u8  reason;        /* OFFCPU_* */
+    __u8  _pad[7];
+};
+
+/* Indexes of the per-CPU lost-event counters (map `lost`). */
+#define LOST_NCCL  0
+#define LOST_TCP   1
+#define LOST_SCHED 2
+#define LOST_SLOTS 4
+
+#endif /* INGERO_H */

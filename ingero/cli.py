@@ -1,0 +1,81 @@
+"""The `ingero` command: one subcommand per module, loaded only when used.
+
+Each subcommand module exposes ``add_parser(subparsers)`` (returns its parser)
+and ``run(args) -> int``. Modules that need bcc import it inside ``run`` so
+that `ingero --help` and `ingero query` work on machines without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import signal
+import sys
+
+from ingero import __version__
+from ingero.errors import IngeroError
+
+# name -> module; order is the order shown in --help.
+SUBCOMMANDS: dict[str, str] = {
+    "trace": "ingero_agent.trace_cli",
+    "query": "ingero.query_cli",
+    "lab": "ingero.lab.cli",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ingero",
+        description="Trace NCCL calls, TCP retransmits and scheduler stalls of distributed "
+        "training jobs with eBPF, and find the straggler rank.",
+        epilog="examples:\n"
+        "  ingero lab run --scenario lossy-link --trace --out out/lab\n"
+        "  ingero trace --duration 30s --cgroup /sys/fs/cgroup/unified/kubepods.slice --out t.duckdb\n"
+        "  ingero query t.duckdb \"SELECT op, rank, nranks, duration_ns/1e6 AS ms "
+        "FROM nccl_events ORDER BY duration_ns DESC LIMIT 20\"",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"ingero {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module in SUBCOMMANDS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if not module.startswith(e.name or "\0"):
+                raise
+            # An image may ship only part of Ingero (the operator has no agent).
+            p = sub.add_parser(name, help=f"(not installed here: {module})")
+            p.set_defaults(_run=_missing(name, module))
+            continue
+        p = mod.add_parser(sub)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def _missing(name: str, module: str):
+    def run(_args) -> int:
+        raise IngeroError(f"'ingero {name}' is not part of this installation ({module} is missing); "
+                          "install the full ingero package")
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except IngeroError as e:
+        print(f"ingero: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("ingero: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

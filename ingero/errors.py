@@ -1,0 +1,25 @@
+"""User-facing errors.
+
+Anything a user can cause (bad input, missing permission, missing headers)
+raises ``IngeroError`` with one line that names the problem and the fix. The
+CLI prints it as ``ingero: <message>`` and exits non-zero, without a traceback.
+"""
+
+from __future__ import annotations
+
+
+class IngeroError(Exception):
+    """A problem the user can fix; the message says what and how."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, exit_code: int | None = None):
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+
+class NotPermitted(IngeroError):
+    """Missing privilege (root / CAP_BPF / CAP_PERFMON)."""
+
+    exit_code = 77

@@ -1,0 +1,101 @@
+"""`ingero query SOURCE "SQL"`: run SQL on a trace and print a table.
+
+SOURCE is a DuckDB file written by `ingero trace`/`ingero lab` (opened
+read-only) or a directory of Parquet segments (exposed as views).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+from ingero.errors import IngeroError
+from ingero.store import open_source
+
+
+def add_parser(sub):
+    p = sub.add_parser(
+        "query",
+        help="run SQL on a trace (DuckDB file or segment directory)",
+        description=__doc__,
+        epilog="examples:\n"
+        "  ingero query t.duckdb \"SELECT op, rank, nranks, duration_ns/1e6 AS ms FROM nccl_events "
+        "ORDER BY duration_ns DESC LIMIT 20\"\n"
+        "  ingero query t.duckdb.segments \"SELECT COUNT(*) FROM tcp_events "
+        "WHERE event = 'tcp_retransmit_skb'\"\n"
+        "  ingero query t.duckdb --tables",
+        formatter_class=__import__("argparse").RawDescriptionHelpFormatter,
+    )
+    p.add_argument("source", type=Path, help="trace .duckdb file or segment directory")
+    p.add_argument("sql", nargs="?", help="the query; '-' reads it from stdin")
+    p.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    p.add_argument("--max-rows", type=int, default=1000,
+                   help="print at most this many rows (default 1000; 0 = all)")
+    p.add_argument("--tables", action="store_true", help="list tables with row counts")
+    return p
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "NULL"
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    return str(v)
+
+
+def print_table(names: list[str], rows: list[tuple], out=sys.stdout) -> None:
+    cells = [[_fmt(v) for v in r] for r in rows]
+    widths = [max([len(n)] + [len(r[i]) for r in cells]) for i, n in enumerate(names)]
+    numeric = [all(isinstance(r[i], (int, float)) or r[i] is None for r in rows) and rows
+               for i in range(len(names))]
+
+    def line(vals):
+        return "  ".join(v.rjust(w) if numeric[i] else v.ljust(w)
+                         for i, (v, w) in enumerate(zip(vals, widths))).rstrip()
+
+    print(line(names), file=out)
+    print("  ".join("-" * w for w in widths), file=out)
+    for r in cells:
+        print(line(r), file=out)
+
+
+def run(args) -> int:
+    import duckdb
+
+    con = open_source(args.source)
+    try:
+        if args.tables:
+            names = [r[0] for r in con.execute(
+                "SELECT table_name FROM information_schema.tables ORDER BY table_name").fetchall()]
+            rows = [(n, con.execute(f'SELECT COUNT(*) FROM "{n}"').fetchone()[0]) for n in names]
+            print_table(["table", "rows"], rows)
+            return 0
+        sql = sys.stdin.read() if args.sql == "-" else args.sql
+        if not sql or not sql.strip():
+            raise IngeroError("no SQL given: ingero query SOURCE \"SELECT ...\" (or --tables)")
+        try:
+            cur = con.execute(sql)
+        except duckdb.Error as e:
+            raise IngeroError(f"query failed: {str(e).splitlines()[0]}") from e
+        if cur.description is None:
+            return 0
+        names = [d[0] for d in cur.description]
+        limit = args.max_rows if args.max_rows > 0 else None
+        rows = cur.fetchmany(limit) if limit else cur.fetchall()
+        more = bool(limit and cur.fetchone() is not None)
+    finally:
+        con.close()
+    if args.format == "csv":
+        w = csv.writer(sys.stdout)
+        w.writerow(names)
+        w.writerows(rows)
+    elif args.format == "json":
+        for r in rows:
+            print(json.dumps(dict(zip(names, r)), default=str))
+    else:
+        print_table(names, rows)
+        print(f"({len(rows)} row{'s' if len(rows) != 1 else ''}"
+              f"{', more not shown: raise --max-rows' if more else ''})", file=sys.stderr)
+    return 0

@@ -1,0 +1,280 @@
+"""The event schema: table names, columns, types and units.
+
+Table and column names follow the field (DESIGN.md, "Tables") so that the
+example queries published for the original Ingero tool run unchanged.
+
+Units: every *_ns column is nanoseconds. ``timestamp_ns`` is wall-clock time
+(Unix epoch), already corrected for the node's clock offset when one is
+known; ``ts_mono_ns`` keeps the node's raw CLOCK_MONOTONIC reading.
+
+``event_id`` is node-namespaced: the top 16 bits are a stable hash of the node
+name (``node_prefix``), the low 48 bits a per-node counter, so ids from
+different nodes never collide and ``(node, event_id)`` identifies a row.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+# NCCL call kinds, as numbered in bpf/ingero.h (OP_*).
+NCCL_OPS: dict[int, str] = {
+    1: "ALL_REDUCE",
+    2: "ALL_GATHER",
+    3: "REDUCE_SCATTER",
+    4: "BROADCAST",
+    5: "REDUCE",
+    6: "SEND",
+    7: "RECV",
+    8: "GROUP_START",
+    9: "GROUP_END",
+    10: "COMM_INIT_RANK",
+    11: "COMM_INIT_ALL",
+    12: "COMM_SPLIT",
+    13: "COMM_DESTROY",
+    14: "COMM_ABORT",
+    15: "COMM_INIT_RANK_CONFIG",
+}
+COLLECTIVE_OPS = ("ALL_REDUCE", "ALL_GATHER", "REDUCE_SCATTER", "BROADCAST", "REDUCE")
+P2P_OPS = ("SEND", "RECV")
+LIFECYCLE_OPS = ("COMM_INIT_RANK", "COMM_INIT_RANK_CONFIG", "COMM_INIT_ALL", "COMM_SPLIT",
+                 "COMM_DESTROY", "COMM_ABORT")
+
+# ncclDataType_t: name and size in bytes (bytes = count x size).
+NCCL_DATATYPES: dict[int, tuple[str, int]] = {
+    0: ("int8", 1),
+    1: ("uint8", 1),
+    2: ("int32", 4),
+    3: ("uint32", 4),
+    4: ("int64", 8),
+    5: ("uint64", 8),
+    6: ("float16", 2),
+    7: ("float32", 4),
+    8: ("float64", 8),
+    9: ("bfloat16", 2),
+    10: ("float8e4m3", 1),
+    11: ("float8e5m2", 1),
+}
+
+# ncclRedOp_t
+NCCL_REDOPS: dict[int, str] = {0: "sum", 1: "prod", 2: "max", 3: "min", 4: "avg"}
+
+TCP_EVENTS: dict[int, str] = {
+    1: "tcp_retransmit_skb",
+    2: "tcp_send_reset",
+    3: "tcp_receive_reset",
+    4: "inet_sock_set_state",
+}
+
+TCP_STATES: dict[int, str] = {
+    1: "ESTABLISHED", 2: "SYN_SENT", 3: "SYN_RECV", 4: "FIN_WAIT1", 5: "FIN_WAIT2",
+    6: "TIME_WAIT", 7: "CLOSE", 8: "CLOSE_WAIT", 9: "LAST_ACK", 10: "LISTEN",
+    11: "CLOSING", 12: "NEW_SYN_RECV",
+}
+
+OFFCPU_REASONS: dict[int, str] = {0: "runqueue", 1: "io", 2: "sleep"}
+
+FAMILIES: dict[int, str] = {2: "AF_INET", 10: "AF_INET6"}
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    columns: tuple[tuple[str, str], ...]
+    doc: str
+
+    @property
+    def column_names(self) -> list[str]:
+        return [c for c, _ in self.columns]
+
+    def ddl(self, if_not_exists: bool = True) -> str:
+        cols = ",\n  ".join(f'"{c}" {t}' for c, t in self.columns)
+        ine = "IF NOT EXISTS " if if_not_exists else ""
+        return f"CREATE TABLE {ine}{self.name} (\n  {cols}\n)"
+
+
+_IDENTITY = (
+    ("pid", "INTEGER"),
+    ("tid", "INTEGER"),
+    ("cgroup_id", "UBIGINT"),
+    ("rank", "INTEGER"),
+    ("node", "VARCHAR"),
+    ("pod", "VARCHAR"),
+    ("namespace", "VARCHAR"),
+    ("session_id", "VARCHAR"),
+)
+
+NCCL_EVENTS = Table(
+    "nccl_events",
+    (
+        ("event_id", "UBIGINT"),
+        ("timestamp_ns", "BIGINT"),
+        ("duration_ns", "BIGINT"),
+        ("op", "VARCHAR"),
+        ("nranks", "INTEGER"),
+        ("comm_id_hash", "UBIGINT"),
+        ("seq", "BIGINT"),
+        ("count", "BIGINT"),
+        ("bytes", "BIGINT"),
+        ("datatype", "VARCHAR"),
+        ("reduce_op", "VARCHAR"),
+        ("peer", "INTEGER"),
+        ("ret", "INTEGER"),
+        ("in_group", "BOOLEAN"),
+        ("comm", "UBIGINT"),
+        ("stream", "UBIGINT"),
+        ("parent_hash", "UBIGINT"),
+        ("color", "INTEGER"),
+        ("split_key", "INTEGER"),
+        ("ts_mono_ns", "BIGINT"),
+    ) + _IDENTITY,
+    "One row per NCCL API call (collectives, point-to-point, groups, communicator lifecycle).",
+)
+
+TCP_EVENTS_TABLE = Table(
+    "tcp_events",
+    (
+        ("event_id", "UBIGINT"),
+        ("timestamp_ns", "BIGINT"),
+        ("event", "VARCHAR"),
+        ("saddr", "VARCHAR"),
+        ("daddr", "VARCHAR"),
+        ("sport", "INTEGER"),
+        ("dport", "INTEGER"),
+        ("family", "VARCHAR"),
+        ("state", "VARCHAR"),
+        ("old_state", "VARCHAR"),
+        ("skaddr", "UBIGINT"),
+        ("owner_source", "VARCHAR"),
+        ("ts_mono_ns", "BIGINT"),
+    ) + _IDENTITY,
+    "TCP retransmits, resets and state changes, attributed to the pod/rank that owns the "
+    "connection (owner_source says how: socket, current, address or none).",
+)
+
+SCHED_EVENTS = Table(
+    "sched_events",
+    (
+        ("event_id", "UBIGINT"),
+        ("timestamp_ns", "BIGINT"),
+        ("duration_ns", "BIGINT"),
+        ("runq_ns", "BIGINT"),
+        ("reason", "VARCHAR"),
+        ("ts_mono_ns", "BIGINT"),
+    ) + _IDENTITY,
+    "Off-CPU intervals of target threads above the threshold; reason is runqueue, io or sleep.",
+)
+
+SCHED_TOTALS = Table(
+    "sched_totals",
+    (
+        ("node", "VARCHAR"),
+        ("session_id", "VARCHAR"),
+        ("pid", "INTEGER"),
+        ("rank", "INTEGER"),
+        ("reason", "VARCHAR"),
+        ("total_ns", "BIGINT"),
+        ("intervals", "BIGINT"),
+    ),
+    "All off-CPU time of target processes by reason, including intervals under the threshold "
+    "(summed in the kernel).",
+)
+
+RANKS = Table(
+    "ranks",
+    (
+        ("node", "VARCHAR"),
+        ("session_id", "VARCHAR"),
+        ("pid", "INTEGER"),
+        ("rank", "INTEGER"),
+        ("local_rank", "INTEGER"),
+        ("world_size", "INTEGER"),
+        ("local_world_size", "INTEGER"),
+        ("group_rank", "INTEGER"),
+        ("run_id", "VARCHAR"),
+        ("master_addr", "VARCHAR"),
+        ("master_port", "INTEGER"),
+        ("cgroup_id", "UBIGINT"),
+        ("cgroup_path", "VARCHAR"),
+        ("pod", "VARCHAR"),
+        ("namespace", "VARCHAR"),
+        ("process", "VARCHAR"),
+        ("nccl_lib", "VARCHAR"),
+        ("addresses", "VARCHAR"),
+        ("first_seen_ns", "BIGINT"),
+    ),
+    "One row per traced process: torchrun identity, cgroup, pod and the NCCL library it maps.",
+)
+
+COMMS = Table(
+    "comms",
+    (
+        ("node", "VARCHAR"),
+        ("session_id", "VARCHAR"),
+        ("pid", "INTEGER"),
+        ("comm", "UBIGINT"),
+        ("comm_id_hash", "UBIGINT"),
+        ("rank", "INTEGER"),
+        ("nranks", "INTEGER"),
+        ("parent_hash", "UBIGINT"),
+        ("color", "INTEGER"),
+        ("split_key", "INTEGER"),
+        ("op", "VARCHAR"),
+        ("timestamp_ns", "BIGINT"),
+    ),
+    "Communicators seen being created, with rank and size (split children are resolved across ranks).",
+)
+
+NODES = Table(
+    "nodes",
+    (
+        ("node", "VARCHAR"),
+        ("session_id", "VARCHAR"),
+        ("hostname", "VARCHAR"),
+        ("kernel", "VARCHAR"),
+        ("agent_version", "VARCHAR"),
+        ("mono_to_wall_ns", "BIGINT"),
+        ("clock_offset_ns", "BIGINT"),
+        ("clock_rtt_ns", "BIGINT"),
+        ("lost_nccl", "BIGINT"),
+        ("lost_tcp", "BIGINT"),
+        ("lost_sched", "BIGINT"),
+        ("events_nccl", "BIGINT"),
+        ("events_tcp", "BIGINT"),
+        ("events_sched", "BIGINT"),
+        ("started_ns", "BIGINT"),
+        ("ended_ns", "BIGINT"),
+    ),
+    "One row per node and session: clock offsets applied, events and lost events per probe.",
+)
+
+SESSIONS = Table(
+    "sessions",
+    (
+        ("session_id", "VARCHAR"),
+        ("node", "VARCHAR"),
+        ("started_ns", "BIGINT"),
+        ("ended_ns", "BIGINT"),
+        ("probes", "VARCHAR"),
+        ("targets", "VARCHAR"),
+        ("status", "VARCHAR"),
+    ),
+    "One row per node and session: what was traced, when, and how it ended.",
+)
+
+TABLES: dict[str, Table] = {
+    t.name: t
+    for t in (NCCL_EVENTS, TCP_EVENTS_TABLE, SCHED_EVENTS, SCHED_TOTALS, RANKS, COMMS, NODES, SESSIONS)
+}
+EVENT_TABLES = ("nccl_events", "tcp_events", "sched_events")
+
+
+def node_prefix(node: str) -> int:
+    """The top 16 bits of every event_id recorded on `node`."""
+    return (zlib.crc32(node.encode()) & 0xFFFF) << 48
+
+
+def create_all(con) -> None:
+    """Create every table in a DuckDB connection (no-op for those that exist)."""
+    for t in TABLES.values():
+        con.execute(t.ddl())

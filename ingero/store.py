@@ -1,0 +1,267 @@
+"""Segments on disk: the writer the agent uses, and the readers everything else uses.
+
+Layout of a segment directory (one per node and trace)::
+
+    <seg_dir>/<table>/<node>__<session>__<n:06d>.parquet   event tables, one file per roll
+    <seg_dir>/<table>/<node>__<session>.parquet            state tables, replaced on each flush
+
+Every file is written to a temporary name and renamed, so a reader (or an
+agent restarted mid-session) never sees half a segment, and segments already
+on disk survive a crash of the writer. Event ids are node-namespaced
+(``schema.node_prefix``) and resume after the highest id already on disk.
+
+Parquet settings are chosen for size: zstd, dictionary encoding for strings
+and low-cardinality integers, delta encoding for monotonically growing
+integers (timestamps, ids, seq), rows sorted by time within a segment.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ingero import schema
+from ingero.errors import IngeroError
+
+_ARROW_TYPES = {
+    "VARCHAR": pa.string(),
+    "BIGINT": pa.int64(),
+    "UBIGINT": pa.uint64(),
+    "INTEGER": pa.int32(),
+    "BOOLEAN": pa.bool_(),
+}
+# Columns that grow steadily within a segment: delta-encode instead of dictionary.
+_DELTA_COLUMNS = {"event_id", "timestamp_ns", "ts_mono_ns", "seq"}
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def arrow_schema(table: str) -> pa.Schema:
+    t = schema.TABLES[table]
+    return pa.schema([(c, _ARROW_TYPES[ty]) for c, ty in t.columns])
+
+
+def _safe(name: str) -> str:
+    return _SAFE_NAME.sub("_", name)
+
+
+def to_arrow(table: str, columns: dict, nrows: int | None = None) -> pa.Table:
+    """Build an Arrow table with the schema's exact types; absent columns are NULL."""
+    sch = arrow_schema(table)
+    unknown = set(columns) - set(sch.names)
+    if unknown:
+        raise ValueError(f"{table}: unknown columns {sorted(unknown)}")
+    if nrows is None:
+        nrows = len(next(iter(columns.values()))) if columns else 0
+    arrays = []
+    for field in sch:
+        v = columns.get(field.name)
+        if v is None:
+            arrays.append(pa.nulls(nrows, field.type))
+        elif np.isscalar(v) or isinstance(v, str):
+            arrays.append(pa.array([v] * nrows, type=field.type))
+        else:
+            arrays.append(pa.array(v, type=field.type, from_pandas=True))
+    return pa.Table.from_arrays(arrays, schema=sch)
+
+
+def _write_parquet(tbl: pa.Table, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    delta = [c for c in tbl.column_names if c in _DELTA_COLUMNS
+             and pa.types.is_integer(tbl.schema.field(c).type)]
+    pq.write_table(
+        tbl, tmp,
+        compression="zstd", compression_level=6,
+        use_dictionary=[c for c in tbl.column_names if c not in delta],
+        column_encoding={c: "DELTA_BINARY_PACKED" for c in delta} or None,
+        data_page_version="2.0",
+        row_group_size=1 << 20,
+        write_statistics=True,
+    )
+    os.replace(tmp, path)
+
+
+class SegmentWriter:
+    """Buffers event columns in memory and rolls them into Parquet segments.
+
+    One writer per (segment dir, node, session). Not thread-safe: the agent's
+    drain loop is the only caller.
+    """
+
+    def __init__(self, seg_dir: Path, node: str, session_id: str, roll_seconds: float = 2.0):
+        self.seg_dir = Path(seg_dir)
+        self.node = node
+        self.session_id = session_id
+        self.roll_seconds = roll_seconds
+        self.counts: dict[str, int] = {t: 0 for t in schema.EVENT_TABLES}
+        self.segments_written = 0
+        self._prefix = f"{_safe(node)}__{_safe(session_id)}"
+        self._buffers: dict[str, list[pa.Table]] = {t: [] for t in schema.EVENT_TABLES}
+        self._state: dict[str, pa.Table] = {}
+        self._last_roll = time.monotonic()
+        try:
+            for t in schema.TABLES:
+                (self.seg_dir / t).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise IngeroError(f"cannot create segment directory {self.seg_dir}: {e.strerror}; "
+                              "choose a writable --out/--segments path") from e
+        self._seq, self._next_id = self._resume()
+
+    def _resume(self) -> tuple[int, int]:
+        """Continue numbering after segments an earlier run of this writer left."""
+        seq, top = 0, -1
+        for t in schema.EVENT_TABLES:
+            for f in (self.seg_dir / t).glob(f"{self._prefix}__*.parquet"):
+                seq = max(seq, int(f.stem.rsplit("__", 1)[1]) + 1)
+                md = pq.ParquetFile(f).metadata
+                col = md.schema.names.index("event_id")
+                for rg in range(md.num_row_groups):
+                    st = md.row_group(rg).column(col).statistics
+                    if st is not None and st.has_min_max:
+                        top = max(top, int(st.max) & ((1 << 48) - 1))
+        return seq, schema.node_prefix(self.node) | (top + 1)
+
+    def append(self, table: str, columns: dict) -> None:
+        """Buffer rows for an event table. Column names as in ``schema``."""
+        if table not in self._buffers:
+            raise ValueError(f"{table} is not an event table")
+        cols = dict(columns)
+        n = len(next(iter(cols.values()))) if cols else 0
+        if n == 0:
+            return
+        if "event_id" not in cols:
+            cols["event_id"] = np.arange(self._next_id, self._next_id + n, dtype=np.uint64)
+            self._next_id += n
+        cols.setdefault("node", self.node)
+        cols.setdefault("session_id", self.session_id)
+        self._buffers[table].append(to_arrow(table, cols, n))
+        self.counts[table] += n
+
+    def put_rows(self, table: str, rows: list[dict]) -> None:
+        """Replace this node's and session's rows of a small state table."""
+        if table in self._buffers or table not in schema.TABLES:
+            raise ValueError(f"{table} is not a state table")
+        names = schema.TABLES[table].column_names
+        cols = {c: [r.get(c) for r in rows] for c in names}
+        for r in rows:
+            r_unknown = set(r) - set(names)
+            if r_unknown:
+                raise ValueError(f"{table}: unknown columns {sorted(r_unknown)}")
+        if "node" in cols:
+            cols["node"] = [v if v is not None else self.node for v in cols["node"]]
+        if "session_id" in cols:
+            cols["session_id"] = [v if v is not None else self.session_id for v in cols["session_id"]]
+        self._state[table] = to_arrow(table, cols, len(rows))
+
+    def maybe_roll(self) -> bool:
+        if time.monotonic() - self._last_roll < self.roll_seconds:
+            return False
+        self.flush()
+        return True
+
+    def flush(self) -> None:
+        """Write every buffered event table as a new segment and the state tables."""
+        for table, parts in self._buffers.items():
+            if not parts:
+                continue
+            tbl = pa.concat_tables(parts)
+            if "timestamp_ns" in tbl.column_names:
+                tbl = tbl.sort_by("timestamp_ns")
+            _write_parquet(tbl, self.seg_dir / table / f"{self._prefix}__{self._seq:06d}.parquet")
+            self.segments_written += 1
+            parts.clear()
+        self._seq += 1
+        for table, tbl in self._state.items():
+            _write_parquet(tbl, self.seg_dir / table / f"{self._prefix}.parquet")
+        self._state.clear()
+        self._last_roll = time.monotonic()
+
+    def close(self) -> None:
+        self.flush()
+
+
+def segment_files(sources: list[Path], table: str) -> list[Path]:
+    """Every segment file of `table` below the given dirs, each distinct file once.
+
+    The same segment copied into two places (same name, same size) counts once.
+    """
+    seen: dict[tuple[str, int], Path] = {}
+    for src in sources:
+        src = Path(src)
+        for f in sorted(src.rglob(f"{table}/*.parquet")):
+            if f.name.startswith("."):
+                continue
+            seen.setdefault((f.name, f.stat().st_size), f)
+    return list(seen.values())
+
+
+def _sql_list(paths: list[Path]) -> str:
+    return "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths) + "]"
+
+
+def attach_segments(con, sources: list[Path], materialize: bool = False) -> dict[str, int]:
+    """Expose segment dirs as the schema's tables (views, or tables if materialize).
+
+    Tables with no segment file exist empty, so every published query runs.
+    Returns the number of files found per table.
+    """
+    found = {}
+    for name, t in schema.TABLES.items():
+        files = segment_files(sources, name)
+        found[name] = len(files)
+        kind = "TABLE" if materialize else "VIEW"
+        if not files:
+            con.execute(t.ddl(if_not_exists=False))
+            continue
+        cols = ", ".join(f'"{c}"::{ty} AS "{c}"' for c, ty in t.columns)
+        con.execute(
+            f"CREATE {kind} {name} AS SELECT {cols} FROM read_parquet({_sql_list(files)}, "
+            "union_by_name = true)"
+        )
+    return found
+
+
+def build_duckdb(sources: list[Path], out: Path) -> Path:
+    """Build one DuckDB file holding every table of the given segment dirs."""
+    import duckdb
+
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        con = duckdb.connect(str(tmp))
+        try:
+            attach_segments(con, [Path(s) for s in sources], materialize=True)
+        finally:
+            con.close()
+        os.replace(tmp, out)
+    except duckdb.Error as e:
+        tmp.unlink(missing_ok=True)
+        raise IngeroError(f"cannot build {out}: {str(e).splitlines()[0]}") from e
+    return out
+
+
+def open_source(path: Path):
+    """Open a DuckDB file (read-only) or a directory of segments for querying."""
+    import duckdb
+
+    path = Path(path)
+    if path.is_dir():
+        con = duckdb.connect()
+        found = attach_segments(con, [path])
+        if not any(found.values()):
+            con.close()
+            raise IngeroError(f"{path} holds no Ingero segments; pass a trace .duckdb file "
+                              "or the segment directory `ingero trace` wrote")
+        return con
+    if not path.exists():
+        raise IngeroError(f"{path} does not exist; pass a trace .duckdb file or a segment directory")
+    try:
+        return duckdb.connect(str(path), read_only=True)
+    except duckdb.Error as e:
+        raise IngeroError(f"cannot open {path} as DuckDB: {str(e).splitlines()[0]}") from e
