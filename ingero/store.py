@@ -29,8 +29,11 @@ import pyarrow.parquet as pq
 from ingero import schema
 from ingero.errors import IngeroError
 
+# Strings are dictionary-encoded in memory too: the agent hands over small
+# integer codes plus a dictionary (see ``dict_column``), which costs nothing
+# to convert; Parquet stores them as plain strings that DuckDB reads as VARCHAR.
 _ARROW_TYPES = {
-    "VARCHAR": pa.string(),
+    "VARCHAR": pa.dictionary(pa.int32(), pa.string()),
     "BIGINT": pa.int64(),
     "UBIGINT": pa.uint64(),
     "INTEGER": pa.int32(),
@@ -65,9 +68,33 @@ def to_arrow(table: str, columns: dict, nrows: int | None = None) -> pa.Table:
             arrays.append(pa.nulls(nrows, field.type))
         elif np.isscalar(v) or isinstance(v, str):
             arrays.append(pa.array([v] * nrows, type=field.type))
+        elif isinstance(v, pa.DictionaryArray):
+            arrays.append(v if v.type == field.type else v.cast(field.type))
+        elif pa.types.is_dictionary(field.type):
+            arrays.append(pa.array(v, type=pa.string(), from_pandas=True).dictionary_encode()
+                          .cast(field.type))
         else:
             arrays.append(pa.array(v, type=field.type, from_pandas=True))
     return pa.Table.from_arrays(arrays, schema=sch)
+
+
+def dict_column(codes: np.ndarray, names: list[str | None] | dict[int, str]) -> pa.DictionaryArray:
+    """A string column from integer codes without building one Python string per row.
+
+    `names` maps code -> string (a list indexes by position); unknown codes
+    become NULL.
+    """
+    if isinstance(names, dict):
+        size = max(names, default=-1) + 1
+        table = [names.get(i) for i in range(size)]
+    else:
+        table = list(names)
+    codes = np.asarray(codes).astype(np.int32)
+    mask = (codes < 0) | (codes >= len(table))
+    if len(table):
+        mask |= np.array([v is None for v in table])[np.clip(codes, 0, len(table) - 1)]
+    idx = pa.array(codes, type=pa.int32(), mask=mask if mask.any() else None)
+    return pa.DictionaryArray.from_arrays(idx, pa.array(table, type=pa.string()))
 
 
 def _write_parquet(tbl: pa.Table, path: Path) -> None:
@@ -170,8 +197,9 @@ class SegmentWriter:
             if not parts:
                 continue
             tbl = pa.concat_tables(parts)
-            if "timestamp_ns" in tbl.column_names:
-                tbl = tbl.sort_by("timestamp_ns")
+            # One process's rows together, in time order: its constant columns
+            # (pid, rank, pod, comm) then compress to almost nothing.
+            tbl = tbl.sort_by([("pid", "ascending"), ("timestamp_ns", "ascending")])
             _write_parquet(tbl, self.seg_dir / table / f"{self._prefix}__{self._seq:06d}.parquet")
             self.segments_written += 1
             parts.clear()
