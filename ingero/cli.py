@@ -19,6 +19,7 @@ from ingero.errors import IngeroError
 SUBCOMMANDS: dict[str, str] = {
     "trace": "ingero_agent.trace_cli",
     "query": "ingero.query_cli",
+    "report": "ingero.report_cli",
     "lab": "ingero.lab.cli",
 }
 

@@ -7,6 +7,11 @@ Units: every *_ns column is nanoseconds. ``timestamp_ns`` is wall-clock time
 (Unix epoch), already corrected for the node's clock offset when one is
 known; ``ts_mono_ns`` keeps the node's raw CLOCK_MONOTONIC reading.
 
+In ``nccl_events``, ``rank`` and ``nranks`` are the caller's rank in the
+communicator and its size (as NCCL numbers them, so the published queries mean
+what they meant); ``global_rank`` is the process's torchrun RANK. In the other
+tables ``rank`` is the torchrun RANK of the owning process.
+
 ``event_id`` is node-namespaced: the top 16 bits are a stable hash of the node
 name (``node_prefix``), the low 48 bits a per-node counter, so ids from
 different nodes never collide and ``(node, event_id)`` identifies a row.
@@ -127,6 +132,7 @@ NCCL_EVENTS = Table(
         ("color", "INTEGER"),
         ("split_key", "INTEGER"),
         ("ts_mono_ns", "BIGINT"),
+        ("global_rank", "INTEGER"),
     ) + _IDENTITY,
     "One row per NCCL API call (collectives, point-to-point, groups, communicator lifecycle).",
 )

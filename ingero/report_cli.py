@@ -1,0 +1,58 @@
+"""`ingero report SOURCE`: the per-rank table and the straggler verdict of a trace."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ingero.analysis import Report, analyse
+from ingero.query_cli import print_table
+from ingero.store import open_source
+
+
+def add_parser(sub):
+    p = sub.add_parser("report", help="per-rank table and straggler verdict of a trace",
+                       description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="example:\n  ingero report out/demo/trace.duckdb")
+    p.add_argument("source", type=Path, help="trace .duckdb file or segment directory")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    return p
+
+
+def render(rep: Report, out=sys.stdout) -> None:
+    names = ["rank", "node", "pod", "colls", "p50 ms", "p99 ms", "late ms", "last %",
+             "z", "retx", "retx in coll", "runq ms", "io ms", "sleep ms"]
+    rows = [(r.rank, r.node or "", r.pod or "", r.collectives, r.p50_ms, r.p99_ms, r.late_ms,
+             round(100 * r.last_share), r.late_z, r.retransmits, r.retransmits_in_window,
+             r.offcpu_ms.get("runqueue", 0.0), r.offcpu_ms.get("io", 0.0),
+             r.offcpu_ms.get("sleep", 0.0)) for r in rep.ranks]
+    print_table(names, rows, out=out)
+    print(f"\nstep ~{rep.step_ms:.1f} ms, {rep.collectives} collectives, "
+          f"{rep.retransmits} retransmits", file=out)
+    s = rep.straggler
+    if s is None:
+        print("straggler: none (no rank stands out from its peers)", file=out)
+    else:
+        who = s.group or f"rank {s.rank} ({s.pod or s.node})"
+        print(f"straggler: {who}, cause {s.cause}, score {s.score}; would save "
+              f"~{s.saving_ms_per_step:.1f} ms/step ({s.saving_pct:.1f}%)", file=out)
+        print(f"evidence: {s.evidence}", file=out)
+    for w in rep.warnings:
+        print(f"warning: {w}", file=out)
+
+
+def run(args) -> int:
+    con = open_source(args.source)
+    try:
+        rep = analyse(con)
+    finally:
+        con.close()
+    if args.json:
+        json.dump(rep.to_dict(), sys.stdout, indent=2, default=str)
+        print()
+    else:
+        render(rep)
+    return 0

@@ -1,0 +1,60 @@
+"""The straggler verdict on synthetic sessions written through the real segment store."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.synthetic import session
+from ingero.analysis import analyse, robust_z
+from ingero.cli import main
+from ingero.store import open_source
+
+
+def _report(tmp_path, fault, **kw):
+    layout = session(tmp_path, fault=fault, **kw)
+    con = open_source(tmp_path)
+    return analyse(con), layout
+
+
+def test_clean_run_names_no_straggler(tmp_path):
+    rep, _ = _report(tmp_path, "clean")
+    assert rep.straggler is None
+    assert len(rep.ranks) == 4 and all(r.collectives == 400 for r in rep.ranks)
+    assert rep.step_ms == pytest.approx(50.0, rel=0.05)
+
+
+def test_slow_rank_is_named_with_compute_cause_and_a_saving(tmp_path):
+    rep, lay = _report(tmp_path, "slow-rank")
+    s = rep.straggler
+    assert s.rank == lay["victim"] and s.cause == "compute/unknown"
+    assert "arrives" in s.evidence
+    assert s.saving_ms_per_step == pytest.approx(16.0, rel=0.15)  # 8 ms late at two collectives
+    victim = next(r for r in rep.ranks if r.rank == lay["victim"])
+    others = [r for r in rep.ranks if r.rank != lay["victim"]]
+    assert all(victim.p50_ms < o.p50_ms for o in others)  # the straggler waits least
+
+
+@pytest.mark.parametrize("fault,cause", [("io-stall", "io"), ("cpu-hog", "cpu-contention")])
+def test_late_rank_with_offcpu_excess_gets_that_cause(tmp_path, fault, cause):
+    rep, lay = _report(tmp_path, fault)
+    assert rep.straggler.rank == lay["victim"] and rep.straggler.cause == cause
+
+
+def test_lossy_node_is_blamed_for_network_with_retransmit_evidence(tmp_path):
+    rep, lay = _report(tmp_path, "lossy-link", victim=3)
+    s = rep.straggler
+    assert s.cause == "network" and s.node == lay["victim_node"]
+    assert "retransmits" in s.evidence
+    assert all(r.retransmits == 0 for r in rep.ranks if r.node != lay["victim_node"])
+
+
+def test_robust_z_ignores_one_outlier_when_scaling():
+    z = robust_z({0: 0.0, 1: 1.0, 2: -1.0, 3: 100.0}, floor=0.1)
+    assert z[3] > 10 and abs(z[0]) < 1
+
+
+def test_report_cli_prints_table_and_verdict(tmp_path, capsys):
+    session(tmp_path, fault="slow-rank")
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "straggler: rank 3" in out and "compute/unknown" in out
