@@ -35,7 +35,9 @@ test-bpf: setup
 
 demo: setup
 	$(VENV)/bin/ingero lab run --scenario $(SCENARIO) --trace --out out/demo
-	$(VENV)/bin/ingero query out/demo/trace.duckdb "SELECT op, rank, nranks, duration_ns/1e6 AS ms FROM nccl_events ORDER BY duration_ns DESC LIMIT 20"
+	$(VENV)/bin/ingero query out/demo/trace.duckdb "SELECT op, rank, nranks, duration_ns/1e6 AS ms FROM nccl_events ORDER BY duration_ns DESC LIMIT 10"
+	$(VENV)/bin/ingero query out/demo/trace.duckdb "SELECT rank, pod, COUNT(*) AS retransmits FROM tcp_events WHERE event = 'tcp_retransmit_skb' GROUP BY ALL ORDER BY rank"
+	$(VENV)/bin/ingero report out/demo/trace.duckdb
 
 bench: setup
 	$(PY) -m bench.run_all

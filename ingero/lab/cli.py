@@ -1,0 +1,156 @@
+"""``ingero lab``: run a multi-node training job with a fault on this machine, or clean up.
+
+    ingero lab run --scenario lossy-link --seconds 20 --trace --out out/lab
+    ingero lab cleanup
+    ingero lab build
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import statistics
+import sys
+from pathlib import Path
+
+from ingero.errors import IngeroError
+
+EPILOG = """examples:
+  ingero lab run --scenario clean --seconds 10
+  ingero lab run --scenario lossy-link --loss-percent 5 --trace --out out/lab
+  ingero lab run --scenario cpu-hog --nodes 2 --ranks-per-node 2 --victim-rank 1
+  ingero lab cleanup        # remove namespaces/cgroups left by a crashed run
+
+scenarios:
+  clean       no fault
+  lossy-link  drop a % of the victim node's outgoing TCP data segments (nftables)
+  cpu-hog     busy loops share the victim rank's CPU
+  slow-rank   the victim's compute takes twice as long
+  io-stall    the victim writes and fsyncs a checkpoint every step
+"""
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    from ingero.lab.faults import SCENARIOS
+
+    p = subparsers.add_parser("lab", help="run a multi-node training job with a fault, on this machine",
+                              description=__doc__, epilog=EPILOG,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="lab_command", metavar="ACTION")
+    r = sub.add_parser("run", help="run one scenario", epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("--scenario", choices=SCENARIOS, default="clean")
+    r.add_argument("--nodes", type=int, default=2, help="lab nodes (network namespaces); default 2")
+    r.add_argument("--ranks-per-node", type=int, default=2, help="default 2")
+    r.add_argument("--seconds", type=float, default=20.0, help="training time; default 20")
+    r.add_argument("--steps", type=int, default=0, help="stop after this many steps instead of --seconds")
+    r.add_argument("--loss-percent", type=float, default=5.0, help="lossy-link drop rate; default 5")
+    r.add_argument("--victim-rank", type=int, default=None, help="default: the last rank")
+    r.add_argument("--compute-ms", type=float, default=40.0, help="GPU-like wait per step; default 40")
+    r.add_argument("--ipv6", action="store_true", help="rendezvous and move data over IPv6")
+    r.add_argument("--trace", action="store_true", help="run `ingero trace` on every lab node")
+    r.add_argument("--out", type=Path, default=Path("out/lab"), help="output directory; default out/lab")
+    r.add_argument("--keep", action="store_true",
+                   help="keep the output directory (it is always kept; accepted for scripts)")
+    sub.add_parser("cleanup", help="remove namespaces and cgroups left by crashed runs")
+    sub.add_parser("build", help="compile libnccl.so.2 (CPU NCCL) and the worker; print their paths")
+    p.set_defaults(_lab_parser=p)
+    return p
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def run(args) -> int:
+    if args.lab_command == "run":
+        return _run(args)
+    if args.lab_command == "cleanup":
+        return _cleanup()
+    if args.lab_command == "build":
+        from ingero.lab.build import build_lab_binaries
+
+        b = build_lab_binaries()
+        print(f"libnccl: {b.libnccl}\nworker:  {b.worker}")
+        return 0
+    args._lab_parser.print_help()
+    return 2
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _run(args) -> int:
+    from ingero.lab import tracers as tr
+    from ingero.lab.runner import LabConfig, LabRun
+
+    cfg = LabConfig(scenario=args.scenario, nodes=args.nodes, ranks_per_node=args.ranks_per_node,
+                    seconds=args.seconds, steps=args.steps, loss_percent=args.loss_percent,
+                    victim_rank=args.victim_rank, ipv6=args.ipv6, out_dir=args.out,
+                    compute_ms=args.compute_ms)
+    if cfg.seconds <= 0 and cfg.steps <= 0:
+        raise IngeroError("--seconds must be > 0 (or give --steps)")
+    old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+    tracers: list = []
+    try:
+        with LabRun(cfg, log=_log) as lab:
+            if args.trace:
+                tracers = tr.start_tracers(lab.out, {n.name: lab.pods_file(n) for n in lab.nodes})
+                lab.on_close.append(lambda: tr.stop_tracers(tracers, timeout_s=10))
+                _log(f"lab {lab.run_id}: waiting for {len(tracers)} tracers")
+                tr.wait_ready(tracers)
+            lab.start_ranks()
+            codes = lab.wait()
+            if tracers:
+                lab.notes["tracer_exit_codes"] = tr.stop_tracers(tracers)
+        trace_db = None
+        if tracers:
+            trace_db = tr.merge(tracers, lab.out / "trace.duckdb")
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+    return _summary(lab, codes, trace_db)
+
+
+def _summary(lab, codes: dict[int, int], trace_db) -> int:
+    print(f"lab {lab.run_id}: scenario {lab.cfg.scenario}, victim rank {lab.victim} ({lab.victim_node.name})")
+    means = []
+    for rp in lab.ranks:
+        s = rp.stats
+        mean = s.get("mean_step_ms")
+        if mean is not None:
+            means.append(mean)
+        print(f"  rank {rp.rank} {rp.node.name} exit {codes[rp.rank]} steps {s.get('steps', '?')} "
+              f"mean step {mean if mean is not None else '?'} ms")
+    if means:
+        print(f"  job mean step {statistics.mean(means):.1f} ms")
+    print(f"  report {lab.out / 'lab.json'}")
+    if trace_db:
+        print(f"  trace  {trace_db}")
+    bad = {r: c for r, c in codes.items() if c != 0}
+    if bad:
+        print(f"ingero: ranks failed: {bad}; logs in {lab.out / 'logs'}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cleanup() -> int:
+    from ingero.lab import cgroups
+    from ingero.lab.netns import ip, leftover_netns
+    from ingero.lab.runner import require_root
+
+    require_root()
+    errors = []
+    for run in cgroups.leftover_runs():
+        errors += cgroups.remove_tree(run)
+        print(f"removed cgroup {run}")
+    for ns in leftover_netns():
+        proc = ip("netns", "del", ns, check=False)
+        if proc.returncode:
+            errors.append(f"netns {ns}: {proc.stderr.strip()}")
+        else:
+            print(f"removed netns {ns}")
+    for e in errors:
+        print(f"ingero: {e}", file=sys.stderr)
+    return 1 if errors else 0
+

@@ -1,0 +1,271 @@
+/* worker.c: ingero-lab-worker, a data-parallel "training" rank on the NCCL API.
+ *
+ * Reads the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK,
+ * LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID).
+ * Rank 0 calls ncclGetUniqueId and hands the id to every other rank through a
+ * tiny TCP store on MASTER_ADDR:MASTER_PORT. Communicators:
+ *   A  ncclCommInitRank(world) with id X
+ *   B  ncclCommInitRankConfig(world) with X whose last 8 bytes are flipped
+ *   C  ncclCommSplit(A, color = GROUP_RANK, key = LOCAL_RANK)   (per node)
+ * Each step: host-side busy work (INGERO_LAB_CPU_MS, default 3 ms), a GPU-like
+ * wait (INGERO_LAB_COMPUTE_MS, default 40 ms, a sleep), an optional
+ * checkpoint (INGERO_LAB_IO_MB written to INGERO_LAB_IO_DIR and fsync'd),
+ * then AllReduce (A, float32, INGERO_LAB_ELEMS elements), AllGather (B),
+ * ReduceScatter and Broadcast (C), and a ring Send/Recv in a group (A).
+ *
+ * Rank 0 decides when to stop (INGERO_LAB_STEPS steps or INGERO_LAB_SECONDS
+ * seconds) and says so in the last element of every AllReduce, so all ranks
+ * run the same number of steps. Every result is checked; wrong data exits 4.
+ * A dead peer fails the NCCL call after INGERO_LAB_TIMEOUT_S (default 60 s),
+ * exit 3. Prints a line every INGERO_LAB_PRINT_EVERY steps and a final JSON
+ * line: {"rank":…, "steps":…, "mean_step_ms":…, …}.
+ */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "nccl.h"
+
+static int g_rank = -1;
+
+static void die(int code, const char *fmt, const char *a, const char *b) {
+  fprintf(stderr, "ingero-lab-worker: rank %d: ", g_rank);
+  fprintf(stderr, fmt, a, b);
+  fputc('\n', stderr);
+  exit(code);
+}
+
+static void nccl_check(ncclResult_t r, const char *what, ncclComm_t comm) {
+  if (r == ncclSuccess) return;
+  char msg[512];
+  snprintf(msg, sizeof msg, "%s (%s)", ncclGetErrorString(r), ncclGetLastError(comm));
+  die(3, "%s failed: %s", what, msg);
+}
+
+static long env_long(const char *name, long def) {
+  const char *v = getenv(name);
+  if (!v || !*v) return def;
+  char *end;
+  long x = strtol(v, &end, 10);
+  if (*end) die(2, "%s must be an integer, got %s", name, v);
+  return x;
+}
+
+static double env_double(const char *name, double def) {
+  const char *v = getenv(name);
+  return (v && *v) ? atof(v) : def;
+}
+
+static const char *env_req(const char *name) {
+  const char *v = getenv(name);
+  if (!v || !*v) die(2, "%s is not set (run under torchrun or `ingero lab`)%s", name, "");
+  return v;
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+/* ---- the tiny store: rank 0 serves the unique id to WORLD_SIZE-1 ranks --- */
+
+static int store_socket(const char *host, const char *port, int listening, int timeout_s) {
+  struct addrinfo hints = {0}, *res;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = listening ? AI_PASSIVE : 0;
+  if (getaddrinfo(host, port, &hints, &res) != 0) die(2, "cannot resolve MASTER_ADDR %s:%s", host, port);
+  double deadline = now_s() + timeout_s;
+  for (;;) {
+    int fd = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0), one = 1;
+    struct timeval tv = {timeout_s, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    if (listening) {
+      setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+      if (bind(fd, res->ai_addr, res->ai_addrlen) == 0 && listen(fd, 256) == 0) { freeaddrinfo(res); return fd; }
+    } else if (connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
+      freeaddrinfo(res);
+      return fd;
+    }
+    int e = errno;
+    close(fd);
+    if (now_s() > deadline) die(3, "store at %s: %s", host, strerror(e));
+    usleep(100 * 1000);
+  }
+}
+
+static void exchange_id(ncclUniqueId *id, int world, const char *run_id, int timeout_s) {
+  const char *host = env_req("MASTER_ADDR"), *port = env_req("MASTER_PORT");
+  char req[256], got[256];
+  int n = snprintf(req, sizeof req, "GET nccl_id %s\n", run_id);
+  if (g_rank == 0) {
+    nccl_check(ncclGetUniqueId(id), "ncclGetUniqueId", NULL);
+    int lfd = store_socket(host, port, 1, timeout_s);
+    for (int served = 0; served < world - 1;) {
+      int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+      if (fd < 0) die(3, "store: no rank connected within the timeout (%s)%s", strerror(errno), "");
+      struct timeval tv = {timeout_s, 0};
+      setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+      ssize_t k = recv(fd, got, (size_t)n, MSG_WAITALL);
+      if (k == n && memcmp(got, req, (size_t)n) == 0 && send(fd, id, sizeof *id, MSG_NOSIGNAL) == sizeof *id)
+        served++;
+      close(fd);
+    }
+    close(lfd);
+  } else {
+    int fd = store_socket(host, port, 0, timeout_s);
+    if (send(fd, req, (size_t)n, MSG_NOSIGNAL) != n || recv(fd, id, sizeof *id, MSG_WAITALL) != sizeof *id)
+      die(3, "store at %s: could not read the NCCL id (%s)", host, strerror(errno));
+    close(fd);
+  }
+}
+
+/* ---- one training step ---------------------------------------------------- */
+
+static void busy_ms(double ms) {
+  double end = now_s() + ms / 1000.0;
+  volatile double x = 1.0;
+  while (now_s() < end)
+    for (int i = 0; i < 2000; i++) x = x * 1.0000001 + 1e-9;
+}
+
+static void sleep_ms(double ms) {
+  struct timespec ts = {(time_t)(ms / 1000), (long)((ms - 1000.0 * (long)(ms / 1000)) * 1e6)};
+  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {}
+}
+
+static void checkpoint(const char *dir, int rank, long mb, char *junk, size_t junk_len) {
+  char path[4096];
+  snprintf(path, sizeof path, "%s/ingero-lab-rank%d.ckpt", dir, rank);
+  int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) die(2, "cannot write checkpoint %s: %s", path, strerror(errno));
+  for (long i = 0; i < mb; i++)
+    if (write(fd, junk, junk_len) != (ssize_t)junk_len) die(2, "checkpoint %s: %s", path, strerror(errno));
+  if (fsync(fd) != 0) die(2, "fsync %s: %s", path, strerror(errno));
+  close(fd);
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+int main(void) {
+  g_rank = (int)env_long("RANK", -1);
+  int world = (int)env_long("WORLD_SIZE", -1), local_rank = (int)env_long("LOCAL_RANK", 0);
+  int local_world = (int)env_long("LOCAL_WORLD_SIZE", 1), node = (int)env_long("GROUP_RANK", 0);
+  const char *run_id = getenv("TORCHELASTIC_RUN_ID") ? getenv("TORCHELASTIC_RUN_ID") : "none";
+  if (g_rank < 0 || world < 1 || g_rank >= world) die(2, "RANK and WORLD_SIZE must be set, 0 <= RANK < WORLD_SIZE%s%s", "", "");
+  long steps_max = env_long("INGERO_LAB_STEPS", 0);
+  double seconds = env_double("INGERO_LAB_SECONDS", steps_max > 0 ? 0 : 20);
+  double cpu_ms = env_double("INGERO_LAB_CPU_MS", 3), compute_ms = env_double("INGERO_LAB_COMPUTE_MS", 40);
+  long elems = env_long("INGERO_LAB_ELEMS", 262144), io_mb = env_long("INGERO_LAB_IO_MB", 0);
+  long every = env_long("INGERO_LAB_PRINT_EVERY", 10);
+  int timeout_s = (int)env_long("INGERO_LAB_TIMEOUT_S", 60);
+  const char *io_dir = getenv("INGERO_LAB_IO_DIR") ? getenv("INGERO_LAB_IO_DIR") : "/tmp";
+  if (elems < world * 4) die(2, "INGERO_LAB_ELEMS must be at least 4 x WORLD_SIZE%s%s", "", "");
+  elems -= elems % world;  /* reduce-scatter needs a multiple of the group size */
+
+  ncclUniqueId idA, idB;
+  exchange_id(&idA, world, run_id, timeout_s);
+  idB = idA;
+  for (int i = 120; i < 128; i++) idB.internal[i] ^= (char)0x5a;
+
+  ncclComm_t A, B, C;
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  double t_init = now_s();
+  nccl_check(ncclCommInitRank(&A, world, idA, g_rank), "ncclCommInitRank", NULL);
+  nccl_check(ncclCommInitRankConfig(&B, world, idB, g_rank, &cfg), "ncclCommInitRankConfig", NULL);
+  nccl_check(ncclCommSplit(A, node, local_rank, &C, NULL), "ncclCommSplit", A);
+  int nC, rC, version;
+  ncclCommCount(C, &nC);
+  ncclCommUserRank(C, &rC);
+  ncclGetVersion(&version);
+  printf("rank %d/%d (node %d, local %d/%d): communicators ready in %.0f ms, node group %d/%d, NCCL %d\n",
+         g_rank, world, node, local_rank, local_world, (now_s() - t_init) * 1e3, rC, nC, version);
+  fflush(stdout);
+
+  size_t ag_n = (size_t)elems / world, rs_n = (size_t)elems / nC, p2p_n = 16384, bc_n = 4096;
+  float *send = malloc(elems * 4), *recv = malloc(elems * 4), *ag_in = malloc(ag_n * 4);
+  float *ag_out = malloc(elems * 4), *rs_out = malloc(rs_n * 4), *bc = malloc(bc_n * 4);
+  float *p2p_out = malloc(p2p_n * 4), *p2p_in = malloc(p2p_n * 4);
+  size_t junk_len = 1 << 20;
+  char *junk = malloc(junk_len);
+  memset(junk, 0xab, junk_len);
+  double *times = malloc(sizeof(double) * 1000000);
+  long step = 0;
+  double t0 = now_s(), sum = 0;
+  int next = (g_rank + 1) % world, prev = (g_rank + world - 1) % world;
+  for (;;) {
+    double ts = now_s();
+    busy_ms(cpu_ms);
+    sleep_ms(compute_ms);
+    if (io_mb > 0) checkpoint(io_dir, g_rank, io_mb, junk, junk_len);
+    int stop = (steps_max > 0 && step + 1 >= steps_max) || (seconds > 0 && now_s() - t0 >= seconds);
+    float base = (float)(step % 5);
+    for (long i = 0; i < elems - 1; i++) send[i] = (float)(g_rank + 1) * (float)(i % 7 + 1) + base;
+    send[elems - 1] = g_rank == 0 ? (float)stop : 0.0f;
+    nccl_check(ncclAllReduce(send, recv, elems, ncclFloat32, ncclSum, A, NULL), "ncclAllReduce", A);
+    float rsum = (float)world * (world + 1) / 2;
+    for (long i = 0; i < elems - 1; i++)
+      if (recv[i] != rsum * (float)(i % 7 + 1) + base * world) {
+        fprintf(stderr, "ingero-lab-worker: rank %d step %ld: wrong all-reduce result at %ld: %g\n",
+                g_rank, step, i, recv[i]);
+        return 4;
+      }
+    stop = recv[elems - 1] != 0.0f;
+
+    for (size_t i = 0; i < ag_n; i++) ag_in[i] = (float)g_rank;
+    nccl_check(ncclAllGather(ag_in, ag_out, ag_n, ncclFloat32, B, NULL), "ncclAllGather", B);
+    for (int r = 0; r < world; r++)
+      if (ag_out[(size_t)r * ag_n] != (float)r || ag_out[(size_t)r * ag_n + ag_n - 1] != (float)r) {
+        fprintf(stderr, "ingero-lab-worker: rank %d: wrong all-gather block %d\n", g_rank, r);
+        return 4;
+      }
+    nccl_check(ncclReduceScatter(send, rs_out, rs_n, ncclFloat32, ncclMax, C, NULL), "ncclReduceScatter", C);
+    for (size_t i = 0; i < bc_n; i++) bc[i] = rC == 0 ? (float)step : -1.0f;
+    nccl_check(ncclBroadcast(bc, bc, bc_n, ncclFloat32, 0, C, NULL), "ncclBroadcast", C);
+    if (bc[bc_n - 1] != (float)step) {
+      fprintf(stderr, "ingero-lab-worker: rank %d: wrong broadcast\n", g_rank);
+      return 4;
+    }
+    for (size_t i = 0; i < p2p_n; i++) p2p_out[i] = (float)g_rank;
+    nccl_check(ncclGroupStart(), "ncclGroupStart", A);
+    nccl_check(ncclSend(p2p_out, p2p_n, ncclFloat32, next, A, NULL), "ncclSend", A);
+    nccl_check(ncclRecv(p2p_in, p2p_n, ncclFloat32, prev, A, NULL), "ncclRecv", A);
+    nccl_check(ncclGroupEnd(), "ncclGroupEnd", A);
+    if (p2p_in[0] != (float)prev || p2p_in[p2p_n - 1] != (float)prev) {
+      fprintf(stderr, "ingero-lab-worker: rank %d: wrong data received from rank %d\n", g_rank, prev);
+      return 4;
+    }
+    double dt = (now_s() - ts) * 1e3;
+    if (step < 1000000) times[step] = dt;
+    sum += dt;
+    step++;
+    if (every > 0 && step % every == 0) {
+      printf("rank %d step %ld step_ms %.1f\n", g_rank, step, dt);
+      fflush(stdout);
+    }
+    if (stop) break;
+  }
+  long kept = step < 1000000 ? step : 1000000;
+  qsort(times, kept, sizeof(double), cmp_double);
+  ncclCommDestroy(C);
+  ncclCommDestroy(B);
+  ncclCommDestroy(A);
+  printf("{\"rank\": %d, \"node\": %d, \"local_rank\": %d, \"world_size\": %d, \"steps\": %ld, "
+         "\"mean_step_ms\": %.3f, \"p50_step_ms\": %.3f, \"max_step_ms\": %.3f, \"elapsed_s\": %.3f, "
+         "\"verified\": true}\n",
+         g_rank, node, local_rank, world, step, step ? sum / step : 0.0, kept ? times[kept / 2] : 0.0,
+         kept ? times[kept - 1] : 0.0, now_s() - t0);
+  return 0;
+}

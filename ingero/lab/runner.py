@@ -1,0 +1,362 @@
+"""Run a multi-node training job on one machine: ``LabConfig`` and the ``LabRun`` context manager.
+
+    cfg = LabConfig(scenario="lossy-link", seconds=10, out_dir=Path("out/lab"))
+    with LabRun(cfg) as lab:          # network, pod cgroups, pods-<node>.json, fault
+        ...                           # hook: start tracers/agents per node here
+        lab.start_ranks()
+        codes = lab.wait()            # {rank: exit code}
+    # everything is removed again (also on errors, Ctrl-C and SIGTERM via the CLI);
+    # the output directory and lab.json stay.
+
+Ranks get torchrun's variables and run ``ingero-lab-worker`` inside their
+node's network namespace and their own pod-like cgroup. Times are wall-clock
+nanoseconds (``time.time_ns``) in lab.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ingero.errors import IngeroError, NotPermitted
+from ingero.lab import cgroups, faults
+from ingero.lab.build import LabBinaries, build_lab_binaries
+from ingero.lab.netns import LabNetwork, LabNode, in_netns, tcp_counters
+
+STEP_LINE = re.compile(r"^rank (\d+) step (\d+) step_ms ([\d.]+)")
+
+
+@dataclass
+class LabConfig:
+    """One lab run. Times in seconds unless the name says ms."""
+
+    scenario: str = "clean"
+    nodes: int = 2
+    ranks_per_node: int = 2
+    seconds: float = 20.0          # rank 0 stops the job after this long
+    steps: int = 0                 # > 0: stop after this many steps instead
+    loss_percent: float = 5.0      # lossy-link: % of the victim node's TCP data segments dropped
+    victim_rank: int | None = None  # default: the last rank (on the last node)
+    ipv6: bool = False             # rendezvous (and so all NCCL traffic) over IPv6
+    out_dir: Path = Path("out/lab")
+    compute_ms: float = 40.0       # GPU-like wait per step (a sleep)
+    cpu_ms: float = 3.0            # host-side busy work per step
+    elems: int = 262144            # float32 elements per all-reduce (1 MiB)
+    io_mb: int = 8                 # io-stall: MB written and fsync'd per step by the victim
+    slow_factor: float = 2.0       # slow-rank: victim's compute_ms multiplier
+    hogs: int = 3                  # cpu-hog: busy loops sharing the victim's CPU
+    timeout_s: int = 60            # a rank whose peer stops answering fails after this
+    master_port: int = 29500
+    progress_every_s: float = 3.0
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+
+@dataclass
+class RankProc:
+    rank: int
+    node: LabNode
+    local_rank: int
+    pod: cgroups.Pod
+    proc: subprocess.Popen | None = None
+    exit_code: int | None = None
+    stats: dict = field(default_factory=dict)
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        raise NotPermitted("needs root (network namespaces, cgroups): run as root")
+
+
+class LabRun:
+    """Sets up a lab run on enter and removes every trace of it on exit."""
+
+    def __init__(self, cfg: LabConfig, binaries: LabBinaries | None = None,
+                 log: Callable[[str], None] = print):
+        if cfg.scenario not in faults.SCENARIOS:
+            raise IngeroError(f"unknown scenario {cfg.scenario!r}: use one of {', '.join(faults.SCENARIOS)}")
+        if cfg.ranks_per_node < 1 or cfg.world > 64:
+            raise IngeroError("--ranks-per-node must be >= 1 and nodes x ranks-per-node at most 64")
+        self.victim = cfg.world - 1 if cfg.victim_rank is None else cfg.victim_rank
+        if not 0 <= self.victim < cfg.world:
+            raise IngeroError(f"--victim-rank {self.victim} is out of range: use 0 to {cfg.world - 1}")
+        self.cfg = cfg
+        self.log = log
+        self.binaries = binaries
+        self.run_id = secrets.token_hex(3)
+        self.out = Path(cfg.out_dir).resolve()
+        self.net = LabNetwork(self.run_id, cfg.nodes)
+        self.ranks: list[RankProc] = []
+        self.extra: list[subprocess.Popen] = []
+        self.hogs: list[subprocess.Popen] = []
+        self.on_close: list[Callable[[], None]] = []  # run first during close()
+        self.times: dict[str, int | None] = {"started_ns": None, "ended_ns": None, "fault_injected_ns": None}
+        self.notes: dict = {}
+        self._extra_pods: dict[str, list[cgroups.Pod]] = {}
+        self._closed = False
+
+    # ---- set-up ------------------------------------------------------------
+
+    @property
+    def nodes(self) -> list[LabNode]:
+        return self.net.nodes
+
+    @property
+    def victim_node(self) -> LabNode:
+        return self.nodes[self.victim // self.cfg.ranks_per_node]
+
+    def __enter__(self) -> "LabRun":
+        require_root()
+        self.times["started_ns"] = time.time_ns()
+        try:
+            self.binaries = self.binaries or build_lab_binaries()
+            for sub in ("logs", "nodes", "io"):
+                (self.out / sub).mkdir(parents=True, exist_ok=True)
+            self.net.up()
+            self.log(f"lab {self.run_id}: network up, {len(self.nodes)} nodes: "
+                     + ", ".join(f"{n.name} {n.ipv6 if self.cfg.ipv6 else n.ipv4}" for n in self.nodes))
+            self._make_pods()
+            self._inject_fault()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _make_pods(self) -> None:
+        rpn = self.cfg.ranks_per_node
+        for r in range(self.cfg.world):
+            node = self.nodes[r // rpn]
+            pod = cgroups.make_pod(self.run_id, node.name, f"lab-{self.run_id}-rank-{r}", r,
+                                   [node.ipv4, node.ipv6])
+            self.ranks.append(RankProc(r, node, r % rpn, pod))
+        for node in self.nodes:
+            self.write_pods_file(node)
+
+    def pods_file(self, node: LabNode | str) -> Path:
+        name = node.name if isinstance(node, LabNode) else node
+        return self.out / f"pods-{name}.json"
+
+    def write_pods_file(self, node: LabNode, extra: list[cgroups.Pod] = ()) -> Path:
+        pods = [rp.pod for rp in self.ranks if rp.node is node] + list(extra)
+        doc = {"node": node.name, "cgroup_root": str(cgroups.node_cgroup_root(self.run_id, node.name)),
+               "run_id": self.run_id, "pods": [p.as_dict() for p in pods]}
+        path = self.pods_file(node)
+        path.write_text(json.dumps(doc, indent=2) + "\n")
+        return path
+
+    def _inject_fault(self) -> None:
+        c = self.cfg
+        self.plans = faults.plan_ranks(c.scenario, c.world, self.victim, compute_ms=c.compute_ms,
+                                       slow_factor=c.slow_factor, io_mb=c.io_mb, io_dir=self.out / "io")
+        if c.scenario == "lossy-link":
+            faults.add_loss(self.net.switch, self.net.port(self.victim_node), c.loss_percent)
+        elif c.scenario == "cpu-hog":
+            cpu = self.plans[self.victim].cpus
+            self.hogs = faults.start_hogs(c.hogs, cpu, cgroups.make_plain(self.run_id, "hogs"))
+        if c.scenario != "clean":
+            self.times["fault_injected_ns"] = time.time_ns()
+            self.log(f"lab {self.run_id}: fault {c.scenario} on rank {self.victim} ({self.victim_node.name})")
+
+    # ---- processes -----------------------------------------------------------
+
+    def _spawn(self, node: LabNode, cgroup: Path, argv: list[str], env: dict[str, str],
+               stdout, stderr, cpus: str | None = None) -> subprocess.Popen:
+        if cpus:
+            argv = ["taskset", "-c", cpus, *argv]
+        shim = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"),
+                *in_netns(node.netns, argv)]
+        proc = subprocess.Popen(shim, env=env, stdout=stdout, stderr=stderr,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 5.0  # return once the process sits in its cgroup
+        while proc.pid not in cgroups.procs(cgroup) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return proc
+
+    def rank_env(self, rp: RankProc) -> dict[str, str]:
+        c, master = self.cfg, self.nodes[0]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("INGERO_LAB_", "NCCL_"))}
+        env.update({
+            "RANK": str(rp.rank), "WORLD_SIZE": str(c.world), "LOCAL_RANK": str(rp.local_rank),
+            "LOCAL_WORLD_SIZE": str(c.ranks_per_node), "GROUP_RANK": str(rp.node.index),
+            "ROLE_RANK": str(rp.rank), "TORCHELASTIC_RUN_ID": self.run_id,
+            "MASTER_ADDR": master.ipv6 if c.ipv6 else master.ipv4, "MASTER_PORT": str(c.master_port),
+            "INGERO_LAB_SECONDS": str(c.seconds if c.steps <= 0 else 0),
+            "INGERO_LAB_STEPS": str(max(c.steps, 0)), "INGERO_LAB_COMPUTE_MS": str(c.compute_ms),
+            "INGERO_LAB_CPU_MS": str(c.cpu_ms), "INGERO_LAB_ELEMS": str(c.elems),
+            "INGERO_LAB_TIMEOUT_S": str(c.timeout_s), "POD_NAME": rp.pod.name,
+            "POD_NAMESPACE": rp.pod.namespace, "NODE_NAME": rp.node.name,
+        })
+        env.update(self.plans[rp.rank].env)
+        return env
+
+    def start_ranks(self) -> None:
+        """Start every rank (rank 0 first: it serves the NCCL id)."""
+        for rp in self.ranks:
+            out = open(self.out / "logs" / f"rank-{rp.rank}.out", "wb")
+            err = open(self.out / "logs" / f"rank-{rp.rank}.err", "wb")
+            rp.proc = self._spawn(rp.node, rp.pod.cgroup, [str(self.binaries.worker)], self.rank_env(rp),
+                                  out, err, self.plans[rp.rank].cpus)
+            out.close()
+            err.close()
+            self.log(f"lab {self.run_id}: rank {rp.rank} started on {rp.node.name} "
+                     f"(pid {rp.proc.pid}, pod {rp.pod.name})")
+
+    def run_in_node(self, node: LabNode | str, argv: list[str], cgroup: Path | None = None,
+                    env: dict[str, str] | None = None, name: str | None = None,
+                    stdout=None, stderr=None) -> tuple[subprocess.Popen, cgroups.Pod | None]:
+        """Run `argv` in `node`'s network namespace, in `cgroup` or in a new pod (added to pods-<node>.json)."""
+        node = node if isinstance(node, LabNode) else self.net.node(node)
+        pod = None
+        if cgroup is None:
+            pod = cgroups.make_pod(self.run_id, node.name, name or f"lab-{self.run_id}-extra-{len(self.extra)}",
+                                   None, [node.ipv4, node.ipv6])
+            cgroup = pod.cgroup
+            self._extra_pods.setdefault(node.name, []).append(pod)
+            self.write_pods_file(node, self._extra_pods[node.name])
+        proc = self._spawn(node, cgroup, argv, env if env is not None else dict(os.environ), stdout, stderr)
+        self.extra.append(proc)
+        return proc, pod
+
+    def kill_node(self, node: LabNode | str) -> None:
+        """SIGKILL every lab process of `node` (its ranks and run_in_node processes)."""
+        node = node if isinstance(node, LabNode) else self.net.node(node)
+        cgroups.kill_tree(cgroups.node_cgroup_root(self.run_id, node.name))
+
+    def steps_so_far(self) -> dict[int, int]:
+        """Last step each rank reported (from its log)."""
+        done = {}
+        for rp in self.ranks:
+            try:
+                lines = (self.out / "logs" / f"rank-{rp.rank}.out").read_text().splitlines()
+            except FileNotFoundError:
+                lines = []
+            done[rp.rank] = next((int(m.group(2)) for m in map(STEP_LINE.match, reversed(lines)) if m), 0)
+        return done
+
+    def wait(self, timeout_s: float | None = None, grace_s: float = 5.0) -> dict[int, int]:
+        """Wait for every rank; returns {rank: exit code}. Like torchrun, once one rank
+        fails the rest get `grace_s` seconds before they are killed."""
+        c = self.cfg
+        limit = timeout_s if timeout_s is not None else (c.seconds if c.steps <= 0 else c.steps) + c.timeout_s + 60
+        start = last = time.monotonic()
+        failed_at = None
+        while True:
+            running = [rp for rp in self.ranks if rp.proc and rp.proc.poll() is None]
+            for rp in self.ranks:
+                if rp.proc and rp.exit_code is None and rp.proc.returncode is not None:
+                    rp.exit_code = rp.proc.returncode
+                    if rp.exit_code != 0 and failed_at is None:
+                        failed_at = time.monotonic()
+                        self.log(f"lab {self.run_id}: rank {rp.rank} exited {rp.exit_code}: "
+                                 + self._tail(rp.rank))
+            if not running:
+                break
+            now = time.monotonic()
+            if (failed_at and now - failed_at > grace_s) or now - start > limit:
+                why = "a rank failed" if failed_at else f"the run exceeded {limit:.0f} s"
+                self.log(f"lab {self.run_id}: {why}; killing ranks still running")
+                for rp in running:
+                    cgroups.kill_tree(rp.pod.cgroup)
+                for rp in running:
+                    rp.proc.wait()
+                continue
+            if now - last >= c.progress_every_s:
+                last = now
+                steps = self.steps_so_far()
+                self.log(f"lab {self.run_id}: {now - start:.0f} s, steps " +
+                         " ".join(f"r{r}={s}" for r, s in steps.items()))
+            time.sleep(0.2)
+        for rp in self.ranks:
+            rp.stats = self._final_stats(rp.rank)
+        self.notes["node_tcp"] = self.node_tcp()
+        return {rp.rank: rp.exit_code for rp in self.ranks}
+
+    def node_tcp(self) -> dict[str, dict[str, int]]:
+        """Per node: TCP segments sent and retransmitted, and packets the loss rules dropped."""
+        out = {}
+        for n in self.nodes:
+            tcp = tcp_counters(n.netns)
+            out[n.name] = {"out_segs": tcp.get("OutSegs", 0), "retrans_segs": tcp.get("RetransSegs", 0)}
+        out["switch"] = {"nft_dropped": faults.dropped_packets(self.net.switch)}
+        return out
+
+    def _tail(self, rank: int) -> str:
+        try:
+            lines = (self.out / "logs" / f"rank-{rank}.err").read_text().strip().splitlines()
+        except FileNotFoundError:
+            return ""
+        return lines[-1] if lines else "(no message)"
+
+    def _final_stats(self, rank: int) -> dict:
+        try:
+            lines = (self.out / "logs" / f"rank-{rank}.out").read_text().splitlines()
+        except FileNotFoundError:
+            return {}
+        for line in reversed(lines):
+            if line.startswith("{"):
+                try:
+                    return json.loads(line)
+                except ValueError:
+                    return {}
+        return {}
+
+    # ---- tear-down -----------------------------------------------------------
+
+    def close(self) -> list[str]:
+        """Remove processes, cgroups and namespaces (idempotent); write lab.json; returns errors."""
+        if self._closed:
+            return []
+        self._closed = True
+        errors: list[str] = []
+        for cb in self.on_close:
+            try:
+                cb()
+            except Exception as e:  # one failing hook must not leave namespaces behind
+                errors.append(f"close hook: {e}")
+        for p in self.hogs + self.extra + [rp.proc for rp in self.ranks if rp.proc]:
+            if p.poll() is None:
+                p.kill()
+        for p in self.hogs + self.extra + [rp.proc for rp in self.ranks if rp.proc]:
+            p.wait()
+        for rp in self.ranks:
+            if rp.exit_code is None and rp.proc is not None:
+                rp.exit_code = rp.proc.returncode
+        errors += cgroups.remove_tree(cgroups.run_cgroup(self.run_id))
+        errors += self.net.down()
+        self.times["ended_ns"] = time.time_ns()
+        self.write_report()
+        for e in errors:
+            self.log(f"lab {self.run_id}: cleanup: {e}")
+        return errors
+
+    def report(self) -> dict:
+        c = self.cfg
+        return {
+            "run_id": self.run_id, "scenario": c.scenario, "victim_rank": self.victim,
+            "victim_node": self.victim_node.name, "config": {k: str(v) if isinstance(v, Path) else v
+                                                             for k, v in asdict(c).items()},
+            "nodes": [dict(n.as_dict(), pods_file=str(self.pods_file(n))) for n in self.nodes],
+            **self.times,
+            "ranks": [{"rank": rp.rank, "node": rp.node.name, "local_rank": rp.local_rank,
+                       "pod": rp.pod.name, "pod_uid": rp.pod.uid, "pid": rp.proc.pid if rp.proc else None,
+                       "exit_code": rp.exit_code, "stats": rp.stats} for rp in self.ranks],
+            **self.notes,
+        }
+
+    def write_report(self) -> Path:
+        path = self.out / "lab.json"
+        if self.out.exists():
+            path.write_text(json.dumps(self.report(), indent=2) + "\n")
+        return path

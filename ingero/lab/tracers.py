@@ -1,0 +1,103 @@
+"""``--trace`` for lab runs: one ``ingero trace`` per lab node, then one merged trace.duckdb.
+
+Each tracer runs on the host (root namespace, outside the lab cgroups, so a
+node kill does not stop it), watches the pods in ``DIR/pods-<node>.json``
+and writes Parquet segments to ``DIR/nodes/<node>.duckdb.segments/``. It
+signals readiness by creating ``DIR/nodes/<node>.ready``; it is stopped with
+SIGINT after the ranks exit and then writes ``DIR/nodes/<node>.duckdb``.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ingero.errors import IngeroError
+
+
+@dataclass
+class NodeTracer:
+    node: str
+    proc: subprocess.Popen
+    out: Path
+    ready: Path
+    log: Path
+
+    @property
+    def segments(self) -> Path:
+        return self.out.with_name(self.out.name + ".segments")
+
+    def stderr_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").strip().splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+
+def start_tracers(out_dir: Path, pods_files: dict[str, Path]) -> list[NodeTracer]:
+    """Start one tracer per node ({node name: pods file})."""
+    tracers = []
+    nodes_dir = out_dir / "nodes"
+    nodes_dir.mkdir(parents=True, exist_ok=True)
+    for node, pods in pods_files.items():
+        out, ready, log = nodes_dir / f"{node}.duckdb", nodes_dir / f"{node}.ready", nodes_dir / f"{node}.tracer.log"
+        ready.unlink(missing_ok=True)
+        argv = [sys.executable, "-m", "ingero", "trace", "--pods", str(pods), "--node", node,
+                "--out", str(out), "--ready-file", str(ready), "--quiet"]
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        tracers.append(NodeTracer(node, proc, out, ready, log))
+    return tracers
+
+
+def wait_ready(tracers: list[NodeTracer], timeout_s: float = 120.0) -> None:
+    """Block until every tracer has written its ready file; IngeroError if one dies or is late."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(tracers)
+    while pending:
+        for t in list(pending):
+            if t.ready.exists():
+                pending.remove(t)
+            elif t.proc.poll() is not None:
+                raise IngeroError(f"tracer for {t.node} exited {t.proc.returncode} before it was ready:\n"
+                                  f"{t.stderr_tail()}")
+        if pending and time.monotonic() > deadline:
+            raise IngeroError(f"tracer for {pending[0].node} not ready after {timeout_s:.0f} s "
+                              f"(no {pending[0].ready}); its log: {pending[0].log}")
+        time.sleep(0.1)
+
+
+def stop_tracers(tracers: list[NodeTracer], timeout_s: float = 60.0) -> dict[str, int]:
+    """SIGINT every tracer, wait for it (SIGKILL after `timeout_s`); returns {node: exit code}."""
+    for t in tracers:
+        if t.proc.poll() is None:
+            t.proc.send_signal(signal.SIGINT)
+    codes = {}
+    deadline = time.monotonic() + timeout_s
+    for t in tracers:
+        try:
+            codes[t.node] = t.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            t.proc.kill()
+            codes[t.node] = t.proc.wait()
+    return codes
+
+
+def merge(tracers: list[NodeTracer], dest: Path) -> Path:
+    """Build one DuckDB file from every node's segments."""
+    try:
+        from ingero.store import build_duckdb
+    except ImportError as e:
+        raise IngeroError(f"cannot merge traces: ingero.store is not available ({e}); "
+                          f"the per-node segments are in {dest.parent / 'nodes'}") from e
+    dirs = [t.segments for t in tracers if t.segments.exists()]
+    if not dirs:
+        raise IngeroError(f"no tracer wrote segments (looked for {tracers[0].segments if tracers else '-'}); "
+                          "see the tracer logs in " + str(dest.parent / "nodes"))
+    build_duckdb(dirs, dest)
+    return dest

@@ -1,0 +1,89 @@
+"""Whole lab runs as root: network namespaces, pod cgroups, faults and clean-up.
+
+Skipped when not root. About 25 s in all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ingero.lab import cgroups
+from ingero.lab.runner import LabConfig, LabRun
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, cgroups)")
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def leftovers(run_id: str) -> list[str]:
+    ns = [n for n in os.listdir("/run/netns") if run_id in n] if os.path.isdir("/run/netns") else []
+    cg = [str(cgroups.run_cgroup(run_id))] if cgroups.run_cgroup(run_id).exists() else []
+    return ns + cg
+
+
+def test_clean_run_puts_ranks_in_pod_cgroups_finishes_in_lockstep_and_leaves_nothing(tmp_path):
+    cfg = LabConfig(scenario="clean", seconds=5, out_dir=tmp_path, compute_ms=20)
+    with LabRun(cfg, log=lambda m: None) as lab:
+        node_b = lab.nodes[1]
+        proc, pod = lab.run_in_node("lab-node-b", ["ip", "-4", "addr", "show", "eth0"],
+                                    stdout=subprocess.PIPE, name="probe")
+        assert node_b.ipv4 in proc.communicate(timeout=10)[0].decode()
+        pods_b = json.loads(lab.pods_file(node_b).read_text())
+        assert pods_b["cgroup_root"] == str(cgroups.node_cgroup_root(lab.run_id, "lab-node-b"))
+        assert [p["rank"] for p in pods_b["pods"] if "rank" in p] == [2, 3]
+        assert "probe" in [p["name"] for p in pods_b["pods"]]
+        lab.start_ranks()
+        for rp in lab.ranks:
+            rel = "/" + str(rp.pod.cgroup.relative_to(cgroups.CGROUP_ROOT))
+            assert f"0::{rel}\n" in Path(f"/proc/{rp.proc.pid}/cgroup").read_text()
+            assert f"kubepods-besteffort-pod{rp.pod.uid.replace('-', '_')}.slice" in rel
+        codes = lab.wait()
+        run_id = lab.run_id
+    assert codes == {0: 0, 1: 0, 2: 0, 3: 0}
+    steps = {rp.stats["steps"] for rp in lab.ranks}
+    assert len(steps) == 1 and steps.pop() > 20
+    report = json.loads((tmp_path / "lab.json").read_text())
+    assert report["ended_ns"] > report["started_ns"] and [r["exit_code"] for r in report["ranks"]] == [0] * 4
+    assert leftovers(run_id) == []
+
+
+def test_lossy_link_makes_retransmits_on_the_victim_node_only(tmp_path):
+    cfg = LabConfig(scenario="lossy-link", seconds=5, loss_percent=5, out_dir=tmp_path, compute_ms=20)
+    with LabRun(cfg, log=lambda m: None) as lab:
+        lab.start_ranks()
+        codes = lab.wait()
+        run_id = lab.run_id
+    assert set(codes.values()) == {0}
+    tcp = lab.notes["node_tcp"]
+    victim, other = tcp["lab-node-b"]["retrans_segs"], tcp["lab-node-a"]["retrans_segs"]
+    assert tcp["switch"]["nft_dropped"] > 0
+    assert victim > 50 and victim > 10 * max(other, 1), tcp
+    assert lab.times["fault_injected_ns"] >= lab.times["started_ns"]
+    assert leftovers(run_id) == []
+
+
+def test_sigint_to_lab_run_removes_namespaces_and_cgroups(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "ingero", "lab", "run", "--scenario", "cpu-hog",
+                             "--seconds", "60", "--out", str(tmp_path)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_id, deadline = None, time.monotonic() + 30
+    for line in proc.stdout:
+        run_id = run_id or line.split()[1].rstrip(":")
+        if "rank 3 started" in line or time.monotonic() > deadline:
+            break
+    time.sleep(1.5)
+    assert leftovers(run_id), "the run should be up before the interrupt"
+    proc.send_signal(signal.SIGINT)
+    rest = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 128 + signal.SIGINT, rest
+    assert leftovers(run_id) == []
+    hogs = subprocess.run(["pgrep", "-f", "while :; do :; done"], capture_output=True, text=True).stdout
+    assert hogs.strip() == ""
