@@ -1,4 +1,4 @@
-/* ingero.h: event records shared by the kernel side (bpf/*.c, compiled by bcc)
+/* ingero.h: event records shared by the kernel side (bpf/<family>.c, compiled by bcc)
  * and the user side (ingero_agent/records.py mirrors these layouts as numpy
  * dtypes; tests/unit/test_records.py checks that the two agree).
  *
@@ -54,7 +54,7 @@
 #define NCCL_F_COMM_UNKNOWN 2  /* communicator created before tracing began */
 #define NCCL_F_BCAST_ALIAS  4  /* ncclBcast (in-place) rather than ncclBroadcast */
 
-/* One record per NCCL API call, emitted at return. 96 bytes. */
+/* One record per NCCL API call, emitted at return. 104 bytes. */
 struct ingero_nccl_event {
     __u64 ts_ns;         /* monotonic time at entry */
     __u64 duration_ns;   /* entry to return */
@@ -133,5 +133,69 @@ struct ingero_sched_event {
 #define LOST_TCP   1
 #define LOST_SCHED 2
 #define LOST_SLOTS 4
+
+/* ---- Shared maps and the target filter (kernel side only) ---------------
+ *
+ * The loader (ingero_agent/probes.py) compiles this header together with the
+ * family files (nccl.c, tcp.c, sched.c) as one BPF program, so the families
+ * share these maps. bcc rewrites map method calls (`m.lookup()`) only in the
+ * text it compiles as its main file, which is why the loader inlines this
+ * header rather than letting the preprocessor include it; user-space C that
+ * only needs the record layouts leaves INGERO_BPF_PROGRAM undefined.
+ *
+ * Further settings (-D flags):
+ *   INGERO_SELF_TGID      the agent's own tgid: never traced, even with --all
+ *   INGERO_MAX_TARGETS    capacity of the target cgroup / tgid / IP maps
+ */
+#ifdef INGERO_BPF_PROGRAM
+
+#include <uapi/linux/ptrace.h>   /* struct pt_regs for the uprobes */
+
+#ifndef INGERO_SELF_TGID
+#define INGERO_SELF_TGID 0
+#endif
+#ifndef INGERO_MAX_TARGETS
+#define INGERO_MAX_TARGETS 4096
+#endif
+
+/* Target cgroup ids (cgroup v2 inode numbers). A task is a target when its
+ * own cgroup or one of its ancestors at levels 1..INGERO_CGROUP_LEVELS is in
+ * here, so containers created later inside a target pod cgroup are covered. */
+BPF_HASH(target_cgroups, u64, u8, INGERO_MAX_TARGETS);
+/* Target processes by tgid (`--pid`). */
+BPF_HASH(target_tgids, u32, u8, INGERO_MAX_TARGETS);
+/* Events dropped because a ring buffer was full, per family (LOST_*). */
+BPF_PERCPU_ARRAY(lost, u64, LOST_SLOTS);
+
+static __always_inline void ingero_count_lost(int slot)
+{
+    u64 *n = lost.lookup(&slot);
+    if (n)
+        (*n)++;
+}
+
+/* Is the current task (tgid, cgroup cgid) traced? */
+static __always_inline int ingero_is_target(u32 tgid, u64 cgid)
+{
+    if (INGERO_SELF_TGID && tgid == INGERO_SELF_TGID)
+        return 0;
+    if (INGERO_TARGET_ALL)
+        return 1;
+    if (target_tgids.lookup(&tgid))
+        return 1;
+    if (target_cgroups.lookup(&cgid))
+        return 1;
+#pragma unroll
+    for (int level = 1; level <= INGERO_CGROUP_LEVELS; level++) {
+        u64 anc = bpf_get_current_ancestor_cgroup_id(level);
+        if (anc == 0 || anc == cgid)
+            break;  /* deeper than the task's own cgroup */
+        if (target_cgroups.lookup(&anc))
+            return 1;
+    }
+    return 0;
+}
+
+#endif /* INGERO_BPF_PROGRAM */
 
 #endif /* INGERO_H */

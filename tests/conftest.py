@@ -16,3 +16,21 @@ def root_reason() -> str | None:
     if os.geteuid() != 0:
         return "needs root (eBPF, network namespaces, cgroups); run `make test` as root"
     return None
+
+
+def bpf_reason() -> str | None:
+    """Why real-eBPF tests cannot run here, or None when they can."""
+    reason = root_reason()
+    if reason:
+        return reason
+    try:
+        import bcc  # noqa: F401
+    except ImportError:
+        return "bcc is not importable: install Debian's python3-bpfcc and use a venv with --system-site-packages"
+    try:
+        from ingero_agent.headers import ensure_kernel_build_dir, ensure_tracefs
+        ensure_kernel_build_dir()
+        ensure_tracefs()
+    except Exception as e:  # the message names what is missing
+        return f"eBPF prerequisites missing: {e}"
+    return None

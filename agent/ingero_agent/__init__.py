@@ -1,0 +1,1 @@
+"""The Ingero node agent: target discovery, eBPF probes, ring-buffer drain, segments."""

@@ -1,0 +1,228 @@
+"""Turn decoded records into the schema's columns, whole arrays at a time.
+
+Names (op, datatype, event, reason) become dictionary-coded columns
+(``names_column``), bytes = count x datatype size, CLOCK_MONOTONIC
+times become wall-clock times, and each row gets the rank, pod and namespace
+of the process that made it (TCP events: of the socket's owner, else of the
+target pod whose address is the connection's local end). Python runs once per distinct
+pid or address in a batch, never once per row.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ingero import schema
+from ingero.store import dict_column
+from ingero_agent.records import NCCL_F_IN_GROUP, OWNER_SOURCES
+
+OP_COMM_SPLIT = 12
+_DATA_OPS = np.zeros(256, dtype=bool)
+_REDUCE_OPS = np.zeros(256, dtype=bool)
+for _code, _name in schema.NCCL_OPS.items():
+    _DATA_OPS[_code] = _name in schema.COLLECTIVE_OPS + schema.P2P_OPS
+    _REDUCE_OPS[_code] = _name in ("ALL_REDUCE", "REDUCE_SCATTER", "REDUCE")
+_DT_SIZE = np.zeros(256, dtype=np.int64)
+for _code, (_n, _size) in schema.NCCL_DATATYPES.items():
+    _DT_SIZE[_code] = _size
+_DT_NAMES = {c: n for c, (n, _) in schema.NCCL_DATATYPES.items()}
+
+
+def mono_to_wall(samples: int = 9) -> tuple[int, int]:
+    """(CLOCK_REALTIME - CLOCK_MONOTONIC in ns, uncertainty in ns).
+
+    Reads realtime, monotonic, realtime several times and keeps the pair
+    with the tightest bracket; the offset is taken at its middle.
+    """
+    best = None
+    for _ in range(samples):
+        r1 = time.clock_gettime_ns(time.CLOCK_REALTIME)
+        m = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        r2 = time.clock_gettime_ns(time.CLOCK_REALTIME)
+        if best is None or r2 - r1 < best[1]:
+            best = ((r1 + r2) // 2 - m, r2 - r1)
+    return best
+
+
+@dataclass(frozen=True)
+class Identity:
+    rank: int | None
+    pod: str | None
+    namespace: str | None
+
+
+class Registry:
+    """pid -> identity, and target pod address -> identity, for enrichment."""
+
+    def __init__(self):
+        self.by_pid: dict[int, Identity] = {}
+        self.by_ip: dict[str, Identity] = {}
+
+    def lookup_pid(self, pid: int) -> Identity | None:
+        return self.by_pid.get(pid)
+
+
+def names_column(codes: np.ndarray, names: dict[int, str | None] | list[str | None]):
+    """A dictionary-coded string column; codes without a name become NULL.
+
+    The dictionary holds only real names (Parquet cannot store a null inside
+    a dictionary), so codes are remapped onto the compact list first.
+    """
+    items = names.items() if isinstance(names, dict) else enumerate(names)
+    items = [(int(k), v) for k, v in items]
+    size = max((k for k, _ in items), default=-1) + 1
+    remap = np.full(max(size, 1), -1, dtype=np.int64)
+    compact: list[str] = []
+    for k, v in items:
+        if v is not None and k >= 0:
+            remap[k] = len(compact)
+            compact.append(v)
+    codes = np.asarray(codes).astype(np.int64)
+    valid = (codes >= 0) & (codes < size)
+    return dict_column(np.where(valid, remap[np.clip(codes, 0, max(size - 1, 0))], -1), compact)
+
+
+def _masked(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    return np.ma.masked_array(values, mask=mask) if mask.any() else values
+
+
+def _identity_columns(pids: np.ndarray, idents: dict[int, Identity | None]) -> dict:
+    """rank, pod, namespace columns for rows whose process identity is `idents[pid]`."""
+    uniq, inv = np.unique(pids, return_inverse=True)
+    ranks = np.full(len(uniq), -1, dtype=np.int32)
+    pods: list[str | None] = []
+    nss: list[str | None] = []
+    for i, pid in enumerate(uniq.tolist()):
+        ident = idents.get(pid)
+        if ident and ident.rank is not None:
+            ranks[i] = ident.rank
+        pods.append(ident.pod if ident else None)
+        nss.append(ident.namespace if ident else None)
+    rank = ranks[inv]
+    return {
+        "rank": _masked(rank, rank < 0),
+        "pod": names_column(inv, pods),
+        "namespace": names_column(inv, nss),
+    }
+
+
+def nccl_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
+    op = a["op"].astype(np.int64)
+    data_op = _DATA_OPS[op]
+    split = op == OP_COMM_SPLIT
+    count = a["count"].astype(np.int64)
+    nbytes = count * _DT_SIZE[a["datatype"]]
+    ident = _identity_columns(a["pid"], {p: reg.lookup_pid(p) for p in np.unique(a["pid"]).tolist()})
+    return {
+        "timestamp_ns": a["ts_ns"].astype(np.int64) + offset_ns,
+        "ts_mono_ns": a["ts_ns"].astype(np.int64),
+        "duration_ns": a["duration_ns"].astype(np.int64),
+        "op": names_column(op, schema.NCCL_OPS),
+        "rank": a["rank"],                      # rank in the communicator; -1 unknown
+        "global_rank": ident["rank"],           # the process's torchrun RANK
+        "nranks": a["nranks"],
+        "comm_id_hash": a["comm_hash"],
+        "seq": _masked(a["seq"].astype(np.int64), ~data_op),
+        "count": _masked(count, ~data_op & (op != 11)),
+        "bytes": _masked(nbytes, ~data_op),
+        "datatype": names_column(np.where(data_op, a["datatype"], -1), _DT_NAMES),
+        "reduce_op": names_column(np.where(_REDUCE_OPS[op], a["redop"], -1), schema.NCCL_REDOPS),
+        "peer": _masked(a["peer"], a["peer"] < 0),   # SEND/RECV peer, BROADCAST/REDUCE root
+        "ret": a["ret"],
+        "in_group": (a["flags"] & NCCL_F_IN_GROUP) != 0,
+        "comm": a["comm"],
+        "stream": _masked(a["stream"], ~data_op),
+        "parent_hash": _masked(a["parent_hash"], ~split),
+        "color": _masked(a["color"], ~split),
+        "split_key": _masked(a["key"], ~split),
+        "pid": a["pid"].astype(np.int32),
+        "tid": a["tid"].astype(np.int32),
+        "cgroup_id": a["cgroup_id"],
+        "pod": ident["pod"],
+        "namespace": ident["namespace"],
+    }
+
+
+def format_addresses(addr: np.ndarray, family: np.ndarray) -> tuple[np.ndarray, list[str | None]]:
+    """(codes, names) of the addresses in rows of 16 bytes, formatted once per distinct one."""
+    keyed = np.concatenate([addr, family.astype(np.uint8)[:, None]], axis=1)
+    uniq, inv = np.unique(keyed, axis=0, return_inverse=True)
+    names: list[str | None] = []
+    for row in uniq:
+        fam = int(row[16])
+        if fam == 2:
+            names.append(str(ipaddress.IPv4Address(bytes(row[:4]))))
+        elif fam == 10:
+            names.append(str(ipaddress.IPv6Address(bytes(row[:16]))))
+        else:
+            names.append(None)
+    return inv.reshape(-1), names
+
+
+def tcp_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
+    n = len(a)
+    s_codes, s_names = format_addresses(a["saddr"], a["family"])
+    d_codes, d_names = format_addresses(a["daddr"], a["family"])
+    pid = a["pid"]
+    owner = a["owner_src"].astype(np.int64)
+    # Rows without a known owner: attribute to the target pod whose address is the local end.
+    idents: dict[int, Identity | None] = {}
+    row_ident: list[Identity | None] = [None] * n
+    by_ip = reg.by_ip
+    unknown = np.flatnonzero(pid == 0)
+    for i in unknown.tolist():
+        ident = by_ip.get(s_names[s_codes[i]])
+        if ident is not None:
+            row_ident[i] = ident
+            owner[i] = 3   # "address"
+    keys = pid.astype(np.int64).copy()
+    if len(unknown):
+        # give each address-attributed row a synthetic key so one lookup table serves all
+        keys[unknown] = -1 - unknown
+        for i in unknown.tolist():
+            idents[-1 - i] = row_ident[i]
+    for p in np.unique(pid[pid != 0]).tolist():
+        idents[p] = reg.lookup_pid(p)
+    ident = _identity_columns(keys, idents)
+    state_ev = a["kind"] == 4
+    return {
+        "timestamp_ns": a["ts_ns"].astype(np.int64) + offset_ns,
+        "ts_mono_ns": a["ts_ns"].astype(np.int64),
+        "event": names_column(a["kind"], schema.TCP_EVENTS),
+        "saddr": names_column(s_codes, s_names),
+        "daddr": names_column(d_codes, d_names),
+        "sport": a["sport"].astype(np.int32),
+        "dport": a["dport"].astype(np.int32),
+        "family": names_column(a["family"], schema.FAMILIES),
+        "state": names_column(np.where(a["state"] > 0, a["state"], -1), schema.TCP_STATES),
+        "old_state": names_column(np.where(state_ev, a["oldstate"], -1), schema.TCP_STATES),
+        "skaddr": a["skaddr"],
+        "owner_source": names_column(owner, OWNER_SOURCES),
+        "pid": _masked(pid.astype(np.int32), pid == 0),
+        "tid": _masked(a["tid"].astype(np.int32), pid == 0),
+        "cgroup_id": _masked(a["cgroup_id"], a["cgroup_id"] == 0),
+        **ident,
+    }
+
+
+def sched_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
+    ident = _identity_columns(a["pid"], {p: reg.lookup_pid(p) for p in np.unique(a["pid"]).tolist()})
+    return {
+        "timestamp_ns": a["ts_ns"].astype(np.int64) + offset_ns,
+        "ts_mono_ns": a["ts_ns"].astype(np.int64),
+        "duration_ns": a["off_ns"].astype(np.int64),
+        "runq_ns": a["runq_ns"].astype(np.int64),
+        "reason": names_column(a["reason"], schema.OFFCPU_REASONS),
+        "pid": a["pid"].astype(np.int32),
+        "tid": a["tid"].astype(np.int32),
+        "cgroup_id": a["cgroup_id"],
+        **ident,
+    }
+
+
+COLUMNS = {"nccl": nccl_columns, "tcp": tcp_columns, "sched": sched_columns}
+TABLES = {"nccl": "nccl_events", "tcp": "tcp_events", "sched": "sched_events"}

@@ -1,0 +1,101 @@
+"""Which NCCL functions a shared object exports (its ELF dynamic symbol table).
+
+NCCL is not always a file called libnccl: PyTorch wheels can link it into
+another library (libtorch_cuda.so). What counts is whether a mapped file
+*defines* ncclAllReduce & co. in .dynsym. The reader memory-maps the file,
+walks the section headers to .dynsym and its string table, and compares
+names in bulk with numpy, so a 1 GB library costs a few milliseconds.
+Only 64-bit little-endian ELF is read (the agent's probes are x86-64).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+
+NCCL_SYMBOLS = (
+    "ncclAllReduce", "ncclAllGather", "ncclReduceScatter", "ncclBroadcast", "ncclBcast",
+    "ncclReduce", "ncclSend", "ncclRecv", "ncclGroupStart", "ncclGroupEnd",
+    "ncclCommInitRank", "ncclCommInitRankConfig", "ncclCommInitAll", "ncclCommSplit",
+    "ncclCommDestroy", "ncclCommAbort",
+)
+MARKER = "ncclAllReduce"   # a file that defines this one is an NCCL library
+
+_SHDR = np.dtype([("name", "<u4"), ("type", "<u4"), ("flags", "<u8"), ("addr", "<u8"),
+                  ("offset", "<u8"), ("size", "<u8"), ("link", "<u4"), ("info", "<u4"),
+                  ("addralign", "<u8"), ("entsize", "<u8")])
+_SYM = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"),
+                 ("value", "<u8"), ("size", "<u8")])
+SHT_DYNSYM = 11
+STT_FUNC, STT_GNU_IFUNC = 2, 10
+
+
+class NotElf(ValueError):
+    pass
+
+
+def defined_symbols(path: str | os.PathLike, wanted: tuple[str, ...] = NCCL_SYMBOLS) -> dict[str, int]:
+    """name -> st_value for each of `wanted` that `path` defines as a function.
+
+    Raises NotElf for files that are not 64-bit little-endian ELF, OSError
+    when the file cannot be read.
+    """
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 64:
+            raise NotElf(f"{path}: too small for ELF")
+        with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+            return _scan(m, size, wanted, path)
+
+
+def _scan(m: mmap.mmap, size: int, wanted: tuple[str, ...], path) -> dict[str, int]:
+    if m[:4] != b"\x7fELF" or m[4] != 2 or m[5] != 1:
+        raise NotElf(f"{path}: not a 64-bit little-endian ELF file")
+    buf = np.frombuffer(m, dtype=np.uint8)
+    try:
+        shoff = int(buf[0x28:0x30].view("<u8")[0])
+        shentsize = int(buf[0x3A:0x3C].view("<u2")[0])
+        shnum = int(buf[0x3C:0x3E].view("<u2")[0])
+        if shentsize != _SHDR.itemsize or shoff + shnum * shentsize > size or not shnum:
+            return {}
+        shdrs = buf[shoff:shoff + shnum * shentsize].view(_SHDR)
+        found: dict[str, int] = {}
+        for dynsym in shdrs[shdrs["type"] == SHT_DYNSYM]:
+            strtab = shdrs[int(dynsym["link"])]
+            s0, sn = int(strtab["offset"]), int(strtab["size"])
+            y0, yn = int(dynsym["offset"]), int(dynsym["size"])
+            if s0 + sn > size or y0 + yn > size:
+                continue
+            syms = buf[y0:y0 + yn - yn % _SYM.itemsize].view(_SYM)
+            strs = m[s0:s0 + sn]
+            kind = syms["info"] & 0xF
+            defined = (syms["shndx"] != 0) & ((kind == STT_FUNC) | (kind == STT_GNU_IFUNC))
+            for name in wanted:
+                offsets = _occurrences(strs, name.encode() + b"\0")
+                if not offsets:
+                    continue
+                hit = defined & np.isin(syms["name"], offsets)
+                if hit.any():
+                    found[name] = int(syms["value"][np.argmax(hit)])
+        return found
+    finally:
+        del buf
+
+
+def _occurrences(haystack: bytes, needle: bytes) -> list[int]:
+    out, i = [], haystack.find(needle)
+    while i >= 0:
+        out.append(i)
+        i = haystack.find(needle, i + 1)
+    return out
+
+
+def nccl_symbols(path: str | os.PathLike) -> dict[str, int]:
+    """The NCCL API functions `path` defines; {} for non-ELF or non-NCCL files."""
+    try:
+        syms = defined_symbols(path)
+    except (OSError, NotElf):
+        return {}
+    return syms if MARKER in syms else {}

@@ -1,0 +1,243 @@
+"""Compile, load and attach the BPF probes; fill the filter maps; read counters.
+
+The BPF program is bpf/ingero.h plus one file per selected family
+(bpf/nccl.c, tcp.c, sched.c), compiled together by bcc so the families share
+the filter maps and the lost counters. bcc only rewrites map calls in the
+text it compiles as its main file, so the files are inlined (with #line
+markers, so compiler messages name the real file and line) rather than
+#included. Every setting reaches the C as a -D flag.
+
+Uprobes attach per library *file* (dev, inode), for every process that maps
+it; the in-kernel filter decides whose calls are recorded. Libraries found
+in new target processes attach when the tracer's next scan sees them.
+"""
+
+from __future__ import annotations
+
+import ctypes as ct
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+from ingero.errors import IngeroError
+from ingero_agent.elfsyms import NCCL_SYMBOLS
+from ingero_agent.records import FAMILIES
+from ingero_agent.ringbuf import PAGE_SIZE, open_ring
+
+ALL_FAMILIES = ("nccl", "tcp", "sched")
+TRACEFS_EVENTS = (Path("/sys/kernel/tracing/events"), Path("/sys/kernel/debug/tracing/events"))
+# Tracepoints each family cannot work without.
+REQUIRED_TRACEPOINTS = {
+    "tcp": ("tcp/tcp_retransmit_skb", "sock/inet_sock_set_state"),
+    "sched": ("sched/sched_switch", "sched/sched_wakeup"),
+}
+# Optional tracepoints: -D flag that compiles their hook in.
+OPTIONAL_TRACEPOINTS = {
+    "tcp": (("tcp/tcp_send_reset", "INGERO_HAVE_TCP_SEND_RESET"),
+            ("tcp/tcp_receive_reset", "INGERO_HAVE_TCP_RECEIVE_RESET"),
+            ("tcp/tcp_destroy_sock", "INGERO_HAVE_TCP_DESTROY_SOCK"),
+            ("sock/sock_send_length", "INGERO_HAVE_SOCK_LENGTH")),
+}
+
+
+def bpf_dir() -> Path:
+    """The folder holding ingero.h and the family files."""
+    env = os.environ.get("INGERO_BPF_DIR")
+    if env:
+        d = Path(env)
+        if not (d / "ingero.h").is_file():
+            raise IngeroError(f"INGERO_BPF_DIR={env} has no ingero.h; point it at the repository's "
+                              "bpf/ folder")
+        return d.resolve()
+    d = Path(__file__).resolve().parents[2] / "bpf"
+    if (d / "ingero.h").is_file():
+        return d
+    raise IngeroError("cannot find the BPF sources (bpf/ingero.h): set INGERO_BPF_DIR to the "
+                      "repository's bpf/ folder")
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    families: tuple[str, ...] = ALL_FAMILIES
+    trace_all: bool = False            # INGERO_TARGET_ALL
+    cgroup_levels: int = 8             # ancestor levels the cgroup filter checks
+    sched_min_ns: int = 1_000_000      # off-CPU intervals shorter than this are only summed
+    ringbuf_pages: int = 2048          # per family; 8 MiB with 4 KiB pages (power of 2)
+    self_tgid: int = 0                 # the agent itself is never traced
+    max_targets: int = 4096            # capacity of each filter map
+
+    def __post_init__(self):
+        unknown = [f for f in self.families if f not in ALL_FAMILIES]
+        if unknown or not self.families:
+            raise IngeroError(f"unknown probe family {','.join(unknown) or '(none)'}: choose from "
+                              f"{','.join(ALL_FAMILIES)}")
+        p = self.ringbuf_pages
+        if p <= 0 or p & (p - 1):
+            raise IngeroError(f"ring buffer pages {p} is not a power of 2; use e.g. 1024 or 2048")
+
+
+def tracepoint_format(name: str) -> str | None:
+    for base in TRACEFS_EVENTS:
+        try:
+            return (base / name / "format").read_text()
+        except OSError:
+            continue
+    return None
+
+
+def feature_flags(cfg: ProbeConfig) -> tuple[list[str], list[str]]:
+    """(-D flags for the kernel's tracepoints, notes on what is missing)."""
+    flags, notes = [], []
+    for fam in cfg.families:
+        for tp in REQUIRED_TRACEPOINTS.get(fam, ()):
+            if tracepoint_format(tp) is None:
+                raise IngeroError(f"the kernel has no tracepoint {tp.replace('/', ':')} (needed by "
+                                  f"the {fam} probes); drop '{fam}' from --probes or use a newer kernel")
+        for tp, flag in OPTIONAL_TRACEPOINTS.get(fam, ()):
+            have = tracepoint_format(tp) is not None
+            flags.append(f"-D{flag}={int(have)}")
+            if not have:
+                notes.append(f"{tp.replace('/', ':')} is missing: its events are not recorded")
+    if "tcp" in cfg.families:
+        fmt = tracepoint_format("tcp/tcp_send_reset") or ""
+        flags.append(f"-DINGERO_TCP_RESET_SOCKADDR={int('field:__u16 family' not in fmt)}")
+        if "enum sk_rst_reason" in fmt:
+            flags.append("-DINGERO_DECLARE_SK_RST_REASON=1")
+    return flags, notes
+
+
+def build_program(cfg: ProbeConfig, src: Path | None = None) -> tuple[str, list[str], list[str]]:
+    """(C text, cflags, notes) for the selected families."""
+    src = src or bpf_dir()
+    parts = []
+    for name in ("ingero.h",) + tuple(f"{f}.c" for f in ALL_FAMILIES if f in cfg.families):
+        path = src / name
+        parts.append(f'#line 1 "{path}"\n{path.read_text()}\n')
+    flags, notes = feature_flags(cfg)
+    cflags = [
+        f"-I{src}",
+        "-DINGERO_BPF_PROGRAM=1",
+        f"-DINGERO_TARGET_ALL={int(cfg.trace_all)}",
+        f"-DINGERO_CGROUP_LEVELS={int(cfg.cgroup_levels)}",
+        f"-DINGERO_SCHED_MIN_NS={int(cfg.sched_min_ns)}ULL",
+        f"-DINGERO_RINGBUF_PAGES={int(cfg.ringbuf_pages)}",
+        f"-DINGERO_SELF_TGID={int(cfg.self_tgid)}",
+        f"-DINGERO_MAX_TARGETS={int(cfg.max_targets)}",
+    ] + flags
+    return "".join(parts), cflags, notes
+
+
+def check_machine(cfg: ProbeConfig) -> None:
+    if "nccl" in cfg.families and platform.machine() not in ("x86_64", "amd64"):
+        raise IngeroError(f"the nccl probes read stack-passed arguments with the x86-64 SysV "
+                          f"layout; this machine is {platform.machine()}: use --probes tcp,sched")
+
+
+class Probes:
+    """A loaded BPF program and what is attached to it."""
+
+    def __init__(self, cfg: ProbeConfig):
+        check_machine(cfg)
+        self.cfg = cfg
+        self.text, self.cflags, self.notes = build_program(cfg)
+        try:
+            from bcc import BPF
+        except ImportError as e:
+            raise IngeroError("the bcc Python module is missing: install python3-bpfcc (Debian) and "
+                              "create the venv with --system-site-packages") from e
+        self._BPF = BPF
+        try:
+            self.bpf = BPF(text=self.text.encode(), cflags=self.cflags)
+        except Exception as e:  # bcc raises bare Exception with the compiler output on stderr
+            raise IngeroError(f"loading the BPF program failed ({e}); the compiler/verifier "
+                              "output above says why") from e
+        self.attached: dict[tuple[int, int], tuple[Path, list[str]]] = {}
+        self.rings = {}
+        size = cfg.ringbuf_pages * PAGE_SIZE
+        for fam in cfg.families:
+            _, dtype, table, _ = FAMILIES[fam]
+            self.rings[fam] = open_ring(self.bpf, table, size, dtype)
+        self._current: dict[str, set] = {"target_cgroups": set(), "target_tgids": set(),
+                                         "target_ips": set()}
+
+    # ---- uprobes -----------------------------------------------------------
+    def attach_library(self, path: Path, key: tuple[int, int], symbols: dict[str, int]) -> list[str]:
+        """Attach entry/return probes to the NCCL functions `path` defines.
+
+        Symbols sharing an address (aliases) are attached once. Returns the
+        names attached; names missing from the library are skipped.
+        """
+        if "nccl" not in self.cfg.families or key in self.attached:
+            return []
+        done, seen_addr = [], set()
+        for name in NCCL_SYMBOLS:
+            addr = symbols.get(name)
+            if addr is None or addr in seen_addr:
+                continue
+            seen_addr.add(addr)
+            ret_fn = "nccl_return_init_all" if name == "ncclCommInitAll" else "nccl_return"
+            try:
+                self.bpf.attach_uprobe(name=os.fsencode(path), sym=name.encode(),
+                                       fn_name=f"nccl_enter_{name}".encode())
+                self.bpf.attach_uretprobe(name=os.fsencode(path), sym=name.encode(),
+                                          fn_name=ret_fn.encode())
+            except Exception as e:
+                raise IngeroError(f"attaching a uprobe to {name} in {path} failed ({e}); check "
+                                  "that uprobes are enabled (CONFIG_UPROBE_EVENTS)") from e
+            done.append(name)
+        self.attached[key] = (path, done)
+        return done
+
+    # ---- filter maps -------------------------------------------------------
+    def _sync(self, table: str, want: set, make_key) -> None:
+        t = self.bpf[table.encode()]
+        cur = self._current[table]
+        one = ct.c_uint8(1)
+        for k in want - cur:
+            t[make_key(t, k)] = one
+        for k in cur - want:
+            try:
+                del t[make_key(t, k)]
+            except KeyError:
+                pass
+        self._current[table] = set(want)
+
+    def set_targets(self, cgroup_ids: set[int], tgids: set[int],
+                    ips: set[tuple[int, bytes]]) -> None:
+        cap = self.cfg.max_targets
+        if max(len(cgroup_ids), len(tgids), len(ips)) > cap:
+            raise IngeroError(f"more than {cap} target cgroups, pids or addresses; trace fewer pods")
+        self._sync("target_cgroups", cgroup_ids, lambda t, k: t.Key(k))
+        self._sync("target_tgids", tgids, lambda t, k: t.Key(k))
+        if "tcp" in self.cfg.families:
+            def ip(t, k):
+                key = t.Key()
+                key.family = k[0]
+                ct.memmove(ct.addressof(key), k[1], 16)
+                return key
+            self._sync("target_ips", ips, ip)
+
+    # ---- counters ----------------------------------------------------------
+    def lost(self) -> dict[str, int]:
+        t = self.bpf[b"lost"]
+        out = {}
+        for fam, (_, _, _, slot) in FAMILIES.items():
+            out[fam] = int(sum(t[t.Key(slot)])) if fam in self.cfg.families else 0
+        return out
+
+    def sched_totals(self) -> list[tuple[int, int, int, int]]:
+        """(tgid, reason, total_ns, intervals) summed in the kernel."""
+        if "sched" not in self.cfg.families:
+            return []
+        return [(k.tgid, k.reason, v.total_ns, v.intervals)
+                for k, v in self.bpf[b"sched_totals"].items()]
+
+    def close(self) -> None:
+        for r in self.rings.values():
+            r.close()
+        self.rings = {}
+        try:
+            self.bpf.cleanup()
+        except Exception:
+            pass

@@ -1,0 +1,174 @@
+"""What /proc says about a training process: torchrun identity, NCCL library, name.
+
+Also the node's identity (flag, config file, NODE_NAME, hostname).
+Container processes see their own file system: a library path from
+/proc/<pid>/maps is opened through /proc/<pid>/root.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from ingero.errors import IngeroError
+from ingero_agent.elfsyms import nccl_symbols
+
+PROC = Path("/proc")
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
+DEFAULT_CONFIG = Path("/etc/ingero/agent.yaml")
+
+
+def parse_environ(data: bytes, keys: tuple[str, ...] = TORCHRUN_VARS) -> dict[str, str]:
+    """The `keys` present in a NUL-separated environment block."""
+    out = {}
+    for item in data.split(b"\0"):
+        k, sep, v = item.partition(b"=")
+        if sep:
+            name = k.decode(errors="replace")
+            if name in keys:
+                out[name] = v.decode(errors="replace")
+    return out
+
+
+def read_environ(pid: int, proc: Path = PROC) -> dict[str, str]:
+    try:
+        return parse_environ((proc / str(pid) / "environ").read_bytes())
+    except OSError:
+        return {}
+
+
+def int_or_none(v: str | None) -> int | None:
+    try:
+        return int(v) if v is not None and v.strip() != "" else None
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class Mapping:
+    path: str        # as the process sees it
+    dev: str         # "fd:01" as in maps
+    inode: int
+
+
+def parse_maps(text: str) -> list[Mapping]:
+    """Distinct file-backed mappings of a /proc/<pid>/maps text, in order."""
+    seen, out = set(), []
+    for line in text.splitlines():
+        parts = line.split(None, 5)
+        if len(parts) < 6 or not parts[5].startswith("/"):
+            continue
+        path = parts[5].strip()
+        if path.endswith(" (deleted)"):
+            continue
+        inode = int(parts[4])
+        key = (parts[3], inode, path)
+        if inode and key not in seen:
+            seen.add(key)
+            out.append(Mapping(path, parts[3], inode))
+    return out
+
+
+def is_shared_object(path: str) -> bool:
+    name = os.path.basename(path)
+    return name.endswith(".so") or ".so." in name
+
+
+def host_path(pid: int, path: str, proc: Path = PROC) -> Path:
+    """Where the agent opens a file that process `pid` mapped as `path`."""
+    return proc / str(pid) / "root" / path.lstrip("/")
+
+
+class LibraryFinder:
+    """Finds the NCCL library a process maps; remembers verdicts per file identity."""
+
+    def __init__(self, proc: Path = PROC):
+        self.proc = proc
+        self._verdict: dict[tuple[int, int], dict[str, int]] = {}
+
+    def check(self, path: Path) -> tuple[tuple[int, int], dict[str, int]] | None:
+        """((dev, inode), NCCL symbols) of a file, or None if unreadable."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        key = (st.st_dev, st.st_ino)
+        if key not in self._verdict:
+            self._verdict[key] = nccl_symbols(path)
+        return key, self._verdict[key]
+
+    def find(self, pid: int) -> tuple[Path, tuple[int, int], dict[str, int]] | None:
+        """(host path, (dev, inode), symbols) of the NCCL library `pid` maps, if any.
+
+        Files named libnccl* are checked first; then every other mapped
+        shared object (NCCL linked into another library also counts).
+        """
+        try:
+            maps = parse_maps((self.proc / str(pid) / "maps").read_text())
+        except OSError:
+            return None
+        libs = [m for m in maps if is_shared_object(m.path)]
+        libs.sort(key=lambda m: not os.path.basename(m.path).startswith("libnccl"))
+        for m in libs:
+            hp = host_path(pid, m.path, self.proc)
+            got = self.check(hp)
+            if got and got[1]:
+                return hp, got[0], got[1]
+        return None
+
+
+def process_name(pid: int, proc: Path = PROC) -> str | None:
+    try:
+        return (proc / str(pid) / "comm").read_text().strip()
+    except OSError:
+        return None
+
+
+def start_time_ticks(pid: int, proc: Path = PROC) -> int | None:
+    """Field 22 of /proc/<pid>/stat: tells a reused pid from the process we saw."""
+    try:
+        stat = (proc / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    rest = stat[stat.rfind(")") + 2:].split()
+    return int(rest[19]) if len(rest) > 19 else None
+
+
+def read_config_value(path: Path, key: str) -> str | None:
+    """A top-level scalar `key: value` from a small YAML config file."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise IngeroError(f"cannot read agent config {path}: {e.strerror}; fix its permissions "
+                          "or point INGERO_CONFIG at a readable file") from e
+    for line in lines:
+        if not line or line[0] in " \t#-":
+            continue
+        k, sep, v = line.partition(":")
+        if sep and k.strip() == key:
+            v = v.split(" #", 1)[0].strip()
+            if len(v) >= 2 and v[0] == v[-1] and v[0] in "'\"":
+                v = v[1:-1]
+            return v or None
+    return None
+
+
+def node_identity(flag: str | None = None, env: dict | None = None) -> str:
+    """Node name: --node, then the config file's `node`, then NODE_NAME, then hostname."""
+    env = os.environ if env is None else env
+    if flag:
+        return flag
+    cfg = Path(env["INGERO_CONFIG"]) if env.get("INGERO_CONFIG") else DEFAULT_CONFIG
+    if env.get("INGERO_CONFIG") and not cfg.exists():
+        raise IngeroError(f"INGERO_CONFIG={cfg} does not exist; unset it or create the file")
+    from_cfg = read_config_value(cfg, "node")
+    if from_cfg:
+        return from_cfg
+    if env.get("NODE_NAME"):
+        return env["NODE_NAME"]
+    return socket.gethostname()

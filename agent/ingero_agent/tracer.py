@@ -1,0 +1,302 @@
+"""The tracing loop: drain rings, rescan targets, write segments, stop cleanly.
+
+Every ~50 ms each family's ring buffer is drained and decoded in bulk; about
+once a second the targets are rescanned (new processes, pod cgroups,
+libraries), the filter maps updated, new NCCL libraries attached and the
+small state tables (ranks, comms, sched_totals, nodes, sessions) refreshed.
+On SIGINT/SIGTERM or at the end of --duration the rings are drained until
+empty, the final segments and the DuckDB file are written: nothing the
+kernel recorded is dropped on the way out.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ingero import __version__, schema
+from ingero.errors import NotPermitted
+from ingero.store import SegmentWriter, build_duckdb
+from ingero_agent.decode import COLUMNS, TABLES, Identity, Registry, mono_to_wall
+from ingero_agent.probes import ProbeConfig, Probes
+from ingero_agent.procinfo import int_or_none
+from ingero_agent.targets import TargetSet
+
+INIT_OPS = {10: "COMM_INIT_RANK", 11: "COMM_INIT_ALL", 12: "COMM_SPLIT", 15: "COMM_INIT_RANK_CONFIG"}
+
+
+@dataclass
+class TraceOptions:
+    segments: Path
+    node: str
+    session_id: str
+    probe_config: ProbeConfig
+    out: Path | None = None
+    duration_s: float | None = None
+    nccl_libs: list[tuple[Path, tuple[int, int], dict[str, int]]] = field(default_factory=list)
+    ready_file: Path | None = None
+    quiet: bool = False
+    poll_s: float = 0.05       # ring buffer drain period
+    quick_scan_s: float = 0.1  # new processes in known target cgroups, libraries of young ones
+    scan_s: float = 1.0        # full rescan: also new pod/container cgroups, state tables
+    progress_s: float = 1.0
+    roll_s: float = 2.0        # segment roll period
+
+
+class Tracer:
+    def __init__(self, opts: TraceOptions, targets: TargetSet, log=None):
+        self.opts = opts
+        self.targets = targets
+        self.log = log or (lambda msg: print(f"ingero: {msg}", file=sys.stderr, flush=True))
+        self.events = {f: 0 for f in ("nccl", "tcp", "sched")}
+        self.registry = Registry()
+        self.comm_rows: list[dict] = []
+        self.init_rank: dict[int, tuple[int, int]] = {}   # pid -> (nranks, rank) of its widest comm
+        self.nccl_pids: set[int] = set()
+        self._unknown_pids: set[int] = set()   # reported by the kernel, gone before we looked
+        self.lost = {f: 0 for f in self.events}
+        self._stop = False
+        self.status = "running"
+        self.probes: Probes | None = None
+        self.writer: SegmentWriter | None = None
+
+    # ---- lifecycle -----------------------------------------------------------
+    def request_stop(self, *_):
+        self._stop = True
+
+    def run(self) -> int:
+        old = {s: signal.signal(s, self.request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.started_ns = time.time_ns()
+        try:
+            self.probes = Probes(self.opts.probe_config)
+            for note in self.probes.notes:
+                self.log(f"note: {note}")
+            self.writer = SegmentWriter(self.opts.segments, self.opts.node, self.opts.session_id,
+                                        roll_seconds=self.opts.roll_s)
+            for path, key, syms in self.opts.nccl_libs:
+                self._attach(path, key, syms)
+                self.targets.mark_library_attached(key)
+            self.offset_ns, self.clock_rtt_ns = mono_to_wall()
+            self._scan()
+            if self.opts.ready_file:
+                Path(self.opts.ready_file).touch()
+            self.log(f"tracing {','.join(self.opts.probe_config.families)} for "
+                     f"{self.targets.describe()} on node {self.opts.node}, session "
+                     f"{self.opts.session_id}; Ctrl-C to stop")
+            self._loop()
+            self.status = "stopped" if self._stop else "completed"
+        except BaseException:
+            self.status = "failed"
+            raise
+        finally:
+            try:
+                self._finish()
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+        return 0
+
+    def _loop(self) -> None:
+        o = self.opts
+        t0 = time.monotonic()
+        deadline = t0 + o.duration_s if o.duration_s is not None else None
+        next_scan = t0 + o.scan_s
+        next_quick = t0 + o.quick_scan_s
+        next_progress = t0 + o.progress_s
+        while not self._stop:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                break
+            self._drain()
+            if now >= next_scan:
+                self._scan()
+                next_scan = now + o.scan_s
+                next_quick = now + o.quick_scan_s
+            elif now >= next_quick:
+                self._scan(quick=True)
+                next_quick = now + o.quick_scan_s
+            if not o.quiet and now >= next_progress:
+                self._progress(now - t0)
+                next_progress = now + o.progress_s
+            self.writer.maybe_roll()
+            time.sleep(max(0.0, min(o.poll_s, (deadline - time.monotonic()) if deadline else o.poll_s)))
+
+    def _finish(self) -> None:
+        if self.probes is None:
+            return
+        try:
+            if self.writer is not None:
+                for _ in range(100):   # until every ring is empty
+                    if not self._drain():
+                        break
+                self.ended_ns = time.time_ns()
+                self._put_state()
+                self.writer.close()
+                self._summary()
+                if self.opts.out is not None:
+                    build_duckdb([self.opts.segments], self.opts.out)
+                    self.log(f"wrote {self.opts.out} (segments in {self.opts.segments})")
+        finally:
+            self.probes.close()
+
+    # ---- steps -----------------------------------------------------------------
+    def _attach(self, path, key, syms) -> None:
+        names = self.probes.attach_library(path, key, syms)
+        if names:
+            missing = [n for n in syms if n not in names]
+            self.log(f"attached {len(names)} NCCL functions in {path}"
+                     + (f" (aliases skipped: {','.join(missing)})" if missing else ""))
+
+    def _drain(self) -> int:
+        got = 0
+        for fam, ring in self.probes.rings.items():
+            arr = ring.read()
+            if len(arr):
+                got += len(arr)
+                self._handle(fam, arr)
+        return got
+
+    def _handle(self, fam: str, arr: np.ndarray) -> None:
+        pids = [p for p in np.unique(arr["pid"]).tolist()
+                if p and p not in self.registry.by_pid and p not in self._unknown_pids]
+        if pids:   # started and traced between two scans: identify it now
+            self.targets.learn(pids)
+            self._unknown_pids.update(p for p in pids if p not in self.targets.processes)
+            self._update_registry()
+        if fam == "nccl":
+            self._note_comms(arr)
+        cols = COLUMNS[fam](arr, self.offset_ns, self.registry)
+        self.writer.append(TABLES[fam], cols)
+        self.events[fam] += len(arr)
+
+    def _note_comms(self, a: np.ndarray) -> None:
+        self.nccl_pids.update(np.unique(a["pid"]).tolist())
+        sel = np.flatnonzero(np.isin(a["op"], list(INIT_OPS)) & (a["ret"] == 0) & (a["comm"] != 0))
+        changed = False
+        for r in a[sel]:
+            pid, rank, nranks, op = int(r["pid"]), int(r["rank"]), int(r["nranks"]), int(r["op"])
+            self.comm_rows.append({
+                "pid": pid, "comm": int(r["comm"]), "comm_id_hash": int(r["comm_hash"]),
+                "rank": rank, "nranks": nranks, "op": INIT_OPS[op],
+                "parent_hash": int(r["parent_hash"]) if op == 12 else None,
+                "color": int(r["color"]) if op == 12 else None,
+                "split_key": int(r["key"]) if op == 12 else None,
+                "timestamp_ns": int(r["ts_ns"]) + self.offset_ns,
+            })
+            if op in (10, 15) and rank >= 0 and nranks > self.init_rank.get(pid, (-1, -1))[0]:
+                self.init_rank[pid] = (nranks, rank)
+                changed = True
+        if changed:
+            self._update_registry()
+
+    def _scan(self, quick: bool = False) -> None:
+        snap = self.targets.scan(quick=quick)
+        self.probes.set_targets(snap.cgroup_ids, snap.tgids, snap.ips)
+        for path, key, syms in snap.new_libraries:
+            self._attach(path, key, syms)
+        if quick:
+            if snap.new_processes:
+                self._update_registry()
+            return
+        self.offset_ns, self.clock_rtt_ns = mono_to_wall()
+        self._update_registry()
+        self._put_state()
+
+    def _update_registry(self) -> None:
+        reg = self.registry
+        for p in self.targets.processes.values():
+            rank = p.rank
+            if rank is None and p.pid in self.init_rank:
+                rank = self.init_rank[p.pid][1]
+            reg.by_pid[p.pid] = Identity(rank, p.pod.name if p.pod else None,
+                                         p.pod.namespace if p.pod else None)
+        for pod in self.targets.pods:
+            ranks = {reg.by_pid[p.pid].rank for p in self.targets.processes.values()
+                     if p.pod is pod and p.pid in reg.by_pid and reg.by_pid[p.pid].rank is not None}
+            ident = Identity(ranks.pop() if len(ranks) == 1 else None, pod.name, pod.namespace)
+            for ip in pod.ips:
+                reg.by_ip[ip] = ident
+
+    def _put_state(self) -> None:
+        w = self.writer
+        rows = []
+        for p in self.targets.processes.values():
+            if p.nccl_key is None and "RANK" not in p.env and p.pid not in self.nccl_pids:
+                continue
+            ident = self.registry.by_pid.get(p.pid)
+            e = p.env
+            rows.append({
+                "pid": p.pid, "rank": ident.rank if ident else None,
+                "local_rank": int_or_none(e.get("LOCAL_RANK")), "world_size": int_or_none(e.get("WORLD_SIZE")),
+                "local_world_size": int_or_none(e.get("LOCAL_WORLD_SIZE")),
+                "group_rank": int_or_none(e.get("GROUP_RANK")), "run_id": e.get("TORCHELASTIC_RUN_ID"),
+                "master_addr": e.get("MASTER_ADDR"), "master_port": int_or_none(e.get("MASTER_PORT")),
+                "cgroup_id": p.cgroup_id, "cgroup_path": str(p.cgroup_path) if p.cgroup_path else None,
+                "pod": p.pod.name if p.pod else None, "namespace": p.pod.namespace if p.pod else None,
+                "process": p.name, "nccl_lib": str(p.nccl_path) if p.nccl_path else None,
+                "addresses": ",".join(p.pod.ips) if p.pod and p.pod.ips else None,
+                "first_seen_ns": p.first_seen_ns,
+            })
+        w.put_rows("ranks", rows)
+        w.put_rows("comms", self.comm_rows)
+        totals = []
+        for tgid, reason, total, intervals in self.probes.sched_totals():
+            ident = self.registry.by_pid.get(tgid)
+            totals.append({"pid": tgid, "rank": ident.rank if ident else None,
+                           "reason": schema.OFFCPU_REASONS.get(reason), "total_ns": total,
+                           "intervals": intervals})
+        w.put_rows("sched_totals", totals)
+        lost = self.probes.lost()
+        for fam, ring in self.probes.rings.items():
+            lost[fam] += ring.skipped
+        self.lost = lost
+        ended = getattr(self, "ended_ns", None)
+        uname = os.uname()
+        w.put_rows("nodes", [{
+            "hostname": uname.nodename, "kernel": uname.release, "agent_version": __version__,
+            "mono_to_wall_ns": self.offset_ns, "clock_offset_ns": None,
+            "clock_rtt_ns": self.clock_rtt_ns,
+            **{f"lost_{f}": lost[f] for f in lost}, **{f"events_{f}": self.events[f] for f in self.events},
+            "started_ns": self.started_ns, "ended_ns": ended,
+        }])
+        w.put_rows("sessions", [{
+            "started_ns": self.started_ns, "ended_ns": ended,
+            "probes": ",".join(self.opts.probe_config.families),
+            "targets": self.targets.describe(), "status": self.status,
+        }])
+
+    def _progress(self, elapsed: float) -> None:
+        lost = self.probes.lost()
+        ev = " ".join(f"{f} {self.events[f]}" for f in self.opts.probe_config.families)
+        ls = "/".join(str(lost[f]) for f in self.opts.probe_config.families)
+        live = sum(1 for p in self.targets.processes.values() if p.alive)
+        self.log(f"{elapsed:5.0f}s events: {ev}; lost {ls}; {live} target processes")
+
+    def _summary(self) -> None:
+        ev = ", ".join(f"{self.events[f]} {f}" for f in self.opts.probe_config.families)
+        lost = ", ".join(f"{self.lost[f]} {f}" for f in self.opts.probe_config.families)
+        self.log(f"{self.status}: recorded {ev} events; lost {lost}; "
+                 f"{len(self.comm_rows)} communicators, {self.writer.segments_written} segment files")
+
+
+def require_privileges() -> None:
+    """Tracing needs root or CAP_BPF+CAP_PERFMON (or CAP_SYS_ADMIN)."""
+    if os.geteuid() == 0:
+        return
+    caps = 0
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                caps = int(line.split()[1], 16)
+    except OSError:
+        pass
+    if caps & (1 << 21) or (caps & (1 << 39) and caps & (1 << 38)):
+        return
+    raise NotPermitted("tracing needs root (or CAP_BPF and CAP_PERFMON): run with sudo or in a "
+                       "privileged agent container")

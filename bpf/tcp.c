@@ -1,0 +1,258 @@
+/* tcp.c: TCP retransmits, resets and state changes of target connections.
+ *
+ * Hooks (tracepoints only; kprobes are not assumed):
+ *   tcp:tcp_retransmit_skb   IPv4 and IPv6, fires in softirq/timer context
+ *   tcp:tcp_send_reset, tcp:tcp_receive_reset
+ *   sock:inet_sock_set_state state changes of TCP sockets
+ *   sock:sock_send_length, sock:sock_recv_length (when the kernel has them)
+ *                            and inet_sock_set_state -> SYN_SENT (connect):
+ *                            process context, learn who owns a socket
+ *   tcp:tcp_destroy_sock     forget the owner
+ *
+ * Attribution is by connection, not by the task on the CPU: a retransmit
+ * runs from a timer or softirq, where `current` is whoever was interrupted.
+ * `sock_owners` maps the struct sock address to the target task that sent,
+ * received or connected on it (filled only for target tasks, or for every
+ * task with INGERO_TARGET_ALL). An event is emitted when its socket has a
+ * target owner (owner_src OWNER_SOCKET), when the current task owns it in
+ * process context (OWNER_CURRENT), when its local address (saddr) is a
+ * target pod IP (`target_ips`, filled from user space; OWNER_NONE, user
+ * space matches the address: in Kubernetes a pod IP lives only in that pod's
+ * network namespace, so the local end of the connection is the pod), or
+ * always with INGERO_TARGET_ALL. The remote address is not matched: a
+ * connection *to* a target pod from elsewhere is not the pod's own.
+ *
+ * Settings (from the loader, which reads the kernel's tracepoint formats):
+ *   INGERO_HAVE_TCP_SEND_RESET, INGERO_HAVE_TCP_RECEIVE_RESET,
+ *   INGERO_HAVE_TCP_DESTROY_SOCK, INGERO_HAVE_SOCK_LENGTH: the tracepoint
+ *     exists (sock_send_length/sock_recv_length are recent; without them
+ *     owners are learned at connect() only).
+ *   INGERO_TCP_RESET_SOCKADDR: tcp_send_reset stores sockaddr_in/_in6 in
+ *     saddr/daddr (recent kernels); else the older sport/dport/family layout.
+ *   INGERO_DECLARE_SK_RST_REASON: see below.
+ */
+#include "ingero.h"
+
+#ifndef INGERO_HAVE_SOCK_LENGTH
+#define INGERO_HAVE_SOCK_LENGTH 1
+#endif
+#ifndef INGERO_HAVE_TCP_SEND_RESET
+#define INGERO_HAVE_TCP_SEND_RESET 1
+#endif
+#ifndef INGERO_HAVE_TCP_RECEIVE_RESET
+#define INGERO_HAVE_TCP_RECEIVE_RESET 1
+#endif
+#ifndef INGERO_HAVE_TCP_DESTROY_SOCK
+#define INGERO_HAVE_TCP_DESTROY_SOCK 1
+#endif
+#ifndef INGERO_TCP_RESET_SOCKADDR
+#define INGERO_TCP_RESET_SOCKADDR 1
+#endif
+
+#define INGERO_IPPROTO_TCP 6
+#define INGERO_AF_INET 2
+#define INGERO_AF_INET6 10
+#define INGERO_TCP_SYN_SENT 2
+
+/* 6.10+ kernels give tcp_send_reset a `reason` field of an enum that the
+ * (older) headers bcc compiles against may not declare; the loader sets this
+ * when the tracepoint's format names the enum. Only its size (4) matters. */
+#ifdef INGERO_DECLARE_SK_RST_REASON
+enum sk_rst_reason { INGERO_SK_RST_REASON_UNUSED = 0 };
+#endif
+
+BPF_RINGBUF_OUTPUT(tcp_events, INGERO_RINGBUF_PAGES);
+
+struct sock_owner {
+    u64 cgroup_id;
+    u32 tgid;
+    u32 tid;
+};
+BPF_TABLE("lru_hash", u64, struct sock_owner, sock_owners, 65536);
+
+/* A target pod address: IPv4 in the first 4 bytes, family AF_INET/AF_INET6. */
+struct ip_key {
+    u8 addr[16];
+    u32 family;
+};
+BPF_HASH(target_ips, struct ip_key, u8, INGERO_MAX_TARGETS);
+
+static __always_inline void tcp_note_owner(u64 sk)
+{
+    if (!sk)
+        return;
+    u64 id = bpf_get_current_pid_tgid();
+    u64 cgid = bpf_get_current_cgroup_id();
+    if (!ingero_is_target(id >> 32, cgid))
+        return;
+    struct sock_owner *cur = sock_owners.lookup(&sk);
+    if (cur && cur->tgid == (u32)(id >> 32) && cur->tid == (u32)id)
+        return;
+    struct sock_owner o = {.cgroup_id = cgid, .tgid = id >> 32, .tid = (u32)id};
+    sock_owners.update(&sk, &o);
+}
+
+static __always_inline int tcp_ip_is_target(const u8 *addr, u16 family)
+{
+    struct ip_key k = {};
+    k.family = family;
+    if (family == INGERO_AF_INET)
+        __builtin_memcpy(k.addr, addr, 4);
+    else
+        __builtin_memcpy(k.addr, addr, 16);
+    return target_ips.lookup(&k) != 0;
+}
+
+/* Decides whether `e` (addresses, ports, kind filled in) is a target event,
+ * fills in the owner and sends it. `in_process` says the current task is
+ * the socket's user (connect). */
+static __always_inline void tcp_submit(struct ingero_tcp_event *e, int in_process)
+{
+    u64 sk = e->skaddr;
+    struct sock_owner *o = sk ? sock_owners.lookup(&sk) : 0;
+    if (o) {
+        e->owner_src = OWNER_SOCKET;
+        e->pid = o->tgid;
+        e->tid = o->tid;
+        e->cgroup_id = o->cgroup_id;
+    } else if (in_process) {
+        u64 id = bpf_get_current_pid_tgid();
+        u64 cgid = bpf_get_current_cgroup_id();
+        if (ingero_is_target(id >> 32, cgid)) {
+            e->owner_src = OWNER_CURRENT;
+            e->pid = id >> 32;
+            e->tid = (u32)id;
+            e->cgroup_id = cgid;
+        }
+    }
+    if (e->owner_src == OWNER_NONE && !INGERO_TARGET_ALL && !tcp_ip_is_target(e->saddr, e->family))
+        return;
+    e->ts_ns = bpf_ktime_get_ns();
+    if (tcp_events.ringbuf_output(e, sizeof(*e), BPF_RB_NO_WAKEUP) != 0)
+        ingero_count_lost(LOST_TCP);
+}
+
+/* Copies addresses from a tracepoint's saddr/daddr (v4) or _v6 fields. */
+#define TCP_COPY_ADDRS(e, args)                                                   \
+    do {                                                                          \
+        if ((e).family == INGERO_AF_INET6) {                                      \
+            bpf_probe_read_kernel((e).saddr, 16, (void *)(args)->saddr_v6);       \
+            bpf_probe_read_kernel((e).daddr, 16, (void *)(args)->daddr_v6);       \
+        } else {                                                                  \
+            bpf_probe_read_kernel((e).saddr, 4, (void *)(args)->saddr);           \
+            bpf_probe_read_kernel((e).daddr, 4, (void *)(args)->daddr);           \
+        }                                                                         \
+    } while (0)
+
+TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
+{
+    struct ingero_tcp_event e = {};
+    e.kind = TCP_EV_RETRANSMIT;
+    e.skaddr = (u64)args->skaddr;
+    e.family = args->family;
+    e.sport = args->sport;
+    e.dport = args->dport;
+    e.state = args->state;
+    TCP_COPY_ADDRS(e, args);
+    tcp_submit(&e, 0);
+    return 0;
+}
+
+#if INGERO_HAVE_TCP_RECEIVE_RESET
+TRACEPOINT_PROBE(tcp, tcp_receive_reset)
+{
+    struct ingero_tcp_event e = {};
+    e.kind = TCP_EV_RECEIVE_RESET;
+    e.skaddr = (u64)args->skaddr;
+    e.family = args->family;
+    e.sport = args->sport;
+    e.dport = args->dport;
+    TCP_COPY_ADDRS(e, args);
+    tcp_submit(&e, 0);
+    return 0;
+}
+
+#endif
+
+#if INGERO_HAVE_TCP_SEND_RESET
+TRACEPOINT_PROBE(tcp, tcp_send_reset)
+{
+    struct ingero_tcp_event e = {};
+    e.kind = TCP_EV_SEND_RESET;
+    e.skaddr = (u64)args->skaddr;
+    e.state = args->state;
+#if INGERO_TCP_RESET_SOCKADDR
+    /* saddr/daddr hold a struct sockaddr_in or sockaddr_in6:
+     * u16 family; __be16 port; then the v4 address at +4, or flowinfo at +4
+     * and the v6 address at +8. */
+    u8 sa[28] = {};
+    u8 da[28] = {};
+    bpf_probe_read_kernel(sa, sizeof(sa), (void *)args->saddr);
+    bpf_probe_read_kernel(da, sizeof(da), (void *)args->daddr);
+    e.family = sa[0] | (sa[1] << 8);
+    e.sport = (sa[2] << 8) | sa[3];
+    e.dport = (da[2] << 8) | da[3];
+    if (e.family == INGERO_AF_INET6) {
+        __builtin_memcpy(e.saddr, sa + 8, 16);
+        __builtin_memcpy(e.daddr, da + 8, 16);
+    } else {
+        __builtin_memcpy(e.saddr, sa + 4, 4);
+        __builtin_memcpy(e.daddr, da + 4, 4);
+    }
+#else
+    e.family = args->family;
+    e.sport = args->sport;
+    e.dport = args->dport;
+    TCP_COPY_ADDRS(e, args);
+#endif
+    tcp_submit(&e, 0);
+    return 0;
+}
+
+#endif
+
+TRACEPOINT_PROBE(sock, inet_sock_set_state)
+{
+    if (args->protocol != INGERO_IPPROTO_TCP)
+        return 0;
+    u64 sk = (u64)args->skaddr;
+    int connecting = args->newstate == INGERO_TCP_SYN_SENT;
+    if (connecting)
+        tcp_note_owner(sk);  /* connect(): the caller owns the socket */
+    struct ingero_tcp_event e = {};
+    e.kind = TCP_EV_STATE;
+    e.skaddr = sk;
+    e.family = args->family;
+    e.sport = args->sport;
+    e.dport = args->dport;
+    e.state = args->newstate;
+    e.oldstate = args->oldstate;
+    TCP_COPY_ADDRS(e, args);
+    tcp_submit(&e, connecting);
+    return 0;
+}
+
+#if INGERO_HAVE_TCP_DESTROY_SOCK
+TRACEPOINT_PROBE(tcp, tcp_destroy_sock)
+{
+    u64 sk = (u64)args->skaddr;
+    sock_owners.delete(&sk);
+    return 0;
+}
+#endif
+
+#if INGERO_HAVE_SOCK_LENGTH
+TRACEPOINT_PROBE(sock, sock_send_length)
+{
+    if (args->protocol == INGERO_IPPROTO_TCP)
+        tcp_note_owner((u64)args->sk);
+    return 0;
+}
+
+TRACEPOINT_PROBE(sock, sock_recv_length)
+{
+    if (args->protocol == INGERO_IPPROTO_TCP)
+        tcp_note_owner((u64)args->sk);
+    return 0;
+}
+#endif

@@ -1,0 +1,171 @@
+"""NCCL uprobes against a fake libnccl with the real signatures.
+
+The driver (fixtures/driver.c) makes a known sequence of calls; every
+argument it passes must come back exactly: stack-passed arguments (stream,
+ncclReduce's comm), the by-value ncclUniqueId hashed with the splitmix64
+fold, per-communicator seq, group flags, split/InitAll communicators, and
+ncclBcast counted once although it calls ncclBroadcast inside.
+"""
+
+from __future__ import annotations
+
+import os
+
+M64 = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
+    return x ^ (x >> 31)
+
+
+def fold(uid: bytes) -> int:
+    h = 0
+    for i in range(16):
+        h = splitmix64(h ^ int.from_bytes(uid[8 * i:8 * i + 8], "little"))
+    return h
+
+
+def ids(seed: int) -> tuple[bytes, bytes]:
+    """The two unique ids the driver builds from SEED (see driver.c)."""
+    a = bytes((seed * 31 + i) & 0xFF for i in range(128))
+    b = bytes(a[i] if i < 64 else (~a[i]) & 0xFF for i in range(128))
+    return a, b
+
+
+COLS = ("op, rank, nranks, comm_id_hash, seq, count, bytes, datatype, reduce_op, peer, ret, "
+        "in_group, stream, parent_hash, color, split_key")
+
+
+def expected_rows(iters: int, seed: int, rank: int, nranks: int) -> list[tuple]:
+    id1, id2 = ids(seed)
+    h1, h2 = fold(id1), fold(id2)
+    child = splitmix64(h1 ^ splitmix64(rank % 2) ^ 0)
+    rows = [
+        ("COMM_INIT_RANK", rank, nranks, h1, None, None, None, None, None, None, 0, False, None, None, None, None),
+        ("COMM_INIT_RANK_CONFIG", rank, nranks, h2, None, None, None, None, None, None, 0, False, None, None, None, None),
+    ]
+    rows += [("ALL_REDUCE", rank, nranks, h1, i, 1000 + i, 4 * (1000 + i), "float32", "sum", None, 0, False,
+              0x5000 + i, None, None, None) for i in range(iters)]
+    rows += [
+        ("REDUCE", rank, nranks, h1, iters, 77, 616, "int64", "max", 1, 0, False, 0xABC, None, None, None),
+        ("GROUP_START", -1, -1, 0, None, None, None, None, None, None, 0, False, None, None, None, None),
+        ("SEND", rank, nranks, h1, 0, 10, 20, "float16", None, (rank + 1) % nranks, 0, True, 1, None, None, None),
+        ("RECV", rank, nranks, h1, 1, 10, 20, "float16", None, (rank + nranks - 1) % nranks, 7, True, 1,
+         None, None, None),
+        ("GROUP_END", -1, -1, 0, None, None, None, None, None, None, 0, False, None, None, None, None),
+        ("BROADCAST", rank, nranks, h1, iters + 1, 33, 33, "int8", None, 0, 0, False, 2, None, None, None),
+        ("ALL_REDUCE", rank, nranks, h2, 0, 5, 20, "float32", "sum", None, 0, False, 3, None, None, None),
+        ("COMM_SPLIT", -1, -1, child, None, None, None, None, None, None, 0, False, None, h1, rank % 2, rank),
+        ("ALL_REDUCE", -1, -1, child, 0, 8, 64, "float64", "avg", None, 0, False, 4, None, None, None),
+    ]
+    # InitAll: one record per communicator; its hash depends on pointer and time (checked apart)
+    return rows
+
+
+def run_driver(fake, go, iters, seed, rank, nranks, cgroup=None, mode=None, env=None):
+    from tests.bpf.conftest import spawn
+    argv = [str(fake["driver"]), str(iters), str(seed), str(rank), str(nranks), str(go)]
+    if mode:
+        argv.append(mode)
+    return spawn(argv, cgroup, env=env)
+
+
+def test_every_call_of_a_traced_pid_is_recorded_with_exact_arguments(fake_nccl, trace, tmp_path):
+    go = tmp_path / "go"
+    iters, seed, rank, nranks = 5, 9, 1, 4
+    drv = run_driver(fake_nccl, go, iters, seed, rank, nranks, env=dict(os.environ, RANK="1", WORLD_SIZE="4"))
+    t = trace("--pid", str(drv.pid), "--probes", "nccl")
+    go.touch()
+    assert drv.wait(30) == 0
+    t.stop()
+    rows = t.query(f"SELECT {COLS} FROM nccl_events WHERE pid = ? ORDER BY timestamp_ns", [drv.pid])
+    want = expected_rows(iters, seed, rank, nranks)
+    assert rows[:len(want)] == want
+    rest = rows[len(want):]
+    init_all = [r for r in rest if r[0] == "COMM_INIT_ALL"]
+    assert [(r[1], r[2], r[5]) for r in init_all] == [(0, 2, 2), (1, 2, 2)]
+    assert init_all[0][3] == init_all[1][3] != 0
+    ar = [r for r in rest if r[0] == "ALL_REDUCE"]
+    assert [(r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8]) for r in ar] == \
+        [(1, 2, init_all[0][3], 0, 9, 36, "int32", "min")]
+    assert [r[0] for r in rest].count("COMM_DESTROY") == 5 and len(rows) == len(want) + 8
+    assert all(d > 0 for (d,) in t.query("SELECT duration_ns FROM nccl_events WHERE op = 'ALL_REDUCE'"))
+    # ranks and comms state tables
+    assert t.query("SELECT pid, rank, world_size, process FROM ranks") == [(drv.pid, 1, 4, "driver")]
+    id1, id2 = ids(seed)
+    comms = t.query("SELECT op, comm_id_hash, rank, nranks, parent_hash, color FROM comms ORDER BY timestamp_ns")
+    assert comms[:3] == [("COMM_INIT_RANK", fold(id1), rank, nranks, None, None),
+                         ("COMM_INIT_RANK_CONFIG", fold(id2), rank, nranks, None, None),
+                         ("COMM_SPLIT", splitmix64(fold(id1) ^ splitmix64(1) ^ 0), -1, -1, fold(id1), 1)]
+    assert t.query("SELECT lost_nccl, events_nccl FROM nodes") == [(0, len(rows))]
+
+
+def test_ids_sharing_their_first_64_bytes_hash_differently():
+    a, b = ids(9)
+    assert a[:64] == b[:64] and a != b and fold(a) != fold(b)
+
+
+def test_only_processes_in_the_target_cgroup_are_recorded_even_when_started_later(
+        fake_nccl, trace, make_cgroup, tmp_path):
+    cg = make_cgroup()
+    t = trace("--cgroup", str(cg), "--probes", "nccl")
+    go = tmp_path / "go"
+    inside = run_driver(fake_nccl, go, 4, 3, 0, 2, cgroup=cg)       # started after tracing began
+    t.wait_for_line("attached")                                     # its library was found
+    outside = run_driver(fake_nccl, go, 4, 3, 1, 2)                 # same library, root cgroup
+    go.touch()
+    assert inside.wait(30) == 0 and outside.wait(30) == 0
+    t.stop()
+    per_pid = dict(t.query("SELECT pid, COUNT(*) FROM nccl_events GROUP BY pid"))
+    assert per_pid == {inside.pid: 4 + 19}          # iters + 19 other calls
+    seqs = t.query("SELECT seq FROM nccl_events WHERE op = 'ALL_REDUCE' AND comm_id_hash = ? "
+                   "ORDER BY timestamp_ns", [fold(ids(3)[0])])
+    assert [s for (s,) in seqs] == [0, 1, 2, 3]
+
+
+def test_nccl_lib_attaches_up_front_so_a_new_process_is_traced_from_its_first_call(
+        fake_nccl, trace, make_cgroup, tmp_path):
+    cg = make_cgroup()
+    t = trace("--cgroup", str(cg), "--probes", "nccl", "--nccl-lib", str(fake_nccl["lib"]))
+    go = tmp_path / "go"
+    go.touch()                                  # no waiting: calls start at once
+    drv = run_driver(fake_nccl, go, 2, 4, 0, 1, cgroup=cg)
+    assert drv.wait(30) == 0
+    t.stop()
+    first = t.query("SELECT op, comm_id_hash FROM nccl_events ORDER BY timestamp_ns LIMIT 1")
+    assert first == [("COMM_INIT_RANK", fold(ids(4)[0]))]
+    assert t.query("SELECT COUNT(*) FROM nccl_events") == [(2 + 19,)]
+
+
+def test_calls_on_a_communicator_created_before_tracing_are_flagged_unknown(fake_nccl, trace, tmp_path):
+    go = tmp_path / "go"
+    drv = run_driver(fake_nccl, go, 3, 5, 2, 4, mode="early")
+    assert drv.stdout.readline().strip() == "inited"     # communicator made before tracing
+    t = trace("--pid", str(drv.pid), "--probes", "nccl")
+    go.touch()
+    assert drv.wait(30) == 0
+    t.stop()
+    rows = t.query("SELECT op, rank, nranks, comm_id_hash, seq, count FROM nccl_events ORDER BY timestamp_ns")
+    assert rows == [("ALL_REDUCE", -1, -1, 0, i, 1000 + i) for i in range(3)] + \
+        [("COMM_DESTROY", -1, -1, 0, None, None)]
+
+
+def test_a_call_that_never_returns_does_not_silence_the_thread(fake_nccl, trace, tmp_path):
+    # The frame of a call whose return is never seen is replaced by the next
+    # call made at the same stack depth (here ncclGroupStart); from then on
+    # every call is recorded again. (Calls made deeper than the lost one, e.g.
+    # with stack-passed arguments, count as nested until that happens.)
+    go = tmp_path / "go"
+    drv = run_driver(fake_nccl, go, 4, 6, 0, 2, mode="escape")
+    t = trace("--pid", str(drv.pid), "--probes", "nccl")
+    go.touch()
+    assert drv.wait(30) == 0
+    t.stop()
+    rows = t.query("SELECT op, seq, count FROM nccl_events ORDER BY timestamp_ns")
+    # ncclCommAbort left by longjmp: no record; every later call still is one
+    assert rows == [("COMM_INIT_RANK", None, None), ("COMM_INIT_RANK", None, None),
+                    ("GROUP_START", None, None), ("GROUP_END", None, None)] + \
+        [("ALL_REDUCE", i, 1000 + i) for i in range(4)] + [("COMM_DESTROY", None, None)]

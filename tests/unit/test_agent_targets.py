@@ -1,0 +1,98 @@
+"""Target discovery on fixture trees: the pods file, pod cgroups found by UID,
+their processes with torchrun identity, pod IPs for the kernel's address map,
+and NCCL libraries reported once per file."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ingero.errors import IngeroError
+from ingero_agent.targets import AF_INET, AF_INET6, TargetSet, ip_key, load_pods
+
+UID = "aaaa-bbbb"
+
+
+def _pods_file(tmp: Path, root: Path) -> Path:
+    f = tmp / "pods.json"
+    f.write_text(json.dumps({"node": "n1", "cgroup_root": str(root), "pods": [
+        {"name": "w-0", "namespace": "ml", "uid": UID, "node": "n1",
+         "containers": [{"name": "t", "id": "containerd://c0"}], "ips": ["10.1.0.5", "fd00::5"]},
+        {"name": "elsewhere", "namespace": "ml", "uid": "cccc", "node": "n2", "ips": ["10.1.0.9"]},
+    ]}))
+    return f
+
+
+def _proc(tmp: Path, pid: int, env: bytes, maps: str, root: Path) -> None:
+    d = tmp / "proc" / str(pid)
+    d.mkdir(parents=True)
+    (d / "stat").write_text(f"{pid} (python) S " + " ".join(["1"] * 18) + " 12345 0 0\n")
+    (d / "environ").write_bytes(env)
+    (d / "comm").write_text("python\n")
+    (d / "maps").write_text(maps)
+    (d / "root").symlink_to(root)
+
+
+def test_pods_file_errors_name_the_file_and_item(tmp_path):
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps({"pods": [{"name": "a", "uid": "u", "ips": ["nope"]}]}))
+    with pytest.raises(IngeroError, match=r"pods\[0\].*'nope' is not an IP"):
+        load_pods(f)
+    f.write_text("{")
+    with pytest.raises(IngeroError, match="not readable JSON"):
+        load_pods(f)
+
+
+def test_ip_keys_put_ipv4_in_the_first_four_bytes():
+    assert ip_key("10.1.0.5") == (AF_INET, bytes([10, 1, 0, 5]) + bytes(12))
+    fam, b = ip_key("fd00::5")
+    assert fam == AF_INET6 and b[0] == 0xFD and b[-1] == 5
+
+
+def test_scan_finds_the_pod_its_processes_ranks_ips_and_library(tmp_path):
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is not installed: cannot build the fixture NCCL library")
+    root = tmp_path / "cg"
+    pod = root / f"kubepods-pod{UID.replace('-', '_')}.slice"
+    cont = pod / "cri-containerd-c0.scope"
+    cont.mkdir(parents=True)
+    (pod / "cgroup.procs").write_text("")
+    (cont / "cgroup.procs").write_text("4242\n")
+    croot = tmp_path / "rootfs"
+    (croot / "lib").mkdir(parents=True)
+    (croot / "lib/n.c").write_text("int ncclAllReduce(void){return 0;}\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(croot / "lib/libnccl.so.2"),
+                    str(croot / "lib/n.c")], check=True)
+    _proc(tmp_path, 4242, b"RANK=5\0WORLD_SIZE=8\0", 
+          "7f0000000000-7f0000001000 r-xp 00000000 fd:01 77 /lib/libnccl.so.2\n", croot)
+
+    pods = load_pods(_pods_file(tmp_path, root))
+    ts = TargetSet(pods=pods, node="n1", proc=tmp_path / "proc", self_pid=1)
+    assert [p.name for p in ts.pods] == ["w-0"]          # the n2 pod is not ours
+    snap = ts.scan()
+    assert snap.cgroup_ids == {pod.stat().st_ino, cont.stat().st_ino}
+    assert snap.ips == {ip_key("10.1.0.5"), ip_key("fd00::5")}
+    p = ts.processes[4242]
+    assert (p.rank, p.pod.name, p.pod.namespace, p.cgroup_path) == (5, "w-0", "ml", cont)
+    assert [lib[0].name for lib in snap.new_libraries] == ["libnccl.so.2"]
+    assert ts.scan().new_libraries == []                 # reported once per file
+
+
+def test_scan_drops_processes_that_left_and_keeps_explicit_pids(tmp_path):
+    cg = tmp_path / "job"
+    cg.mkdir()
+    (cg / "cgroup.procs").write_text("11\n")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _proc(tmp_path, 11, b"", "", empty)
+    _proc(tmp_path, 12, b"RANK=0\0", "", empty)
+    ts = TargetSet(pids=[12], cgroup_paths=[cg], proc=tmp_path / "proc", self_pid=1)
+    snap = ts.scan()
+    assert snap.tgids == {12} and set(ts.processes) == {11, 12}
+    (cg / "cgroup.procs").write_text("")
+    ts.scan()
+    assert not ts.processes[11].alive and ts.processes[12].alive
