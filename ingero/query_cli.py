@@ -45,7 +45,8 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def print_table(names: list[str], rows: list[tuple], out=sys.stdout) -> None:
+def print_table(names: list[str], rows: list[tuple], out=None) -> None:
+    out = out or sys.stdout
     cells = [[_fmt(v) for v in r] for r in rows]
     widths = [max([len(n)] + [len(r[i]) for r in cells]) for i, n in enumerate(names)]
     numeric = [all(isinstance(r[i], (int, float)) or r[i] is None for r in rows) and rows

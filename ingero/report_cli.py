@@ -22,7 +22,8 @@ def add_parser(sub):
     return p
 
 
-def render(rep: Report, out=sys.stdout) -> None:
+def render(rep: Report, out=None) -> None:
+    out = out or sys.stdout
     names = ["rank", "node", "pod", "colls", "p50 ms", "p99 ms", "late ms", "last %",
              "z", "retx", "retx in coll", "runq ms", "io ms", "sleep ms"]
     rows = [(r.rank, r.node or "", r.pod or "", r.collectives, r.p50_ms, r.p99_ms, r.late_ms,

@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ingero import schema
+from ingero.comms import resolve_split_ranks
 from ingero.errors import IngeroError
 
 # Strings are dictionary-encoded in memory too: the agent hands over small
@@ -81,20 +82,28 @@ def to_arrow(table: str, columns: dict, nrows: int | None = None) -> pa.Table:
 def dict_column(codes: np.ndarray, names: list[str | None] | dict[int, str]) -> pa.DictionaryArray:
     """A string column from integer codes without building one Python string per row.
 
-    `names` maps code -> string (a list indexes by position); unknown codes
-    become NULL.
+    `names` maps code -> string (a list indexes by position); codes with no
+    name (absent, None, or out of range) become NULL. The dictionary holds
+    only real strings: Parquet refuses a dictionary with nulls in it.
     """
     if isinstance(names, dict):
         size = max(names, default=-1) + 1
         table = [names.get(i) for i in range(size)]
     else:
         table = list(names)
-    codes = np.asarray(codes).astype(np.int32)
-    mask = (codes < 0) | (codes >= len(table))
-    if len(table):
-        mask |= np.array([v is None for v in table])[np.clip(codes, 0, len(table) - 1)]
-    idx = pa.array(codes, type=pa.int32(), mask=mask if mask.any() else None)
-    return pa.DictionaryArray.from_arrays(idx, pa.array(table, type=pa.string()))
+    words = [w for w in table if w is not None]
+    # code -> position in `words`, -1 for no name; one extra slot for out-of-range codes
+    remap = np.full(len(table) + 1, -1, dtype=np.int32)
+    pos = 0
+    for i, w in enumerate(table):
+        if w is not None:
+            remap[i] = pos
+            pos += 1
+    codes = np.asarray(codes).astype(np.int64)
+    idx = remap[np.where((codes >= 0) & (codes < len(table)), codes, len(table))]
+    mask = idx < 0
+    arr = pa.array(np.maximum(idx, 0), type=pa.int32(), mask=mask if mask.any() else None)
+    return pa.DictionaryArray.from_arrays(arr, pa.array(words, type=pa.string()))
 
 
 def _write_parquet(tbl: pa.Table, path: Path) -> None:
@@ -265,6 +274,7 @@ def build_duckdb(sources: list[Path], out: Path) -> Path:
         con = duckdb.connect(str(tmp))
         try:
             attach_segments(con, [Path(s) for s in sources], materialize=True)
+            resolve_split_ranks(con)
         finally:
             con.close()
         os.replace(tmp, out)

@@ -1,7 +1,7 @@
 """Turn decoded records into the schema's columns, whole arrays at a time.
 
 Names (op, datatype, event, reason) become dictionary-coded columns
-(``names_column``), bytes = count x datatype size, CLOCK_MONOTONIC
+(``store.dict_column``), bytes = count x datatype size, CLOCK_MONOTONIC
 times become wall-clock times, and each row gets the rank, pod and namespace
 of the process that made it (TCP events: of the socket's owner, else of the
 target pod whose address is the connection's local end). Python runs once per distinct
@@ -66,26 +66,6 @@ class Registry:
         return self.by_pid.get(pid)
 
 
-def names_column(codes: np.ndarray, names: dict[int, str | None] | list[str | None]):
-    """A dictionary-coded string column; codes without a name become NULL.
-
-    The dictionary holds only real names (Parquet cannot store a null inside
-    a dictionary), so codes are remapped onto the compact list first.
-    """
-    items = names.items() if isinstance(names, dict) else enumerate(names)
-    items = [(int(k), v) for k, v in items]
-    size = max((k for k, _ in items), default=-1) + 1
-    remap = np.full(max(size, 1), -1, dtype=np.int64)
-    compact: list[str] = []
-    for k, v in items:
-        if v is not None and k >= 0:
-            remap[k] = len(compact)
-            compact.append(v)
-    codes = np.asarray(codes).astype(np.int64)
-    valid = (codes >= 0) & (codes < size)
-    return dict_column(np.where(valid, remap[np.clip(codes, 0, max(size - 1, 0))], -1), compact)
-
-
 def _masked(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return np.ma.masked_array(values, mask=mask) if mask.any() else values
 
@@ -105,8 +85,8 @@ def _identity_columns(pids: np.ndarray, idents: dict[int, Identity | None]) -> d
     rank = ranks[inv]
     return {
         "rank": _masked(rank, rank < 0),
-        "pod": names_column(inv, pods),
-        "namespace": names_column(inv, nss),
+        "pod": dict_column(inv, pods),
+        "namespace": dict_column(inv, nss),
     }
 
 
@@ -121,7 +101,7 @@ def nccl_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
         "timestamp_ns": a["ts_ns"].astype(np.int64) + offset_ns,
         "ts_mono_ns": a["ts_ns"].astype(np.int64),
         "duration_ns": a["duration_ns"].astype(np.int64),
-        "op": names_column(op, schema.NCCL_OPS),
+        "op": dict_column(op, schema.NCCL_OPS),
         "rank": a["rank"],                      # rank in the communicator; -1 unknown
         "global_rank": ident["rank"],           # the process's torchrun RANK
         "nranks": a["nranks"],
@@ -129,8 +109,8 @@ def nccl_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
         "seq": _masked(a["seq"].astype(np.int64), ~data_op),
         "count": _masked(count, ~data_op & (op != 11)),
         "bytes": _masked(nbytes, ~data_op),
-        "datatype": names_column(np.where(data_op, a["datatype"], -1), _DT_NAMES),
-        "reduce_op": names_column(np.where(_REDUCE_OPS[op], a["redop"], -1), schema.NCCL_REDOPS),
+        "datatype": dict_column(np.where(data_op, a["datatype"], -1), _DT_NAMES),
+        "reduce_op": dict_column(np.where(_REDUCE_OPS[op], a["redop"], -1), schema.NCCL_REDOPS),
         "peer": _masked(a["peer"], a["peer"] < 0),   # SEND/RECV peer, BROADCAST/REDUCE root
         "ret": a["ret"],
         "in_group": (a["flags"] & NCCL_F_IN_GROUP) != 0,
@@ -192,16 +172,16 @@ def tcp_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
     return {
         "timestamp_ns": a["ts_ns"].astype(np.int64) + offset_ns,
         "ts_mono_ns": a["ts_ns"].astype(np.int64),
-        "event": names_column(a["kind"], schema.TCP_EVENTS),
-        "saddr": names_column(s_codes, s_names),
-        "daddr": names_column(d_codes, d_names),
+        "event": dict_column(a["kind"], schema.TCP_EVENTS),
+        "saddr": dict_column(s_codes, s_names),
+        "daddr": dict_column(d_codes, d_names),
         "sport": a["sport"].astype(np.int32),
         "dport": a["dport"].astype(np.int32),
-        "family": names_column(a["family"], schema.FAMILIES),
-        "state": names_column(np.where(a["state"] > 0, a["state"], -1), schema.TCP_STATES),
-        "old_state": names_column(np.where(state_ev, a["oldstate"], -1), schema.TCP_STATES),
+        "family": dict_column(a["family"], schema.FAMILIES),
+        "state": dict_column(np.where(a["state"] > 0, a["state"], -1), schema.TCP_STATES),
+        "old_state": dict_column(np.where(state_ev, a["oldstate"], -1), schema.TCP_STATES),
         "skaddr": a["skaddr"],
-        "owner_source": names_column(owner, OWNER_SOURCES),
+        "owner_source": dict_column(owner, OWNER_SOURCES),
         "pid": _masked(pid.astype(np.int32), pid == 0),
         "tid": _masked(a["tid"].astype(np.int32), pid == 0),
         "cgroup_id": _masked(a["cgroup_id"], a["cgroup_id"] == 0),
@@ -216,7 +196,7 @@ def sched_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
         "ts_mono_ns": a["ts_ns"].astype(np.int64),
         "duration_ns": a["off_ns"].astype(np.int64),
         "runq_ns": a["runq_ns"].astype(np.int64),
-        "reason": names_column(a["reason"], schema.OFFCPU_REASONS),
+        "reason": dict_column(a["reason"], schema.OFFCPU_REASONS),
         "pid": a["pid"].astype(np.int32),
         "tid": a["tid"].astype(np.int32),
         "cgroup_id": a["cgroup_id"],

@@ -96,7 +96,8 @@ def _run(args) -> int:
     try:
         with LabRun(cfg, log=_log) as lab:
             if args.trace:
-                tracers = tr.start_tracers(lab.out, {n.name: lab.pods_file(n) for n in lab.nodes})
+                tracers = tr.start_tracers(lab.out, {n.name: lab.pods_file(n) for n in lab.nodes},
+                                         nccl_lib=lab.binaries.libnccl)
                 lab.on_close.append(lambda: tr.stop_tracers(tracers, timeout_s=10))
                 _log(f"lab {lab.run_id}: waiting for {len(tracers)} tracers")
                 tr.wait_ready(tracers)

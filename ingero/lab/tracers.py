@@ -38,8 +38,16 @@ class NodeTracer:
             return ""
 
 
-def start_tracers(out_dir: Path, pods_files: dict[str, Path]) -> list[NodeTracer]:
-    """Start one tracer per node ({node name: pods file})."""
+def start_tracers(out_dir: Path, pods_files: dict[str, Path], nccl_lib: Path | None = None
+                  ) -> list[NodeTracer]:
+    """Start one tracer per node ({node name: pods file}).
+
+    `nccl_lib` attaches the NCCL probes to that library file before any rank
+    exists (as a TraceSession's ncclLibPath does): the lab's ranks create
+    their communicators within milliseconds of starting, faster than a
+    tracer's periodic scan would find the library in their maps, and a
+    communicator whose creation was missed has no rank or id hash.
+    """
     tracers = []
     nodes_dir = out_dir / "nodes"
     nodes_dir.mkdir(parents=True, exist_ok=True)
@@ -48,6 +56,8 @@ def start_tracers(out_dir: Path, pods_files: dict[str, Path]) -> list[NodeTracer
         ready.unlink(missing_ok=True)
         argv = [sys.executable, "-m", "ingero", "trace", "--pods", str(pods), "--node", node,
                 "--out", str(out), "--ready-file", str(ready), "--quiet"]
+        if nccl_lib is not None:
+            argv += ["--nccl-lib", str(nccl_lib)]
         with open(log, "wb") as f:
             proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)

@@ -58,7 +58,8 @@ def lossy(tmp_path_factory):
     cfg = LabConfig(scenario="lossy-link", nodes=2, ranks_per_node=2, seconds=8, out_dir=out,
                     loss_percent=5)
     with LabRun(cfg, log=lambda _m: None) as lab:
-        tracers = tr.start_tracers(lab.out, {n.name: lab.pods_file(n) for n in lab.nodes})
+        tracers = tr.start_tracers(lab.out, {n.name: lab.pods_file(n) for n in lab.nodes},
+                                         nccl_lib=lab.binaries.libnccl)
         lab.on_close.append(lambda: tr.stop_tracers(tracers, timeout_s=10))
         tr.wait_ready(tracers)
         env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
@@ -144,18 +145,30 @@ def test_communicators_whose_ids_share_their_first_bytes_hash_differently(lossy)
     assert split == 2  # one per node (color)
 
 
-def test_retransmits_are_attributed_to_the_lossy_nodes_ranks_only(lossy):
-    con, victim = lossy["con"], lossy["victim_node"]
+def test_retransmits_are_attributed_to_the_lossy_nodes_ranks_as_the_kernel_counts_them(lossy):
+    """The victim node owns nearly all retransmits, every one has an owning rank,
+    and each node's share agrees with that node's own kernel counter (TcpRetransSegs
+    of its network namespace). The other node is not at zero: the victim's lost data
+    segments carry its ACKs, so its peers' tail-loss probes retransmit too (seen here
+    as a few dozen RetransSegs against thousands on the victim), and we say so rather
+    than hide them."""
+    con, victim, rep = lossy["con"], lossy["victim_node"], lossy["report"]
     rows = con.execute("""SELECT t.node, r.pod IS NOT NULL, COUNT(*) FROM tcp_events t
                           LEFT JOIN ranks r ON r.node = t.node AND r.pid = t.pid
                           WHERE t.event = 'tcp_retransmit_skb' GROUP BY ALL""").fetchall()
+    assert all(owned for _, owned, _ in rows), rows  # every retransmit has an owning rank
     by_node = {n: c for n, _, c in rows}
-    assert by_node.get(victim, 0) >= 5, rows
-    assert set(by_node) == {victim}, rows
-    assert all(owned for _, owned, _ in rows)  # every retransmit has an owning rank
-    ranks = {r for (r,) in con.execute("""SELECT DISTINCT rank FROM tcp_events
-                                          WHERE event = 'tcp_retransmit_skb'""").fetchall()}
-    assert ranks and ranks <= {2, 3}
+    total = sum(by_node.values())
+    assert by_node.get(victim, 0) >= 20 and by_node[victim] >= 0.9 * total, rows
+    kernel = {n: c["retrans_segs"] for n, c in rep["node_tcp"].items() if n != "switch"}
+    assert kernel[victim] >= 0.9 * sum(kernel.values()), kernel
+    for node, n in by_node.items():
+        assert kernel[node] > 0, f"{n} retransmits attributed to {node}, whose kernel counted none"
+    victim_ranks = {r["rank"] for r in rep["ranks"] if r["node"] == victim}
+    ranks = {r for (r,) in con.execute("""SELECT DISTINCT rank FROM tcp_events t
+                                          WHERE event = 'tcp_retransmit_skb' AND node = ?""",
+                                       [victim]).fetchall()}
+    assert ranks and ranks <= victim_ranks
 
 
 def test_published_slow_collective_join_finds_retransmits_in_slow_collectives(lossy):

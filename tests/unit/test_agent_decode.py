@@ -10,7 +10,8 @@ import numpy as np
 import pyarrow as pa
 
 from ingero.store import to_arrow
-from ingero_agent.decode import (Identity, Registry, mono_to_wall, names_column, nccl_columns,
+from ingero.store import dict_column
+from ingero_agent.decode import (Identity, Registry, mono_to_wall, nccl_columns,
                                  sched_columns, tcp_columns)
 from ingero_agent.records import NCCL_EVENT, SCHED_EVENT, TCP_EVENT
 
@@ -19,8 +20,8 @@ def _col(table: str, cols: dict, name: str) -> list:
     return to_arrow(table, cols).column(name).to_pylist()
 
 
-def test_names_column_maps_codes_and_turns_unknown_codes_into_null():
-    col = names_column(np.array([1, 0, 7, -1, 2]), {1: "a", 2: "b", 5: None})
+def test_dict_column_maps_codes_and_turns_unknown_codes_into_null():
+    col = dict_column(np.array([1, 0, 7, -1, 2]), {1: "a", 2: "b", 5: None})
     assert col.to_pylist() == ["a", None, None, None, "b"]
     assert None not in col.dictionary.to_pylist()
 
@@ -104,4 +105,4 @@ def test_mono_to_wall_offset_converts_monotonic_to_current_wall_time():
     assert 0 <= rtt < 50_000_000
     now_wall = time.clock_gettime_ns(time.CLOCK_MONOTONIC) + off
     assert abs(now_wall - time.time_ns()) < 50_000_000
-    assert isinstance(names_column(np.array([0]), ["x"]), pa.DictionaryArray)
+    assert isinstance(dict_column(np.array([0]), ["x"]), pa.DictionaryArray)

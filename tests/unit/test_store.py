@@ -101,3 +101,16 @@ def test_query_cli_prints_published_queries_and_one_line_errors(tmp_path, capsys
     assert main(["query", str(tmp_path / "missing.duckdb"), "SELECT 1"]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["query", str(tmp_path), "SELECT 1"]) == 0  # tmp_path holds seg/ below it
+
+
+def test_dict_column_maps_gaps_and_unknown_codes_to_null_and_writes_parquet(tmp_path):
+    from ingero.store import dict_column
+
+    col = dict_column(np.array([1, 0, 5, -1, 3]), {1: "ALL_REDUCE", 3: "SEND"})
+    assert col.to_pylist() == ["ALL_REDUCE", None, None, None, "SEND"]
+    w = SegmentWriter(tmp_path, node="n", session_id="s")
+    w.append("nccl_events", {"op": col, "timestamp_ns": np.arange(5), "pid": np.ones(5, np.int32)})
+    w.close()
+    con = open_source(tmp_path)
+    assert con.execute("SELECT op FROM nccl_events ORDER BY timestamp_ns").fetchall() == [
+        ("ALL_REDUCE",), (None,), (None,), (None,), ("SEND",)]

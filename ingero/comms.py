@@ -1,0 +1,51 @@
+"""Resolve the ranks of communicators created by ncclCommSplit.
+
+The kernel cannot know a split child's rank: NCCL orders the members of each
+color by (key, rank in the parent), which needs every member's view. The
+agent records each split in the `comms` table with the parent's hash, the
+color and the key; once the traces of all nodes are together, this module
+numbers the members and writes rank and nranks into `comms` and into the
+child's rows of `nccl_events`. Nested splits resolve level by level.
+"""
+
+from __future__ import annotations
+
+MAX_SPLIT_DEPTH = 8
+
+
+def resolve_split_ranks(con) -> int:
+    """Fill rank/nranks of split children in `comms` and `nccl_events` (real tables).
+
+    Returns how many communicator rows were resolved.
+    """
+    resolved = 0
+    for _ in range(MAX_SPLIT_DEPTH):
+        n = con.execute("""
+            WITH kids AS (
+              SELECT c.node, c.pid, c.comm_id_hash, c.split_key, p.rank AS parent_rank
+              FROM comms c
+              JOIN comms p ON p.node IS NOT DISTINCT FROM c.node AND p.pid = c.pid
+                          AND p.comm_id_hash = c.parent_hash AND p.rank >= 0
+              WHERE c.op = 'COMM_SPLIT' AND c.rank < 0),
+            numbered AS (
+              SELECT node, pid, comm_id_hash,
+                     row_number() OVER (PARTITION BY comm_id_hash
+                                        ORDER BY split_key, parent_rank) - 1 AS new_rank,
+                     count(*) OVER (PARTITION BY comm_id_hash) AS members
+              FROM kids)
+            UPDATE comms SET rank = numbered.new_rank, nranks = numbered.members
+            FROM numbered
+            WHERE comms.node IS NOT DISTINCT FROM numbered.node AND comms.pid = numbered.pid
+              AND comms.comm_id_hash = numbered.comm_id_hash AND comms.op = 'COMM_SPLIT'
+        """).fetchone()[0]
+        if not n:
+            break
+        resolved += n
+    if resolved:
+        con.execute("""
+            UPDATE nccl_events SET rank = c.rank, nranks = c.nranks
+            FROM (SELECT node, pid, comm_id_hash, any_value(rank) AS rank, any_value(nranks) AS nranks
+                  FROM comms WHERE op = 'COMM_SPLIT' AND rank >= 0 GROUP BY ALL) c
+            WHERE nccl_events.node IS NOT DISTINCT FROM c.node AND nccl_events.pid = c.pid
+              AND nccl_events.comm_id_hash = c.comm_id_hash AND nccl_events.rank < 0""")
+    return resolved
