@@ -5,7 +5,9 @@ color by (key, rank in the parent), which needs every member's view. The
 agent records each split in the `comms` table with the parent's hash, the
 color and the key; once the traces of all nodes are together, this module
 numbers the members and writes rank and nranks into `comms` and into the
-child's rows of `nccl_events`. Nested splits resolve level by level.
+child's rows of `nccl_events`. Nested splits resolve level by level. A split
+whose parent was not traced on every one of its ranks stays unresolved
+(rank -1): a numbering from part of the members would be wrong.
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ def resolve_split_ranks(con) -> int:
               FROM comms c
               JOIN comms p ON p.node IS NOT DISTINCT FROM c.node AND p.pid = c.pid
                           AND p.comm_id_hash = c.parent_hash AND p.rank >= 0
+              -- only when every member of the parent was traced: otherwise the
+              -- numbering would silently be wrong, so leave it unknown (-1)
+              JOIN (SELECT comm_id_hash, count(DISTINCT (node, pid)) AS seen,
+                           any_value(nranks) AS size
+                    FROM comms WHERE rank >= 0 GROUP BY comm_id_hash) cov
+                ON cov.comm_id_hash = c.parent_hash AND cov.seen = cov.size
               WHERE c.op = 'COMM_SPLIT' AND c.rank < 0),
             numbered AS (
               SELECT node, pid, comm_id_hash,

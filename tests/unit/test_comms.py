@@ -49,3 +49,15 @@ def test_split_key_orders_before_parent_rank_and_nested_splits_resolve():
     got = con.execute("""SELECT comm_id_hash, pid, rank FROM comms WHERE op = 'COMM_SPLIT'
                          ORDER BY ALL""").fetchall()
     assert got == [(0xB, 1, 1), (0xB, 2, 0), (0xC, 1, 1), (0xC, 2, 0)]
+
+
+def test_split_stays_unresolved_when_a_parent_member_was_not_traced():
+    con = _con()
+    rows = [("n", 1, 0xA, 0, 3, None, None, None, "COMM_INIT_RANK"),
+            ("n", 2, 0xA, 1, 3, None, None, None, "COMM_INIT_RANK"),  # rank 2 of 3 not traced
+            ("n", 1, 0xB, -1, -1, 0xA, 0, 0, "COMM_SPLIT"),
+            ("n", 2, 0xB, -1, -1, 0xA, 0, 0, "COMM_SPLIT")]
+    con.executemany("""INSERT INTO comms (node, pid, comm_id_hash, rank, nranks, parent_hash, color,
+                       split_key, op) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)""", rows)
+    assert resolve_split_ranks(con) == 0
+    assert con.execute("SELECT DISTINCT rank FROM comms WHERE op = 'COMM_SPLIT'").fetchall() == [(-1,)]
