@@ -1,0 +1,130 @@
+"""Cost per probed NCCL call: Ingero's entry+return probes vs bare kernel uprobes.
+
+    python -m bench.uprobe_cost [--calls 2000000] [--rounds 5]
+
+A C loop calls a no-op `ncclAllReduce` (with the real signature) `--calls`
+times and reports ns per call. Three set-ups run alternately, round after
+round, so they share the machine's noise:
+
+* none:   no probe;
+* bare:   an empty BPF program on the uprobe and the uretprobe (the kernel's
+          own cost of entry+return probing, nothing of ours);
+* ingero: Ingero's NCCL probes (argument capture, communicator lookup, seq,
+          ring-buffer record), the process targeted, its ring drained meanwhile.
+
+Reported: the median per set-up, the probe cost (set-up minus none), and
+ingero's cost over bare's. Target: ingero <= bare + 10%. Needs root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from bench.common import compile_c, need_root
+
+BARE = r"""
+int on_entry(void *ctx) { return 0; }
+int on_return(void *ctx) { return 0; }
+"""
+
+
+def _loop(loop: Path, lib: Path, calls: int, before_go=None) -> float:
+    p = subprocess.Popen([str(loop), str(lib), str(calls)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    after = before_go(p.pid) if before_go else None
+    p.stdin.write("go\n")
+    p.stdin.flush()
+    ns = float(p.stdout.readline())
+    p.wait()
+    if after:
+        after()
+    return ns
+
+
+def _bare(loop, lib, calls) -> float:
+    from bcc import BPF
+
+    b = BPF(text=BARE)
+    b.attach_uprobe(name=str(lib), sym="ncclAllReduce", fn_name="on_entry")
+    b.attach_uretprobe(name=str(lib), sym="ncclAllReduce", fn_name="on_return")
+    try:
+        return _loop(loop, lib, calls)
+    finally:
+        b.cleanup()
+
+
+def _ingero(loop, lib, calls) -> tuple[float, int, int]:
+    from ingero_agent.elfsyms import nccl_symbols
+    from ingero_agent.probes import ProbeConfig, Probes
+
+    p = Probes(ProbeConfig(families=("nccl",), self_tgid=os.getpid()))
+    st = lib.stat()
+    p.attach_library(lib, (st.st_dev, st.st_ino), nccl_symbols(lib))
+    got, stop = [0], threading.Event()
+
+    def drain():
+        while not stop.wait(0.02):
+            got[0] += len(p.rings["nccl"].read())
+
+    t = threading.Thread(target=drain, daemon=True)
+
+    def go(pid):
+        p.set_targets(set(), {pid}, set())
+        t.start()
+
+        def done():
+            stop.set()
+            t.join()
+            got[0] += len(p.rings["nccl"].read())
+        return done
+
+    try:
+        ns = _loop(loop, lib, calls, go)
+        return ns, got[0], p.lost()["nccl"]
+    finally:
+        p.close()
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=300_000)
+    ap.add_argument("--rounds", type=int, default=15)
+    a = ap.parse_args(argv)
+    need_root("uprobe_cost")
+    res = {"none": [], "bare": [], "ingero": []}
+    events = lost = 0
+    with tempfile.TemporaryDirectory() as d:
+        lib = compile_c(Path(d) / "libnccl.so.2", ["nccl_noop.c"], shared=True)
+        loop = compile_c(Path(d) / "callloop", ["callloop.c"], libs=("-ldl",))
+        for _ in range(a.rounds):
+            res["none"].append(_loop(loop, lib, a.calls))
+            res["bare"].append(_bare(loop, lib, a.calls))
+            ns, ev, lo = _ingero(loop, lib, a.calls)
+            res["ingero"].append(ns)
+            events += ev
+            lost += lo
+    med = {k: statistics.median(v) for k, v in res.items()}
+    low = {k: min(v) for k, v in res.items()}
+    bare_cost, ours = med["bare"] - med["none"], med["ingero"] - med["none"]
+    r = {"median_ns": med, "min_ns": low,
+         "ratio_min": (low["ingero"] - low["none"]) / (low["bare"] - low["none"]), "bare_cost_ns": bare_cost, "ingero_cost_ns": ours,
+         "ratio": ours / bare_cost, "events": events, "lost": lost,
+         "expected_events": a.rounds * (a.calls + 1), "all": res}
+    print(f"uprobe cost per call (median of {a.rounds} alternating rounds x {a.calls:,} calls): "
+          f"unprobed {med['none']:.1f} ns, bare entry+return {med['bare']:.1f} ns "
+          f"(+{bare_cost:.0f}), ingero {med['ingero']:.1f} ns (+{ours:.0f}) = "
+          f"{100 * (ours / bare_cost - 1):+.1f}% over bare (target <= +10%; by the fastest "
+          f"round {100 * (r['ratio_min'] - 1):+.1f}%); "
+          f"events {events:,} of {r['expected_events']:,}, lost {lost:,}")
+    return r
+
+
+if __name__ == "__main__":
+    main()
