@@ -70,9 +70,27 @@ def _masked(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return np.ma.masked_array(values, mask=mask) if mask.any() else values
 
 
-def _identity_columns(pids: np.ndarray, idents: dict[int, Identity | None]) -> dict:
+PID_LUT_MAX = 1 << 22  # the kernel's largest pid_max: a lookup table beats sorting below it
+
+
+def unique_pids(pids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct pids, index of each row's pid in them), like np.unique(return_inverse)
+    but by a lookup table instead of a sort: a drain batch of a million rows holds
+    only a handful of pids."""
+    pids = np.asarray(pids)
+    if len(pids) == 0 or int(pids.max()) >= PID_LUT_MAX or int(pids.min()) < 0:
+        return np.unique(pids, return_inverse=True)
+    present = np.bincount(pids.astype(np.int64))
+    uniq = np.flatnonzero(present)
+    lut = np.zeros(len(present), dtype=np.int64)
+    lut[uniq] = np.arange(len(uniq))
+    return uniq.astype(pids.dtype), lut[pids]
+
+
+def _identity_columns(pids: np.ndarray, idents: dict[int, Identity | None],
+                      codes: tuple[np.ndarray, np.ndarray] | None = None) -> dict:
     """rank, pod, namespace columns for rows whose process identity is `idents[pid]`."""
-    uniq, inv = np.unique(pids, return_inverse=True)
+    uniq, inv = codes if codes is not None else unique_pids(pids)
     ranks = np.full(len(uniq), -1, dtype=np.int32)
     pods: list[str | None] = []
     nss: list[str | None] = []
@@ -96,7 +114,8 @@ def nccl_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
     split = op == OP_COMM_SPLIT
     count = a["count"].astype(np.int64)
     nbytes = count * _DT_SIZE[a["datatype"]]
-    ident = _identity_columns(a["pid"], {p: reg.lookup_pid(p) for p in np.unique(a["pid"]).tolist()})
+    codes = unique_pids(a["pid"])
+    ident = _identity_columns(a["pid"], {p: reg.lookup_pid(p) for p in codes[0].tolist()}, codes)
     return {
         "timestamp_ns": a["ts_ns"].astype(np.int64) + offset_ns,
         "ts_mono_ns": a["ts_ns"].astype(np.int64),
@@ -190,7 +209,8 @@ def tcp_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
 
 
 def sched_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
-    ident = _identity_columns(a["pid"], {p: reg.lookup_pid(p) for p in np.unique(a["pid"]).tolist()})
+    codes = unique_pids(a["pid"])
+    ident = _identity_columns(a["pid"], {p: reg.lookup_pid(p) for p in codes[0].tolist()}, codes)
     return {
         "timestamp_ns": a["ts_ns"].astype(np.int64) + offset_ns,
         "ts_mono_ns": a["ts_ns"].astype(np.int64),
