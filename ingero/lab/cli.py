@@ -50,8 +50,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--ipv6", action="store_true", help="rendezvous and move data over IPv6")
     r.add_argument("--trace", action="store_true", help="run `ingero trace` on every lab node")
     r.add_argument("--out", type=Path, default=Path("out/lab"), help="output directory; default out/lab")
-    r.add_argument("--keep", action="store_true",
-                   help="keep the output directory (it is always kept; accepted for scripts)")
     sub.add_parser("cleanup", help="remove namespaces and cgroups left by crashed runs")
     sub.add_parser("build", help="compile libnccl.so.2 (CPU NCCL) and the worker; print their paths")
     p.set_defaults(_lab_parser=p)
