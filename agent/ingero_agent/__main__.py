@@ -1,0 +1,3 @@
+from ingero.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,378 @@
+"""The agent's sessions: one ``ingero trace`` process per TraceSession, and its segments on disk.
+
+``server.py`` puts this behind HTTP; this module knows nothing about HTTP.
+
+Layout below the data directory (nothing is ever written outside it)::
+
+    DATA/sessions/<id>/plan.json      what the operator asked for (kept across restarts)
+    DATA/sessions/<id>/pods.json      the pods file handed to `ingero trace --pods`
+    DATA/sessions/<id>/segments/      Parquet segments (resumed by a restarted tracer)
+    DATA/sessions/<id>/ready          present once the probes are attached
+    DATA/sessions/<id>/stopped        present once the operator stopped the session
+    DATA/sessions/<id>/tracer.log     the tracer's output
+
+A session found on disk with no tracer (the agent restarted) is reported as
+``interrupted``; the operator's reconcile then posts the plan again, which
+starts a new tracer that continues writing the same segment folder.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from ingero import schema
+
+SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+SEGMENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,250}\.parquet$")
+PROBES = ("nccl", "tcp", "sched")
+PR_SET_PDEATHSIG = 1
+
+
+class ApiError(Exception):
+    """A request the agent refuses: HTTP status and a one-line reason."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def check_session_id(sid) -> str:
+    if not isinstance(sid, str) or not SESSION_ID.match(sid) or ".." in sid:
+        raise ApiError(400, f"session id {sid!r} is invalid: use 1-128 letters, digits, '.', '_' "
+                            "or '-', starting with a letter or digit")
+    return sid
+
+
+def check_segment(table: str, name: str) -> tuple[str, str]:
+    if table not in schema.TABLES:
+        raise ApiError(404, f"unknown table {table!r}: use one of {', '.join(schema.TABLES)}")
+    if not SEGMENT_NAME.match(name) or ".." in name:
+        raise ApiError(400, f"segment name {name!r} is invalid: a .parquet file name without '/' or '..'")
+    return table, name
+
+
+def _str_list(value, where: str) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ApiError(400, f"{where} must be a list of strings")
+    return value
+
+
+@dataclass
+class Plan:
+    """What to trace on this node for one session."""
+
+    session_id: str
+    pods: list[dict]
+    probes: list[str] = field(default_factory=lambda: list(PROBES))
+    nccl_lib: str | None = None
+    sched_min_us: float | None = None
+    duration_s: float | None = None
+
+    def same_targets(self, other: "Plan") -> bool:
+        """True when `other` traces exactly the same thing (the duration may differ)."""
+        key = lambda p: sorted(json.dumps(x, sort_keys=True) for x in p.pods)  # noqa: E731
+        return (key(self) == key(other) and self.probes == other.probes
+                and self.nccl_lib == other.nccl_lib and self.sched_min_us == other.sched_min_us)
+
+
+def parse_plan(body) -> Plan:
+    """Check a POST /v1/sessions body; ApiError(400) names the bad field."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "body must be a JSON object with session_id and pods")
+    sid = check_session_id(body.get("session_id"))
+    pods_in = body.get("pods")
+    if not isinstance(pods_in, list):
+        raise ApiError(400, "pods must be a list of {name, namespace, uid, containers, ips}")
+    pods = []
+    for i, p in enumerate(pods_in):
+        where = f"pods[{i}]"
+        if not isinstance(p, dict) or not all(isinstance(p.get(k), str) and p.get(k) for k in ("name", "uid")):
+            raise ApiError(400, f"{where} needs string 'name' and 'uid'")
+        containers = []
+        for j, c in enumerate(p.get("containers") or []):
+            if not isinstance(c, dict) or not isinstance(c.get("id", ""), str):
+                raise ApiError(400, f"{where}.containers[{j}] must be {{name, id}}")
+            containers.append({"name": str(c.get("name") or ""), "id": c.get("id") or ""})
+        ips = _str_list(p.get("ips"), f"{where}.ips")
+        for ip in ips:
+            try:
+                ipaddress.ip_address(ip)
+            except ValueError:
+                raise ApiError(400, f"{where}.ips: {ip!r} is not an IP address") from None
+        pods.append({"name": p["name"], "namespace": str(p.get("namespace") or "default"),
+                     "uid": p["uid"], "node": p.get("node") if isinstance(p.get("node"), str) else None,
+                     "containers": containers, "ips": ips})
+    probes = _str_list(body.get("probes"), "probes") or list(PROBES)
+    bad = [p for p in probes if p not in PROBES]
+    if bad:
+        raise ApiError(400, f"unknown probe {bad[0]!r}: use {', '.join(PROBES)}")
+    nccl_lib = body.get("nccl_lib")
+    if nccl_lib is not None and (not isinstance(nccl_lib, str) or not nccl_lib.startswith("/")):
+        raise ApiError(400, "nccl_lib must be an absolute path")
+    nums = {}
+    for k in ("sched_min_us", "duration_s"):
+        v = body.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
+            raise ApiError(400, f"{k} must be a number >= 0")
+        nums[k] = float(v) if v is not None else None
+    if nums["duration_s"] == 0:
+        nums["duration_s"] = None
+    return Plan(sid, pods, [p for p in PROBES if p in probes], nccl_lib, **nums)
+
+
+def _pdeathsig():
+    """In the child: get SIGTERM (flush and exit) when the agent dies."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+class _Spawner(threading.Thread):
+    """Starts every tracer from one long-lived thread: PR_SET_PDEATHSIG fires when
+    the *thread* that forked exits, so request threads must not fork."""
+
+    def __init__(self):
+        super().__init__(name="ingero-spawner", daemon=True)
+        self.jobs: queue.Queue = queue.Queue()
+
+    def run(self):
+        while True:
+            argv, log, fut = self.jobs.get()
+            try:
+                with open(log, "ab") as f:
+                    fut.set_result(subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
+                                                    stdin=subprocess.DEVNULL, preexec_fn=_pdeathsig))
+            except Exception as e:  # handed to the request thread
+                fut.set_exception(e)
+
+    def popen(self, argv: list[str], log: Path) -> subprocess.Popen:
+        fut: Future = Future()
+        self.jobs.put((argv, log, fut))
+        return fut.result(timeout=30)
+
+
+@dataclass
+class Session:
+    id: str
+    dir: Path
+    plan: Plan
+    proc: subprocess.Popen | None = None
+    started_ns: int | None = None
+    starts: int = 0
+
+    @property
+    def segments(self) -> Path:
+        return self.dir / "segments"
+
+    @property
+    def stopped(self) -> bool:
+        return (self.dir / "stopped").exists()
+
+    def state(self) -> str:
+        if self.proc is not None and self.proc.poll() is None:
+            return "running" if (self.dir / "ready").exists() else "starting"
+        if self.stopped:
+            return "stopped"
+        if self.proc is None:
+            return "interrupted"
+        return "finished" if self.proc.returncode == 0 else "failed"
+
+
+class SessionManager:
+    """Every session of this agent; thread-safe (one lock, held briefly except in stop)."""
+
+    def __init__(self, data_dir: Path, node: str, cgroup_root: Path | None = None,
+                 trace_cmd: list[str] | None = None, stop_timeout_s: float = 30.0):
+        self.data = Path(data_dir).resolve()
+        self.root = self.data / "sessions"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.node = node
+        self.cgroup_root = cgroup_root
+        self.trace_cmd = trace_cmd or [sys.executable, "-m", "ingero", "trace"]
+        self.stop_timeout_s = stop_timeout_s
+        self.lock = threading.RLock()
+        self.sessions: dict[str, Session] = {}
+        self._meta_cache: dict[tuple, int] = {}
+        self._spawner = _Spawner()
+        self._spawner.start()
+        for d in sorted(self.root.iterdir()):
+            try:
+                plan = Plan(**json.loads((d / "plan.json").read_text()))
+                self.sessions[check_session_id(d.name)] = Session(d.name, d, plan)
+            except (OSError, ValueError, TypeError, ApiError):
+                continue  # not a session folder of ours
+
+    # ---- paths -----------------------------------------------------------------
+    def _inside(self, path: Path) -> Path:
+        real = Path(os.path.realpath(path))
+        if not real.is_relative_to(self.data):
+            raise ApiError(400, "path leaves the data directory")
+        return real
+
+    def get(self, sid: str) -> Session:
+        check_session_id(sid)
+        with self.lock:
+            s = self.sessions.get(sid)
+        if s is None:
+            raise ApiError(404, f"session {sid} is not known on node {self.node}")
+        return s
+
+    # ---- lifecycle -----------------------------------------------------------------
+    def start(self, plan: Plan) -> tuple[int, dict]:
+        """Start, resume or re-plan a session. Returns (HTTP status, session info)."""
+        with self.lock:
+            s = self.sessions.get(plan.session_id)
+            if s is not None and s.state() in ("running", "starting") and s.plan.same_targets(plan):
+                return 200, self.info(s)
+            if s is not None and s.state() in ("running", "starting"):
+                self._stop_proc(s)  # new targets: restart the tracer on the same segments
+            created = s is None
+            if s is None:
+                d = self._inside(self.root / plan.session_id)
+                s = Session(plan.session_id, d, plan)
+            s.plan = plan
+            s.dir.mkdir(parents=True, exist_ok=True)
+            (s.dir / "stopped").unlink(missing_ok=True)
+            (s.dir / "ready").unlink(missing_ok=True)
+            (s.dir / "plan.json").write_text(json.dumps(asdict(plan), indent=2))
+            pods_doc = {"node": self.node, "pods": [dict(p, node=p.get("node") or self.node) for p in plan.pods]}
+            if self.cgroup_root is not None:
+                pods_doc["cgroup_root"] = str(self.cgroup_root)
+            (s.dir / "pods.json").write_text(json.dumps(pods_doc, indent=2))
+            s.proc = self._spawner.popen(self._argv(s), s.dir / "tracer.log")
+            s.started_ns = time.time_ns()
+            s.starts += 1
+            self.sessions[s.id] = s
+            return (201 if created else 200), self.info(s)
+
+    def _argv(self, s: Session) -> list[str]:
+        p = s.plan
+        argv = [*self.trace_cmd, "--pods", str(s.dir / "pods.json"), "--node", self.node,
+                "--segments", str(s.segments), "--session-id", s.id,
+                "--ready-file", str(s.dir / "ready"), "--quiet", "--probes", ",".join(p.probes)]
+        if p.nccl_lib:
+            argv += ["--nccl-lib", p.nccl_lib]
+        if p.sched_min_us is not None:
+            argv += ["--sched-min-us", str(p.sched_min_us)]
+        if p.duration_s:
+            argv += ["--duration", f"{p.duration_s:g}s"]
+        return argv
+
+    def _stop_proc(self, s: Session) -> None:
+        if s.proc is None or s.proc.poll() is not None:
+            return
+        s.proc.send_signal(signal.SIGINT)
+        try:
+            s.proc.wait(timeout=self.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            s.proc.kill()
+            s.proc.wait()
+
+    def stop(self, sid: str) -> dict:
+        """Stop tracing (idempotent): SIGINT the tracer and wait for its last segments."""
+        s = self.get(sid)
+        (s.dir / "stopped").touch()
+        self._stop_proc(s)
+        return self.info(s)
+
+    def delete(self, sid: str) -> None:
+        s = self.get(sid)
+        self.stop(sid)
+        with self.lock:
+            self.sessions.pop(sid, None)
+        shutil.rmtree(self._inside(s.dir), ignore_errors=True)
+
+    def shutdown(self) -> None:
+        """Agent exit: stop tracers but keep sessions resumable (no 'stopped' mark)."""
+        with self.lock:
+            sessions = list(self.sessions.values())
+        for s in sessions:
+            self._stop_proc(s)
+
+    # ---- reading -----------------------------------------------------------------
+    def _files(self, s: Session):
+        for table in schema.TABLES:
+            d = s.segments / table
+            if not d.is_dir():
+                continue
+            for f in sorted(d.iterdir()):
+                if SEGMENT_NAME.match(f.name):
+                    yield table, f
+
+    def _rows(self, f: Path, st: os.stat_result) -> int:
+        key = (str(f), st.st_size, st.st_mtime_ns)
+        if key not in self._meta_cache:
+            try:
+                self._meta_cache[key] = pq.read_metadata(f).num_rows
+            except (OSError, ValueError):
+                return 0
+        return self._meta_cache[key]
+
+    def info(self, s: Session) -> dict:
+        events = {t: 0 for t in schema.EVENT_TABLES}
+        lost = 0
+        for table, f in self._files(s):
+            try:
+                st = f.stat()
+            except FileNotFoundError:
+                continue
+            if table in events:
+                events[table] += self._rows(f, st)
+            elif table == "nodes":
+                try:
+                    row = pq.read_table(f, columns=["lost_nccl", "lost_tcp", "lost_sched"]).to_pylist()
+                    lost += sum(v or 0 for r in row for v in r.values())
+                except (OSError, ValueError):
+                    pass
+        proc = s.proc
+        return {"session_id": s.id, "node": self.node, "state": s.state(),
+                "pods": len(s.plan.pods), "probes": s.plan.probes, "events": sum(events.values()),
+                "events_by_table": events, "lost": lost, "starts": s.starts,
+                "exit_code": proc.returncode if proc is not None and proc.poll() is not None else None,
+                "log_tail": self.log_tail(s) if s.state() == "failed" else None}
+
+    def log_tail(self, s: Session, lines: int = 5) -> str:
+        try:
+            return "\n".join((s.dir / "tracer.log").read_text(errors="replace").strip().splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def list_segments(self, sid: str, since_ns: int = 0) -> dict:
+        s = self.get(sid)
+        out, cursor = [], since_ns
+        for table, f in self._files(s):
+            try:
+                st = f.stat()
+            except FileNotFoundError:
+                continue
+            cursor = max(cursor, st.st_mtime_ns)
+            if st.st_mtime_ns > since_ns:
+                out.append({"table": table, "name": f.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+        return {"session_id": sid, "node": self.node, "state": s.state(), "cursor": cursor, "segments": out}
+
+    def segment_path(self, sid: str, table: str, name: str) -> Path:
+        s = self.get(sid)
+        check_segment(table, name)
+        path = self._inside(s.segments / table / name)
+        if not path.is_file():
+            raise ApiError(404, f"segment {table}/{name} not found in session {sid}")
+        return path

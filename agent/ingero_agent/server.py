@@ -1,0 +1,255 @@
+"""`ingero agent serve`: the node agent's HTTP API, used by the operator.
+
+    GET    /healthz                                   no token needed
+    GET    /v1/time                                   {"wall_ns", "mono_ns"} for clock estimation
+    POST   /v1/sessions                               start / resume / re-plan (idempotent)
+    GET    /v1/sessions/<id>                          state, events so far, lost events
+    POST   /v1/sessions/<id>/stop                     stop tracing (idempotent), waits for the tracer
+    GET    /v1/sessions/<id>/segments[?since=NS]      segment files changed after NS (mtime)
+    GET    /v1/sessions/<id>/segments/<table>/<name>  one segment file
+    DELETE /v1/sessions/<id>                          stop and remove the session's data
+
+Every endpoint but /healthz needs ``Authorization: Bearer <token>`` (the
+content of --token-file, compared in constant time). TLS when --tls-cert
+and --tls-key are given. Errors are JSON ``{"error": "..."}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import os
+import re
+import signal
+import socket
+import ssl
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+from ingero import __version__
+from ingero.errors import IngeroError
+from ingero_agent.api import ApiError, SessionManager, parse_plan
+
+MAX_BODY = 4 << 20   # bytes; a plan for a few thousand pods fits
+ROUTES = [
+    ("GET", re.compile(r"^/healthz$"), "healthz"),
+    ("GET", re.compile(r"^/v1/time$"), "time"),
+    ("POST", re.compile(r"^/v1/sessions$"), "start"),
+    ("GET", re.compile(r"^/v1/sessions/([^/]+)$"), "get"),
+    ("POST", re.compile(r"^/v1/sessions/([^/]+)/stop$"), "stop"),
+    ("GET", re.compile(r"^/v1/sessions/([^/]+)/segments$"), "segments"),
+    ("GET", re.compile(r"^/v1/sessions/([^/]+)/segments/([^/]+)/([^/]+)$"), "download"),
+    ("DELETE", re.compile(r"^/v1/sessions/([^/]+)$"), "delete"),
+]
+
+
+class Handler(BaseHTTPRequestHandler):
+    server_version = f"ingero-agent/{__version__}"
+    protocol_version = "HTTP/1.1"
+
+    # set by make_server
+    manager = None
+    token: bytes = b""
+    quiet = False
+
+    def log_message(self, fmt, *args):
+        if not self.quiet:
+            sys.stderr.write(f"ingero agent: {self.address_string()} {fmt % args}\n")
+
+    def _send(self, status: int, doc) -> None:
+        body = json.dumps(doc).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _authorized(self) -> bool:
+        got = self.headers.get("Authorization", "")
+        scheme, _, value = got.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), self.token)
+
+    def _body(self):
+        n = int(self.headers.get("Content-Length") or 0)
+        if n > MAX_BODY:
+            raise ApiError(413, f"body larger than {MAX_BODY} bytes")
+        raw = self.rfile.read(n) if n else b""
+        try:
+            return json.loads(raw or b"{}")
+        except ValueError:
+            raise ApiError(400, "body is not JSON") from None
+
+    def _dispatch(self, method: str) -> None:
+        url = urlsplit(self.path)
+        for m, pattern, name in ROUTES:
+            match = pattern.match(url.path)
+            if match and m == method:
+                break
+        else:
+            known = any(p.match(url.path) for _, p, _ in ROUTES)
+            self._send(405 if known else 404, {"error": f"no {method} {url.path}"})
+            return
+        if name != "healthz" and not self._authorized():
+            self._send(401, {"error": "missing or wrong bearer token"})
+            return
+        try:
+            getattr(self, "do_" + name)(*match.groups(), query=parse_qs(url.query))
+        except ApiError as e:
+            self._send(e.status, {"error": str(e)})
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        except Exception as e:  # keep serving; report what broke
+            self._send(500, {"error": f"{type(e).__name__}: {e}"})
+
+    def do_GET(self):
+        self._dispatch("GET")
+
+    def do_POST(self):
+        self._dispatch("POST")
+
+    def do_DELETE(self):
+        self._dispatch("DELETE")
+
+    # ---- endpoints -------------------------------------------------------------
+    def do_healthz(self, query):
+        self._send(200, {"ok": True, "node": self.manager.node, "version": __version__})
+
+    def do_time(self, query):
+        self._send(200, {"wall_ns": time.time_ns(), "mono_ns": time.monotonic_ns()})
+
+    def do_start(self, query):
+        status, info = self.manager.start(parse_plan(self._body()))
+        self._send(status, info)
+
+    def do_get(self, sid, query):
+        self._send(200, self.manager.info(self.manager.get(sid)))
+
+    def do_stop(self, sid, query):
+        self._body()
+        self._send(200, self.manager.stop(sid))
+
+    def do_segments(self, sid, query):
+        try:
+            since = int((query.get("since") or ["0"])[0])
+        except ValueError:
+            raise ApiError(400, "since must be an integer (mtime in ns)") from None
+        self._send(200, self.manager.list_segments(sid, since))
+
+    def do_download(self, sid, table, name, query):
+        path = self.manager.segment_path(sid, table, name)
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            self.send_response(200)
+            self.send_header("Content-Type", "application/vnd.apache.parquet")
+            self.send_header("Content-Length", str(size))
+            self.end_headers()
+            while chunk := f.read(1 << 16):
+                self.wfile.write(chunk)
+
+    def do_delete(self, sid, query):
+        self.manager.delete(sid)
+        self._send(200, {"session_id": sid, "deleted": True})
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise IngeroError(f"--listen {text!r} is not HOST:PORT; use e.g. 127.0.0.1:9464 or 0.0.0.0:9464")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def read_token(path: Path) -> bytes:
+    try:
+        token = Path(path).read_text().strip().encode()
+    except OSError as e:
+        raise IngeroError(f"--token-file {path}: {e.strerror}; point it at the mounted Secret's token") from None
+    if len(token) < 16:
+        raise IngeroError(f"--token-file {path} holds a token shorter than 16 characters; "
+                          "use a random token (e.g. `openssl rand -hex 32`)")
+    return token
+
+
+def make_server(manager: SessionManager, listen: tuple[str, int], token: bytes,
+                tls: tuple[Path, Path] | None = None, quiet: bool = False) -> ThreadingHTTPServer:
+    handler = type("BoundHandler", (Handler,), {"manager": manager, "token": token, "quiet": quiet})
+    family = socket.AF_INET6 if ":" in listen[0] else socket.AF_INET
+    srv = type("AgentServer", (ThreadingHTTPServer,), {"address_family": family})(listen, handler)
+    srv.daemon_threads = True
+    if tls:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            ctx.load_cert_chain(str(tls[0]), str(tls[1]))
+        except (OSError, ssl.SSLError) as e:
+            raise IngeroError(f"cannot load --tls-cert {tls[0]} / --tls-key {tls[1]}: {e}") from None
+        srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
+    return srv
+
+
+def add_parser(sub):
+    p = sub.add_parser("agent", help="run the node agent's HTTP API (for the operator)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = p.add_subparsers(dest="agent_command", metavar="ACTION")
+    r = s.add_parser("serve", help="serve the agent API", epilog="example:\n  ingero agent serve "
+                     "--node $NODE_NAME --listen 0.0.0.0:9464 --data-dir /var/lib/ingero "
+                     "--token-file /etc/ingero/token", formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("--node", default=os.environ.get("NODE_NAME"), help="this node's name (default $NODE_NAME)")
+    r.add_argument("--listen", default="127.0.0.1:9464", help="HOST:PORT (default 127.0.0.1:9464)")
+    r.add_argument("--data-dir", type=Path, required=True, help="sessions and segments live here")
+    r.add_argument("--token-file", type=Path, required=True, help="file holding the bearer token")
+    r.add_argument("--tls-cert", type=Path, help="serve HTTPS with this certificate (PEM)")
+    r.add_argument("--tls-key", type=Path, help="... and this private key (PEM)")
+    r.add_argument("--cgroup-root", type=Path, help="cgroup v2 folder holding the pods "
+                   "(default: the cgroup2 mount)")
+    r.add_argument("--ready-file", type=Path, help="touch this file once listening")
+    r.add_argument("--quiet", action="store_true", help="no request log")
+    p.set_defaults(_agent_parser=p)
+    return p
+
+
+def run(args) -> int:
+    if getattr(args, "agent_command", None) != "serve":
+        args._agent_parser.print_help()
+        return 2
+    if not args.node:
+        raise IngeroError("--node is missing: pass the node name (or set NODE_NAME)")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise IngeroError("TLS needs both --tls-cert and --tls-key")
+    if args.cgroup_root is not None and not args.cgroup_root.is_dir():
+        raise IngeroError(f"--cgroup-root {args.cgroup_root} is not a folder; pass the cgroup v2 "
+                          "folder that holds the pods")
+    listen = parse_listen(args.listen)
+    token = read_token(args.token_file)
+    try:
+        manager = SessionManager(args.data_dir, args.node, args.cgroup_root)
+    except OSError as e:
+        raise IngeroError(f"--data-dir {args.data_dir}: {e.strerror}; pass a writable folder") from None
+    try:
+        srv = make_server(manager, listen, token, (args.tls_cert, args.tls_key) if args.tls_cert else None,
+                          quiet=args.quiet)
+    except OSError as e:
+        raise IngeroError(f"cannot listen on {args.listen}: {e.strerror}; pick a free port") from None
+    stop = threading.Event()
+
+    def on_signal(*_):
+        stop.set()
+        threading.Thread(target=srv.shutdown, daemon=True).start()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    scheme = "https" if args.tls_cert else "http"
+    print(f"ingero agent: node {args.node}, {scheme}://{args.listen}, data {manager.data}, "
+          f"{len(manager.sessions)} sessions on disk", file=sys.stderr, flush=True)
+    if args.ready_file:
+        args.ready_file.touch()
+    try:
+        srv.serve_forever(poll_interval=0.2)
+    finally:
+        manager.shutdown()
+        srv.server_close()
+    return 0

@@ -1,0 +1,69 @@
+"""`ingero operator run`: the TraceSession operator (kopf).
+
+    ingero operator run --namespace ingero-system --artifacts /var/lib/ingero/artifacts
+    KUBECONFIG=out/demo/kubeconfig ingero operator run --standalone --artifacts out/demo/artifacts
+
+Credentials: the in-cluster service account, else $KUBECONFIG (~/.kube/config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+from ingero.errors import IngeroError
+
+
+def add_parser(sub):
+    p = sub.add_parser("operator", help="run the TraceSession operator (kopf)", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = p.add_subparsers(dest="operator_command", metavar="ACTION")
+    r = s.add_parser("run", help="watch TraceSessions and drive the node agents")
+    r.add_argument("--namespace", default=None,
+                   help="the operator's namespace: agent Pods and the token Secret live there "
+                   "(default $POD_NAMESPACE or ingero-system)")
+    r.add_argument("--watch-namespace", action="append", default=[], metavar="NS",
+                   help="serve TraceSessions of this namespace only (repeatable; default: all)")
+    r.add_argument("--artifacts", type=Path, default=None,
+                   help="where merged traces go (default $INGERO_ARTIFACTS_DIR or /var/lib/ingero/artifacts)")
+    r.add_argument("--refresh-interval", type=float, default=None, metavar="S",
+                   help="live status refresh period while a session runs, seconds (default 2)")
+    r.add_argument("--standalone", action="store_true", help="no kopf peering (one operator only)")
+    r.add_argument("--verbose", action="store_true")
+    p.set_defaults(_op_parser=p)
+    return p
+
+
+def run(args) -> int:
+    if getattr(args, "operator_command", None) != "run":
+        args._op_parser.print_help()
+        return 2
+    import kopf
+
+    from ingero_operator import settings as st
+
+    s = st.SETTINGS
+    if args.namespace:
+        s.namespace = args.namespace
+    if args.artifacts:
+        s.artifacts_dir = args.artifacts
+    if args.refresh_interval is not None:
+        if args.refresh_interval <= 0:
+            raise IngeroError("--refresh-interval must be > 0 seconds")
+        s.timing.refresh_interval_s = args.refresh_interval
+    s.artifacts_dir = Path(s.artifacts_dir).resolve()
+    try:
+        s.artifacts_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise IngeroError(f"--artifacts {s.artifacts_dir}: {e.strerror}; pass a writable folder") from None
+    if not os.access(s.artifacts_dir, os.W_OK):
+        raise IngeroError(f"--artifacts {s.artifacts_dir} is not writable; pass a writable folder")
+    kopf.configure(verbose=args.verbose)
+    logging.getLogger("ingero.operator").setLevel(logging.INFO)
+    from ingero_operator import handlers  # noqa: F401  (registers the handlers with kopf)
+
+    kopf.run(standalone=args.standalone, clusterwide=not args.watch_namespace,
+             namespaces=args.watch_namespace)
+    return 0

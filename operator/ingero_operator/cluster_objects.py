@@ -1,0 +1,64 @@
+"""The Kubernetes objects the demo registers: namespaces, the token Secret, agent and rank Pods.
+
+They look like what a real cluster holds for the same things, so the
+operator code that reads them is the code that runs against a real cluster:
+agent Pods as the Helm chart's DaemonSet creates them, rank Pods as a Job's
+(labels, nodeName, podIPs, containerStatuses with containerd ids).
+"""
+
+from __future__ import annotations
+
+import base64
+import secrets
+import socket
+
+from ingero_operator.settings import AGENT_LABELS
+
+SYSTEM_NS = "ingero-system"
+TOKEN_SECRET = "ingero-agent-token"
+
+
+def new_token() -> str:
+    return secrets.token_hex(32)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def token_secret(token: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": TOKEN_SECRET, "namespace": SYSTEM_NS},
+            "data": {"token": base64.b64encode(token.encode()).decode()}}
+
+
+def agent_pod(node: str, port: int, ip: str = "127.0.0.1") -> dict:
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": f"ingero-agent-{node}", "namespace": SYSTEM_NS, "labels": dict(AGENT_LABELS)},
+        "spec": {"nodeName": node, "containers": [{"name": "agent", "image": "ingero-agent",
+                                                   "ports": [{"name": "api", "containerPort": port}]}]},
+        "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}], "hostIP": ip},
+    }
+
+
+def job_name(lab) -> str:
+    return f"lab-{lab.run_id}"
+
+
+def rank_pod(lab, rp) -> dict:
+    """A lab rank as a Job's Pod: its uid and container id are those of its cgroup."""
+    pod = rp.pod
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": pod.name, "namespace": pod.namespace, "uid": pod.uid,
+                     "labels": {"job-name": job_name(lab), "app.kubernetes.io/name": "lab-worker",
+                                "ingero.io/rank": str(rp.rank)}},
+        "spec": {"nodeName": rp.node.name, "containers": [{"name": "trainer", "image": "ingero-lab-worker"}]},
+        "status": {"phase": "Running", "podIP": pod.ips[0] if pod.ips else None,
+                   "podIPs": [{"ip": ip} for ip in pod.ips],
+                   "containerStatuses": [{"name": "trainer", "ready": True,
+                                          "containerID": f"containerd://{pod.container_id}"}]},
+    }

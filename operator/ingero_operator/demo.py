@@ -1,0 +1,309 @@
+"""`ingero demo`: the whole flow on one machine, CR in, status out.
+
+    ingero demo --scenario lossy-link --seconds 20
+
+An embedded API server (kmock's emulator, see embedded.py), a lab training
+job (network namespaces, pod cgroups, a fault), one `ingero agent serve` per
+lab node registered as an agent Pod, the lab's ranks registered as Pods, the
+operator (`ingero operator run`, a kopf process with only a kubeconfig), then
+`kubectl apply -f examples/tracesession.yaml`. When the ranks exit their
+Pods are marked Succeeded, the operator gathers, and the demo prints
+`kubectl get tracesessions` and `ingero report` of the merged trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from ingero.errors import IngeroError
+from ingero_operator import cluster_objects as objs
+from ingero_operator.embedded import EmbeddedCluster
+from ingero_operator.tables import custom_columns
+
+REPO = Path(__file__).resolve().parents[2]
+TERMINAL = ("Completed", "Failed")
+
+
+@dataclass
+class DemoConfig:
+    scenario: str = "lossy-link"
+    seconds: float = 20.0
+    nodes: int = 2
+    ranks_per_node: int = 2
+    out: Path = Path("out/demo")
+    loss_percent: float = 5.0
+    victim_rank: int | None = None
+    hogs: int = 3                          # cpu-hog: busy loops sharing the victim's CPU
+    kill_agent_node: str | None = None     # tests: SIGKILL this node's agent ...
+    kill_agent_after_s: float = 5.0        # ... this long after the ranks started
+    restart_agent_after_s: float | None = None    # ... and start it again (same port and data)
+    restart_operator_after_s: float | None = None  # tests: SIGKILL the operator and start it again
+    crd: Path = REPO / "crds" / "tracesession.yaml"
+    example: Path = REPO / "examples" / "tracesession.yaml"
+    timeout_s: float = 180.0               # for the session to complete after the ranks exit
+
+
+@dataclass
+class DemoResult:
+    status: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)    # seconds; see Demo.run
+    codes: dict = field(default_factory=dict)      # rank -> exit code
+    lab: dict = field(default_factory=dict)
+
+
+class Demo:
+    """Set up on enter, tear down (every process, namespace and cgroup) on exit."""
+
+    def __init__(self, cfg: DemoConfig, log=print):
+        self.cfg = cfg
+        self.log = log
+        self.out = Path(cfg.out).resolve()
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.argv: dict[str, list[str]] = {}
+        self.cluster: EmbeddedCluster | None = None
+        self.lab = None
+        self.session_name = None
+
+    # ---- set-up ----------------------------------------------------------------------
+    def __enter__(self) -> "Demo":
+        from ingero.lab.runner import LabConfig, LabRun
+
+        for p in (self.cfg.crd, self.cfg.example):
+            if not p.is_file():
+                raise IngeroError(f"{p} is missing; run `ingero demo` from a checkout of the repository")
+        if not shutil.which("kubectl"):
+            raise IngeroError("kubectl is not installed; install kubectl (v1.28 or newer)")
+        (self.out / "logs").mkdir(parents=True, exist_ok=True)
+        try:
+            self.cluster = EmbeddedCluster(self.cfg.crd, self.out).start()
+            self.log(f"demo: embedded API server at {self.cluster.url} (KUBECONFIG={self.cluster.kubeconfig})")
+            self.kubectl("apply", "--validate=false", "-f", str(self.cfg.crd))
+            token = objs.new_token()
+            (self.out / "agent-token").write_text(token)
+            os.chmod(self.out / "agent-token", 0o600)
+            self.cluster.create(f"/api/v1/namespaces/{objs.SYSTEM_NS}/secrets", objs.token_secret(token))
+            lab_cfg = LabConfig(scenario=self.cfg.scenario, nodes=self.cfg.nodes,
+                                ranks_per_node=self.cfg.ranks_per_node, seconds=self.cfg.seconds,
+                                loss_percent=self.cfg.loss_percent, victim_rank=self.cfg.victim_rank,
+                                hogs=self.cfg.hogs, out_dir=self.out / "lab")
+            self.lab = LabRun(lab_cfg, log=self.log).__enter__()
+            self._start_agents()
+            for rp in self.lab.ranks:
+                self.cluster.create("/api/v1/namespaces/default/pods", objs.rank_pod(self.lab, rp))
+            self._start("operator", [sys.executable, "-m", "ingero", "operator", "run", "--standalone",
+                                     "--namespace", objs.SYSTEM_NS, "--artifacts", str(self.out / "artifacts")])
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        self.argv[name] = argv
+        env = dict(os.environ, KUBECONFIG=str(self.cluster.kubeconfig))
+        with open(self.out / "logs" / f"{name}.log", "ab") as f:
+            proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, cwd=REPO, start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def _start_agents(self) -> None:
+        from ingero.lab.cgroups import node_cgroup_root
+
+        for node in self.lab.nodes:
+            port = objs.free_port()
+            ready = self.out / "agents" / f"{node.name}.ready"
+            ready.parent.mkdir(parents=True, exist_ok=True)
+            ready.unlink(missing_ok=True)
+            self._start(f"agent-{node.name}", [
+                sys.executable, "-m", "ingero", "agent", "serve", "--node", node.name,
+                "--listen", f"127.0.0.1:{port}", "--data-dir", str(self.out / "agents" / node.name),
+                "--token-file", str(self.out / "agent-token"), "--ready-file", str(ready),
+                "--cgroup-root", str(node_cgroup_root(self.lab.run_id, node.name)), "--quiet"])
+            deadline = time.monotonic() + 30
+            while not ready.exists():
+                if self.procs[f"agent-{node.name}"].poll() is not None or time.monotonic() > deadline:
+                    raise IngeroError(f"agent for {node.name} did not start; see {self.out / 'logs'}")
+                time.sleep(0.05)
+            self.cluster.create(f"/api/v1/namespaces/{objs.SYSTEM_NS}/pods", objs.agent_pod(node.name, port))
+
+    # ---- the flow --------------------------------------------------------------------
+    def kubectl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        env = dict(os.environ, KUBECONFIG=str(self.cluster.kubeconfig), KUBECACHEDIR=str(self.out / "kube-cache"))
+        proc = subprocess.run(["kubectl", *args], env=env, capture_output=True, text=True, timeout=60)
+        if check and proc.returncode:
+            raise IngeroError(f"kubectl {' '.join(args)} failed: {proc.stderr.strip() or proc.stdout.strip()}")
+        return proc
+
+    def apply_session(self) -> Path:
+        doc = yaml.safe_load(self.cfg.example.read_text())
+        doc["spec"]["selector"]["matchLabels"] = {"job-name": objs.job_name(self.lab)}
+        doc["spec"]["ncclLibPath"] = str(self.lab.binaries.libnccl)
+        path = self.out / "tracesession.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        self.session_name = doc["metadata"]["name"]
+        self.log(self.kubectl("apply", "--validate=false", "-f", str(path)).stdout.strip())
+        return path
+
+    def status(self, name: str | None = None) -> dict:
+        doc = self.cluster.get(f"/apis/ingero.io/v1alpha1/namespaces/default/tracesessions/{name or self.session_name}")
+        return (doc or {}).get("status") or {}
+
+    def wait_for(self, pred, timeout_s: float, what: str) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            st = self.status()
+            if pred(st):
+                return st
+            if self.procs["operator"].poll() is not None:
+                raise IngeroError(f"the operator exited ({self.procs['operator'].returncode}); "
+                                  f"see {self.out / 'logs' / 'operator.log'}")
+            time.sleep(0.25)
+        raise IngeroError(f"timed out after {timeout_s:.0f} s waiting for {what}; status: {json.dumps(st)[:400]}")
+
+    def run(self) -> DemoResult:
+        """Apply the session, run the job, wait for the verdict. Timings in seconds."""
+        res, t0 = DemoResult(), time.monotonic()
+        self.apply_session()
+        nodes = len(self.lab.nodes)
+        self.wait_for(lambda s: s.get("phase") in TERMINAL or (
+            s.get("phase") == "Running" and sum(n.get("state") == "running" for n in s.get("nodes", [])) == nodes),
+            90, "the agents to attach their probes")
+        res.timings["tracing_ready"] = time.monotonic() - t0
+        self.lab.start_ranks()
+        t_ranks = time.monotonic()
+        events = self._disruptions()
+        while any(rp.proc.poll() is None for rp in self.lab.ranks):
+            st = self.status()
+            if st.get("straggler") and "first_straggler" not in res.timings:
+                res.timings["first_straggler"] = time.monotonic() - t_ranks
+                res.timings["first_straggler_pod"] = st["straggler"].get("pod")
+            while events and time.monotonic() - t_ranks >= events[0][0]:
+                events.pop(0)[1]()
+            time.sleep(0.25)
+        res.codes = self.lab.wait()
+        res.timings["training"] = time.monotonic() - t_ranks
+        for rp in self.lab.ranks:
+            phase = "Succeeded" if res.codes[rp.rank] == 0 else "Failed"
+            self.cluster.patch(f"/api/v1/namespaces/default/pods/{rp.pod.name}/status", {"status": {"phase": phase}})
+        t_end = time.monotonic()
+        res.status = self.wait_for(lambda s: s.get("phase") in TERMINAL, self.cfg.timeout_s, "the session to complete")
+        res.timings["gather"] = time.monotonic() - t_end
+        res.timings["total"] = time.monotonic() - t0
+        res.lab = {"run_id": self.lab.run_id, "victim_rank": self.lab.victim, "victim_node": self.lab.victim_node.name,
+                   "node_tcp": self.lab.notes.get("node_tcp")}
+        return res
+
+    def _disruptions(self) -> list:
+        """(seconds after the ranks start, action) for the failure tests, in time order."""
+        c, out = self.cfg, []
+
+        def kill(name):
+            self.log(f"demo: killing {name}")
+            self.procs[name].kill()
+            self.procs[name].wait()
+
+        def restart(name):
+            self.log(f"demo: starting {name} again")
+            self._start(name, self.argv[name])
+
+        if c.kill_agent_node:
+            name = f"agent-{c.kill_agent_node}"
+            out.append((c.kill_agent_after_s, lambda: kill(name)))
+            if c.restart_agent_after_s is not None:
+                out.append((c.restart_agent_after_s, lambda: restart(name)))
+        if c.restart_operator_after_s is not None:
+            out.append((c.restart_operator_after_s, lambda: (kill("operator"), restart("operator"))))
+        return sorted(out, key=lambda e: e[0])
+
+    def printer_rows(self) -> str:
+        cols = yaml.safe_load(self.cfg.crd.read_text())["spec"]["versions"][0]["additionalPrinterColumns"]
+        return self.kubectl("get", "tracesessions", "-o", custom_columns(cols)).stdout
+
+    # ---- tear-down -------------------------------------------------------------------
+    def close(self) -> None:
+        for name in sorted(self.procs, key=lambda n: n != "operator"):   # operator first
+            proc = self.procs[name]
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        self.procs.clear()
+        if self.lab is not None:
+            self.lab.close()
+        if self.cluster is not None:
+            self.cluster.stop()
+
+
+def add_parser(sub):
+    from ingero.lab.faults import SCENARIOS
+
+    p = sub.add_parser("demo", help="the whole flow on this machine: API server, operator, agents, lab job",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scenario", choices=SCENARIOS, default="lossy-link")
+    p.add_argument("--seconds", type=float, default=20.0, help="training time; default 20")
+    p.add_argument("--nodes", type=int, default=2, help="lab nodes; default 2")
+    p.add_argument("--ranks-per-node", type=int, default=2, help="default 2")
+    p.add_argument("--loss-percent", type=float, default=5.0, help="lossy-link drop rate; default 5")
+    p.add_argument("--victim-rank", type=int, default=None, help="default: the last rank")
+    p.add_argument("--hogs", type=int, default=3, help="cpu-hog: busy loops on the victim's CPU; default 3")
+    p.add_argument("--out", type=Path, default=Path("out/demo"), help="default out/demo")
+    p.add_argument("--keep-running", action="store_true",
+                   help="keep the API server, operator and agents up afterwards (Ctrl-C ends)")
+    return p
+
+
+def _interrupt(*_):
+    raise KeyboardInterrupt
+
+
+def run(args) -> int:
+    if args.seconds <= 0:
+        raise IngeroError("--seconds must be > 0")
+    if args.nodes < 1:
+        raise IngeroError("--nodes must be >= 1")
+    cfg = DemoConfig(scenario=args.scenario, seconds=args.seconds, nodes=args.nodes,
+                     ranks_per_node=args.ranks_per_node, out=args.out, loss_percent=args.loss_percent,
+                     victim_rank=args.victim_rank, hogs=args.hogs)
+    old = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with Demo(cfg, log=lambda m: print(m, flush=True)) as demo:
+            res = demo.run()
+            print(f"\n$ kubectl get tracesessions\n{demo.kubectl('get', 'tracesessions').stdout}")
+            art = (res.status.get("artifact") or {}).get("path")
+            print(f"$ ingero report {art}", flush=True)
+            if art:
+                subprocess.run([sys.executable, "-m", "ingero", "report", art], check=False)
+            for w in res.status.get("warnings") or []:
+                print(f"warning: {w}")
+            t = res.timings
+            print(f"\ndemo: tracing ready {t['tracing_ready']:.1f} s, training {t['training']:.1f} s, "
+                  f"gather {t['gather']:.1f} s"
+                  + (f", straggler in status {t['first_straggler']:.1f} s after the ranks started"
+                     if "first_straggler" in t else ""))
+            if args.keep_running:
+                print(f"demo: still running; export KUBECONFIG={demo.cluster.kubeconfig}; Ctrl-C to stop",
+                      flush=True)
+                while True:
+                    time.sleep(3600)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    return 0 if res.status.get("phase") == "Completed" else 1

@@ -1,0 +1,84 @@
+"""kopf handlers for TraceSession: small functions; the work is in ``session.Controller``.
+
+Import this module only after ``settings.SETTINGS`` is final (the CLI does):
+the timer interval is read at import time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import shutil
+
+import kopf
+
+from ingero_operator.kube import Kube, login
+from ingero_operator.session import Controller, Ref
+from ingero_operator.settings import GROUP, PLURAL, SETTINGS, VERSION
+from ingero_operator.status import parse_iso
+
+RES = (GROUP, VERSION, PLURAL)
+
+
+def _ref(meta) -> Ref:
+    return Ref(meta["namespace"], meta["name"], meta["uid"], meta.get("generation"))
+
+
+def _running(status, **_) -> bool:
+    return (status or {}).get("phase") in ("Running", "Gathering")
+
+
+def _expiring(status, **_) -> bool:
+    art = (status or {}).get("artifact") or {}
+    return (status or {}).get("phase") == "Completed" and bool(art.get("expiresAt")) and not art.get("deleted")
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_):
+    settings.persistence.finalizer = "ingero.io/finalizer"
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    memo.controller = Controller(SETTINGS, Kube(login(settings)))
+    logger.info("ingero operator settings: %s", SETTINGS.describe())
+
+
+@kopf.on.cleanup()
+async def close(memo: kopf.Memo, **_):
+    await memo.controller.close()
+
+
+@kopf.on.create(*RES)
+async def start(spec, status, meta, memo: kopf.Memo, **_):
+    await memo.controller.start(_ref(meta), dict(spec), dict(status))
+
+
+@kopf.timer(*RES, interval=SETTINGS.timing.refresh_interval_s, when=_running)
+async def refresh(spec, status, meta, memo: kopf.Memo, **_):
+    await memo.controller.refresh(_ref(meta), dict(spec), dict(status))
+
+
+@kopf.on.delete(*RES)
+async def stop(spec, status, meta, memo: kopf.Memo, logger, **_):
+    ctl, ref = memo.controller, _ref(meta)
+    if (status or {}).get("phase") in ("Running", "Gathering"):
+        try:
+            spec_ = ctl.parse(ref, dict(spec))
+            await asyncio.wait_for(ctl.finish(ref, spec_, dict(status), "the session was deleted"),
+                                        timeout=ctl.s.timing.delete_gather_timeout_s)
+        except Exception as e:  # never block the deletion: stop the probes and go
+            logger.warning(f"gather on delete incomplete ({type(e).__name__}: {e}); stopping probes")
+    if (status or {}).get("phase") not in ("Completed", "Failed"):
+        await ctl.stop_everywhere(ref)
+    ctl.forget(ref)
+
+
+@kopf.timer(*RES, interval=300, when=_expiring)
+async def expire(status, meta, memo: kopf.Memo, logger, **_):
+    art = status["artifact"]
+    if dt.datetime.now(dt.timezone.utc) < parse_iso(art["expiresAt"]):
+        return
+    root = memo.controller.local(_ref(meta)).root
+    shutil.rmtree(root, ignore_errors=True)
+    logger.info(f"artifact {root} expired and was deleted")
+    await memo.controller.patch(_ref(meta), {"artifact": {"deleted": True}})

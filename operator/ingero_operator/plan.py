@@ -1,0 +1,162 @@
+"""From a TraceSession and the cluster's Pods to one plan per node (pure functions).
+
+The agent API takes, per node, the session id and the pods to trace with
+their UIDs and container ids (the agent maps those to cgroups itself), the
+probe families, an optional NCCL library and thresholds.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass
+
+PROBES = ("nccl", "tcp", "sched")
+FINISHED_PHASES = ("Succeeded", "Failed")
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+
+class SpecError(ValueError):
+    """A TraceSession spec the operator cannot run; the message names the field."""
+
+
+@dataclass
+class SessionSpec:
+    match_labels: dict
+    duration_s: int | None = None
+    probes: tuple = PROBES
+    slow_collective_ms: float | None = None
+    sched_min_us: float | None = None
+    nccl_lib: str | None = None
+    retention_h: int | None = None
+
+
+def _number(v, where: str, minimum: float, integer: bool = False):
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not float(v).is_integer()):
+        raise SpecError(f"{where} must be {'an integer' if integer else 'a number'}, got {v!r}")
+    if v < minimum:
+        raise SpecError(f"{where} must be >= {minimum:g}, got {v!r}")
+    return int(v) if integer else float(v)
+
+
+def parse_spec(spec) -> SessionSpec:
+    """Check a spec (the API server's schema does too; this guards other paths in)."""
+    if not isinstance(spec, dict):
+        raise SpecError("spec is missing")
+    sel = spec.get("selector")
+    labels = sel.get("matchLabels") if isinstance(sel, dict) else None
+    if not isinstance(labels, dict) or not labels:
+        raise SpecError("spec.selector.matchLabels is required and needs at least one label")
+    for k, v in labels.items():
+        if not isinstance(v, str) or not _LABEL_VALUE.match(v) or len(v) > 63:
+            raise SpecError(f"spec.selector.matchLabels.{k}: {v!r} is not a valid label value")
+    probes = spec.get("probes")
+    if probes is None:
+        probes = list(PROBES)
+    if not isinstance(probes, list) or not probes:
+        raise SpecError("spec.probes must be a non-empty list of nccl, tcp, sched")
+    for i, p in enumerate(probes):
+        if p not in PROBES:
+            raise SpecError(f"spec.probes[{i}]: unsupported value {p!r}; use nccl, tcp or sched")
+    th = spec.get("thresholds") or {}
+    if not isinstance(th, dict):
+        raise SpecError("spec.thresholds must be an object")
+    lib = spec.get("ncclLibPath")
+    if lib is not None and (not isinstance(lib, str) or not lib.startswith("/")):
+        raise SpecError(f"spec.ncclLibPath must be an absolute path, got {lib!r}")
+    art = spec.get("artifact") or {}
+    return SessionSpec(
+        match_labels=dict(labels),
+        duration_s=_number(spec.get("durationSeconds"), "spec.durationSeconds", 1, integer=True),
+        probes=tuple(p for p in PROBES if p in probes),
+        slow_collective_ms=_number(th.get("slowCollectiveMs"), "spec.thresholds.slowCollectiveMs", 0),
+        sched_min_us=_number(th.get("schedMinMicros"), "spec.thresholds.schedMinMicros", 0),
+        nccl_lib=lib,
+        retention_h=_number(art.get("retentionHours") if isinstance(art, dict) else None,
+                            "spec.artifact.retentionHours", 1, integer=True),
+    )
+
+
+def label_selector(labels: dict) -> str:
+    """matchLabels as the API's labelSelector query value."""
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+def matches(pod: dict, labels: dict) -> bool:
+    have = (pod.get("metadata") or {}).get("labels") or {}
+    return all(have.get(k) == v for k, v in labels.items())
+
+
+def session_id(namespace: str, name: str, uid: str) -> str:
+    """Stable, agent-safe id: the same TraceSession always maps to the same id."""
+    raw = f"{namespace}.{name}.{(uid or '')[:8]}"
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", raw)[:128].strip(".-") or "session"
+
+
+def pod_finished(pod: dict) -> bool:
+    return (pod.get("status") or {}).get("phase") in FINISHED_PHASES
+
+
+def pod_entry(pod: dict) -> dict:
+    """One pod as the agent's pods file wants it."""
+    meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
+    containers = [{"name": c.get("name") or "", "id": c.get("containerID") or ""}
+                  for c in status.get("containerStatuses") or [] if c.get("containerID")]
+    ips = [x.get("ip") for x in status.get("podIPs") or [] if isinstance(x, dict)]
+    if not ips and status.get("podIP"):
+        ips = [status["podIP"]]
+    good = []
+    for ip in ips:
+        try:
+            ipaddress.ip_address(ip)
+            good.append(ip)
+        except (TypeError, ValueError):
+            pass
+    return {"name": meta.get("name"), "namespace": meta.get("namespace") or "default",
+            "uid": meta.get("uid"), "node": spec.get("nodeName"), "containers": containers, "ips": good}
+
+
+def group_by_node(pods: list[dict]) -> tuple[dict[str, list[dict]], list[str]]:
+    """Running-or-pending pods by node, and the names of pods not yet scheduled."""
+    by_node: dict[str, list[dict]] = {}
+    unscheduled = []
+    for pod in pods:
+        entry = pod_entry(pod)
+        if not entry["uid"] or not entry["name"]:
+            continue
+        if not entry["node"]:
+            unscheduled.append(entry["name"])
+            continue
+        by_node.setdefault(entry["node"], []).append(entry)
+    for entries in by_node.values():
+        entries.sort(key=lambda e: e["name"])
+    return by_node, unscheduled
+
+
+def agent_endpoints(agent_pods: list[dict], port_name: str) -> dict[str, tuple[str, int]]:
+    """node -> (address, port) of the agent Pod running there (status.podIP + port `port_name`)."""
+    out = {}
+    for pod in agent_pods:
+        spec, status = pod.get("spec") or {}, pod.get("status") or {}
+        node, ip = spec.get("nodeName"), status.get("podIP")
+        if not node or not ip or status.get("phase") not in (None, "Running"):
+            continue
+        for c in spec.get("containers") or []:
+            for p in c.get("ports") or []:
+                if p.get("name") == port_name and p.get("containerPort"):
+                    out[node] = (ip, int(p["containerPort"]))
+    return out
+
+
+def node_plan(sid: str, pods: list[dict], spec: SessionSpec, duration_s: float | None = None) -> dict:
+    """The POST /v1/sessions body for one node."""
+    body = {"session_id": sid, "pods": pods, "probes": list(spec.probes)}
+    if spec.nccl_lib:
+        body["nccl_lib"] = spec.nccl_lib
+    if spec.sched_min_us is not None:
+        body["sched_min_us"] = spec.sched_min_us
+    if duration_s:
+        body["duration_s"] = round(duration_s, 3)
+    return body

@@ -1,0 +1,328 @@
+"""What the handlers do with a TraceSession: start, refresh while running, gather, stop.
+
+Everything the operator must remember across its own restarts is in the
+resource's status (phase, sessionId, startTime, deadline, nodes); what lives
+only in memory here (download cursors, which plan each agent got) is
+rebuilt on the next refresh: agent plans are idempotent and fetched segments
+are recognised on disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import kopf
+
+from ingero_operator import plan as planning
+from ingero_operator.agents import AgentClient, AgentUnreachable
+from ingero_operator.gather import LocalSession, build_artifact, fetch_new, ingest_and_analyse
+from ingero_operator.kube import Kube, KubeError
+from ingero_operator.settings import Settings
+from ingero_operator.status import (bounded_warnings, condition, node_row, now_iso, parse_iso,
+                                    report_status)
+
+log = logging.getLogger("ingero.operator")
+ACTIVE = ("running", "starting")
+
+
+@dataclass
+class Ref:
+    namespace: str
+    name: str
+    uid: str
+    generation: int | None = None
+
+    @property
+    def sid(self) -> str:
+        return planning.session_id(self.namespace, self.name, self.uid)
+
+
+@dataclass
+class Live:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    cursors: dict = field(default_factory=dict)    # node -> segment listing cursor (mtime ns)
+    clocks: dict = field(default_factory=dict)     # node -> (offset ns, rtt ns)
+    planned: dict = field(default_factory=dict)    # node -> pod uids the agent last got
+    failures: dict = field(default_factory=dict)   # node -> tracer starts that failed
+    sticky: list = field(default_factory=list)     # warnings kept until the end
+    done: bool = False
+
+
+class Controller:
+    def __init__(self, settings: Settings, kube: Kube):
+        self.s = settings
+        self.kube = kube
+        self.live: dict[str, Live] = {}
+        self._http: aiohttp.ClientSession | None = None
+
+    def _state(self, ref: Ref) -> Live:
+        return self.live.setdefault(ref.uid, Live())
+
+    def local(self, ref: Ref) -> LocalSession:
+        return LocalSession(self.s.artifacts_dir / ref.namespace / ref.name)
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+        await self.kube.close()
+
+    async def patch(self, ref: Ref, status: dict) -> None:
+        try:
+            await self.kube.patch_status(ref.namespace, ref.name, status)
+        except (KubeError, aiohttp.ClientError) as e:
+            raise kopf.TemporaryError(f"cannot write status: {e}", delay=2) from e
+
+    async def agents(self) -> dict[str, AgentClient]:
+        a = self.s.agent
+        if self._http is None or self._http.closed:
+            self._http = aiohttp.ClientSession()
+        try:
+            pods = await self.kube.list_pods(self.s.namespace, a.labels)
+            token = await self.kube.secret_value(self.s.namespace, a.token_secret, a.token_key)
+        except KubeError as e:
+            raise kopf.TemporaryError(f"cannot find the agents: {e} (agent Pods labelled "
+                                      f"{planning.label_selector(a.labels)} and Secret {self.s.namespace}/"
+                                      f"{a.token_secret} key {a.token_key} are needed)", delay=5) from e
+        return {node: AgentClient(node, host, port, token, a, self._http)
+                for node, (host, port) in planning.agent_endpoints(pods, a.port_name).items()}
+
+    async def pods(self, ref: Ref, spec: planning.SessionSpec) -> list[dict]:
+        try:
+            return await self.kube.list_pods(ref.namespace, spec.match_labels)
+        except (KubeError, aiohttp.ClientError) as e:
+            raise kopf.TemporaryError(f"cannot list pods: {e}", delay=5) from e
+
+    def parse(self, ref: Ref, spec: dict) -> planning.SessionSpec:
+        try:
+            return planning.parse_spec(spec)
+        except planning.SpecError as e:
+            raise kopf.PermanentError(str(e)) from e
+
+    # ---- start ---------------------------------------------------------------------
+    async def start(self, ref: Ref, spec_doc: dict, status: dict) -> None:
+        try:
+            spec = planning.parse_spec(spec_doc)
+        except planning.SpecError as e:
+            await self.patch(ref, {"phase": "Failed", "message": str(e), "observedGeneration": ref.generation,
+                                   "conditions": condition("Ready", False, "InvalidSpec", str(e), ref.generation,
+                                                           status.get("conditions"))})
+            raise kopf.PermanentError(str(e)) from e
+        live = self._state(ref)
+        async with live.lock:
+            pods = [p for p in await self.pods(ref, spec) if not planning.pod_finished(p)]
+            sel = planning.label_selector(spec.match_labels)
+            if not pods:
+                msg = f"no running pod matches {sel} in namespace {ref.namespace}; waiting for the job"
+                await self.patch(ref, {"phase": "Pending", "message": msg, "sessionId": ref.sid,
+                                       "observedGeneration": ref.generation})
+                raise kopf.TemporaryError(msg, delay=self.s.timing.pending_retry_s)
+            start = parse_iso(status.get("startTime")) or dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
+            deadline = start + dt.timedelta(seconds=spec.duration_s) if spec.duration_s else None
+            rows, warnings = await self._reconcile(ref, spec, live, pods, deadline)
+            if not any(r["agentReached"] for r in rows):
+                msg = "no ingero agent could be reached: " + "; ".join(warnings)
+                await self.patch(ref, {"phase": "Pending", "message": msg, "nodes": rows,
+                                       "observedGeneration": ref.generation})
+                raise kopf.TemporaryError(msg, delay=self.s.timing.pending_retry_s)
+            msg = f"tracing {len(pods)} pods on {len(rows)} nodes ({sel})"
+            await self.patch(ref, {
+                "phase": "Running", "sessionId": ref.sid, "message": msg,
+                "startTime": start.isoformat().replace("+00:00", "Z"),
+                "deadline": deadline.isoformat().replace("+00:00", "Z") if deadline else None,
+                "nodes": rows, "warnings": bounded_warnings(warnings, self.s.gather),
+                "observedGeneration": ref.generation,
+                "conditions": condition("Ready", True, "Tracing", msg, ref.generation, status.get("conditions"))})
+            log.info("%s/%s: %s", ref.namespace, ref.name, msg)
+
+    async def _reconcile(self, ref: Ref, spec, live: Live, pods: list[dict], deadline) -> tuple[list, list]:
+        """Make every node's agent trace its pods (re-plan on restart or new pods)."""
+        by_node, unscheduled = planning.group_by_node(pods)
+        agents = await self.agents()
+        warnings = [f"pod {n} is not scheduled yet" for n in unscheduled]
+        remaining = None
+        if deadline is not None:
+            remaining = max(1.0, (deadline - dt.datetime.now(dt.timezone.utc)).total_seconds())
+            remaining += self.s.timing.tracer_grace_s
+
+        async def one(node: str, entries: list[dict]):
+            client = agents.get(node)
+            if client is None:
+                return node_row(node, False, "no-agent", len(entries), None, None), \
+                    f"node {node}: no ingero agent Pod found there; its pods are not traced"
+            body = planning.node_plan(ref.sid, entries, spec, remaining)
+            uids = sorted(e["uid"] for e in entries)
+            try:
+                info = await client.session(ref.sid)
+                state = (info or {}).get("state")
+                if state == "failed":
+                    live.failures[node] = live.failures.get(node, 0) + 1
+                if live.failures.get(node, 0) > 3:
+                    return node_row(node, True, state, len(entries), info, live.clocks.get(node)), \
+                        f"node {node}: the tracer keeps failing: {(info or {}).get('log_tail') or '?'}"
+                if state not in ACTIVE or live.planned.get(node) != uids:
+                    info = await client.start(body)
+                    live.planned[node] = uids
+                if node not in live.clocks:
+                    live.clocks[node] = await client.clock_offset(self.s.timing.clock_samples)
+                return node_row(node, True, info.get("state"), len(entries), info, live.clocks[node]), None
+            except AgentUnreachable as e:
+                live.planned.pop(node, None)
+                return node_row(node, False, None, len(entries), None, live.clocks.get(node)), f"node {node}: {e}"
+
+        results = await asyncio.gather(*(one(n, e) for n, e in sorted(by_node.items())))
+        rows = [r for r, _ in results]
+        warnings += [w for _, w in results if w]
+        return rows, warnings
+
+    # ---- while running ---------------------------------------------------------------
+    async def refresh(self, ref: Ref, spec_doc: dict, status: dict) -> None:
+        live = self._state(ref)
+        if live.done:
+            return
+        spec = self.parse(ref, spec_doc)
+        deadline = parse_iso(status.get("deadline"))
+        if status.get("phase") == "Gathering":
+            return await self.finish(ref, spec, status, "resuming an interrupted gather")
+        pods = await self.pods(ref, spec)
+        if deadline and dt.datetime.now(dt.timezone.utc) >= deadline:
+            return await self.finish(ref, spec, status, f"durationSeconds ({spec.duration_s}) reached")
+        if not pods:
+            return await self.finish(ref, spec, status, "the selected pods are gone")
+        if all(planning.pod_finished(p) for p in pods):
+            return await self.finish(ref, spec, status, "every selected pod has finished")
+        async with live.lock:
+            if live.done:
+                return
+            rows, warnings = await self._reconcile(ref, spec, live, pods, deadline)
+            fetched = await self._fetch_all(ref, live, [r["name"] for r in rows if r["agentReached"]])
+            warnings += fetched
+            patch = {"nodes": rows}
+            try:
+                rep, world = await asyncio.to_thread(ingest_and_analyse, self.local(ref),
+                                                     {n: c[0] for n, c in live.clocks.items()})
+                patch.update(report_status(rep, world, self.s.gather))
+                warnings += rep.warnings
+            except Exception as e:  # live analysis is best effort; the final one decides
+                warnings.append(f"live analysis failed: {type(e).__name__}: {e}")
+            patch["warnings"] = bounded_warnings(live.sticky + warnings, self.s.gather)
+            await self.patch(ref, patch)
+
+    async def _fetch_all(self, ref: Ref, live: Live, nodes: list[str], since_zero: bool = False) -> list[str]:
+        agents = await self.agents()
+        sem = asyncio.Semaphore(self.s.gather.concurrency)
+        local = self.local(ref)
+
+        async def one(node):
+            client = agents.get(node)
+            if client is None:
+                return f"node {node}: no agent to fetch segments from"
+            try:
+                since = 0 if since_zero else live.cursors.get(node, 0)
+                live.cursors[node], _ = await fetch_new(client, ref.sid, local, since, sem)
+            except AgentUnreachable as e:
+                return f"node {node}: {e}"
+            return None
+
+        return [w for w in await asyncio.gather(*(one(n) for n in nodes)) if w]
+
+    # ---- the end ---------------------------------------------------------------------
+    async def finish(self, ref: Ref, spec, status: dict, reason: str) -> None:
+        live = self._state(ref)
+        async with live.lock:
+            if live.done:
+                return
+            await self.patch(ref, {"phase": "Gathering", "message": f"gathering: {reason}"})
+            t0 = time.monotonic()
+            local = self.local(ref)
+            nodes = sorted({n["name"] for n in status.get("nodes") or []} | set(live.planned) | set(local.nodes()))
+            agents = await self.agents()
+            gathered, warnings, rows = await self._gather_nodes(ref, live, agents, nodes)
+            try:
+                rep, world = await asyncio.to_thread(build_artifact, local, {n: c[0] for n, c in live.clocks.items()})
+            except Exception as e:
+                msg = f"merging the segments failed: {type(e).__name__}: {e}"
+                await self.patch(ref, {"phase": "Failed", "message": msg, "endTime": now_iso(), "nodes": rows,
+                                       "conditions": condition("Ready", False, "MergeFailed", msg, ref.generation,
+                                                               status.get("conditions"))})
+                live.done = True
+                return
+            warnings = bounded_warnings(live.sticky + warnings + rep.warnings, self.s.gather)
+            full = {"sessionId": ref.sid, "reason": reason, "nodes": rows, "warnings": warnings,
+                    "worldSize": world, **rep.to_dict()}
+            local.report.write_text(json.dumps(full, indent=2, default=str) + "\n")
+            msg = f"completed ({reason}); gathered {len(gathered)}/{len(nodes)} nodes in {time.monotonic() - t0:.1f} s"
+            artifact = {"path": str(local.artifact), "report": str(local.report),
+                        "bytes": local.artifact.stat().st_size}
+            if spec.retention_h:
+                end = dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=spec.retention_h)
+                artifact["expiresAt"] = end.replace(microsecond=0).isoformat().replace("+00:00", "Z")
+            await self.patch(ref, {
+                "phase": "Completed", "message": msg, "endTime": now_iso(), "nodes": rows,
+                "warnings": warnings, "artifact": artifact, **report_status(rep, world, self.s.gather),
+                "conditions": condition("Ready", True, "Completed", msg, ref.generation, status.get("conditions"))})
+            live.done = True
+            log.info("%s/%s: %s", ref.namespace, ref.name, msg)
+            for node in gathered:   # the artifact holds their data now
+                try:
+                    await agents[node].delete(ref.sid)
+                except AgentUnreachable:
+                    pass
+
+    async def _gather_nodes(self, ref: Ref, live: Live, agents: dict, nodes: list[str]):
+        """Stop, measure the clock, fetch everything; per node, with retries."""
+        t = self.s.timing
+        sem = asyncio.Semaphore(self.s.gather.concurrency)
+        local = self.local(ref)
+
+        async def one(node):
+            client, err = agents.get(node), None
+            for attempt in range(t.gather_retries):
+                if client is None:
+                    err = "no ingero agent Pod found on the node"
+                    break
+                try:
+                    t0 = time.monotonic()
+                    info = await client.stop(ref.sid)
+                    t1 = time.monotonic()
+                    live.clocks[node] = await client.clock_offset(t.clock_samples)
+                    _, n = await fetch_new(client, ref.sid, local, 0, sem)
+                    log.info("%s/%s: node %s stopped in %.1f s, %d new segment files fetched in %.1f s",
+                             ref.namespace, ref.name, node, t1 - t0, n, time.monotonic() - t1)
+                    return True, node_row(node, True, (info or {}).get("state", "unknown"),
+                                          (info or {}).get("pods", 0), info, live.clocks[node]), None
+                except AgentUnreachable as e:
+                    err = str(e)
+                    await asyncio.sleep(t.retry_backoff_s * (attempt + 1))
+            have = sum(1 for _ in local.node_dir(node).rglob("*.parquet")) if local.node_dir(node).exists() else 0
+            part = f"{have} segment files fetched earlier are included" if have else "no data from it"
+            return False, node_row(node, False, None, 0, None, live.clocks.get(node)), \
+                f"node {node} could not be reached while gathering ({err}); the report is partial: {part}"
+
+        results = await asyncio.gather(*(one(n) for n in nodes))
+        gathered = [n for n, (ok, _, _) in zip(nodes, results) if ok]
+        return gathered, [w for _, _, w in results if w], [r for _, r, _ in results]
+
+    async def stop_everywhere(self, ref: Ref) -> None:
+        """Finalizer fallback: ask every agent to stop the session; dead agents are skipped."""
+        try:
+            agents = await self.agents()
+        except kopf.TemporaryError as e:
+            log.warning("%s/%s: cannot stop probes: %s", ref.namespace, ref.name, e)
+            return
+
+        async def one(client):
+            try:
+                await asyncio.wait_for(client.stop(ref.sid), timeout=self.s.agent.request_timeout_s)
+            except (AgentUnreachable, asyncio.TimeoutError):
+                pass
+
+        await asyncio.gather(*(one(c) for c in agents.values()))
+
+    def forget(self, ref: Ref) -> None:
+        self.live.pop(ref.uid, None)

@@ -1,0 +1,81 @@
+"""Operator settings: one object of small dataclasses; every field says its unit and why.
+
+Resolved once at start (``Settings.from_env``) and logged; the CLI flags and
+``INGERO_*`` environment variables fill it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+GROUP, VERSION, PLURAL = "ingero.io", "v1alpha1", "tracesessions"
+AGENT_LABELS = {"app.kubernetes.io/name": "ingero", "app.kubernetes.io/component": "agent"}
+
+
+@dataclass
+class AgentSettings:
+    """How the operator finds and talks to the node agents."""
+
+    labels: dict = field(default_factory=lambda: dict(AGENT_LABELS))  # agent Pods carry these
+    port_name: str = "api"                 # container port name of the agent API
+    token_secret: str = "ingero-agent-token"  # Secret in the operator's namespace, key `token`
+    token_key: str = "token"
+    tls: bool = False                      # https to the agents (they serve --tls-cert/--tls-key)
+    ca_file: str | None = None             # CA bundle for agent certificates (None: system store)
+    request_timeout_s: float = 10.0        # one API call; a tracer start returns at once
+    stop_timeout_s: float = 45.0           # a stop waits for the tracer's last flush (~1-3 s)
+    download_timeout_s: float = 120.0      # one segment file (a few MB at most)
+
+
+@dataclass
+class TimingSettings:
+    refresh_interval_s: float = 2.0        # live status refresh while Running: a straggler shows up
+                                           # within one step of the agents' 2 s segment roll
+    clock_samples: int = 8                 # /v1/time round trips per node; the lowest RTT wins
+    pending_retry_s: float = 5.0           # no pods matched yet: look again this often
+    gather_retries: int = 3                # attempts per node before it counts as unreachable
+    retry_backoff_s: float = 1.0           # between those attempts
+    delete_gather_timeout_s: float = 30.0  # a deleted running session gathers at most this long
+    tracer_grace_s: float = 120.0          # tracers stop by themselves this long after the deadline
+                                           # (if the operator is gone); 0 = no limit
+
+
+@dataclass
+class GatherSettings:
+    concurrency: int = 8                   # segment downloads in flight across all nodes
+    ranks_table_rows: int = 8              # ranks written into status (worst first); all in report.json
+    evidence_chars: int = 400              # status strings are bounded; full text in report.json
+    max_warnings: int = 10
+
+
+@dataclass
+class Settings:
+    artifacts_dir: Path = Path("/var/lib/ingero/artifacts")  # <dir>/<namespace>/<name>/trace.duckdb
+    namespace: str = "ingero-system"       # where the agent token Secret lives
+    agent: AgentSettings = field(default_factory=AgentSettings)
+    timing: TimingSettings = field(default_factory=TimingSettings)
+    gather: GatherSettings = field(default_factory=GatherSettings)
+
+    @classmethod
+    def from_env(cls, env=None) -> "Settings":
+        env = os.environ if env is None else env
+        s = cls()
+        if env.get("INGERO_ARTIFACTS_DIR"):
+            s.artifacts_dir = Path(env["INGERO_ARTIFACTS_DIR"])
+        s.namespace = env.get("INGERO_NAMESPACE") or env.get("POD_NAMESPACE") or s.namespace
+        if env.get("INGERO_AGENT_TLS", "").lower() in ("1", "true", "yes"):
+            s.agent.tls = True
+        s.agent.ca_file = env.get("INGERO_AGENT_CA_FILE") or s.agent.ca_file
+        if env.get("INGERO_REFRESH_INTERVAL_S"):
+            s.timing.refresh_interval_s = float(env["INGERO_REFRESH_INTERVAL_S"])
+        return s
+
+    def describe(self) -> str:
+        d = asdict(self)
+        d["artifacts_dir"] = str(self.artifacts_dir)
+        return ", ".join(f"{k}={v}" for k, v in d.items())
+
+
+SETTINGS = Settings.from_env()

@@ -1,0 +1,221 @@
+"""The whole flow on one machine, CR in, status out (`ingero demo` as a library).
+
+Each test runs the embedded API server, the kopf operator (a process with only
+a kubeconfig), one agent per lab node and a 2 nodes x 2 ranks lab job with a
+fault, applies the TraceSession with kubectl and reads the verdict from the
+resource's status. Needs root and eBPF; about 30 s per flow.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import bpf_reason
+
+pytestmark = pytest.mark.bpf
+SECONDS = 10.0
+
+
+def _skip_reason() -> str | None:
+    reason = bpf_reason()
+    if reason:
+        return reason
+    if not shutil.which("kubectl"):
+        return "kubectl is not installed (the flow applies the TraceSession with it)"
+    try:
+        import jsonschema  # noqa: F401
+        import kmock  # noqa: F401
+        import kopf  # noqa: F401
+    except ImportError as e:
+        return f"operator dependencies missing ({e.name}): pip install -e '.[operator]'"
+    return None
+
+
+def run_flow(out: Path, scenario: str, before=None, **kw) -> dict:
+    """One whole flow; returns the final status, timings, lab facts and kubectl outputs."""
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    from ingero_operator.demo import Demo, DemoConfig
+
+    cfg = DemoConfig(scenario=scenario, seconds=SECONDS, out=out, **kw)
+    with Demo(cfg, log=lambda _m: None) as demo:
+        extra = before(demo) if before else None
+        res = demo.run()
+        got = {"status": res.status, "timings": res.timings, "lab": res.lab, "codes": res.codes,
+               "stats": {rp.rank: rp.stats for rp in demo.lab.ranks}, "extra": extra,
+               "custom_columns": demo.printer_rows(), "table": demo.kubectl("get", "tracesessions").stdout,
+               "crd": yaml.safe_load(cfg.crd.read_text())}
+    print(f"{scenario}: timings {json.dumps(res.timings)}")
+    return got
+
+
+def assert_completed(flow: dict) -> dict:
+    st = flow["status"]
+    assert st["phase"] == "Completed", st.get("message")
+    assert set(flow["codes"].values()) == {0}
+    assert st["ranks"] == 4 and st["worldSize"] == 4
+    assert Path(st["artifact"]["path"]).is_file() and Path(st["artifact"]["report"]).is_file()
+    ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "True" and ready["observedGeneration"] == 1
+    return st
+
+
+def assert_named(flow: dict, cause: str) -> dict:
+    st = assert_completed(flow)
+    s = st["straggler"]
+    assert s is not None, json.dumps(st["ranksTable"])
+    assert (s["rank"], s["node"], s["cause"]) == (flow["lab"]["victim_rank"], flow["lab"]["victim_node"], cause), \
+        json.dumps(st, indent=1)
+    assert s["savingPct"] > 0 and s["evidence"]
+    return s
+
+
+# ---- clean, and malformed sessions beside it --------------------------------------------
+
+def _malformed(demo) -> dict:
+    """Before the real session: sessions the API server must refuse, and one only the operator can."""
+    bad = {}
+    base = {"apiVersion": "ingero.io/v1alpha1", "kind": "TraceSession", "metadata": {"namespace": "default"}}
+    cases = {"unknown-probe": {"selector": {"matchLabels": {"a": "b"}}, "probes": ["gpu"]},
+             "negative-duration": {"selector": {"matchLabels": {"a": "b"}}, "durationSeconds": -5},
+             "no-selector": {"probes": ["nccl"]}}
+    for name, spec in cases.items():
+        path = demo.out / f"bad-{name}.yaml"
+        path.write_text(yaml.safe_dump(dict(base, metadata={"name": name, "namespace": "default"}, spec=spec)))
+        proc = demo.kubectl("apply", "--validate=false", "-f", str(path), check=False)
+        bad[name] = (proc.returncode, proc.stderr)
+    path = demo.out / "bad-relative-lib.yaml"
+    path.write_text(yaml.safe_dump(dict(base, metadata={"name": "relative-lib", "namespace": "default"},
+                                        spec={"selector": {"matchLabels": {"a": "b"}}, "ncclLibPath": "lib/x.so"})))
+    demo.kubectl("apply", "--validate=false", "-f", str(path))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        st = demo.status("relative-lib")
+        if st.get("phase") == "Failed":
+            break
+        time.sleep(0.2)
+    bad["relative-lib"] = st
+    return bad
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    return run_flow(tmp_path_factory.mktemp("clean"), "clean", before=_malformed)
+
+
+def test_clean_run_completes_with_every_node_traced_and_no_straggler(clean):
+    st = assert_completed(clean)
+    assert st.get("straggler") is None and st.get("slowdown") is None
+    assert [n["name"] for n in st["nodes"]] == ["lab-node-a", "lab-node-b"]
+    assert all(n["agentReached"] and n["events"] > 0 and n["lostEvents"] == 0 for n in st["nodes"])
+    assert all(abs(n["clockOffsetNs"]) < 5_000_000 and n["clockRttNs"] > 0 for n in st["nodes"])
+    assert len(st["ranksTable"]) == 4 and all(r["collectives"] > 0 for r in st["ranksTable"])
+    report = json.loads(Path(st["artifact"]["report"]).read_text())
+    assert report["straggler"] is None and len(report["ranks"]) == 4
+
+
+def test_malformed_sessions_are_rejected_by_the_schema_naming_the_field(clean):
+    bad = clean["extra"]
+    assert bad["unknown-probe"][0] != 0 and 'spec.probes[0]: Unsupported value: "gpu"' in bad["unknown-probe"][1]
+    assert bad["negative-duration"][0] != 0 and "spec.durationSeconds" in bad["negative-duration"][1]
+    assert bad["no-selector"][0] != 0 and "spec.selector: Required value" in bad["no-selector"][1]
+
+
+def test_a_spec_only_the_operator_can_judge_fails_with_a_message_and_others_still_complete(clean):
+    st = clean["extra"]["relative-lib"]
+    assert st["phase"] == "Failed" and "spec.ncclLibPath" in st["message"]
+    assert clean["status"]["phase"] == "Completed"     # the operator kept serving the real session
+
+
+# ---- faults ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lossy(tmp_path_factory):
+    return run_flow(tmp_path_factory.mktemp("lossy"), "lossy-link")
+
+
+def test_lossy_link_names_the_victim_node_with_network_cause_and_retransmit_evidence(lossy):
+    s = assert_named(lossy, "network")
+    assert "retransmits" in s["evidence"] and lossy["status"]["retransmits"] > 0
+    victim = next(r for r in lossy["status"]["ranksTable"] if r["rank"] == s["rank"])
+    assert victim["retransmitsInWindow"] == max(r["retransmitsInWindow"] for r in lossy["status"]["ranksTable"])
+
+
+def test_lossy_link_straggler_shows_up_in_status_while_the_job_runs(lossy):
+    t = lossy["timings"]
+    assert "first_straggler" in t and t["first_straggler"] < SECONDS, t
+    assert t["first_straggler_pod"] == lossy["status"]["straggler"]["pod"]
+
+
+def test_printer_columns_evaluated_by_kubectl_on_the_real_status_give_the_expected_row(lossy):
+    st = lossy["status"]
+    cols = lossy["crd"]["spec"]["versions"][0]["additionalPrinterColumns"]
+    lines = [ln.split() for ln in lossy["custom_columns"].strip().splitlines()]
+    assert lines[0] == ["NAME"] + [c["name"].upper() for c in cols]
+    row = dict(zip(lines[0], lines[1]))
+    assert row == {"NAME": "lab-job", "PHASE": "Completed", "RANKS": "4", "STRAGGLER": st["straggler"]["pod"],
+                   "CAUSE": "network", "SLOWDOWN": st["slowdown"], "RETRANSMITS": str(st["retransmits"]),
+                   "AGE": row["AGE"]}
+    assert row["AGE"].startswith("20") and st["slowdown"].endswith("%")   # a timestamp; kubectl prints it raw
+    table = [ln.split() for ln in lossy["table"].strip().splitlines()]   # server-side Table, as kubectl shows it
+    assert table[0] == ["NAME", "PHASE", "RANKS", "STRAGGLER", "CAUSE", "SLOWDOWN", "RETRANSMITS", "AGE"]
+    assert table[1][:7] == ["lab-job", "Completed", "4", st["straggler"]["pod"], "network", st["slowdown"],
+                            str(st["retransmits"])]
+
+
+def test_cpu_hog_names_that_rank_with_cpu_contention(tmp_path):
+    # 8 busy loops: with the default 3 on this 2-core machine the victim was only ~1 ms late
+    # (its 3 peers share the other core three ways), see docs/operator.md.
+    flow = run_flow(tmp_path, "cpu-hog", hogs=8)
+    assert_named(flow, "cpu-contention")
+
+
+def test_slow_rank_names_that_rank_late_with_compute_cause_across_an_operator_restart(tmp_path):
+    # The operator is SIGKILLed 3 s into the job and started again: it carries on from status.
+    flow = run_flow(tmp_path, "slow-rank", restart_operator_after_s=3.0)
+    s = assert_named(flow, "compute/unknown")
+    assert "arrives" in s["evidence"]
+
+
+def test_io_stall_names_that_rank_with_io_cause(tmp_path):
+    flow = run_flow(tmp_path, "io-stall")
+    assert "io wait" in assert_named(flow, "io")["evidence"]
+
+
+def test_a_killed_agent_gives_a_completed_partial_report_naming_its_node(tmp_path):
+    flow = run_flow(tmp_path, "clean", kill_agent_node="lab-node-a", kill_agent_after_s=4.0)
+    st = flow["status"]
+    assert st["phase"] == "Completed", st.get("message")
+    assert any("lab-node-a" in w and "partial" in w for w in st["warnings"]), st["warnings"]
+    rows = {n["name"]: n for n in st["nodes"]}
+    assert rows["lab-node-b"]["agentReached"] and not rows["lab-node-a"]["agentReached"]
+    report = json.loads(Path(st["artifact"]["report"]).read_text())
+    for r in report["ranks"]:
+        if r["node"] == "lab-node-b":   # every step of node B's ranks is in the artifact
+            assert r["per_op"]["ALL_REDUCE"]["calls"] == flow["stats"][r["rank"]]["steps"], r
+
+
+def test_a_restarted_agent_gets_the_plan_again_and_its_segments_survive(tmp_path):
+    flow = run_flow(tmp_path, "clean", kill_agent_node="lab-node-a", kill_agent_after_s=3.0,
+                    restart_agent_after_s=5.0)
+    st = assert_completed(flow)
+    assert not any("partial" in w for w in st.get("warnings") or []), st["warnings"]
+    assert all(n["agentReached"] for n in st["nodes"])
+    import duckdb
+    con = duckdb.connect(st["artifact"]["path"], read_only=True)
+    q = """SELECT min(timestamp_ns), max(timestamp_ns), count(*) FROM nccl_events
+           WHERE node = ? AND op = 'ALL_REDUCE' AND global_rank = ?"""
+    a_first, a_last, a_n = con.execute(q, ["lab-node-a", 0]).fetchone()
+    b_first, b_last, b_n = con.execute(q, ["lab-node-b", 2]).fetchone()
+    con.close()
+    # Node A has calls from before the kill (its segments survived the agent) and from after
+    # the restart (the operator re-sent the plan), with a gap between.
+    assert a_first - b_first < 1e9 and b_last - a_last < 1e9, (a_first, a_last, b_first, b_last)
+    assert 0 < a_n < b_n == flow["stats"][2]["steps"]

@@ -1,0 +1,72 @@
+"""Clock offsets: NTP-style estimation, and their application when segments are merged."""
+
+from __future__ import annotations
+
+import duckdb
+import pytest
+
+from ingero.store import SegmentWriter
+from ingero_operator.agents import ClockSample, estimate_offset
+from ingero_operator.gather import LocalSession, build_artifact, ingest_and_analyse
+
+
+def test_offset_is_agent_time_minus_the_midpoint_of_the_round_trip():
+    s = ClockSample(t0_ns=1_000, agent_ns=5_600, t1_ns=2_000)
+    assert s.rtt_ns == 1_000 and s.offset_ns == 4_100
+
+
+def test_the_sample_with_the_lowest_round_trip_wins():
+    true_offset = 250_000_000   # the node is 250 ms ahead
+    samples = [
+        ClockSample(0, 0 + true_offset + 9_000_000, 10_000_000),          # slow reply, asymmetric delay
+        ClockSample(20_000_000, 20_000_100 + true_offset, 20_000_200),    # 200 ns round trip
+        ClockSample(30_000_000, 30_000_000 + true_offset - 4_000_000, 38_000_000),
+    ]
+    offset, rtt = estimate_offset(samples)
+    assert rtt == 200 and offset == true_offset
+
+
+def test_no_usable_sample_is_an_error():
+    with pytest.raises(ValueError):
+        estimate_offset([ClockSample(10, 5, 0)])
+
+
+def _node(local: LocalSession, node: str, ts: list[int]):
+    w = SegmentWriter(local.node_dir(node), node, "s")
+    w.append("nccl_events", {"timestamp_ns": ts, "duration_ns": [1] * len(ts), "op": ["ALL_REDUCE"] * len(ts),
+                             "comm_id_hash": [7] * len(ts), "seq": list(range(len(ts))), "pid": [1] * len(ts),
+                             "global_rank": [0 if node == "a" else 1] * len(ts), "ret": [0] * len(ts)})
+    w.append("tcp_events", {"timestamp_ns": [ts[0]], "event": ["tcp_retransmit_skb"], "pid": [1]})
+    w.put_rows("nodes", [{"lost_nccl": 0}])
+    w.flush()
+
+
+def test_merge_shifts_each_nodes_timestamps_by_its_offset(tmp_path):
+    local = LocalSession(tmp_path / "ns" / "job")
+    # Node b's clock runs 3 s ahead: the same instants carry timestamps 3 s later.
+    _node(local, "a", [10_000_000_000, 10_100_000_000])
+    _node(local, "b", [13_000_000_000, 13_100_000_000])
+    build_artifact(local, {"a": 0, "b": 3_000_000_000})
+    con = duckdb.connect(str(local.artifact), read_only=True)
+    rows = con.execute("SELECT node, seq, timestamp_ns FROM nccl_events ORDER BY node, seq").fetchall()
+    assert rows == [("a", 0, 10_000_000_000), ("a", 1, 10_100_000_000),
+                    ("b", 0, 10_000_000_000), ("b", 1, 10_100_000_000)]
+    assert con.execute("SELECT node, timestamp_ns FROM tcp_events ORDER BY node").fetchall() == \
+        [("a", 10_000_000_000), ("b", 10_000_000_000)]
+    assert con.execute("SELECT node, clock_offset_ns FROM nodes ORDER BY node").fetchall() == \
+        [("a", 0), ("b", 3_000_000_000)]
+    con.close()
+    rep, _ = build_artifact(local, {"a": 0, "b": 3_000_000_000})
+    assert max(r.late_ms for r in rep.ranks) < 1e-6   # aligned: nobody is late
+
+
+def test_live_ingest_adds_each_segment_once(tmp_path):
+    local = LocalSession(tmp_path / "ns" / "job")
+    _node(local, "a", [1_000, 2_000])
+    ingest_and_analyse(local, {"a": 0})
+    ingest_and_analyse(local, {"a": 0})       # nothing new: nothing added twice
+    _node(local, "a", [3_000])                # a new segment appears (written by a resumed writer)
+    ingest_and_analyse(local, {"a": 0})
+    con = duckdb.connect(str(local.live_db), read_only=True)
+    assert con.execute("SELECT count(*) FROM nccl_events").fetchone()[0] == 3
+    assert con.execute("SELECT count(*) FROM _ingested WHERE tbl = 'nccl_events'").fetchone()[0] == 2
