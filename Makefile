@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 DEB_PACKAGES := python3-bpfcc python3-venv linux-headers-amd64 nftables iproute2 gcc make libc6-dev kmod procps
 SCENARIO ?= lossy-link
 
-.PHONY: setup system venv test test-unit test-bpf demo bench clean
+.PHONY: setup system venv test test-unit test-bpf demo demo-trace bench clean
 
 setup: system venv
 
@@ -33,11 +33,17 @@ test-unit: venv
 test-bpf: setup
 	$(PY) -m pytest tests/bpf $(PYTEST_ARGS)
 
+# The main job on the embedded default: an in-process Kubernetes API server,
+# the operator, one agent per lab node, a lab training job with a fault, a
+# TraceSession applied with kubectl, and the verdict it writes into status.
 demo: setup
-	$(VENV)/bin/ingero lab run --scenario $(SCENARIO) --trace --out out/demo
-	$(VENV)/bin/ingero query out/demo/trace.duckdb "SELECT op, rank, nranks, duration_ns/1e6 AS ms FROM nccl_events ORDER BY duration_ns DESC LIMIT 10"
-	$(VENV)/bin/ingero query out/demo/trace.duckdb "SELECT rank, pod, COUNT(*) AS retransmits FROM tcp_events WHERE event = 'tcp_retransmit_skb' GROUP BY ALL ORDER BY rank"
-	$(VENV)/bin/ingero report out/demo/trace.duckdb
+	$(VENV)/bin/ingero demo --scenario $(SCENARIO)
+
+# The node tracer alone on a lab job (no operator): trace, query, report.
+demo-trace: setup
+	$(VENV)/bin/ingero lab run --scenario $(SCENARIO) --trace --out out/demo-trace
+	$(VENV)/bin/ingero query out/demo-trace/trace.duckdb "SELECT op, rank, nranks, duration_ns/1e6 AS ms FROM nccl_events ORDER BY duration_ns DESC LIMIT 10"
+	$(VENV)/bin/ingero report out/demo-trace/trace.duckdb
 
 bench: setup
 	$(PY) -m bench.run_all

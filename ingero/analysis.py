@@ -52,6 +52,7 @@ class RankRow:
     late_z: float = 0.0
     retransmits: int = 0          # on its own connections, whole trace
     retransmits_in_window: int = 0
+    slow_collectives: int | None = None   # collectives over the session's threshold, when one is set
     offcpu_ms: dict = field(default_factory=dict)  # reason -> ms
     per_op: dict = field(default_factory=dict)     # op -> {"calls", "p50_ms", "p99_ms"}
 
@@ -114,8 +115,12 @@ def _step_ns(con) -> float:
     return float(row[0] or 0.0)
 
 
-def analyse(con) -> Report:
-    """Analyse every table in `con` (a DuckDB connection) into a Report."""
+def analyse(con, slow_collective_ms: float | None = None) -> Report:
+    """Analyse every table in `con` (a DuckDB connection) into a Report.
+
+    `slow_collective_ms` (a TraceSession's thresholds.slowCollectiveMs): also
+    count, per rank, the collectives that took longer than this.
+    """
     _prepare(con)
     warnings: list[str] = []
     step_ns = _step_ns(con)
@@ -146,6 +151,10 @@ def analyse(con) -> Report:
                                        WHERE arrived > 1 GROUP BY grank, op) GROUP BY grank""").fetchall():
         if grank in rows and late is not None:
             rows[grank].late_ms = late / 1e6
+    if slow_collective_ms is not None:
+        for grank, n in con.execute("SELECT grank, count(*) FILTER (WHERE d > ?) FROM _coll GROUP BY grank",
+                                    [int(slow_collective_ms * 1e6)]).fetchall():
+            rows[grank].slow_collectives = n
     _add_network(con, rows)
     _add_offcpu(con, rows)
     traced_ns = con.execute("SELECT max(t + d) - min(t) FROM _coll").fetchone()[0] or 0

@@ -188,6 +188,8 @@ class Session:
         return (self.dir / "stopped").exists()
 
     def state(self) -> str:
+        if self.stopped and (self.dir / "done").exists():
+            return "stopped"   # its tracer may still be detaching probes; the data is complete
         if self.proc is not None and self.proc.poll() is None:
             return "running" if (self.dir / "ready").exists() else "starting"
         if self.stopped:
@@ -253,6 +255,7 @@ class SessionManager:
             s.dir.mkdir(parents=True, exist_ok=True)
             (s.dir / "stopped").unlink(missing_ok=True)
             (s.dir / "ready").unlink(missing_ok=True)
+            (s.dir / "done").unlink(missing_ok=True)
             (s.dir / "plan.json").write_text(json.dumps(asdict(plan), indent=2))
             pods_doc = {"node": self.node, "pods": [dict(p, node=p.get("node") or self.node) for p in plan.pods]}
             if self.cgroup_root is not None:
@@ -268,7 +271,7 @@ class SessionManager:
         p = s.plan
         argv = [*self.trace_cmd, "--pods", str(s.dir / "pods.json"), "--node", self.node,
                 "--segments", str(s.segments), "--session-id", s.id,
-                "--ready-file", str(s.dir / "ready"), "--quiet", "--probes", ",".join(p.probes)]
+                "--ready-file", str(s.dir / "ready"), "--done-file", str(s.dir / "done"), "--quiet", "--probes", ",".join(p.probes)]
         if p.nccl_lib:
             argv += ["--nccl-lib", p.nccl_lib]
         if p.sched_min_us is not None:
@@ -278,14 +281,21 @@ class SessionManager:
         return argv
 
     def _stop_proc(self, s: Session) -> None:
+        """SIGINT the tracer; return once its last segments are on disk (its `done`
+        file) or it has exited. Detaching uprobes afterwards takes it seconds more,
+        which nobody needs to wait for."""
         if s.proc is None or s.proc.poll() is not None:
             return
+        done = s.dir / "done"
+        done.unlink(missing_ok=True)
         s.proc.send_signal(signal.SIGINT)
-        try:
-            s.proc.wait(timeout=self.stop_timeout_s)
-        except subprocess.TimeoutExpired:
-            s.proc.kill()
-            s.proc.wait()
+        deadline = time.monotonic() + self.stop_timeout_s
+        while s.proc.poll() is None and not done.exists():
+            if time.monotonic() > deadline:
+                s.proc.kill()
+                s.proc.wait()
+                return
+            time.sleep(0.05)
 
     def stop(self, sid: str) -> dict:
         """Stop tracing (idempotent): SIGINT the tracer and wait for its last segments."""

@@ -90,6 +90,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "shorter ones are only summed")
     p.add_argument("--ringbuf-pages", type=int, default=2048, metavar="N",
                    help="ring buffer size per probe family in pages, a power of 2 (default 2048)")
+    p.add_argument("--done-file", type=Path, metavar="PATH",
+                   help="touch this file once the last segments are on disk (detaching the "
+                        "probes afterwards can take seconds; a supervisor need not wait for it)")
     p.add_argument("--ready-file", type=Path, metavar="PATH",
                    help="touch this file once the probes are attached")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -156,6 +159,6 @@ def run(args) -> int:
     out, seg = _segments_dir(args)
     session = args.session_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     opts = TraceOptions(segments=seg, node=node, session_id=session, probe_config=cfg, out=out,
-                        duration_s=duration, nccl_libs=libs, ready_file=args.ready_file,
+                        duration_s=duration, nccl_libs=libs, ready_file=args.ready_file, done_file=args.done_file,
                         quiet=args.quiet)
     return Tracer(opts, targets).run()

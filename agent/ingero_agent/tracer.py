@@ -41,6 +41,7 @@ class TraceOptions:
     duration_s: float | None = None
     nccl_libs: list[tuple[Path, tuple[int, int], dict[str, int]]] = field(default_factory=list)
     ready_file: Path | None = None
+    done_file: Path | None = None   # touched when the last segments are written
     quiet: bool = False
     poll_s: float = 0.05       # ring buffer drain period
     quick_scan_s: float = 0.1  # new processes in known target cgroups, libraries of young ones
@@ -142,7 +143,11 @@ class Tracer:
                 if self.opts.out is not None:
                     build_duckdb([self.opts.segments], self.opts.out)
                     self.log(f"wrote {self.opts.out} (segments in {self.opts.segments})")
+                if self.opts.done_file:
+                    Path(self.opts.done_file).touch()
         finally:
+            # Closing ~32 uprobe perf events takes the kernel ~0.1 s each;
+            # everything recorded is on disk before this.
             self.probes.close()
 
     # ---- steps -----------------------------------------------------------------

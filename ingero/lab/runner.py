@@ -51,7 +51,7 @@ class LabConfig:
     elems: int = 262144            # float32 elements per all-reduce (1 MiB)
     io_mb: int = 8                 # io-stall: MB written and fsync'd per step by the victim
     slow_factor: float = 2.0       # slow-rank: victim's compute_ms multiplier
-    hogs: int = 3                  # cpu-hog: busy loops sharing the victim's CPU
+    hogs: int = 8                  # cpu-hog: busy loops sharing the victim's CPU (3 is too mild on 2 cores: docs/operator.md)
     timeout_s: int = 60            # a rank whose peer stops answering fails after this
     master_port: int = 29500
     progress_every_s: float = 3.0

@@ -44,7 +44,7 @@ class DemoConfig:
     out: Path = Path("out/demo")
     loss_percent: float = 5.0
     victim_rank: int | None = None
-    hogs: int = 3                          # cpu-hog: busy loops sharing the victim's CPU
+    hogs: int = 8                          # cpu-hog: busy loops sharing the victim's CPU
     kill_agent_node: str | None = None     # tests: SIGKILL this node's agent ...
     kill_agent_after_s: float = 5.0        # ... this long after the ranks started
     restart_agent_after_s: float | None = None    # ... and start it again (same port and data)
@@ -262,7 +262,7 @@ def add_parser(sub):
     p.add_argument("--ranks-per-node", type=int, default=2, help="default 2")
     p.add_argument("--loss-percent", type=float, default=5.0, help="lossy-link drop rate; default 5")
     p.add_argument("--victim-rank", type=int, default=None, help="default: the last rank")
-    p.add_argument("--hogs", type=int, default=3, help="cpu-hog: busy loops on the victim's CPU; default 3")
+    p.add_argument("--hogs", type=int, default=8, help="cpu-hog: busy loops on the victim's CPU; default 8")
     p.add_argument("--out", type=Path, default=Path("out/demo"), help="default out/demo")
     p.add_argument("--keep-running", action="store_true",
                    help="keep the API server, operator and agents up afterwards (Ctrl-C ends)")

@@ -21,6 +21,7 @@ from pathlib import Path
 import duckdb
 
 from ingero import schema
+from ingero.comms import resolve_split_ranks
 from ingero.analysis import Report, analyse
 from ingero.store import segment_files
 from ingero_operator.agents import AgentClient, AgentUnreachable
@@ -107,7 +108,8 @@ def world_size(con) -> int | None:
     return int(row[0] or row[1] or 0) or None
 
 
-def ingest_and_analyse(local: LocalSession, offsets: dict[str, int]) -> tuple[Report, int | None]:
+def ingest_and_analyse(local: LocalSession, offsets: dict[str, int],
+                       slow_collective_ms: float | None = None) -> tuple[Report, int | None]:
     """Add event segments not yet in the live database, refresh state tables, analyse."""
     local.work.mkdir(parents=True, exist_ok=True)
     con = duckdb.connect(str(local.live_db))
@@ -124,12 +126,14 @@ def ingest_and_analyse(local: LocalSession, offsets: dict[str, int]) -> tuple[Re
                 _insert(con, table, new, offsets.get(node, 0))
                 con.executemany("INSERT INTO _ingested VALUES (?, ?, ?)", [[node, table, f.name] for f in new])
         _load_state(con, local, offsets)
-        return analyse(con), world_size(con)
+        resolve_split_ranks(con)
+        return analyse(con, slow_collective_ms), world_size(con)
     finally:
         con.close()
 
 
-def build_artifact(local: LocalSession, offsets: dict[str, int]) -> tuple[Report, int | None]:
+def build_artifact(local: LocalSession, offsets: dict[str, int],
+                   slow_collective_ms: float | None = None) -> tuple[Report, int | None]:
     """Merge every node's segments (clock offsets applied) into trace.duckdb and analyse it."""
     tmp = local.artifact.with_name(f".{local.artifact.name}.tmp-{os.getpid()}")
     tmp.unlink(missing_ok=True)
@@ -140,7 +144,8 @@ def build_artifact(local: LocalSession, offsets: dict[str, int]) -> tuple[Report
             for table in schema.EVENT_TABLES:
                 _insert(con, table, segment_files([local.node_dir(node)], table), offsets.get(node, 0))
         _load_state(con, local, offsets)
-        result = analyse(con), world_size(con)
+        resolve_split_ranks(con)
+        result = analyse(con, slow_collective_ms), world_size(con)
     finally:
         con.close()
     os.replace(tmp, local.artifact)

@@ -205,7 +205,8 @@ class Controller:
             patch = {"nodes": rows}
             try:
                 rep, world = await asyncio.to_thread(ingest_and_analyse, self.local(ref),
-                                                     {n: c[0] for n, c in live.clocks.items()})
+                                                     {n: c[0] for n, c in live.clocks.items()},
+                                                     _slow_ms(spec))
                 patch.update(report_status(rep, world, self.s.gather))
                 warnings += rep.warnings
             except Exception as e:  # live analysis is best effort; the final one decides
@@ -244,7 +245,8 @@ class Controller:
             agents = await self.agents()
             gathered, warnings, rows = await self._gather_nodes(ref, live, agents, nodes)
             try:
-                rep, world = await asyncio.to_thread(build_artifact, local, {n: c[0] for n, c in live.clocks.items()})
+                rep, world = await asyncio.to_thread(build_artifact, local,
+                                                     {n: c[0] for n, c in live.clocks.items()}, _slow_ms(spec))
             except Exception as e:
                 msg = f"merging the segments failed: {type(e).__name__}: {e}"
                 await self.patch(ref, {"phase": "Failed", "message": msg, "endTime": now_iso(), "nodes": rows,
@@ -326,3 +328,13 @@ class Controller:
 
     def forget(self, ref: Ref) -> None:
         self.live.pop(ref.uid, None)
+
+
+def _slow_ms(spec) -> float | None:
+    """spec.thresholds.slowCollectiveMs (already validated when the session started)."""
+    if isinstance(spec, planning.SessionSpec):
+        return spec.slow_collective_ms
+    try:
+        return planning.parse_spec(spec).slow_collective_ms
+    except planning.SpecError:
+        return None

@@ -41,6 +41,7 @@ def rank_row(r) -> dict:
             "p50Ms": _r(r.p50_ms, 3), "p99Ms": _r(r.p99_ms, 3), "lateMs": _r(r.late_ms, 3),
             "lateZ": _r(r.late_z), "lastPct": _r(100 * r.last_share, 1), "retransmits": r.retransmits,
             "retransmitsInWindow": r.retransmits_in_window,
+            **({"slowCollectives": r.slow_collectives} if r.slow_collectives is not None else {}),
             "offcpuMs": {k: _r(v, 1) for k, v in sorted(r.offcpu_ms.items())}}
 
 

@@ -50,3 +50,25 @@ def test_hidden_ebpf_flag_prints_the_program_and_its_cflags():
     assert "TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)" in r.stdout
     assert "TRACEPOINT_PROBE(sched, sched_switch)" in r.stdout
     assert "nccl_enter_ncclAllReduce" not in r.stdout          # family not selected
+
+
+def test_done_file_appears_with_every_event_on_disk_before_the_probes_detach(fake_nccl, trace, tmp_path):
+    from ingero.store import open_source
+
+    go, done = tmp_path / "go", tmp_path / "done"
+    drv = spawn([str(fake_nccl["driver"]), "30", "2", "0", "1", str(go)])
+    t = trace("--pid", str(drv.pid), "--probes", "nccl", "--quiet", "--done-file", str(done))
+    go.touch()
+    assert drv.wait(30) == 0
+    t.proc.send_signal(signal.SIGINT)
+    import time
+    deadline = time.monotonic() + 30
+    while not done.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert done.exists()
+    # read the segments as the agent would at this moment, whether or not the tracer has exited
+    segs = t.out.with_name(t.out.name + ".segments")
+    con = open_source(segs)
+    assert con.execute("SELECT COUNT(*) FROM nccl_events").fetchone() == (30 + 19,)
+    con.close()
+    t.stop()

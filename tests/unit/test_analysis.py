@@ -58,3 +58,12 @@ def test_report_cli_prints_table_and_verdict(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "straggler: rank 3" in out and "compute/unknown" in out
+
+
+def test_slow_collective_threshold_counts_each_ranks_collectives_over_it(tmp_path):
+    session(tmp_path, fault="slow-rank")
+    rep = analyse(open_source(tmp_path), slow_collective_ms=5.0)
+    slow = {r.rank: r.slow_collectives for r in rep.ranks}
+    # the others wait ~8 ms for rank 3 at each of 400 collectives; rank 3 itself does not wait
+    assert slow[3] == 0 and all(slow[r] == 400 for r in (0, 1, 2))
+    assert all(r.slow_collectives is None for r in analyse(open_source(tmp_path)).ranks)
