@@ -15,7 +15,6 @@ event, and bytes per event on disk. Needs root.
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 import subprocess
 import tempfile

@@ -30,19 +30,8 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from ingero.schema import NCCL_EVENTS, TCP_EVENTS_TABLE
+from ingero.published import SLOW_COLLECTIVE_JOIN
 
-QUERY = """
-WITH slow_collectives AS (
-  SELECT timestamp_ns, duration_ns, rank, nranks, comm_id_hash, pid
-  FROM nccl_events WHERE op = 'ALL_REDUCE' AND duration_ns > 50000000)
-SELECT s.rank, s.duration_ns/1e6 AS ms, COUNT(t.timestamp_ns) AS retransmits_in_window
-FROM slow_collectives s
-LEFT JOIN tcp_events t
-  ON t.timestamp_ns BETWEEN s.timestamp_ns AND s.timestamp_ns + s.duration_ns
- AND t.event = 'tcp_retransmit_skb'
-GROUP BY s.rank, s.duration_ns, s.timestamp_ns ORDER BY ms DESC LIMIT 20;
-"""
 
 HOUR_NS = 3_600_000_000_000
 
@@ -72,7 +61,7 @@ def _capped(lite, cap_s: float) -> tuple[float, list | None]:
     t = time.perf_counter()
     lite.set_progress_handler(lambda: int(time.perf_counter() - t > cap_s), 100_000)
     try:
-        rows = lite.execute(QUERY).fetchall()
+        rows = lite.execute(SLOW_COLLECTIVE_JOIN).fetchall()
     except sqlite3.OperationalError:  # interrupted
         rows = None
     finally:
@@ -111,12 +100,12 @@ def main(argv=None) -> dict:
             rows = zip(*(cols[c].tolist() for c in names))
             lite.executemany(f"INSERT INTO {name} VALUES ({', '.join('?' * len(names))})", rows)
         lite.commit()
-        t_duck, r_duck = _timed(lambda: ddb.execute(QUERY).fetchall(), a.repeat)
+        t_duck, r_duck = _timed(lambda: ddb.execute(SLOW_COLLECTIVE_JOIN).fetchall(), a.repeat)
         t_plain, r_plain = _capped(lite, a.sqlite_cap)
         lite.execute("CREATE INDEX tcp_ev_ts ON tcp_events(event, timestamp_ns)")
         lite.execute("CREATE INDEX nccl_op_dur ON nccl_events(op, duration_ns)")
         lite.commit()
-        t_idx, r_idx = _timed(lambda: lite.execute(QUERY).fetchall(), a.repeat)
+        t_idx, r_idx = _timed(lambda: lite.execute(SLOW_COLLECTIVE_JOIN).fetchall(), a.repeat)
 
     def key(rows):
         return [(r[0], round(r[1], 6), r[2]) for r in rows]

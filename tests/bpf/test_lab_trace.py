@@ -9,7 +9,6 @@ each worker itself reports having done.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -17,6 +16,7 @@ import subprocess
 import pytest
 
 from tests.conftest import bpf_reason
+from ingero.published import SLOW_COLLECTIVE_JOIN
 
 pytestmark = pytest.mark.bpf
 
@@ -26,17 +26,6 @@ STEP_CALLS = {  # per rank per step (see ingero/lab/csrc/worker.c)
     "SEND": 1, "RECV": 1, "GROUP_START": 1, "GROUP_END": 1,
 }
 
-PUBLISHED_SLOW_JOIN = """
-WITH slow_collectives AS (
-  SELECT timestamp_ns, duration_ns, rank, nranks, comm_id_hash, pid
-  FROM nccl_events WHERE op = 'ALL_REDUCE' AND duration_ns > 50000000)
-SELECT s.rank, s.duration_ns/1e6 AS ms, COUNT(t.timestamp_ns) AS retransmits_in_window
-FROM slow_collectives s
-LEFT JOIN tcp_events t
-  ON t.timestamp_ns BETWEEN s.timestamp_ns AND s.timestamp_ns + s.duration_ns
- AND t.event = 'tcp_retransmit_skb'
-GROUP BY s.rank, s.duration_ns, s.timestamp_ns ORDER BY ms DESC LIMIT 20;
-"""
 
 
 def _free_port() -> int:
@@ -172,7 +161,7 @@ def test_retransmits_are_attributed_to_the_lossy_nodes_ranks_as_the_kernel_count
 
 
 def test_published_slow_collective_join_finds_retransmits_in_slow_collectives(lossy):
-    rows = lossy["con"].execute(PUBLISHED_SLOW_JOIN).fetchall()
+    rows = lossy["con"].execute(SLOW_COLLECTIVE_JOIN).fetchall()
     assert rows, "no ALL_REDUCE over 50 ms in a 5% loss run"
     assert any(r[2] > 0 for r in rows), rows
 

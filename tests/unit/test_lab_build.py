@@ -64,7 +64,6 @@ def rank_main(libpath: str, idbytes: bytes, rank: int, n: int, q) -> None:
     uid = UniqueId.from_buffer_copy(idbytes)
     uid_b = UniqueId.from_buffer_copy(idbytes[:120] + bytes(b ^ 0x5A for b in idbytes[120:]))
     A, B = ctypes.c_void_p(), ctypes.c_void_p()
-    size = ctypes.c_long(0)
     out: dict[str, object] = {}
     check(lib.ncclCommInitRank(ctypes.byref(A), n, uid, rank), lib)
     check(lib.ncclCommInitRankConfig(ctypes.byref(B), n, uid_b, rank, None), lib)

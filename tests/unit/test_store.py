@@ -8,18 +8,8 @@ import pytest
 from ingero import schema
 from ingero.cli import main
 from ingero.store import SegmentWriter, build_duckdb, open_source
+from ingero.published import SLOW_COLLECTIVE_JOIN
 
-PUBLISHED_SLOW_JOIN = """
-WITH slow_collectives AS (
-  SELECT timestamp_ns, duration_ns, rank, nranks, comm_id_hash, pid
-  FROM nccl_events WHERE op = 'ALL_REDUCE' AND duration_ns > 50000000)
-SELECT s.rank, s.duration_ns/1e6 AS ms, COUNT(t.timestamp_ns) AS retransmits_in_window
-FROM slow_collectives s
-LEFT JOIN tcp_events t
-  ON t.timestamp_ns BETWEEN s.timestamp_ns AND s.timestamp_ns + s.duration_ns
- AND t.event = 'tcp_retransmit_skb'
-GROUP BY s.rank, s.duration_ns, s.timestamp_ns ORDER BY ms DESC LIMIT 20;
-"""
 
 
 def _nccl(n, t0, rank, dur_ns):
@@ -55,7 +45,7 @@ def test_writer_rolls_segments_that_queries_and_build_duckdb_read_back(tmp_path)
     ids = [r[0] for r in con.execute("SELECT event_id FROM nccl_events ORDER BY event_id").fetchall()]
     assert len(set(ids)) == 15
     assert all(i >> 48 == schema.node_prefix("node-a") >> 48 for i in ids)
-    rows = con.execute(PUBLISHED_SLOW_JOIN).fetchall()
+    rows = con.execute(SLOW_COLLECTIVE_JOIN).fetchall()
     assert [r[0] for r in rows] == [0] * 10  # only rank 0's 80 ms calls are slow
     assert sorted(r[2] for r in rows) == [0] * 9 + [1]  # one retransmit inside the first call
     assert con.execute("SELECT COUNT(*) FROM sched_events").fetchone()[0] == 0  # empty, but exists
