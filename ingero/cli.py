@@ -24,6 +24,10 @@ SUBCOMMANDS: dict[str, str] = {
     "agent": "ingero_agent.server",
     "operator": "ingero_operator.cli",
     "demo": "ingero_operator.demo",
+    "fleet": "ingero.fleet_cli",
+    "merge": "ingero.merge_cli",
+    "export": "ingero.export_cli",
+    "mcp": "ingero.mcp_cli",
 }
 
 
@@ -45,21 +49,31 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:
-            if not module.startswith(e.name or "\0"):
-                raise
-            # An image may ship only part of Ingero (the operator has no agent).
-            p = sub.add_parser(name, help=f"(not installed here: {module})")
-            p.set_defaults(_run=_missing(name, module))
+            # An image may ship only part of Ingero (the operator has no agent), or
+            # lack an optional dependency: every other subcommand must still work.
+            p = sub.add_parser(name, help=f"(not available here: {e.name} is not installed)")
+            p.set_defaults(_run=_missing(name, module, e.name or "?"))
             continue
         p = mod.add_parser(sub)
         p.set_defaults(_run=mod.run)
     return parser
 
 
-def _missing(name: str, module: str):
+# Third-party packages of the optional extras in pyproject.toml.
+_EXTRA_OF = {"kopf": "operator", "kmock": "operator", "aiohttp": "operator", "jsonschema": "operator",
+             "yaml": "operator", "mcp": "mcp"}
+
+
+def _missing(name: str, module: str, missing: str):
+    top = missing.split(".")[0]
+
     def run(_args) -> int:
-        raise IngeroError(f"'ingero {name}' is not part of this installation ({module} is missing); "
-                          "install the full ingero package")
+        if module.startswith(top):
+            raise IngeroError(f"'ingero {name}' is not part of this installation ({module} is missing); "
+                              "install the full ingero package")
+        extra = _EXTRA_OF.get(top)
+        fix = f"pip install 'ingero[{extra}]'" if extra else f"install the Python package {top}"
+        raise IngeroError(f"'ingero {name}' needs the Python package {top}, which is not installed: {fix}")
     return run
 
 

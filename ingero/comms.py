@@ -49,7 +49,9 @@ def resolve_split_ranks(con) -> int:
         if not n:
             break
         resolved += n
-    if resolved:
+    # Also when nothing new was resolved here: rows merged from elsewhere may carry
+    # resolved communicators while their events still say -1.
+    if resolved or con.execute("SELECT count(*) FROM comms WHERE op = 'COMM_SPLIT' AND rank >= 0").fetchone()[0]:
         con.execute("""
             UPDATE nccl_events SET rank = c.rank, nranks = c.nranks
             FROM (SELECT node, pid, comm_id_hash, any_value(rank) AS rank, any_value(nranks) AS nranks

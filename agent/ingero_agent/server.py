@@ -8,10 +8,13 @@
     GET    /v1/sessions/<id>/segments[?since=NS]      segment files changed after NS (mtime)
     GET    /v1/sessions/<id>/segments/<table>/<name>  one segment file
     DELETE /v1/sessions/<id>                          stop and remove the session's data
+    POST   /v1/query                                  read-only, bounded SQL over the sessions' segments
 
 Every endpoint but /healthz needs ``Authorization: Bearer <token>`` (the
 content of --token-file, compared in constant time). TLS when --tls-cert
-and --tls-key are given. Errors are JSON ``{"error": "..."}``.
+and --tls-key are given; with --tls-client-ca every client must also present
+a certificate signed by that CA (checked in the handshake). Errors are JSON
+``{"error": "..."}``.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-from ingero import __version__
+from ingero import __version__, readonly_sql
 from ingero.errors import IngeroError
 from ingero_agent.api import ApiError, SessionManager, parse_plan
+from ingero_agent.queries import QueryService
 
 MAX_BODY = 4 << 20   # bytes; a plan for a few thousand pods fits
 ROUTES = [
@@ -45,15 +49,21 @@ ROUTES = [
     ("GET", re.compile(r"^/v1/sessions/([^/]+)/segments$"), "segments"),
     ("GET", re.compile(r"^/v1/sessions/([^/]+)/segments/([^/]+)/([^/]+)$"), "download"),
     ("DELETE", re.compile(r"^/v1/sessions/([^/]+)$"), "delete"),
+    ("POST", re.compile(r"^/v1/query$"), "query"),
 ]
 
 
 class Handler(BaseHTTPRequestHandler):
     server_version = f"ingero-agent/{__version__}"
     protocol_version = "HTTP/1.1"
+    # Headers and body leave in two writes: without TCP_NODELAY the body waits for the
+    # client's (delayed) ACK, which adds milliseconds to every round trip of a keep-alive
+    # connection and skews the NTP-style clock samples taken on it.
+    disable_nagle_algorithm = True
 
     # set by make_server
     manager = None
+    queries = None
     token: bytes = b""
     quiet = False
 
@@ -155,6 +165,9 @@ class Handler(BaseHTTPRequestHandler):
         self.manager.delete(sid)
         self._send(200, {"session_id": sid, "deleted": True})
 
+    def do_query(self, query):
+        self._send(200, self.queries.query(self._body()))
+
 
 def parse_listen(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
@@ -175,8 +188,10 @@ def read_token(path: Path) -> bytes:
 
 
 def make_server(manager: SessionManager, listen: tuple[str, int], token: bytes,
-                tls: tuple[Path, Path] | None = None, quiet: bool = False) -> ThreadingHTTPServer:
-    handler = type("BoundHandler", (Handler,), {"manager": manager, "token": token, "quiet": quiet})
+                tls: tuple[Path, Path] | None = None, quiet: bool = False,
+                client_ca: Path | None = None, queries: QueryService | None = None) -> ThreadingHTTPServer:
+    handler = type("BoundHandler", (Handler,), {"manager": manager, "token": token, "quiet": quiet,
+                                                "queries": queries or QueryService(manager)})
     family = socket.AF_INET6 if ":" in listen[0] else socket.AF_INET
     srv = type("AgentServer", (ThreadingHTTPServer,), {"address_family": family})(listen, handler)
     srv.daemon_threads = True
@@ -187,6 +202,13 @@ def make_server(manager: SessionManager, listen: tuple[str, int], token: bytes,
             ctx.load_cert_chain(str(tls[0]), str(tls[1]))
         except (OSError, ssl.SSLError) as e:
             raise IngeroError(f"cannot load --tls-cert {tls[0]} / --tls-key {tls[1]}: {e}") from None
+        if client_ca is not None:
+            try:
+                ctx.load_verify_locations(cafile=str(client_ca))
+            except (OSError, ssl.SSLError) as e:
+                raise IngeroError(f"cannot load --tls-client-ca {client_ca}: {e}; pass the PEM bundle of "
+                                  "the CA that signs client certificates") from None
+            ctx.verify_mode = ssl.CERT_REQUIRED
         srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
     return srv
 
@@ -204,6 +226,13 @@ def add_parser(sub):
     r.add_argument("--token-file", type=Path, required=True, help="file holding the bearer token")
     r.add_argument("--tls-cert", type=Path, help="serve HTTPS with this certificate (PEM)")
     r.add_argument("--tls-key", type=Path, help="... and this private key (PEM)")
+    r.add_argument("--tls-client-ca", type=Path, help="require client certificates signed by this CA (PEM)")
+    r.add_argument("--query-timeout", type=float, default=10.0, metavar="S",
+                   help="POST /v1/query: interrupt a query after this long (default 10)")
+    r.add_argument("--query-max-rows", type=int, default=10_000, metavar="N",
+                   help="POST /v1/query: rows returned at most (default 10000)")
+    r.add_argument("--query-max-bytes", type=int, default=4 << 20, metavar="B",
+                   help="POST /v1/query: JSON bytes of rows returned at most (default 4 MiB)")
     r.add_argument("--cgroup-root", type=Path, help="cgroup v2 folder holding the pods "
                    "(default: the cgroup2 mount)")
     r.add_argument("--ready-file", type=Path, help="touch this file once listening")
@@ -220,6 +249,10 @@ def run(args) -> int:
         raise IngeroError("--node is missing: pass the node name (or set NODE_NAME)")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise IngeroError("TLS needs both --tls-cert and --tls-key")
+    if args.tls_client_ca and not args.tls_cert:
+        raise IngeroError("--tls-client-ca needs TLS: pass --tls-cert and --tls-key too")
+    if args.query_timeout <= 0 or args.query_max_rows < 1 or args.query_max_bytes < 1024:
+        raise IngeroError("--query-timeout must be > 0, --query-max-rows >= 1 and --query-max-bytes >= 1024")
     if args.cgroup_root is not None and not args.cgroup_root.is_dir():
         raise IngeroError(f"--cgroup-root {args.cgroup_root} is not a folder; pass the cgroup v2 "
                           "folder that holds the pods")
@@ -230,8 +263,11 @@ def run(args) -> int:
     except OSError as e:
         raise IngeroError(f"--data-dir {args.data_dir}: {e.strerror}; pass a writable folder") from None
     try:
+        limits = readonly_sql.Limits(timeout_s=args.query_timeout, max_rows=args.query_max_rows,
+                                     max_bytes=args.query_max_bytes)
         srv = make_server(manager, listen, token, (args.tls_cert, args.tls_key) if args.tls_cert else None,
-                          quiet=args.quiet)
+                          quiet=args.quiet, client_ca=args.tls_client_ca,
+                          queries=QueryService(manager, limits))
     except OSError as e:
         raise IngeroError(f"cannot listen on {args.listen}: {e.strerror}; pick a free port") from None
     stop = threading.Event()
@@ -243,8 +279,10 @@ def run(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     scheme = "https" if args.tls_cert else "http"
-    print(f"ingero agent: node {args.node}, {scheme}://{args.listen}, data {manager.data}, "
-          f"{len(manager.sessions)} sessions on disk", file=sys.stderr, flush=True)
+    print(f"ingero agent: node {args.node}, {scheme}://{args.listen}"
+          f"{' (client certificates required)' if args.tls_client_ca else ''}, data {manager.data}, "
+          f"{len(manager.sessions)} sessions on disk; queries: {args.query_timeout:g} s, "
+          f"{args.query_max_rows} rows, {args.query_max_bytes} bytes at most", file=sys.stderr, flush=True)
     if args.ready_file:
         args.ready_file.touch()
     try:

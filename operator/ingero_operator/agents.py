@@ -1,10 +1,9 @@
 """Talking to the node agents: their HTTP API, and NTP-style clock offsets.
 
-Clock offset of a node: the operator notes its wall clock before (t0) and
-after (t1) asking the agent for its wall clock (a). Assuming the answer was
-taken half-way, offset = a - (t0 + t1) / 2 and the error is at most half the
-round trip, so of several samples the one with the lowest round trip wins.
-A node timestamp ts is then ``ts - offset`` on the operator's clock.
+Clock offset of a node: NTP-style, several samples of the agent's
+``/v1/time``, the lowest round trip wins (``ingero.clock``, shared with
+``ingero fleet``). A node timestamp ts is then ``ts - offset`` on the
+operator's clock.
 """
 
 from __future__ import annotations
@@ -13,40 +12,16 @@ import asyncio
 import os
 import ssl
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 
+from ingero.clock import ClockSample, estimate_offset  # noqa: F401  (re-exported)
 from ingero_operator.settings import AgentSettings
 
 
 class AgentUnreachable(Exception):
     """The agent did not answer (or answered an error); the message names the node."""
-
-
-@dataclass(frozen=True)
-class ClockSample:
-    t0_ns: int       # operator wall clock when the request left
-    agent_ns: int    # the agent's wall clock in its answer
-    t1_ns: int       # operator wall clock when the answer arrived
-
-    @property
-    def rtt_ns(self) -> int:
-        return self.t1_ns - self.t0_ns
-
-    @property
-    def offset_ns(self) -> int:
-        return self.agent_ns - (self.t0_ns + self.t1_ns) // 2
-
-
-def estimate_offset(samples: list[ClockSample]) -> tuple[int, int]:
-    """(offset_ns, rtt_ns) of the sample with the lowest round trip."""
-    good = [s for s in samples if s.rtt_ns >= 0]
-    if not good:
-        raise ValueError("no usable clock sample (every round trip was negative)")
-    best = min(good, key=lambda s: s.rtt_ns)
-    return best.offset_ns, best.rtt_ns
 
 
 class AgentClient:
@@ -59,8 +34,11 @@ class AgentClient:
         self.http = http
         self.headers = {"Authorization": f"Bearer {token}"}
         self.ssl: ssl.SSLContext | bool = False
+        self.tls_kw: dict = {}
         if settings.tls:
             self.ssl = ssl.create_default_context(cafile=settings.ca_file)
+            if settings.tls_server_name:
+                self.tls_kw = {"server_hostname": settings.tls_server_name}
 
     def __repr__(self) -> str:
         return f"agent on {self.node} ({self.base})"
@@ -70,7 +48,7 @@ class AgentClient:
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.settings.request_timeout_s)
         try:
             async with self.http.request(method, self.base + path, headers=self.headers, ssl=self.ssl,
-                                         timeout=timeout, **kw) as resp:
+                                         timeout=timeout, **self.tls_kw, **kw) as resp:
                 doc = await resp.json(content_type=None)
                 if resp.status == 404 and ok404:
                     return None
@@ -114,7 +92,8 @@ class AgentClient:
         tmp = dest.with_name(f".{dest.name}.part")
         try:
             async with self.http.get(f"{self.base}/v1/sessions/{sid}/segments/{table}/{name}",
-                                     headers=self.headers, ssl=self.ssl, timeout=timeout) as resp:
+                                     headers=self.headers, ssl=self.ssl, timeout=timeout,
+                                     **self.tls_kw) as resp:
                 if resp.status != 200:
                     raise AgentUnreachable(f"{self} answered {resp.status} for segment {table}/{name}")
                 n = 0

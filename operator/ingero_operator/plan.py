@@ -11,6 +11,8 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
+from ingero.fleet_targets import agent_endpoints  # noqa: F401  (shared with `ingero fleet`)
+
 PROBES = ("nccl", "tcp", "sched")
 FINISHED_PHASES = ("Succeeded", "Failed")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
@@ -133,21 +135,6 @@ def group_by_node(pods: list[dict]) -> tuple[dict[str, list[dict]], list[str]]:
     for entries in by_node.values():
         entries.sort(key=lambda e: e["name"])
     return by_node, unscheduled
-
-
-def agent_endpoints(agent_pods: list[dict], port_name: str) -> dict[str, tuple[str, int]]:
-    """node -> (address, port) of the agent Pod running there (status.podIP + port `port_name`)."""
-    out = {}
-    for pod in agent_pods:
-        spec, status = pod.get("spec") or {}, pod.get("status") or {}
-        node, ip = spec.get("nodeName"), status.get("podIP")
-        if not node or not ip or status.get("phase") not in (None, "Running"):
-            continue
-        for c in spec.get("containers") or []:
-            for p in c.get("ports") or []:
-                if p.get("name") == port_name and p.get("containerPort"):
-                    out[node] = (ip, int(p["containerPort"]))
-    return out
 
 
 def node_plan(sid: str, pods: list[dict], spec: SessionSpec, duration_s: float | None = None) -> dict:

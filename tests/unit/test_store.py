@@ -104,3 +104,16 @@ def test_dict_column_maps_gaps_and_unknown_codes_to_null_and_writes_parquet(tmp_
     con = open_source(tmp_path)
     assert con.execute("SELECT op FROM nccl_events ORDER BY timestamp_ns").fetchall() == [
         ("ALL_REDUCE",), (None,), (None,), (None,), ("SEND",)]
+
+
+def test_a_subcommand_with_a_missing_dependency_fails_alone_with_the_fix(monkeypatch, capsys):
+    import sys
+
+    from ingero import cli
+
+    monkeypatch.setitem(cli.SUBCOMMANDS, "broken", "ingero_test_absent_module_xyz")
+    monkeypatch.setitem(sys.modules, "ingero_test_absent_module_xyz", None)  # import raises
+    args = cli.build_parser().parse_args(["query", "x.duckdb", "SELECT 1"])  # others still parse
+    assert args.command == "query" and args.sql == "SELECT 1"
+    assert cli.main(["broken"]) == 2
+    assert "is not part of this installation" in capsys.readouterr().err

@@ -1,0 +1,72 @@
+"""`ingero export perfetto SOURCE -o trace.json`: the trace as a timeline for ui.perfetto.dev.
+
+One process per node, one thread track per rank (ordered by rank): NCCL
+calls as slices (op, bytes, comm, seq, lateness in args), off-CPU intervals
+nested in them, TCP retransmits and resets as instants on the rank that owns
+the connection, and flow arrows from every rank's slice of a collective to
+the rank that arrived last. Open the file at https://ui.perfetto.dev (Open
+trace file) or in chrome://tracing.
+
+Large traces: --start/--end keep a window (offsets from the first event,
+e.g. --start 30s --end 35s) and --max-events samples whole collectives
+(every k-th, all ranks kept, so arrows stay complete) down to about N events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ingero.errors import IngeroError
+from ingero.fleet_cli import parse_seconds
+
+
+def add_parser(sub):
+    p = sub.add_parser("export", help="export a trace for other tools (Perfetto timeline)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = p.add_subparsers(dest="export_format", metavar="FORMAT")
+    e = s.add_parser("perfetto", help="Chrome Trace Event JSON for ui.perfetto.dev",
+                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                     epilog="examples:\n"
+                     "  ingero export perfetto out/demo/artifacts/default/lab-job/trace.duckdb -o lab.json\n"
+                     "  ingero export perfetto job.duckdb -o window.json --start 10s --end 12.5s\n"
+                     "  ingero export perfetto job.duckdb -o small.json --max-events 200000")
+    e.add_argument("source", type=Path, help="trace .duckdb file or segment directory")
+    e.add_argument("-o", "--out", type=Path, required=True, help="the JSON file to write")
+    e.add_argument("--start", help="keep events from this long after the first event (e.g. 30s, 250ms)")
+    e.add_argument("--end", help="... until this long after the first event")
+    e.add_argument("--max-events", type=int, help="sample whole collectives down to about N events")
+    p.set_defaults(_export_parser=p)
+    return p
+
+
+def run(args) -> int:
+    from ingero.perfetto import build, write
+    from ingero.store import open_source
+
+    if getattr(args, "export_format", None) != "perfetto":
+        args._export_parser.print_help()
+        return 2
+    start = parse_seconds(args.start, "--start", allow_zero=True) if args.start else None
+    end = parse_seconds(args.end, "--end") if args.end else None
+    if start is not None and end is not None and end <= start:
+        raise IngeroError(f"--end {args.end} is not after --start {args.start}")
+    if args.max_events is not None and args.max_events < 100:
+        raise IngeroError("--max-events must be at least 100")
+    if not args.out.parent.is_dir():
+        raise IngeroError(f"-o {args.out}: folder {args.out.parent} does not exist")
+    con = open_source(args.source)
+    try:
+        doc, summ = build(con, start, end, args.max_events, source=str(args.source))
+    finally:
+        con.close()
+    if summ.t0_ns is None:
+        raise IngeroError(f"{args.source} holds no NCCL, off-CPU or TCP events to put on a timeline")
+    size = write(doc, args.out)
+    kinds = ", ".join(f"{n} {c}" for c, n in sorted(summ.slices.items()))
+    print(f"wrote {args.out} ({size / 1e6:.1f} MB): {summ.nodes} nodes, {summ.tracks} tracks, slices: {kinds}; "
+          f"{summ.instants} tcp instants, {summ.flows} arrival arrows"
+          + (f"; sampled every {summ.sampled_stride}th collective" if summ.sampled_stride > 1 else "")
+          + "; open it at https://ui.perfetto.dev", file=sys.stderr)
+    return 0

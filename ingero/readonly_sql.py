@@ -1,0 +1,211 @@
+"""Read-only, bounded SQL over a trace: the agent's query endpoint and the MCP server use it.
+
+The guard is the engine, not a string filter. Each query gets a fresh
+in-memory DuckDB connection that sees the trace as views (segment
+directories) or as an attached database opened ``READ_ONLY`` (a ``.duckdb``
+file; the Parquet files its own views read are allowed when they lie in its
+folder, as the operator's artifact keeps ``nccl_events``). Then file access
+is switched off (``enable_external_access = false``, with
+``allowed_directories`` = the segment folders the views read, so
+``COPY ... TO``, ``ATTACH``, ``read_csv('/etc/passwd')``, ``INSTALL`` and
+``LOAD`` all fail) and the configuration is locked, so the query cannot
+switch it back. On top of that only one ``SELECT`` (or ``EXPLAIN``)
+statement is accepted, and the query is bounded: a timer interrupts it,
+memory and threads are capped, spilling to disk is off, and at most
+``max_rows`` rows and about ``max_bytes`` bytes of JSON come back.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+import json
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import duckdb
+
+from ingero.errors import IngeroError
+from ingero.store import attach_segments
+
+ALLOWED = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
+
+
+@dataclass
+class Limits:
+    """Bounds of one query; units in the names."""
+
+    timeout_s: float = 10.0          # interrupted after this long
+    max_rows: int = 10_000           # rows returned; more are cut (truncated = "rows")
+    max_bytes: int = 4 << 20         # JSON size of the rows returned (truncated = "bytes")
+    memory_limit: str = "1GB"        # DuckDB memory_limit of the query's connection
+    threads: int = 2                 # DuckDB threads of the query's connection
+
+    def narrowed(self, timeout_s=None, max_rows=None) -> "Limits":
+        """These limits, tightened (never widened) by a caller's request."""
+        out = Limits(**self.__dict__)
+        if timeout_s is not None:
+            out.timeout_s = min(self.timeout_s, max(0.05, float(timeout_s)))
+        if max_rows is not None:
+            out.max_rows = min(self.max_rows, max(0, int(max_rows)))
+        return out
+
+
+@dataclass
+class Result:
+    columns: list[str]
+    types: list[str]
+    rows: list[list] = field(default_factory=list)
+    truncated: str | None = None     # None, "rows" or "bytes"
+    elapsed_ms: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {"columns": self.columns, "types": self.types, "rows": self.rows,
+                "truncated": self.truncated, "elapsed_ms": round(self.elapsed_ms, 3)}
+
+
+class QueryRefused(IngeroError):
+    """The statement is not allowed, does not parse, fails, or ran out of time."""
+
+    def __init__(self, message: str, timeout: bool = False):
+        super().__init__(message)
+        self.timeout = timeout
+
+
+def jsonable(v):
+    """A DuckDB value as plain JSON (big integers stay integers)."""
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return v if v == v and v not in (float("inf"), float("-inf")) else str(v)
+    if isinstance(v, decimal.Decimal):
+        return float(v)
+    if isinstance(v, (dt.datetime, dt.date, dt.time)):
+        return v.isoformat()
+    if isinstance(v, dt.timedelta):
+        return v.total_seconds()
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return bytes(v).hex()
+    if isinstance(v, uuid.UUID):
+        return str(v)
+    if isinstance(v, dict):
+        return {str(k): jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [jsonable(x) for x in v]
+    return str(v)
+
+
+_QUOTED_PARQUET = re.compile(r"'((?:[^']|'')+\.parquet)'")
+
+
+def view_files(con, folder: Path) -> list[str]:
+    """Parquet files the attached trace's views read, those inside `folder` only."""
+    out = []
+    for (sql,) in con.execute("SELECT sql FROM duckdb_views() WHERE database_name = 'trace' "
+                              "AND NOT internal").fetchall():
+        for m in _QUOTED_PARQUET.finditer(sql or ""):
+            p = Path(m.group(1).replace("''", "'")).resolve()
+            if p.is_relative_to(folder) and p.is_file():
+                out.append(str(p))
+    return sorted(set(out))
+
+
+def open_sandbox(source: Path | list[Path], limits: Limits | None = None):
+    """A locked, read-only connection over a ``.duckdb`` file or segment directories."""
+    limits = limits or Limits()
+    con = duckdb.connect(config={"autoinstall_known_extensions": False,
+                                 "autoload_known_extensions": False})
+    try:
+        if isinstance(source, (str, Path)) and Path(source).is_file():
+            path = Path(source).resolve()
+            try:
+                con.execute("ATTACH ? AS trace (READ_ONLY)", [str(path)])
+            except duckdb.Error as e:
+                raise IngeroError(f"cannot open {path} as DuckDB: {str(e).splitlines()[0]}") from e
+            con.execute("USE trace")
+            files = view_files(con, path.parent)
+            if files:   # views over segments kept beside the file (the operator's artifact)
+                con.execute("SET allowed_paths = ?", [files])
+        else:
+            dirs = [Path(d).resolve() for d in ([source] if isinstance(source, (str, Path)) else source)]
+            dirs = [d for d in dirs if d.is_dir()]
+            if dirs:
+                con.execute("SET allowed_directories = ?", [[str(d) + "/" for d in dirs]])
+            attach_segments(con, dirs)
+        con.execute(f"SET memory_limit = '{limits.memory_limit}'")
+        con.execute(f"SET threads = {int(limits.threads)}")
+        con.execute("SET max_temp_directory_size = '0B'")
+        con.execute("SET enable_external_access = false")
+        con.execute("SET lock_configuration = true")
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+def check_statement(con, sql: str) -> None:
+    """Exactly one SELECT/EXPLAIN statement, or QueryRefused naming what was given."""
+    if not isinstance(sql, str) or not sql.strip():
+        raise QueryRefused("no SQL given: send one SELECT statement")
+    try:
+        stmts = con.extract_statements(sql)
+    except duckdb.Error as e:
+        raise QueryRefused(f"query does not parse: {str(e).splitlines()[0]}") from e
+    if len(stmts) != 1:
+        raise QueryRefused(f"{len(stmts)} statements given: send exactly one SELECT statement")
+    if stmts[0].type not in ALLOWED:
+        kind = str(stmts[0].type).rsplit(".", 1)[-1]
+        raise QueryRefused(f"{kind} statements are not allowed: queries are read-only, send one SELECT")
+
+
+def run(con, sql: str, limits: Limits | None = None) -> Result:
+    """Run one read-only statement within `limits` on a sandbox connection."""
+    limits = limits or Limits()
+    check_statement(con, sql)
+    timer = threading.Timer(limits.timeout_s, con.interrupt)
+    t0 = time.monotonic()
+    timer.start()
+    try:
+        cur = con.execute(sql)
+        names = [d[0] for d in cur.description or []]
+        types = [str(d[1]) for d in cur.description or []]
+        res = Result(names, types)
+        size = len(json.dumps(names)) + 2
+        while True:
+            batch = cur.fetchmany(min(1024, limits.max_rows - len(res.rows) + 1))
+            if not batch:
+                break
+            for row in batch:
+                if len(res.rows) >= limits.max_rows:
+                    res.truncated = "rows"
+                    break
+                row = [jsonable(v) for v in row]
+                size += len(json.dumps(row, separators=(",", ":"))) + 1
+                if size > limits.max_bytes:
+                    res.truncated = "bytes"
+                    break
+                res.rows.append(row)
+            if res.truncated:
+                break
+    except duckdb.InterruptException as e:
+        raise QueryRefused(f"query interrupted after {limits.timeout_s:g} s: narrow it (WHERE, LIMIT) "
+                           "or raise the timeout", timeout=True) from e
+    except duckdb.Error as e:
+        raise QueryRefused(f"query failed: {str(e).splitlines()[0]}") from e
+    finally:
+        timer.cancel()
+    res.elapsed_ms = (time.monotonic() - t0) * 1e3
+    return res
+
+
+def query(source: Path | list[Path], sql: str, limits: Limits | None = None) -> Result:
+    """Open a sandbox over `source`, run `sql` within `limits`, close it."""
+    con = open_sandbox(source, limits)
+    try:
+        return run(con, sql, limits)
+    finally:
+        con.close()

@@ -1,0 +1,176 @@
+"""`ingero mcp` through the MCP SDK's own client: stdio subprocess, and streamable HTTP with a token."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import anyio
+import pytest
+
+pytest.importorskip("mcp", reason="the MCP SDK is not installed: pip install -e '.[mcp]'")
+
+import httpx2  # noqa: E402  (the SDK's HTTP client)
+from mcp import ClientSession, StdioServerParameters, stdio_client  # noqa: E402
+from mcp.client.streamable_http import streamable_http_client  # noqa: E402
+
+from ingero.cli import main  # noqa: E402
+from ingero.merge import merge  # noqa: E402
+from tests.unit.trace_fixture import TOKEN, write_job  # noqa: E402
+
+TOOLS = {"list_sessions", "straggler_report", "rank_detail", "describe_tables", "query"}
+ART = "ns/job/trace.duckdb"
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("mcp")
+    write_job(d / "raw")
+    (d / "ns" / "job").mkdir(parents=True)
+    merge([d / "raw"], d / ART)
+    (d / "ns" / "job" / "report.json").write_text("{}")
+    (d / "secret.txt").write_text("outside every trace")
+    return d
+
+
+def text(res) -> dict:
+    assert not res.is_error, res.content[0].text
+    return json.loads(res.content[0].text)
+
+
+async def exercise(session: ClientSession) -> dict:
+    """List the tools and call each one; returns what came back."""
+    await session.initialize()
+    listed = (await session.list_tools()).tools
+    got = {"tools": {t.name: t for t in listed}}
+    got["sessions"] = text(await session.call_tool("list_sessions", {}))
+    got["report"] = text(await session.call_tool("straggler_report", {"session": ART}))
+    got["rank"] = text(await session.call_tool("rank_detail", {"session": ART, "rank": 3, "latest": 3}))
+    got["tables"] = text(await session.call_tool("describe_tables", {}))
+    got["query"] = text(await session.call_tool("query", {"session": ART, "sql":
+                                                          "SELECT COUNT(*) FROM tcp_events WHERE event = "
+                                                          "'tcp_retransmit_skb'"}))
+    got["refused"] = await session.call_tool("query", {"session": ART, "sql": "COPY nccl_events TO 'x.csv'"})
+    got["outside"] = await session.call_tool("query", {"session": "../../etc", "sql": "SELECT 1"})
+    got["no_rank"] = await session.call_tool("rank_detail", {"session": ART, "rank": 42})
+    return got
+
+
+def check(got: dict) -> None:
+    tools = got["tools"]
+    assert set(tools) == TOOLS
+    for t in tools.values():   # enough for an assistant to use without our docs
+        assert len(t.description) > 150 and t.annotations.read_only_hint, t.name
+    assert set(tools["rank_detail"].input_schema["properties"]) == {"session", "rank", "latest"}
+    names = {s["session"]: s["kind"] for s in got["sessions"]["sessions"]}
+    assert names[ART] == "artifact" and names["raw/node-a"] == "segments" and names["raw/node-b"] == "segments"
+    s = got["report"]["straggler"]
+    assert (s["rank"], s["node"]) == (3, "node-b") and s["evidence"] and len(got["report"]["ranks"]) == 4
+    r = got["rank"]
+    assert r["rank"] == 3 and r["is_straggler"] and r["per_op"]["ALL_REDUCE"]["calls"] == 20
+    assert len(r["latest"]) == 3 and all(x["op"] == "ALL_REDUCE" and x["late_ms"] > 5 for x in r["latest"])
+    assert "nccl_events" in got["tables"]["tables"] and got["tables"]["examples"]
+    assert got["query"]["rows"] == [[11]]
+    for key, words in (("refused", "COPY statements are not allowed"), ("outside", "outside the root"),
+                       ("no_rank", "rank 42 is not in")):
+        assert got[key].is_error and words in got[key].content[0].text, got[key].content[0].text
+
+
+def test_stdio_client_lists_the_tools_and_calls_each_one(root):
+    params = StdioServerParameters(command=sys.executable, args=["-m", "ingero", "mcp", "--root", str(root)])
+
+    async def go():
+        async with stdio_client(params) as (r, w):
+            async with ClientSession(r, w) as session:
+                return await exercise(session)
+
+    check(anyio.run(go))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def http_server(root, tmp_path_factory):
+    tok = tmp_path_factory.mktemp("tok") / "token"
+    tok.write_text(TOKEN)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ingero", "mcp", "--root", str(root), "--http",
+                             f"127.0.0.1:{port}", "--token-file", str(tok)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            break
+        except OSError:
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.1)
+    yield f"http://127.0.0.1:{port}/mcp"
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_http_client_with_the_token_lists_the_tools_and_calls_each_one(http_server):
+    async def go():
+        async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+            async with streamable_http_client(http_server, http_client=http) as (r, w):
+                async with ClientSession(r, w) as session:
+                    return await exercise(session)
+
+    check(anyio.run(go))
+
+
+def test_http_without_or_with_a_wrong_token_gets_401_and_the_client_cannot_connect(http_server):
+    for headers in ({}, {"Authorization": "Bearer wrong-token-0123456789"}):
+        req = urllib.request.Request(http_server, data=b"{}", method="POST",
+                                     headers={"Content-Type": "application/json", **headers})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=5)
+        assert e.value.code == 401
+
+    async def go():
+        with anyio.fail_after(20):
+            async with httpx2.AsyncClient() as http:
+                async with streamable_http_client(http_server, http_client=http) as (r, w):
+                    async with ClientSession(r, w) as session:
+                        await session.initialize()
+
+    with pytest.raises(BaseException) as e:
+        anyio.run(go)
+    assert not isinstance(e.value, TimeoutError)
+
+
+def test_http_needs_a_token_file_and_a_bad_root_is_one_line(root, tmp_path, capsys):
+    assert main(["mcp", "--root", str(root), "--http", "127.0.0.1:1"]) == 2
+    assert main(["mcp", "--root", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "--token-file" in err[0] and "is not a folder" in err[1]
+
+
+def test_queries_on_an_operator_artifact_read_its_segment_view_and_nothing_else(tmp_path):
+    import shutil
+
+    from ingero import readonly_sql
+    from ingero_operator.gather import LocalSession, build_artifact
+
+    write_job(tmp_path / "seg")
+    local = LocalSession(tmp_path / "root" / "default" / "job")
+    for node in ("node-a", "node-b"):
+        shutil.copytree(tmp_path / "seg" / node, local.node_dir(node))
+    build_artifact(local, {"node-a": 0, "node-b": 0})
+    got = readonly_sql.query(local.artifact, "SELECT node, count(*) FROM nccl_events GROUP BY ALL ORDER BY 1")
+    assert got.rows == [["node-a", 120], ["node-b", 120]]
+    for sql in ("SELECT * FROM read_csv('/etc/passwd')",
+                f"SELECT count(*) FROM read_parquet('{tmp_path}/seg/node-a/nccl_events/*.parquet')"):
+        with pytest.raises(readonly_sql.QueryRefused, match="file system operations are disabled"):
+            readonly_sql.query(local.artifact, sql)
