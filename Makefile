@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 DEB_PACKAGES := python3-bpfcc python3-venv linux-headers-amd64 nftables iproute2 gcc make libc6-dev kmod procps
 SCENARIO ?= lossy-link
 
-.PHONY: setup system venv test test-unit test-bpf demo demo-trace bench clean
+.PHONY: setup system venv test test-unit test-bpf demo demo-trace bench clean chart-lint e2e
 
 setup: system venv
 
@@ -44,6 +44,15 @@ demo-trace: setup
 	$(VENV)/bin/ingero lab run --scenario $(SCENARIO) --trace --out out/demo-trace
 	$(VENV)/bin/ingero query out/demo-trace/trace.duckdb "SELECT op, rank, nranks, duration_ns/1e6 AS ms FROM nccl_events ORDER BY duration_ns DESC LIMIT 10"
 	$(VENV)/bin/ingero report out/demo-trace/trace.duckdb
+
+# The Helm chart: rendered and linted by Helm's engine, validated against Kubernetes schemas.
+chart-lint: venv
+	$(PY) -m pytest tests/chart/test_chart_render.py tests/chart/test_crds.py $(PYTEST_ARGS)
+
+# Images, a kind cluster, `helm install`, a two-pod training job traced with and without a
+# fault. Needs docker (with a daemon), kind and kubectl; skips with the reason otherwise.
+e2e: setup
+	INGERO_E2E=1 $(PY) -m pytest tests/e2e -rs $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) -m bench.run_all

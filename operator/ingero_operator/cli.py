@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 from pathlib import Path
 
 from ingero.errors import IngeroError
@@ -31,6 +32,14 @@ def add_parser(sub):
     r.add_argument("--refresh-interval", type=float, default=None, metavar="S",
                    help="live status refresh period while a session runs, seconds (default 2)")
     r.add_argument("--standalone", action="store_true", help="no kopf peering (one operator only)")
+    r.add_argument("--peering", default=None, metavar="NAME",
+                   help="kopf peering object (ClusterKopfPeering, or KopfPeering per watched namespace): "
+                   "the operator stays paused until it exists and no live peer has a higher priority")
+    r.add_argument("--priority", default=None, metavar="N|random",
+                   help="peering priority; the highest live one acts, the others wait. 'random' (for "
+                   "Deployment replicas, which share one spec) draws 1..2^31-1 at start (default 0)")
+    r.add_argument("--liveness", default=None, metavar="URL",
+                   help="serve kopf's liveness probe here, e.g. http://0.0.0.0:8080/healthz")
     r.add_argument("--verbose", action="store_true")
     p.set_defaults(_op_parser=p)
     return p
@@ -60,10 +69,25 @@ def run(args) -> int:
         raise IngeroError(f"--artifacts {s.artifacts_dir}: {e.strerror}; pass a writable folder") from None
     if not os.access(s.artifacts_dir, os.W_OK):
         raise IngeroError(f"--artifacts {s.artifacts_dir} is not writable; pass a writable folder")
+    if args.standalone and args.peering:
+        raise IngeroError("--standalone and --peering exclude each other; pass one of them")
+    priority = None
+    if args.priority is not None:
+        if args.priority == "random":
+            priority = secrets.randbelow(2**31 - 1) + 1
+        else:
+            try:
+                priority = int(args.priority)
+            except ValueError:
+                raise IngeroError(f"--priority {args.priority!r} is not an integer or 'random'") from None
     kopf.configure(verbose=args.verbose)
     logging.getLogger("ingero.operator").setLevel(logging.INFO)
     from ingero_operator import handlers  # noqa: F401  (registers the handlers with kopf)
 
-    kopf.run(standalone=args.standalone, clusterwide=not args.watch_namespace,
-             namespaces=args.watch_namespace)
+    if args.peering or priority is not None:
+        logging.getLogger("ingero.operator").info(
+            "peering %s, priority %s", args.peering or "auto-detected", priority if priority is not None else 0)
+    kopf.run(standalone=args.standalone or None, clusterwide=not args.watch_namespace,
+             namespaces=args.watch_namespace, peering_name=args.peering, priority=priority,
+             liveness_endpoint=args.liveness)
     return 0

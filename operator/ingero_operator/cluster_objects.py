@@ -18,6 +18,11 @@ SYSTEM_NS = "ingero-system"
 TOKEN_SECRET = "ingero-agent-token"
 
 
+def identity(component: str) -> str:
+    """The service account a component runs as (operator, agent-<node>), as the chart names them."""
+    return f"system:serviceaccount:{SYSTEM_NS}:ingero-{component.split('-', 1)[0]}"
+
+
 def new_token() -> str:
     return secrets.token_hex(32)
 

@@ -52,6 +52,8 @@ class DemoConfig:
     crd: Path = REPO / "crds" / "tracesession.yaml"
     example: Path = REPO / "examples" / "tracesession.yaml"
     timeout_s: float = 180.0               # for the session to complete after the ranks exit
+    operator_args: tuple[str, ...] = ("--standalone",)   # e.g. ("--peering", NAME) with extra_crds
+    extra_crds: tuple[Path, ...] = ()      # more CRDs the embedded API server serves
 
 
 @dataclass
@@ -86,7 +88,7 @@ class Demo:
             raise IngeroError("kubectl is not installed; install kubectl (v1.28 or newer)")
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
         try:
-            self.cluster = EmbeddedCluster(self.cfg.crd, self.out).start()
+            self.cluster = EmbeddedCluster(self.cfg.crd, self.out, self.cfg.extra_crds).start()
             self.log(f"demo: embedded API server at {self.cluster.url} (KUBECONFIG={self.cluster.kubeconfig})")
             self.kubectl("apply", "--validate=false", "-f", str(self.cfg.crd))
             token = objs.new_token()
@@ -101,7 +103,7 @@ class Demo:
             self._start_agents()
             for rp in self.lab.ranks:
                 self.cluster.create("/api/v1/namespaces/default/pods", objs.rank_pod(self.lab, rp))
-            self._start("operator", [sys.executable, "-m", "ingero", "operator", "run", "--standalone",
+            self._start("operator", [sys.executable, "-m", "ingero", "operator", "run", *self.cfg.operator_args,
                                      "--namespace", objs.SYSTEM_NS, "--artifacts", str(self.out / "artifacts")])
         except BaseException:
             self.close()
@@ -113,7 +115,8 @@ class Demo:
 
     def _start(self, name: str, argv: list[str]) -> subprocess.Popen:
         self.argv[name] = argv
-        env = dict(os.environ, KUBECONFIG=str(self.cluster.kubeconfig))
+        # Each component with its own identity, as its service account in a cluster.
+        env = dict(os.environ, KUBECONFIG=str(self.cluster.kubeconfig_as(objs.identity(name))))
         with open(self.out / "logs" / f"{name}.log", "ab") as f:
             proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, cwd=REPO, start_new_session=True)

@@ -114,6 +114,7 @@ def describe_error(e: jsonschema.ValidationError) -> tuple[str, str, str]:
 @attrs.define(kw_only=True)
 class Emulator(kmock.KubernetesEmulator):
     crd: dict = attrs.field(factory=dict)
+    extra_crds: list = attrs.field(factory=list)   # served as plain resources (e.g. kopf peering)
     _rv: int = attrs.field(default=0, init=False)
     cr: kmock.resource = attrs.field(default=None, init=False)
     version: dict = attrs.field(factory=dict, init=False)
@@ -140,6 +141,13 @@ class Emulator(kmock.KubernetesEmulator):
                 subresources={"status"} if plural == "pods" else set(),
                 verbs={"get", "list", "watch", "create", "patch", "delete"})
             self.kinds[kmock.resource("", "v1", plural)] = kind
+        for crd in self.extra_crds:
+            n, g, v = crd["spec"]["names"], crd["spec"]["group"], crd["spec"]["versions"][0]
+            self.resources[f"{g}/{v['name']}/{n['plural']}"] = kmock.ResourceInfo(
+                kind=n["kind"], singular=n["singular"], shortnames=set(n.get("shortNames", [])),
+                namespaced=crd["spec"]["scope"] == "Namespaced", subresources=set(v.get("subresources") or {}),
+                verbs={"get", "list", "watch", "create", "patch", "delete"})
+            self.kinds[kmock.resource(g, v["name"], n["plural"])] = n["kind"]
         self.resources[CRD_RES] = kmock.ResourceInfo(
             kind="CustomResourceDefinition", singular="customresourcedefinition", namespaced=False,
             verbs={"get", "list", "watch", "create", "patch", "delete"})
@@ -278,8 +286,10 @@ class Emulator(kmock.KubernetesEmulator):
 class EmbeddedCluster:
     """The emulator on 127.0.0.1 in a background thread, plus a small synchronous client."""
 
-    def __init__(self, crd_path: Path, workdir: Path):
+    def __init__(self, crd_path: Path, workdir: Path, extra_crds: tuple[Path, ...] = ()):
         self.crd = load_crd(crd_path)
+        self.extra_crds = [doc for p in extra_crds for doc in yaml.safe_load_all(Path(p).read_text()) if doc]
+        self.emulator: Emulator | None = None   # iterating it gives every request served so far
         self.workdir = Path(workdir)
         self.url = ""
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -291,7 +301,9 @@ class EmbeddedCluster:
     def _run(self) -> None:
         async def main():
             self._stop = asyncio.Event()
-            async with Emulator(crd=self.crd) as k, kmock.Server(k, host="127.0.0.1") as srv:
+            async with Emulator(crd=self.crd, extra_crds=self.extra_crds) as k, \
+                    kmock.Server(k, host="127.0.0.1") as srv:
+                self.emulator = k
                 self.url = str(srv.url).rstrip("/")
                 self._ready.set()
                 await self._stop.wait()
@@ -306,16 +318,23 @@ class EmbeddedCluster:
         self._thread.start()
         if not self._ready.wait(20) or self._error:
             raise IngeroError(f"the embedded API server did not start: {self._error}")
-        self.kubeconfig = self.workdir / "kubeconfig"
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.kubeconfig.write_text(yaml.safe_dump({
+        self.kubeconfig = self.kubeconfig_as(None)
+        return self
+
+    def kubeconfig_as(self, identity: str | None) -> Path:
+        """A kubeconfig whose requests carry `identity` as bearer token. The emulator
+        authorizes nothing, but the token tells who made each recorded request, as a
+        service account's token does on a real API server."""
+        path = self.workdir / (f"kubeconfig-{identity.rsplit(':', 1)[-1]}" if identity else "kubeconfig")
+        path.write_text(yaml.safe_dump({
             "apiVersion": "v1", "kind": "Config", "current-context": "ingero-embedded",
             "clusters": [{"name": "ingero-embedded", "cluster": {"server": self.url}}],
-            "users": [{"name": "ingero-embedded", "user": {}}],
+            "users": [{"name": "ingero-embedded", "user": {"token": identity} if identity else {}}],
             "contexts": [{"name": "ingero-embedded",
                           "context": {"cluster": "ingero-embedded", "user": "ingero-embedded",
                                       "namespace": "default"}}]}))
-        return self
+        return path
 
     def stop(self) -> None:
         if self._loop is not None and self._stop is not None and self._thread.is_alive():

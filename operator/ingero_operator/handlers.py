@@ -39,6 +39,10 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **
     settings.persistence.finalizer = "ingero.io/finalizer"
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
+    # The CRDs are installed before the operator starts (Helm's crds/), so kopf's runtime
+    # watch of CustomResourceDefinitions (and of Namespaces, with --watch-namespace) is not
+    # needed, nor the RBAC it would take; a CRD added later is seen after a restart.
+    settings.scanning.disabled = True
     memo.controller = Controller(SETTINGS, Kube(login(settings)))
     logger.info("ingero operator settings: %s", SETTINGS.describe())
 

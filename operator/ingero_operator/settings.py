@@ -24,6 +24,9 @@ class AgentSettings:
     token_key: str = "token"
     tls: bool = False                      # https to the agents (they serve --tls-cert/--tls-key)
     ca_file: str | None = None             # CA bundle for agent certificates (None: system store)
+    tls_server_name: str | None = None     # name checked in agent certificates (agents are reached
+                                           # by pod IP, so one DaemonSet-wide certificate names a
+                                           # Service instead); None: the address itself
     request_timeout_s: float = 10.0        # one API call; a tracer start returns at once
     stop_timeout_s: float = 45.0           # a stop waits for the tracer's last flush (~1-3 s)
     download_timeout_s: float = 120.0      # one segment file (a few MB at most)
@@ -68,6 +71,8 @@ class Settings:
         if env.get("INGERO_AGENT_TLS", "").lower() in ("1", "true", "yes"):
             s.agent.tls = True
         s.agent.ca_file = env.get("INGERO_AGENT_CA_FILE") or s.agent.ca_file
+        s.agent.tls_server_name = env.get("INGERO_AGENT_TLS_SERVER_NAME") or s.agent.tls_server_name
+        s.agent.token_secret = env.get("INGERO_AGENT_TOKEN_SECRET") or s.agent.token_secret
         if env.get("INGERO_REFRESH_INTERVAL_S"):
             s.timing.refresh_interval_s = float(env["INGERO_REFRESH_INTERVAL_S"])
         return s
