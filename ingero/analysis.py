@@ -108,7 +108,9 @@ def _prepare(con) -> None:
 def _step_ns(con) -> float:
     """Median gap between consecutive instances of the busiest communicator's collectives."""
     row = con.execute("""
-        WITH top AS (SELECT comm_id_hash, op FROM _coll GROUP BY ALL ORDER BY count(*) DESC LIMIT 1),
+        WITH top AS (SELECT comm_id_hash, op FROM _coll GROUP BY ALL
+                     -- ties (every op once per step) broken so the same data gives the same step
+                     ORDER BY count(*) DESC, comm_id_hash, op LIMIT 1),
         inst AS (SELECT seq, min(t) AS t FROM _coll JOIN top USING (comm_id_hash, op) GROUP BY seq)
         SELECT median(gap) FROM (SELECT t - lag(t) OVER (ORDER BY seq) AS gap FROM inst)
         WHERE gap IS NOT NULL""").fetchone()
