@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from ingero.errors import IngeroError
+from ingero.tokens import read_token
 
 
 def add_parser(sub):
@@ -59,14 +60,7 @@ class BearerAuth:
 def _token(path: Path | None) -> bytes:
     if path is None:
         raise IngeroError("--http needs --token-file: every HTTP request must carry that bearer token")
-    try:
-        token = path.read_text().strip().encode()
-    except OSError as e:
-        raise IngeroError(f"--token-file {path}: {e.strerror}; point it at a file holding the token") from None
-    if len(token) < 16:
-        raise IngeroError(f"--token-file {path} holds a token shorter than 16 characters; "
-                          "use a random token (e.g. `openssl rand -hex 32`)")
-    return token
+    return read_token(path)
 
 
 def _listen(text: str) -> tuple[str, int]:

@@ -36,6 +36,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from ingero import __version__, readonly_sql
 from ingero.errors import IngeroError
+from ingero.tokens import read_token
 from ingero_agent.api import ApiError, SessionManager, parse_plan
 from ingero_agent.queries import QueryService
 
@@ -174,17 +175,6 @@ def parse_listen(text: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
         raise IngeroError(f"--listen {text!r} is not HOST:PORT; use e.g. 127.0.0.1:9464 or 0.0.0.0:9464")
     return host.strip("[]") or "0.0.0.0", int(port)
-
-
-def read_token(path: Path) -> bytes:
-    try:
-        token = Path(path).read_text().strip().encode()
-    except OSError as e:
-        raise IngeroError(f"--token-file {path}: {e.strerror}; point it at the mounted Secret's token") from None
-    if len(token) < 16:
-        raise IngeroError(f"--token-file {path} holds a token shorter than 16 characters; "
-                          "use a random token (e.g. `openssl rand -hex 32`)")
-    return token
 
 
 def make_server(manager: SessionManager, listen: tuple[str, int], token: bytes,
