@@ -46,6 +46,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--steps", type=int, default=0, help="stop after this many steps instead of --seconds")
     r.add_argument("--loss-percent", type=float, default=5.0, help="lossy-link drop rate; default 5")
     r.add_argument("--victim-rank", type=int, default=None, help="default: the last rank")
+    r.add_argument("--fault-after", type=float, default=None, metavar="SECONDS",
+                   help="start the fault this long after the ranks start (time in lab.json: fault_injected_ns); "
+                        "default: before they start")
     r.add_argument("--compute-ms", type=float, default=40.0, help="GPU-like wait per step; default 40")
     r.add_argument("--ipv6", action="store_true", help="rendezvous and move data over IPv6")
     r.add_argument("--trace", action="store_true", help="run `ingero trace` on every lab node")
@@ -86,7 +89,9 @@ def _run(args) -> int:
     cfg = LabConfig(scenario=args.scenario, nodes=args.nodes, ranks_per_node=args.ranks_per_node,
                     seconds=args.seconds, steps=args.steps, loss_percent=args.loss_percent,
                     victim_rank=args.victim_rank, ipv6=args.ipv6, out_dir=args.out,
-                    compute_ms=args.compute_ms)
+                    compute_ms=args.compute_ms, fault_after_s=args.fault_after)
+    if cfg.fault_after_s is not None and cfg.fault_after_s < 0:
+        raise IngeroError("--fault-after must be >= 0")
     if cfg.seconds <= 0 and cfg.steps <= 0:
         raise IngeroError("--seconds must be > 0 (or give --steps)")
     old_term = signal.signal(signal.SIGTERM, _raise_interrupt)

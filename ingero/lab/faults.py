@@ -88,15 +88,19 @@ def cpu_split() -> tuple[str, str]:
 
 
 def plan_ranks(scenario: str, world: int, victim: int, *, compute_ms: float, slow_factor: float,
-               io_mb: int, io_dir: Path) -> dict[int, RankPlan]:
-    """Per-rank changes for `scenario` (ranks not listed run unchanged)."""
+               io_mb: int, io_dir: Path, delayed: bool = False) -> dict[int, RankPlan]:
+    """Per-rank changes for `scenario` (ranks not listed run unchanged).
+
+    `delayed`: the slow-rank and io-stall settings go into the worker's
+    INGERO_LAB_FAULT_* variables, used from INGERO_LAB_FAULT_FROM_NS on."""
     if scenario not in SCENARIOS:
         raise IngeroError(f"unknown scenario {scenario!r}: use one of {', '.join(SCENARIOS)}")
     plans = {r: RankPlan() for r in range(world)}
+    prefix = "INGERO_LAB_FAULT_" if delayed else "INGERO_LAB_"
     if scenario == "slow-rank":
-        plans[victim].env["INGERO_LAB_COMPUTE_MS"] = str(compute_ms * slow_factor)
+        plans[victim].env[prefix + "COMPUTE_MS"] = str(compute_ms * slow_factor)
     elif scenario == "io-stall":
-        plans[victim].env.update({"INGERO_LAB_IO_MB": str(io_mb), "INGERO_LAB_IO_DIR": str(io_dir)})
+        plans[victim].env.update({prefix + "IO_MB": str(io_mb), "INGERO_LAB_IO_DIR": str(io_dir)})
     elif scenario == "cpu-hog":
         victim_cpu, others = cpu_split()
         for r, plan in plans.items():

@@ -20,6 +20,7 @@ import os
 import re
 import secrets
 import subprocess
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -52,6 +53,7 @@ class LabConfig:
     io_mb: int = 8                 # io-stall: MB written and fsync'd per step by the victim
     slow_factor: float = 2.0       # slow-rank: victim's compute_ms multiplier
     hogs: int = 8                  # cpu-hog: busy loops sharing the victim's CPU (3 is too mild on 2 cores: docs/operator.md)
+    fault_after_s: float | None = None  # start the fault this long after the ranks start (None: before they start)
     timeout_s: int = 60            # a rank whose peer stops answering fails after this
     master_port: int = 29500
     progress_every_s: float = 3.0
@@ -102,6 +104,8 @@ class LabRun:
         self.times: dict[str, int | None] = {"started_ns": None, "ended_ns": None, "fault_injected_ns": None}
         self.notes: dict = {}
         self._extra_pods: dict[str, list[cgroups.Pod]] = {}
+        self._fault_timer: threading.Timer | None = None
+        self._fault_from_ns: int | None = None
         self._closed = False
 
     # ---- set-up ------------------------------------------------------------
@@ -158,8 +162,18 @@ class LabRun:
 
     def _inject_fault(self) -> None:
         c = self.cfg
+        delayed = c.fault_after_s is not None
         self.plans = faults.plan_ranks(c.scenario, c.world, self.victim, compute_ms=c.compute_ms,
-                                       slow_factor=c.slow_factor, io_mb=c.io_mb, io_dir=self.out / "io")
+                                       slow_factor=c.slow_factor, io_mb=c.io_mb, io_dir=self.out / "io",
+                                       delayed=delayed)
+        if not delayed:
+            self._fault_now()
+
+    def _fault_now(self) -> None:
+        """Install the network or CPU part of the fault (the rest is in the ranks' plans)."""
+        c = self.cfg
+        if self._closed:
+            return
         if c.scenario == "lossy-link":
             faults.add_loss(self.net.switch, self.net.port(self.victim_node), c.loss_percent)
         elif c.scenario == "cpu-hog":
@@ -199,10 +213,27 @@ class LabRun:
             "POD_NAMESPACE": rp.pod.namespace, "NODE_NAME": rp.node.name,
         })
         env.update(self.plans[rp.rank].env)
+        if self._fault_from_ns is not None:
+            env["INGERO_LAB_FAULT_FROM_NS"] = str(self._fault_from_ns)
         return env
 
     def start_ranks(self) -> None:
-        """Start every rank (rank 0 first: it serves the NCCL id)."""
+        """Start every rank (rank 0 first: it serves the NCCL id); with `fault_after_s`, arm the fault.
+
+        The ranks switch to a delayed slow-rank / io-stall setting at the first step that
+        starts after ``fault_injected_ns`` (wall clock, in lab.json); lossy-link and cpu-hog
+        are installed by a timer, and ``fault_injected_ns`` is when that happened."""
+        c = self.cfg
+        if c.fault_after_s is not None and c.scenario != "clean":
+            self._fault_from_ns = time.time_ns() + int(c.fault_after_s * 1e9)
+            if c.scenario in ("slow-rank", "io-stall"):
+                self.times["fault_injected_ns"] = self._fault_from_ns
+                self.log(f"lab {self.run_id}: fault {c.scenario} on rank {self.victim} "
+                         f"({self.victim_node.name}) from {c.fault_after_s:g} s after the ranks start")
+            else:
+                self._fault_timer = threading.Timer(c.fault_after_s, self._fault_now)
+                self._fault_timer.daemon = True
+                self._fault_timer.start()
         for rp in self.ranks:
             out = open(self.out / "logs" / f"rank-{rp.rank}.out", "wb")
             err = open(self.out / "logs" / f"rank-{rp.rank}.err", "wb")
@@ -320,6 +351,9 @@ class LabRun:
             return []
         self._closed = True
         errors: list[str] = []
+        if self._fault_timer is not None:
+            self._fault_timer.cancel()
+            self._fault_timer.join()
         for cb in self.on_close:
             try:
                 cb()

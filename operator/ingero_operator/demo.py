@@ -45,6 +45,7 @@ class DemoConfig:
     loss_percent: float = 5.0
     victim_rank: int | None = None
     hogs: int = 8                          # cpu-hog: busy loops sharing the victim's CPU
+    fault_after_s: float | None = None     # the fault starts this long after the ranks (None: before)
     kill_agent_node: str | None = None     # tests: SIGKILL this node's agent ...
     kill_agent_after_s: float = 5.0        # ... this long after the ranks started
     restart_agent_after_s: float | None = None    # ... and start it again (same port and data)
@@ -98,7 +99,8 @@ class Demo:
             lab_cfg = LabConfig(scenario=self.cfg.scenario, nodes=self.cfg.nodes,
                                 ranks_per_node=self.cfg.ranks_per_node, seconds=self.cfg.seconds,
                                 loss_percent=self.cfg.loss_percent, victim_rank=self.cfg.victim_rank,
-                                hogs=self.cfg.hogs, out_dir=self.out / "lab")
+                                hogs=self.cfg.hogs, fault_after_s=self.cfg.fault_after_s,
+                                out_dir=self.out / "lab")
             self.lab = LabRun(lab_cfg, log=self.log).__enter__()
             self._start_agents()
             for rp in self.lab.ranks:

@@ -13,6 +13,10 @@
  * then AllReduce (A, float32, INGERO_LAB_ELEMS elements), AllGather (B),
  * ReduceScatter and Broadcast (C), and a ring Send/Recv in a group (A).
  *
+ * A fault that starts later (`ingero lab --fault-after`): from wall-clock time
+ * INGERO_LAB_FAULT_FROM_NS on, the step uses INGERO_LAB_FAULT_COMPUTE_MS and
+ * INGERO_LAB_FAULT_IO_MB (when set) instead.
+ *
  * Rank 0 decides when to stop (INGERO_LAB_STEPS steps or INGERO_LAB_SECONDS
  * seconds) and says so in the last element of every AllReduce, so all ranks
  * run the same number of steps. Every result is checked; wrong data exits 4.
@@ -68,6 +72,12 @@ static const char *env_req(const char *name) {
   const char *v = getenv(name);
   if (!v || !*v) die(2, "%s is not set (run under torchrun or `ingero lab`)%s", name, "");
   return v;
+}
+
+static long long wall_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
 static double now_s(void) {
@@ -172,6 +182,9 @@ int main(void) {
   long every = env_long("INGERO_LAB_PRINT_EVERY", 10);
   int timeout_s = (int)env_long("INGERO_LAB_TIMEOUT_S", 60);
   const char *io_dir = getenv("INGERO_LAB_IO_DIR") ? getenv("INGERO_LAB_IO_DIR") : "/tmp";
+  long long fault_from_ns = env_long("INGERO_LAB_FAULT_FROM_NS", 0);
+  double fault_compute_ms = env_double("INGERO_LAB_FAULT_COMPUTE_MS", compute_ms);
+  long fault_io_mb = env_long("INGERO_LAB_FAULT_IO_MB", io_mb);
   if (elems < world * 4) die(2, "INGERO_LAB_ELEMS must be at least 4 x WORLD_SIZE%s%s", "", "");
   elems -= elems % world;  /* reduce-scatter needs a multiple of the group size */
 
@@ -207,9 +220,11 @@ int main(void) {
   int next = (g_rank + 1) % world, prev = (g_rank + world - 1) % world;
   for (;;) {
     double ts = now_s();
+    int faulty = fault_from_ns > 0 && wall_ns() >= fault_from_ns;
     busy_ms(cpu_ms);
-    sleep_ms(compute_ms);
-    if (io_mb > 0) checkpoint(io_dir, g_rank, io_mb, junk, junk_len);
+    sleep_ms(faulty ? fault_compute_ms : compute_ms);
+    long mb = faulty ? fault_io_mb : io_mb;
+    if (mb > 0) checkpoint(io_dir, g_rank, mb, junk, junk_len);
     int stop = (steps_max > 0 && step + 1 >= steps_max) || (seconds > 0 && now_s() - t0 >= seconds);
     float base = (float)(step % 5);
     for (long i = 0; i < elems - 1; i++) send[i] = (float)(g_rank + 1) * (float)(i % 7 + 1) + base;
