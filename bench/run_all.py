@@ -24,13 +24,14 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     ap.add_argument("--out", type=Path, default=Path("bench/results.json"))
     a = ap.parse_args(argv)
-    from bench import ingest, sqlite_vs_duckdb, step_overhead, storage, uprobe_cost
+    from bench import analysis_scale, ingest, sqlite_vs_duckdb, step_overhead, storage, uprobe_cost
 
     q = a.quick
     plan = [
         ("storage", storage.main, ["--events", "200000" if q else "2000000"]),
         ("sqlite_vs_duckdb", sqlite_vs_duckdb.main,
          ["--events", "300000", "--sqlite-cap", "10"] if q else []),
+        ("analysis_scale", analysis_scale.main, ["--quick"] if q else []),
     ]
     root = [
         ("uprobe_cost", uprobe_cost.main, ["--rounds", "3"] if q else []),

@@ -71,13 +71,14 @@ def as_agent_columns(cols: dict) -> dict:
 
 def session(seg_dir, nodes: int = 2, ranks_per_node: int = 2, steps: int = 200,
             fault: str = "clean", victim: int | None = None, step_ms: float = 50.0,
-            seed: int = 7) -> dict:
+            seed: int = 7, fault_from_step: int = 0) -> dict:
     """Write a whole synthetic session (every node's segments) below `seg_dir`.
 
     Each step: compute, then an ALL_REDUCE on communicator A and an ALL_GATHER
     on B. Faults: `slow-rank` (victim arrives late), `io-stall` / `cpu-hog`
     (late, with io / runqueue off-CPU time), `lossy-link` (the victim's node
-    retransmits on its own sockets and every collective it joins is slower).
+    retransmits on its own sockets and every collective it joins is slower),
+    from step `fault_from_step` on (a fault injected mid-session).
     Returns the layout: victim rank and node names.
     """
     from pathlib import Path
@@ -99,23 +100,25 @@ def session(seg_dir, nodes: int = 2, ranks_per_node: int = 2, steps: int = 200,
         for lr in range(ranks_per_node):
             r = ni * ranks_per_node + lr
             pid = 1000 + r
-            late = (8e6 if r == victim and fault in ("slow-rank", "io-stall", "cpu-hog") else 0)
+            lateish = fault in ("slow-rank", "io-stall", "cpu-hog")
             cols = {k: [] for k in ("timestamp_ns", "duration_ns", "op", "rank", "nranks",
                                     "comm_id_hash", "seq", "count", "bytes", "pid", "tid",
                                     "global_rank", "ret")}
             for s in range(steps):
                 base = t0 + s * step_ns
+                late = 8e6 if r == victim and lateish and s >= fault_from_step else 0
                 for ci, op in enumerate(("ALL_REDUCE", "ALL_GATHER")):
                     arrive = base + 30e6 + ci * 4e6 + rng.normal(0, 2e5) + late
                     # everyone leaves together when the last rank has arrived
-                    last = base + 30e6 + ci * 4e6 + 8e6 * (fault in ("slow-rank", "io-stall", "cpu-hog"))
-                    wire = 2e6 * (1 + (fault == "lossy-link" and rng.random() < 0.3) * 5)
+                    last = base + 30e6 + ci * 4e6 + 8e6 * (lateish and s >= fault_from_step)
+                    lossy = fault == "lossy-link" and s >= fault_from_step
+                    wire = 2e6 * (1 + (lossy and rng.random() < 0.3) * 5)
                     cols["timestamp_ns"].append(int(arrive))
                     cols["duration_ns"].append(int(max(last - arrive, 0) + wire))
                     cols["op"].append(op)
                     cols["comm_id_hash"].append(hashes[ci])
                     cols["seq"].append(s)
-                    if fault == "lossy-link" and ni == vnode and rng.random() < 0.3:
+                    if lossy and ni == vnode and rng.random() < 0.3:
                         tcp_ts.append((int(arrive + 1e6), pid, r))
             n = len(cols["timestamp_ns"])
             cols.update(rank=[r] * n, nranks=[world] * n, count=[262144] * n, bytes=[1 << 20] * n,
@@ -141,3 +144,194 @@ def session(seg_dir, nodes: int = 2, ranks_per_node: int = 2, steps: int = 200,
         w.put_rows("sched_totals", totals)
         w.close()
     return {"victim": victim, "victim_node": node_names[vnode], "nodes": node_names}
+
+
+# ---- at scale: 1,024 ranks x 100,000 collectives (bench/analysis_scale.py) ---------------
+
+SCALE_T0 = 1_750_000_000_000_000_000
+# One step of the scale session: (op, communicator index, start within the step as a share).
+SCALE_STEP = (("ALL_GATHER", 0, 0.05), ("REDUCE_SCATTER", 0, 0.45), ("BROADCAST", 1, 0.55),
+              ("ALL_REDUCE", 1, 0.80))
+SCALE_HASHES = np.array([0x5CA1_AB1E_0000_0001, 0x5CA1_AB1E_0000_0002], dtype=np.uint64)
+
+
+def scale_layout(ranks: int, collectives: int, nodes: int, fault: str, seed: int = 11) -> dict:
+    """Who is planted where in a scale session (deterministic from the arguments)."""
+    rng = np.random.default_rng([seed, ranks, collectives, nodes])
+    rpn = ranks // nodes
+    victim = int(rng.integers(0, ranks))
+    vnode = victim // rpn
+    # a node with retransmits that is not the victim's: "realistic retransmits on one node"
+    noisy = (vnode + nodes // 2) % nodes
+    offsets = rng.integers(-5_000_000, 5_000_000, nodes)   # each node's clock error, ns
+    return {"victim": victim, "victim_node": _scale_node(vnode), "vnode": vnode,
+            "noisy_node": _scale_node(noisy), "noisy": noisy, "fault": fault,
+            "offsets": {_scale_node(i): int(o) for i, o in enumerate(offsets)},
+            "ranks_per_node": rpn}
+
+
+def _scale_node(i: int) -> str:
+    return f"node-{i:04d}"
+
+
+def scale_session(seg_root, ranks: int = 1024, collectives: int = 100_000, nodes: int = 128,
+                  fault: str = "slow-rank", step_ms: float = 40.0, segments_per_node: int = 8,
+                  late_ms: float = 10.0, seed: int = 11, progress=None) -> dict:
+    """Write a large synthetic session below `seg_root/<node>/` through the real SegmentWriter.
+
+    Every rank calls every collective: `collectives` instances in steps of
+    four (ALL_GATHER, REDUCE_SCATTER on communicator A, BROADCAST, ALL_REDUCE
+    on B), `ranks // nodes` ranks per node, each node's rows in
+    `segments_per_node` time-ordered segments, in drain order (instance-major).
+    Each node's clock is off by a few ms (``layout["offsets"]``; the reader
+    must subtract it), so a verdict is right only when offsets are applied.
+
+    Faults: ``slow-rank``: the victim arrives `late_ms` late at every
+    ALL_REDUCE (everyone waits for it), while another node (``noisy``)
+    retransmits in 2% of instances (waiting peers' tail-loss probes): the
+    verdict must be the victim, compute/unknown. ``lossy-link``: the victim's
+    node retransmits on its own sockets in 30% of instances and every rank's
+    collective then takes 4x longer on the wire, plus 0.3% background
+    retransmits elsewhere: the verdict must be network on the victim's node.
+    ``clean``: background retransmits only, no straggler. Every rank has
+    sched_totals (runqueue, io, sleep) and a few sched_events.
+    """
+    from pathlib import Path
+
+    from ingero.store import SegmentWriter
+
+    if ranks % nodes:
+        raise ValueError("ranks must be a multiple of nodes")
+    lay = scale_layout(ranks, collectives, nodes, fault, seed)
+    rpn, victim = lay["ranks_per_node"], lay["victim"]
+    step_ns = int(step_ms * 1e6)
+    per_step = len(SCALE_STEP)
+    # ---- what every node agrees on: instance schedule, wire time, who retransmits when
+    g = np.random.default_rng([seed, 1])
+    inst = np.arange(collectives)
+    slot = inst % per_step
+    step = inst // per_step
+    ops = np.array([s[0] for s in SCALE_STEP])
+    comm_of = np.array([s[1] for s in SCALE_STEP])
+    share = np.array([s[2] for s in SCALE_STEP])
+    base = SCALE_T0 + step * step_ns + (share[slot] * step_ns).astype(np.int64)
+    comm = comm_of[slot]
+    # seq: per-communicator call number
+    per_comm_calls = np.array([sum(1 for s in SCALE_STEP if s[1] == c) for c in range(2)])
+    before = np.array([sum(1 for s in SCALE_STEP[:k] if s[1] == SCALE_STEP[k][1]) for k in range(per_step)])
+    seq = step * per_comm_calls[comm] + before[slot]
+    is_ar = ops[slot] == "ALL_REDUCE"
+    late_ns = int(late_ms * 1e6)
+    victim_late = np.where(is_ar & (fault == "slow-rank"), late_ns, 0)
+    last = base + 800_000 + victim_late          # the last arrival (max of ~1024 jitters ~ 0.65 ms)
+    wire = g.lognormal(np.log(1_500_000), 0.25, collectives).astype(np.int64)
+    if fault == "lossy-link":
+        hit = g.random(collectives) < 0.30       # instances with a retransmit on the victim node
+        wire = np.where(hit, wire * 4, wire)
+        retx_node = np.where(hit, lay["vnode"], -1)
+    else:
+        hit = g.random(collectives) < (0.02 if fault == "slow-rank" else 0.0)
+        retx_node = np.where(hit, lay["noisy"], -1)
+    bg = (g.random(collectives) < 0.003) & ~hit  # background: a retransmit now and then anywhere
+    retx_node = np.where(bg, g.integers(0, nodes, collectives), retx_node)
+    retx_lrank = g.integers(0, rpn, collectives)
+    retx_at = last + (g.uniform(0.1, 0.9, collectives) * wire).astype(np.int64)
+    count = np.where(is_ar, 1 << 22, 1 << 24).astype(np.int64)
+    bounds = np.linspace(0, collectives, segments_per_node + 1).astype(np.int64)
+    op_names = [s[0] for s in SCALE_STEP]
+    op_code = slot.astype(np.int32)
+    traced = int(collectives / per_step * step_ns)
+    for ni in range(nodes):
+        node = _scale_node(ni)
+        off = lay["offsets"][node]
+        rng = np.random.default_rng([seed, 2, ni])
+        w = SegmentWriter(Path(seg_root) / node, node=node, session_id="scale", roll_seconds=1e9)
+        lranks = np.arange(rpn)
+        granks = ni * rpn + lranks
+        pids = (1000 + lranks).astype(np.int32)
+        pods = [f"train-{r}" for r in granks]
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            n = int(b - a)
+            # rows in drain order: instance-major, the node's ranks within an instance
+            jit = rng.normal(0, 200_000, (n, rpn)).astype(np.int64)
+            arrive = base[a:b, None] + jit
+            arrive[:, granks == victim] += victim_late[a:b, None]
+            extra = rng.integers(0, 50_000, (n, rpn))
+            dur = np.maximum(last[a:b, None] - arrive, 0) + wire[a:b, None] + extra
+            ts = arrive + off                      # this node's clock
+            rows = n * rpn
+            cols = {
+                "timestamp_ns": ts.ravel(),
+                "ts_mono_ns": (ts - SCALE_T0 + 5_000_000_000_000).ravel(),
+                "duration_ns": dur.ravel(),
+                "op": dict_column(np.repeat(op_code[a:b], rpn), op_names),
+                "nranks": np.full(rows, ranks, np.int32),
+                "rank": np.tile(granks, n).astype(np.int32),
+                "global_rank": np.tile(granks, n).astype(np.int32),
+                "comm_id_hash": np.repeat(SCALE_HASHES[comm[a:b]], rpn),
+                "seq": np.repeat(seq[a:b], rpn),
+                "count": np.repeat(count[a:b], rpn),
+                "bytes": np.repeat(count[a:b] * 2, rpn),
+                "datatype": dict_column(np.zeros(rows, np.int32), ["bfloat16"]),
+                "reduce_op": dict_column(np.repeat(np.where(op_code[a:b] % 2 == 1, 0, -1), rpn), ["sum"]),
+                "peer": np.full(rows, -1, np.int32),
+                "ret": np.zeros(rows, np.int32),
+                "in_group": np.zeros(rows, bool),
+                "comm": np.repeat((0x7F00_0000_0000 + comm[a:b] * 0x1000).astype(np.uint64), rpn),
+                "stream": np.full(rows, 0x7F00_1000_0000, np.uint64),
+                "pid": np.tile(pids, n),
+                "tid": np.tile(pids, n),
+                "cgroup_id": np.tile((100_000 + granks).astype(np.uint64), n),
+                "pod": dict_column(np.tile(lranks, n), pods),
+                "namespace": dict_column(np.zeros(rows, np.int32), ["default"]),
+            }
+            w.append("nccl_events", cols)
+            # retransmits on this node's sockets, attributed to the owning rank
+            mine = np.nonzero(retx_node[a:b] == ni)[0]
+            if len(mine):
+                lr = retx_lrank[a:b][mine]
+                tts = retx_at[a:b][mine] + off
+                k = len(mine)
+                w.append("tcp_events", {
+                    "timestamp_ns": tts, "ts_mono_ns": tts - SCALE_T0 + 5_000_000_000_000,
+                    "event": dict_column(np.zeros(k, np.int32), ["tcp_retransmit_skb"]),
+                    "saddr": dict_column(lr, [f"10.0.{ni}.{10 + i}" for i in range(rpn)]),
+                    "daddr": dict_column(np.zeros(k, np.int32), [f"10.0.{(ni + 1) % nodes}.10"]),
+                    "sport": (40000 + lr).astype(np.int32), "dport": np.full(k, 29500, np.int32),
+                    "family": dict_column(np.zeros(k, np.int32), ["AF_INET"]),
+                    "state": dict_column(np.zeros(k, np.int32), ["ESTABLISHED"]),
+                    "owner_source": dict_column(np.zeros(k, np.int32), ["socket"]),
+                    "pid": pids[lr], "rank": granks[lr].astype(np.int32),
+                    "pod": dict_column(lr, pods)})
+            # a few off-CPU intervals over the threshold per rank
+            k = max(1, n // 400)
+            ls = rng.integers(0, rpn, k)
+            sts = base[a:b][rng.integers(0, n, k)] + off
+            w.append("sched_events", {
+                "timestamp_ns": sts, "ts_mono_ns": sts - SCALE_T0 + 5_000_000_000_000,
+                "duration_ns": rng.integers(1_000_000, 5_000_000, k), "runq_ns": rng.integers(0, 1_000_000, k),
+                "reason": dict_column(rng.integers(0, 3, k), ["runqueue", "io", "sleep"]),
+                "pid": pids[ls], "tid": pids[ls], "rank": granks[ls].astype(np.int32),
+                "pod": dict_column(ls, pods)})
+            w.flush(wait=False)
+        w.put_rows("ranks", [{"pid": int(pids[i]), "rank": int(granks[i]), "local_rank": i,
+                              "world_size": ranks, "local_world_size": rpn, "group_rank": ni,
+                              "pod": pods[i], "namespace": "default",
+                              "cgroup_id": 100_000 + int(granks[i]), "process": "python3"}
+                             for i in range(rpn)])
+        w.put_rows("sched_totals", [{"pid": int(pids[i]), "rank": int(granks[i]), "reason": reason,
+                                     "total_ns": int(frac * traced), "intervals": collectives // 10}
+                                    for i in range(rpn)
+                                    for reason, frac in (("runqueue", 0.01), ("io", 0.002), ("sleep", 0.5))])
+        w.put_rows("comms", [{"pid": int(pids[i]), "comm": 0x7F00_0000_0000 + c * 0x1000,
+                              "comm_id_hash": int(SCALE_HASHES[c]), "rank": int(granks[i]),
+                              "nranks": ranks, "op": "COMM_INIT_RANK_CONFIG", "timestamp_ns": SCALE_T0 + off}
+                             for i in range(rpn) for c in range(2)])
+        w.put_rows("nodes", [{"hostname": node, "kernel": "6.1.0", "agent_version": "bench",
+                              "events_nccl": collectives * rpn, "lost_nccl": 0, "started_ns": SCALE_T0 + off}])
+        w.put_rows("sessions", [{"started_ns": SCALE_T0 + off, "probes": "nccl,tcp,sched",
+                                 "status": "stopped"}])
+        w.close()
+        if progress:
+            progress(ni + 1, nodes)
+    return lay

@@ -19,6 +19,7 @@ slows every rank of the job while only its own sockets retransmit.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field
 
 from ingero.schema import COLLECTIVE_OPS
@@ -83,6 +84,8 @@ class Report:
         return asdict(self)
 
 
+log = logging.getLogger("ingero.analysis")
+
 _COLL = ", ".join(f"'{o}'" for o in COLLECTIVE_OPS)
 
 
@@ -105,62 +108,136 @@ def _prepare(con) -> None:
         FROM _coll WINDOW g AS (PARTITION BY comm_id_hash, seq, op)""")
 
 
-def _step_ns(con) -> float:
-    """Median gap between consecutive instances of the busiest communicator's collectives."""
-    row = con.execute("""
-        WITH top AS (SELECT comm_id_hash, op FROM _coll GROUP BY ALL
-                     -- ties (every op once per step) broken so the same data gives the same step
-                     ORDER BY count(*) DESC, comm_id_hash, op LIMIT 1),
-        inst AS (SELECT seq, min(t) AS t FROM _coll JOIN top USING (comm_id_hash, op) GROUP BY seq)
-        SELECT median(gap) FROM (SELECT t - lag(t) OVER (ORDER BY seq) AS gap FROM inst)
-        WHERE gap IS NOT NULL""").fetchone()
-    return float(row[0] or 0.0)
+class _Sql:
+    """The statistics the verdict needs, in SQL over whatever tables `con` holds."""
+
+    def __init__(self, con):
+        self.con = con
+        _prepare(con)
+
+    def step_ns(self) -> float:
+        """Median gap between consecutive instances of the busiest communicator's collectives."""
+        row = self.con.execute("""
+            WITH top AS (SELECT comm_id_hash, op FROM _coll GROUP BY ALL
+                         -- ties (every op once per step) broken so the same data gives the same step
+                         ORDER BY count(*) DESC, comm_id_hash, op LIMIT 1),
+            inst AS (SELECT seq, min(t) AS t FROM _coll JOIN top USING (comm_id_hash, op) GROUP BY seq)
+            SELECT median(gap) FROM (SELECT t - lag(t) OVER (ORDER BY seq) AS gap FROM inst)
+            WHERE gap IS NOT NULL""").fetchone()
+        return float(row[0] or 0.0)
+
+    def rank_rows(self, slow_collective_ms: float | None) -> tuple[dict, list[str]]:
+        con, rows, warnings = self.con, {}, []
+        for (grank, node, pod, pid, n, p50, p99, late, last, in_groups) in con.execute("""
+                SELECT grank, any_value(node), any_value(pod), any_value(pid), count(*),
+                       quantile_cont(d, 0.5), quantile_cont(d, 0.99),
+                       median(late) FILTER (WHERE arrived > 1), avg(is_last::INT) FILTER (WHERE arrived > 1),
+                       count(*) FILTER (WHERE arrived > 1)
+                FROM _arr GROUP BY grank ORDER BY grank""").fetchall():
+            rows[grank] = RankRow(rank=grank, node=node, pod=pod, pid=pid, collectives=n,
+                                  p50_ms=p50 / 1e6, p99_ms=p99 / 1e6, late_ms=(late or 0) / 1e6,
+                                  last_share=last or 0.0)
+            if in_groups == 0:
+                warnings.append(f"rank {grank}: no collective matched on another rank "
+                                "(other ranks not traced?)")
+        for grank, op, n, p50, p99 in con.execute("""
+                SELECT grank, op, count(*), quantile_cont(d, 0.5), quantile_cont(d, 0.99)
+                FROM _coll GROUP BY ALL ORDER BY ALL""").fetchall():
+            rows[grank].per_op[op] = {"calls": n, "p50_ms": p50 / 1e6, "p99_ms": p99 / 1e6}
+        # A rank that is late once per step (at the first collective after its own compute)
+        # is on time at the others, so the median over all of its collectives hides it. Use
+        # the largest of its per-op medians. (Lab slow-rank, real eBPF data: the slow rank is
+        # 38.5 ms late at ALL_REDUCE and within +-0.4 ms at the other three ops, so its median
+        # over all collectives was 0.08 ms and no straggler was named.)
+        for grank, late in con.execute("""
+                SELECT grank, max(m) FROM (SELECT grank, op, median(late) AS m FROM _arr
+                                           WHERE arrived > 1 GROUP BY grank, op) GROUP BY grank""").fetchall():
+            if grank in rows and late is not None:
+                rows[grank].late_ms = late / 1e6
+        if slow_collective_ms is not None:
+            for grank, n in con.execute("SELECT grank, count(*) FILTER (WHERE d > ?) FROM _coll GROUP BY grank",
+                                        [int(slow_collective_ms * 1e6)]).fetchall():
+                rows[grank].slow_collectives = n
+        return rows, warnings
+
+    def traced_ns(self) -> int:
+        return self.con.execute("SELECT max(t + d) - min(t) FROM _coll").fetchone()[0] or 0
+
+    def span_ns(self) -> int:
+        return self.con.execute("SELECT max(t) - min(t) FROM _coll").fetchone()[0] or 0
+
+    def retransmits_by_rank(self) -> list[tuple[int, int, int]]:
+        """(rank, retransmits on its own connections, of those inside its collectives' windows)."""
+        return self.con.execute(f"""
+            WITH rt AS ({_RETX_BY_RANK})
+            SELECT rt.grank, count(DISTINCT rt.ts),
+                   count(DISTINCT rt.ts) FILTER (WHERE c.t IS NOT NULL)
+            FROM rt LEFT JOIN _coll c ON c.grank = rt.grank AND rt.ts BETWEEN c.t AND c.t + c.d
+            WHERE rt.grank IS NOT NULL GROUP BY rt.grank""").fetchall()
+
+    def lateness_total_ns(self, late: list) -> float | None:
+        """Sum over collective instances of how much later the `late` ranks came than the others."""
+        marks = ", ".join(str(int(k)) for k in late)
+        return self.con.execute(f"""
+            WITH g AS (SELECT comm_id_hash, seq, op,
+                              max(t) FILTER (WHERE grank IN ({marks})) AS late_t,
+                              max(t) FILTER (WHERE grank NOT IN ({marks})) AS others_t
+                       FROM _coll GROUP BY ALL)
+            SELECT sum(greatest(late_t - others_t, 0)) FROM g
+            WHERE late_t IS NOT NULL AND others_t IS NOT NULL""").fetchone()[0]
+
+    def retransmit_windows(self) -> tuple:
+        """Median duration of collectives without / with a retransmit in flight, the number of
+        instances with one, and the number of instances."""
+        con = self.con
+        clean = con.execute("""
+            SELECT median(c.d) FROM _coll c WHERE NOT EXISTS (
+              SELECT 1 FROM tcp_events t WHERE t.event = 'tcp_retransmit_skb'
+                AND t.timestamp_ns BETWEEN c.t AND c.t + c.d)""").fetchone()[0]
+        slow = con.execute("""
+            SELECT median(c.d), count(DISTINCT (c.comm_id_hash, c.seq, c.op)) FROM _coll c WHERE EXISTS (
+              SELECT 1 FROM tcp_events t WHERE t.event = 'tcp_retransmit_skb'
+                AND t.timestamp_ns BETWEEN c.t AND c.t + c.d)""").fetchone()
+        instances = con.execute("SELECT count(DISTINCT (comm_id_hash, seq, op)) FROM _coll").fetchone()[0]
+        return clean, slow[0], slow[1], instances
 
 
-def analyse(con, slow_collective_ms: float | None = None) -> Report:
+# Retransmits with the rank that owns the connection (by socket owner pid, else the event's rank).
+_RETX_BY_RANK = """
+    SELECT t.timestamp_ns AS ts, COALESCE(r.rank, t.rank) AS grank
+    FROM tcp_events t
+    LEFT JOIN (SELECT node, pid, any_value(rank) AS rank FROM ranks GROUP BY ALL) r
+      ON r.node IS NOT DISTINCT FROM t.node AND r.pid = t.pid AND t.pid > 0
+    WHERE t.event = 'tcp_retransmit_skb'"""
+
+
+def analyse(con, slow_collective_ms: float | None = None, segments=None) -> Report:
     """Analyse every table in `con` (a DuckDB connection) into a Report.
 
     `slow_collective_ms` (a TraceSession's thresholds.slowCollectiveMs): also
     count, per rank, the collectives that took longer than this.
+
+    `segments` (an ``analysis_dense.Segments``): where `con`'s nccl_events rows
+    come from, as Parquet files per node with the clock offset to apply. The
+    per-row work is then done column-wise in memory straight from those files
+    (``analysis_dense``), with the same results as the SQL below; data it does
+    not handle (e.g. one rank calling the same collective twice) falls back to SQL.
     """
-    _prepare(con)
-    warnings: list[str] = []
-    step_ns = _step_ns(con)
-    rows = {}
-    for (grank, node, pod, pid, n, p50, p99, late, last, in_groups) in con.execute("""
-            SELECT grank, any_value(node), any_value(pod), any_value(pid), count(*),
-                   quantile_cont(d, 0.5), quantile_cont(d, 0.99),
-                   median(late) FILTER (WHERE arrived > 1), avg(is_last::INT) FILTER (WHERE arrived > 1),
-                   count(*) FILTER (WHERE arrived > 1)
-            FROM _arr GROUP BY grank ORDER BY grank""").fetchall():
-        rows[grank] = RankRow(rank=grank, node=node, pod=pod, pid=pid, collectives=n,
-                              p50_ms=p50 / 1e6, p99_ms=p99 / 1e6, late_ms=(late or 0) / 1e6,
-                              last_share=last or 0.0)
-        if in_groups == 0:
-            warnings.append(f"rank {grank}: no collective matched on another rank "
-                            "(other ranks not traced?)")
-    for grank, op, n, p50, p99 in con.execute("""
-            SELECT grank, op, count(*), quantile_cont(d, 0.5), quantile_cont(d, 0.99)
-            FROM _coll GROUP BY ALL ORDER BY ALL""").fetchall():
-        rows[grank].per_op[op] = {"calls": n, "p50_ms": p50 / 1e6, "p99_ms": p99 / 1e6}
-    # A rank that is late once per step (at the first collective after its own compute)
-    # is on time at the others, so the median over all of its collectives hides it. Use
-    # the largest of its per-op medians. (Lab slow-rank, real eBPF data: the slow rank is
-    # 38.5 ms late at ALL_REDUCE and within +-0.4 ms at the other three ops, so its median
-    # over all collectives was 0.08 ms and no straggler was named.)
-    for grank, late in con.execute("""
-            SELECT grank, max(m) FROM (SELECT grank, op, median(late) AS m FROM _arr
-                                       WHERE arrived > 1 GROUP BY grank, op) GROUP BY grank""").fetchall():
-        if grank in rows and late is not None:
-            rows[grank].late_ms = late / 1e6
-    if slow_collective_ms is not None:
-        for grank, n in con.execute("SELECT grank, count(*) FILTER (WHERE d > ?) FROM _coll GROUP BY grank",
-                                    [int(slow_collective_ms * 1e6)]).fetchall():
-            rows[grank].slow_collectives = n
-    _add_network(con, rows)
+    be = None
+    if segments is not None:
+        from ingero.analysis_dense import Dense, Unsupported
+        try:
+            be = Dense.from_segments(con, segments)
+        except Unsupported as e:
+            log.info("column-wise analysis not used (%s); analysing in SQL", e)
+    if be is None:
+        be = _Sql(con)
+    step_ns = be.step_ns()
+    rows, warnings = be.rank_rows(slow_collective_ms)
+    _add_network(be, rows)
     _add_offcpu(con, rows)
-    traced_ns = con.execute("SELECT max(t + d) - min(t) FROM _coll").fetchone()[0] or 0
-    straggler = _verdict(con, rows, step_ns, traced_ns)
+    traced_ns = be.traced_ns()
+    straggler = _verdict(be, rows, step_ns, traced_ns)
     total_retx = con.execute(
         "SELECT count(*) FROM tcp_events WHERE event = 'tcp_retransmit_skb'").fetchone()[0]
     return Report(ranks=sorted(rows.values(), key=lambda r: r.rank), straggler=straggler,
@@ -168,19 +245,9 @@ def analyse(con, slow_collective_ms: float | None = None) -> Report:
                   retransmits=total_retx, warnings=warnings)
 
 
-def _add_network(con, rows: dict) -> None:
+def _add_network(be, rows: dict) -> None:
     """Retransmits per rank on its own connections, and inside its collectives."""
-    q = """
-        WITH rt AS (SELECT t.timestamp_ns AS ts, COALESCE(r.rank, t.rank) AS grank
-                    FROM tcp_events t
-                    LEFT JOIN (SELECT node, pid, any_value(rank) AS rank FROM ranks GROUP BY ALL) r
-                      ON r.node IS NOT DISTINCT FROM t.node AND r.pid = t.pid AND t.pid > 0
-                    WHERE t.event = 'tcp_retransmit_skb')
-        SELECT rt.grank, count(DISTINCT rt.ts),
-               count(DISTINCT rt.ts) FILTER (WHERE c.t IS NOT NULL)
-        FROM rt LEFT JOIN _coll c ON c.grank = rt.grank AND rt.ts BETWEEN c.t AND c.t + c.d
-        WHERE rt.grank IS NOT NULL GROUP BY rt.grank"""
-    for grank, total, inwin in con.execute(q).fetchall():
+    for grank, total, inwin in be.retransmits_by_rank():
         if grank in rows:
             rows[grank].retransmits = total
             rows[grank].retransmits_in_window = inwin
@@ -220,7 +287,7 @@ def robust_z(values: dict, floor: float) -> dict:
     return {k: (v - med) / scale for k, v in values.items()}
 
 
-def _verdict(con, rows: dict, step_ns: float, traced_ns: int) -> Straggler | None:
+def _verdict(be, rows: dict, step_ns: float, traced_ns: int) -> Straggler | None:
     if len(rows) < 2:
         return None
     # Lateness first: a rank that arrives late costs every step. Retransmits alone do not
@@ -228,11 +295,11 @@ def _verdict(con, rows: dict, step_ns: float, traced_ns: int) -> Straggler | Non
     # slow-rank and io-stall, real data: 127 and 30 tail-loss-probe retransmits on the
     # late rank's ring neighbour, with no loss injected). A lossy link leaves arrivals
     # on time (lab lossy-link: every rank within 0.5 ms) and is judged below.
-    late = _late_verdict(con, rows, step_ns, traced_ns)
-    return late or _network_verdict(con, rows, step_ns)
+    late = _late_verdict(be, rows, step_ns, traced_ns)
+    return late or _network_verdict(be, rows, step_ns)
 
 
-def _late_verdict(con, rows: dict, step_ns: float, traced_ns: int) -> Straggler | None:
+def _late_verdict(be, rows: dict, step_ns: float, traced_ns: int) -> Straggler | None:
     floor = max(LATE_FLOOR_NS, LATE_FLOOR_STEP_SHARE * step_ns)
     z = robust_z({k: r.late_ms * 1e6 for k, r in rows.items()}, floor)
     for k, v in z.items():
@@ -253,7 +320,7 @@ def _late_verdict(con, rows: dict, step_ns: float, traced_ns: int) -> Straggler 
         cause, why = "network", (f"{mine} of {total_retx} retransmits inside collectives are on its own "
                                  "connections")
     peers_p50 = _median([x.p50_ms for k, x in rows.items() if k != worst])
-    saving = _lateness_saving_ns(con, late, step_ns)
+    saving = _lateness_saving_ns(be, late, step_ns)
     group = None
     if len(late) > 1 and len(nodes) == 1:
         node_ranks = [k for k, x in rows.items() if x.node == r.node]
@@ -279,25 +346,17 @@ def _cpu_cause(rows: dict, k, traced_ns: int) -> tuple[str, str]:
     return "compute/unknown", "no network, CPU or I/O excess explains it"
 
 
-def _lateness_saving_ns(con, late: list, step_ns: float) -> float:
+def _lateness_saving_ns(be, late: list, step_ns: float) -> float:
     """Per step: how much earlier each collective would start without the late ranks."""
-    marks = ", ".join(str(int(k)) for k in late)
-    row = con.execute(f"""
-        WITH g AS (SELECT comm_id_hash, seq, op,
-                          max(t) FILTER (WHERE grank IN ({marks})) AS late_t,
-                          max(t) FILTER (WHERE grank NOT IN ({marks})) AS others_t
-                   FROM _coll GROUP BY ALL)
-        SELECT sum(greatest(late_t - others_t, 0)), count(DISTINCT seq) FROM g
-        WHERE late_t IS NOT NULL AND others_t IS NOT NULL""").fetchone()
-    total, _ = row
+    total = be.lateness_total_ns(late)
     if not total or not step_ns:
         return 0.0
-    span = con.execute("SELECT max(t) - min(t) FROM _coll").fetchone()[0] or 0
+    span = be.span_ns()
     steps = max(span / step_ns, 1.0)
     return float(total) / steps
 
 
-def _network_verdict(con, rows: dict, step_ns: float) -> Straggler | None:
+def _network_verdict(be, rows: dict, step_ns: float) -> Straggler | None:
     total = sum(r.retransmits_in_window for r in rows.values())
     if total < RETX_MIN:
         return None
@@ -312,18 +371,11 @@ def _network_verdict(con, rows: dict, step_ns: float) -> Straggler | None:
     top = node_ranks[0]
     single = len(node_ranks) == 1 or top.retransmits_in_window >= RETX_SHARE * n
     others = [r.p50_ms for r in rows.values()]
-    clean = con.execute("""
-        SELECT median(c.d) FROM _coll c WHERE NOT EXISTS (
-          SELECT 1 FROM tcp_events t WHERE t.event = 'tcp_retransmit_skb'
-            AND t.timestamp_ns BETWEEN c.t AND c.t + c.d)""").fetchone()[0]
-    slow = con.execute("""
-        SELECT median(c.d), count(DISTINCT (c.comm_id_hash, c.seq, c.op)) FROM _coll c WHERE EXISTS (
-          SELECT 1 FROM tcp_events t WHERE t.event = 'tcp_retransmit_skb'
-            AND t.timestamp_ns BETWEEN c.t AND c.t + c.d)""").fetchone()
-    instances = con.execute("SELECT count(DISTINCT (comm_id_hash, seq, op)) FROM _coll").fetchone()[0]
+    clean, slow_med, slow_n, instances = be.retransmit_windows()
+    slow = (slow_med, slow_n)
     if (slow[1] or 0) < RETX_MIN_COLL_SHARE * instances:
         return None
-    span = con.execute("SELECT max(t) - min(t) FROM _coll").fetchone()[0] or 0
+    span = be.span_ns()
     steps = max(span / step_ns, 1.0) if step_ns else 1.0
     extra = max((slow[0] or 0) - (clean or 0), 0) * (slow[1] or 0) / steps
     where = f"rank {top.rank} on {node}" if single else f"node {node}"

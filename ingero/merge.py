@@ -126,6 +126,8 @@ class Merger:
     def add_duckdb(self, path: Path) -> int:
         """A trace .duckdb (lab trace, operator artifact, earlier merge); timestamps made raw."""
         try:
+            # views in the operator's artifact name their segment files relative to its folder
+            self.con.execute("SET file_search_path = ?", [str(Path(path).resolve().parent)])
             self.con.execute("ATTACH ? AS src (READ_ONLY)", [str(path)])
         except duckdb.Error as e:
             self._skip(path, f"not a readable DuckDB file ({str(e).splitlines()[0][:160]})")

@@ -108,9 +108,10 @@ def view_files(con, folder: Path) -> list[str]:
     for (sql,) in con.execute("SELECT sql FROM duckdb_views() WHERE database_name = 'trace' "
                               "AND NOT internal").fetchall():
         for m in _QUOTED_PARQUET.finditer(sql or ""):
-            p = Path(m.group(1).replace("''", "'")).resolve()
+            name = m.group(1).replace("''", "'")
+            p = (folder / name).resolve()    # relative names: to the file's folder (file_search_path)
             if p.is_relative_to(folder) and p.is_file():
-                out.append(str(p))
+                out += [str(p), name]        # DuckDB checks the name as the view spells it
     return sorted(set(out))
 
 
@@ -122,6 +123,7 @@ def open_sandbox(source: Path | list[Path], limits: Limits | None = None):
     try:
         if isinstance(source, (str, Path)) and Path(source).is_file():
             path = Path(source).resolve()
+            con.execute("SET file_search_path = ?", [str(path.parent)])
             try:
                 con.execute("ATTACH ? AS trace (READ_ONLY)", [str(path)])
             except duckdb.Error as e:

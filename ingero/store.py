@@ -343,6 +343,8 @@ def open_source(path: Path):
     if not path.exists():
         raise IngeroError(f"{path} does not exist; pass a trace .duckdb file or a segment directory")
     try:
-        return duckdb.connect(str(path), read_only=True)
+        # the operator's artifact holds views over segment files by paths relative to its folder
+        return duckdb.connect(str(path), read_only=True,
+                              config={"file_search_path": str(path.resolve().parent)})
     except duckdb.Error as e:
         raise IngeroError(f"cannot open {path} as DuckDB: {str(e).splitlines()[0]}") from e

@@ -29,6 +29,9 @@ def add_parser(sub):
                    help="serve TraceSessions of this namespace only (repeatable; default: all)")
     r.add_argument("--artifacts", type=Path, default=None,
                    help="where merged traces go (default $INGERO_ARTIFACTS_DIR or /var/lib/ingero/artifacts)")
+    r.add_argument("--live-window", type=float, default=None, metavar="S",
+                   help="while a session runs, also judge the last S seconds alone so a fault that "
+                        "starts mid-session is named quickly; 0 judges the whole session only (default 10)")
     r.add_argument("--refresh-interval", type=float, default=None, metavar="S",
                    help="live status refresh period while a session runs, seconds (default 2)")
     r.add_argument("--standalone", action="store_true", help="no kopf peering (one operator only)")
@@ -58,6 +61,10 @@ def run(args) -> int:
         s.namespace = args.namespace
     if args.artifacts:
         s.artifacts_dir = args.artifacts
+    if args.live_window is not None:
+        if args.live_window < 0:
+            raise IngeroError("--live-window must be >= 0 seconds (0: judge the whole session only)")
+        s.timing.live_window_s = args.live_window
     if args.refresh_interval is not None:
         if args.refresh_interval <= 0:
             raise IngeroError("--refresh-interval must be > 0 seconds")

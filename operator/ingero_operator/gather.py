@@ -15,14 +15,17 @@ artifact is rebuilt from all segments with the offsets measured at the end.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from pathlib import Path
 
 import duckdb
+import pyarrow.parquet as pq
 
 from ingero import schema
 from ingero.comms import resolve_split_ranks
 from ingero.analysis import Report, analyse
+from ingero.analysis_dense import Segments
 from ingero.store import segment_files
 from ingero_operator.agents import AgentClient, AgentUnreachable
 
@@ -75,20 +78,28 @@ async def fetch_new(client: AgentClient, sid: str, local: LocalSession, since_ns
     return int(listing.get("cursor") or since_ns), len(todo)
 
 
-def _select(table: str, files: list[Path], offset_ns: int) -> tuple[str, list]:
-    paths = [str(f) for f in files]
+def _sql_list(paths) -> str:
+    return "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths) + "]"
+
+
+def _insert(con, table: str, sources: list[tuple[list[Path], int]]) -> None:
+    """Insert the rows of (files, clock offset) sources, every node in one statement."""
     shift = SHIFTED.get(table, ())
-    repl = ", ".join(f'"{c}" - ?::BIGINT AS "{c}"' for c in shift)
-    star = f"* REPLACE ({repl})" if repl else "*"
-    return (f"SELECT {star} FROM read_parquet(?, union_by_name = true)",
-            [offset_ns] * len(shift) + [paths])
+    if not shift:     # no clock column: one scan of every node's files
+        sources = [([f for files, _ in sources for f in files], 0)]
+    parts = []
+    for files, offset_ns in sources:
+        if not files:
+            continue
+        repl = ", ".join(f'"{c}" - ({int(offset_ns)})::BIGINT AS "{c}"' for c in shift)
+        star = f"* REPLACE ({repl})" if repl else "*"
+        parts.append(f"SELECT {star} FROM read_parquet({_sql_list(files)}, union_by_name = true)")
+    if parts:
+        con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM ({' UNION ALL BY NAME '.join(parts)})")
 
 
-def _insert(con, table: str, files: list[Path], offset_ns: int) -> None:
-    if not files:
-        return
-    sql, params = _select(table, files, offset_ns)
-    con.execute(f"INSERT INTO {table} BY NAME {sql}", params)
+def _sources(local: LocalSession, table: str, offsets: dict[str, int]) -> list:
+    return [(segment_files([local.node_dir(n)], table), offsets.get(n, 0)) for n in local.nodes()]
 
 
 def _load_state(con, local: LocalSession, offsets: dict[str, int]) -> None:
@@ -97,10 +108,11 @@ def _load_state(con, local: LocalSession, offsets: dict[str, int]) -> None:
         if table in schema.EVENT_TABLES:
             continue
         con.execute(f"DELETE FROM {table}")
-        for node in local.nodes():
-            _insert(con, table, segment_files([local.node_dir(node)], table), offsets.get(node, 0))
-    for node, off in offsets.items():
-        con.execute("UPDATE nodes SET clock_offset_ns = ? WHERE node = ?", [off, node])
+        _insert(con, table, _sources(local, table, offsets))
+    if offsets:
+        con.execute("UPDATE nodes SET clock_offset_ns = o.off FROM (SELECT unnest(?::VARCHAR[]) AS node, "
+                    "unnest(?::BIGINT[]) AS off) o WHERE nodes.node = o.node",
+                    [list(offsets), [int(v) for v in offsets.values()]])
 
 
 def world_size(con) -> int | None:
@@ -109,43 +121,125 @@ def world_size(con) -> int | None:
 
 
 def ingest_and_analyse(local: LocalSession, offsets: dict[str, int],
-                       slow_collective_ms: float | None = None) -> tuple[Report, int | None]:
-    """Add event segments not yet in the live database, refresh state tables, analyse."""
+                       slow_collective_ms: float | None = None,
+                       recent_s: float | None = None) -> tuple[Report, int | None]:
+    """Add event segments not yet in the live database, refresh state tables, analyse.
+
+    With `recent_s`, the last `recent_s` seconds of the session are also judged on
+    their own, and a straggler found there is the one reported: a fault that starts
+    mid-session shows up once it fills half of that window, instead of once it
+    fills half of the whole session (where the median of every earlier, healthy
+    step hides it)."""
     local.work.mkdir(parents=True, exist_ok=True)
     con = duckdb.connect(str(local.live_db))
     try:
         schema.create_all(con)
         con.execute("CREATE TABLE IF NOT EXISTS _ingested (node VARCHAR, tbl VARCHAR, name VARCHAR)")
         seen = set(con.execute("SELECT node, tbl, name FROM _ingested").fetchall())
-        for node in local.nodes():
-            for table in schema.EVENT_TABLES:
-                new = [f for f in segment_files([local.node_dir(node)], table)
-                       if (node, table, f.name) not in seen]
-                if not new:
-                    continue
-                _insert(con, table, new, offsets.get(node, 0))
-                con.executemany("INSERT INTO _ingested VALUES (?, ?, ?)", [[node, table, f.name] for f in new])
+        for table in schema.EVENT_TABLES:
+            todo = [(node, [f for f in segment_files([local.node_dir(node)], table)
+                            if (node, table, f.name) not in seen]) for node in local.nodes()]
+            todo = [(node, new) for node, new in todo if new]
+            if not todo:
+                continue
+            _insert(con, table, [(new, offsets.get(node, 0)) for node, new in todo])
+            con.executemany("INSERT INTO _ingested VALUES (?, ?, ?)",
+                            [[node, table, f.name] for node, new in todo for f in new])
         _load_state(con, local, offsets)
         resolve_split_ranks(con)
-        return analyse(con, slow_collective_ms), world_size(con)
+        rep = analyse(con, slow_collective_ms)
+        if recent_s:
+            recent = _analyse_recent(con, slow_collective_ms, recent_s)
+            if recent is not None and recent.straggler is not None:
+                s = recent.straggler
+                rep.straggler = dataclasses.replace(s, evidence=f"in the last {recent_s:g} s: {s.evidence}")
+        return rep, world_size(con)
     finally:
         con.close()
 
 
+def _analyse_recent(con, slow_collective_ms: float | None, recent_s: float) -> Report | None:
+    """The analysis of the events of the last `recent_s` seconds (None if the session is
+    not much longer than that). Temporary views shadow the event tables for the while."""
+    first, last = con.execute("SELECT min(timestamp_ns), max(timestamp_ns) FROM nccl_events").fetchone()
+    if first is None or last - first < 1.5 * recent_s * 1e9:
+        return None
+    since = int(last - recent_s * 1e9)
+    db = con.execute("SELECT current_database()").fetchone()[0].replace('"', '""')
+    try:
+        for table in schema.EVENT_TABLES:
+            con.execute(f'CREATE OR REPLACE TEMP VIEW {table} AS SELECT * FROM "{db}".main.{table} '
+                        f"WHERE timestamp_ns >= {since}")
+        return analyse(con, slow_collective_ms)
+    finally:
+        for table in schema.EVENT_TABLES:
+            con.execute(f"DROP VIEW IF EXISTS temp.{table}")
+
+
+def _event_view(con, table: str, local: LocalSession, offsets: dict[str, int]) -> list[tuple[list[Path], int]]:
+    """Replace an event table by a view over every node's segments, with clock offsets
+    (and, for nccl_events, resolved split ranks) applied. Returns the files and offset per node."""
+    units, parts = [], []
+    cols = schema.TABLES[table].columns
+    shift = SHIFTED.get(table, ())
+    root = local.root.resolve()
+    for node in local.nodes():
+        files = [f.resolve() for f in segment_files([local.node_dir(node)], table)]
+        if not files:
+            continue
+        off = int(offsets.get(node, 0))
+        present = set(pq.read_schema(files[0]).names)
+        sel = ", ".join((f'"{c}"::{ty} - ({off}) AS "{c}"' if c in shift else f'"{c}"::{ty} AS "{c}"')
+                        if c in present else f'NULL::{ty} AS "{c}"' for c, ty in cols)
+        rel = [f.relative_to(root) for f in files]    # resolved against file_search_path: the folder moves whole
+        parts.append(f"SELECT {sel} FROM read_parquet({_sql_list(rel)}, union_by_name = true)")
+        units.append((files, off))
+    con.execute(f"DROP TABLE {table}")
+    if not parts:
+        con.execute(schema.TABLES[table].ddl())
+        return units
+    body = "\nUNION ALL ".join(parts)
+    split = table == "nccl_events" and con.execute(
+        "SELECT count(*) FROM comms WHERE op = 'COMM_SPLIT' AND rank >= 0").fetchone()[0]
+    if split:   # what resolve_split_ranks would UPDATE in a table
+        body = f"""
+            SELECT e.* REPLACE (CASE WHEN e.rank < 0 AND s.pid IS NOT NULL THEN s.rank ELSE e.rank END AS rank,
+                                CASE WHEN e.rank < 0 AND s.pid IS NOT NULL THEN s.nranks ELSE e.nranks END AS nranks)
+            FROM ({body}) e
+            LEFT JOIN (SELECT node, pid, comm_id_hash, any_value(rank) AS rank, any_value(nranks) AS nranks
+                       FROM comms WHERE op = 'COMM_SPLIT' AND rank >= 0 GROUP BY ALL) s
+              ON s.node IS NOT DISTINCT FROM e.node AND s.pid = e.pid AND s.comm_id_hash = e.comm_id_hash"""
+    con.execute(f"CREATE VIEW {table} AS {body}")
+    return units
+
+
 def build_artifact(local: LocalSession, offsets: dict[str, int],
                    slow_collective_ms: float | None = None) -> tuple[Report, int | None]:
-    """Merge every node's segments (clock offsets applied) into trace.duckdb and analyse it."""
+    """Merge every node's segments (clock offsets applied) into trace.duckdb and analyse it.
+
+    NCCL calls and scheduler events (nearly all rows) are not copied: in trace.duckdb
+    ``nccl_events`` and ``sched_events`` are views over the node segments kept beside it
+    in ``work/nodes/``, by paths relative to the session folder, so the folder is the
+    artifact and can be moved or copied whole. Readers resolve them by setting DuckDB's
+    ``file_search_path`` to the folder (``ingero.store.open_source`` does; the duckdb
+    shell does when started inside it). The analysis reads the NCCL files column-wise
+    (``ingero.analysis_dense``). Copying 100 M rows into a DuckDB file took 137 s on 2
+    cores; the other tables are small and are copied. See docs/benchmarks.md, "Gather,
+    merge and analysis at scale".
+    """
     tmp = local.artifact.with_name(f".{local.artifact.name}.tmp-{os.getpid()}")
     tmp.unlink(missing_ok=True)
     con = duckdb.connect(str(tmp))
     try:
+        con.execute("SET parquet_metadata_cache = true")   # the views and the analysis read the same footers
+        con.execute("SET file_search_path = ?", [str(local.root.resolve())])
         schema.create_all(con)
-        for node in local.nodes():
-            for table in schema.EVENT_TABLES:
-                _insert(con, table, segment_files([local.node_dir(node)], table), offsets.get(node, 0))
+        _insert(con, "tcp_events", _sources(local, "tcp_events", offsets))
         _load_state(con, local, offsets)
-        resolve_split_ranks(con)
-        result = analyse(con, slow_collective_ms), world_size(con)
+        resolve_split_ranks(con)           # comms (nccl_events is still an empty table here)
+        units = _event_view(con, "nccl_events", local, offsets)
+        _event_view(con, "sched_events", local, offsets)
+        result = analyse(con, slow_collective_ms, segments=Segments(units)), world_size(con)
     finally:
         con.close()
     os.replace(tmp, local.artifact)

@@ -65,7 +65,8 @@ class Controller:
         return self.live.setdefault(ref.uid, Live())
 
     def local(self, ref: Ref) -> LocalSession:
-        return LocalSession(self.s.artifacts_dir / ref.namespace / ref.name)
+        # keyed by UID too: a new TraceSession reusing a deleted one's name starts empty
+        return LocalSession(self.s.artifacts_dir / ref.namespace / f"{ref.name}-{(ref.uid or 'nouid')[:8]}")
 
     async def close(self) -> None:
         if self._http is not None:
@@ -206,7 +207,7 @@ class Controller:
             try:
                 rep, world = await asyncio.to_thread(ingest_and_analyse, self.local(ref),
                                                      {n: c[0] for n, c in live.clocks.items()},
-                                                     _slow_ms(spec))
+                                                     _slow_ms(spec), self.s.timing.live_window_s)
                 patch.update(report_status(rep, world, self.s.gather))
                 warnings += rep.warnings
             except Exception as e:  # live analysis is best effort; the final one decides

@@ -36,6 +36,9 @@ class AgentSettings:
 class TimingSettings:
     refresh_interval_s: float = 2.0        # live status refresh while Running: a straggler shows up
                                            # within one step of the agents' 2 s segment roll
+    live_window_s: float = 10.0            # the live verdict also judges the last this many seconds
+                                           # alone, so a fault starting mid-session is named within
+                                           # about half of it (bench/time_to_straggler.py)
     clock_samples: int = 8                 # /v1/time round trips per node; the lowest RTT wins
     pending_retry_s: float = 5.0           # no pods matched yet: look again this often
     gather_retries: int = 3                # attempts per node before it counts as unreachable
@@ -55,7 +58,7 @@ class GatherSettings:
 
 @dataclass
 class Settings:
-    artifacts_dir: Path = Path("/var/lib/ingero/artifacts")  # <dir>/<namespace>/<name>/trace.duckdb
+    artifacts_dir: Path = Path("/var/lib/ingero/artifacts")  # <dir>/<namespace>/<name>-<uid8>/trace.duckdb
     namespace: str = "ingero-system"       # where the agent token Secret lives
     agent: AgentSettings = field(default_factory=AgentSettings)
     timing: TimingSettings = field(default_factory=TimingSettings)

@@ -22,10 +22,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-import duckdb
 import pytest
 
 from ingero import schema
+from ingero.store import open_source
 from tests.conftest import bpf_reason
 
 pytestmark = pytest.mark.bpf
@@ -139,7 +139,7 @@ def _free_port() -> int:
 
 
 def _tables(path: Path) -> dict:
-    con = duckdb.connect(str(path), read_only=True)
+    con = open_source(path)
     try:
         return {t: sorted(con.execute(f"SELECT * FROM {t}").fetchall(), key=repr) for t in schema.TABLES}
     finally:
@@ -148,7 +148,7 @@ def _tables(path: Path) -> dict:
 
 def _report(path: Path) -> dict:
     from ingero.analysis import analyse
-    con = duckdb.connect(str(path), read_only=True)
+    con = open_source(path)
     try:
         return analyse(con).to_dict()
     finally:
@@ -225,7 +225,7 @@ def test_the_lossy_link_timeline_has_a_slice_for_every_collective_of_every_rank_
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(TIMELINE.read_text())
     jsonschema.validate(doc, json.loads(SCHEMA.read_text()))
-    con = duckdb.connect(str(flow["artifact"]), read_only=True)
+    con = open_source(flow["artifact"])
     want = dict(con.execute("""SELECT COALESCE(r.rank, e.global_rank), count(*) FROM nccl_events e
         LEFT JOIN (SELECT node, pid, any_value(rank) AS rank FROM ranks GROUP BY ALL) r USING (node, pid)
         WHERE e.op IN ('ALL_REDUCE', 'ALL_GATHER', 'REDUCE_SCATTER', 'BROADCAST', 'REDUCE') GROUP BY 1""").fetchall())

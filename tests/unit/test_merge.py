@@ -12,6 +12,7 @@ from ingero import schema
 from ingero.cli import main
 from ingero.errors import IngeroError
 from ingero.merge import merge
+from ingero.store import open_source
 from tests.unit.trace_fixture import CHILD, SESSION, T0, write_job, write_node
 
 SKEW = 3_000_000_000   # node-b's clock runs 3 s ahead
@@ -24,7 +25,7 @@ def job(tmp_path) -> Path:
 
 
 def tables(path: Path) -> dict[str, list]:
-    con = duckdb.connect(str(path), read_only=True)
+    con = open_source(path)
     try:
         return {t: sorted(con.execute(f"SELECT * FROM {t}").fetchall(), key=repr) for t in schema.TABLES}
     finally:
@@ -32,7 +33,7 @@ def tables(path: Path) -> dict[str, list]:
 
 
 def q(path: Path, sql: str, params=()):
-    con = duckdb.connect(str(path), read_only=True)
+    con = open_source(path)
     try:
         return con.execute(sql, params).fetchall()
     finally:
@@ -114,6 +115,22 @@ def test_an_artifact_whose_view_lost_its_files_loses_only_that_table(tmp_path):
     res = merge([tmp_path / "copied.duckdb", tmp_path / "seg"], tmp_path / "m.duckdb")
     assert [s.split(" unreadable")[0] for s in res.skipped] == [f"{tmp_path / 'copied.duckdb'}: table {v}"
                                                                 for v in views]
+    assert tables(tmp_path / "m.duckdb") == whole
+
+
+def test_the_artifact_folder_moved_whole_still_opens_with_every_row(tmp_path):
+    from ingero_operator.gather import LocalSession, build_artifact
+
+    write_job(tmp_path / "seg")
+    local = LocalSession(tmp_path / "art")
+    for node in ("node-a", "node-b"):
+        shutil.copytree(tmp_path / "seg" / node, local.node_dir(node))
+    build_artifact(local, {"node-a": 0, "node-b": 0})
+    whole = tables(local.artifact)
+    assert whole["nccl_events"]
+    shutil.move(local.root, tmp_path / "elsewhere")
+    assert tables(tmp_path / "elsewhere" / "trace.duckdb") == whole
+    merge([tmp_path / "elsewhere" / "trace.duckdb"], tmp_path / "m.duckdb")
     assert tables(tmp_path / "m.duckdb") == whole
 
 

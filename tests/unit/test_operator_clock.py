@@ -5,7 +5,7 @@ from __future__ import annotations
 import duckdb
 import pytest
 
-from ingero.store import SegmentWriter
+from ingero.store import SegmentWriter, open_source
 from ingero_operator.agents import ClockSample, estimate_offset
 from ingero_operator.gather import LocalSession, build_artifact, ingest_and_analyse
 
@@ -47,7 +47,7 @@ def test_merge_shifts_each_nodes_timestamps_by_its_offset(tmp_path):
     _node(local, "a", [10_000_000_000, 10_100_000_000])
     _node(local, "b", [13_000_000_000, 13_100_000_000])
     build_artifact(local, {"a": 0, "b": 3_000_000_000})
-    con = duckdb.connect(str(local.artifact), read_only=True)
+    con = open_source(local.artifact)
     rows = con.execute("SELECT node, seq, timestamp_ns FROM nccl_events ORDER BY node, seq").fetchall()
     assert rows == [("a", 0, 10_000_000_000), ("a", 1, 10_100_000_000),
                     ("b", 0, 10_000_000_000), ("b", 1, 10_100_000_000)]
@@ -70,3 +70,29 @@ def test_live_ingest_adds_each_segment_once(tmp_path):
     con = duckdb.connect(str(local.live_db), read_only=True)
     assert con.execute("SELECT count(*) FROM nccl_events").fetchone()[0] == 3
     assert con.execute("SELECT count(*) FROM _ingested WHERE tbl = 'nccl_events'").fetchone()[0] == 2
+
+
+def test_a_fault_starting_mid_session_is_named_from_the_recent_window(tmp_path):
+    from bench.synthetic import session
+
+    local = LocalSession(tmp_path / "ns" / "job")
+    # 400 steps of 50 ms (20 s); rank 3 is late from step 300 on: the last 5 s.
+    lay = session(local.work / "nodes", steps=400, fault="slow-rank", fault_from_step=300)
+    whole, _ = ingest_and_analyse(local, {})
+    assert whole.straggler is None       # three quarters of the session were healthy
+    live, _ = ingest_and_analyse(local, {}, recent_s=6.0)
+    assert live.straggler is not None and live.straggler.rank == lay["victim"]
+    assert live.straggler.evidence.startswith("in the last 6 s: ")
+    assert [r.collectives for r in live.ranks] == [r.collectives for r in whole.ranks]  # table: whole session
+    # a session not much longer than the window is judged whole only
+    short = LocalSession(tmp_path / "ns" / "short")
+    session(short.work / "nodes", steps=100, fault="slow-rank", fault_from_step=60)
+    assert ingest_and_analyse(short, {}, recent_s=6.0)[0].straggler is None
+
+
+def test_a_clean_session_names_nobody_in_its_recent_window_either(tmp_path):
+    from bench.synthetic import session
+
+    local = LocalSession(tmp_path / "ns" / "job")
+    session(local.work / "nodes", steps=400, fault="clean")
+    assert ingest_and_analyse(local, {}, recent_s=6.0)[0].straggler is None

@@ -1,0 +1,214 @@
+"""Gather + merge + analysis at scale: 1,024 ranks x 100,000 collectives along the operator's path.
+
+    python -m bench.analysis_scale [--ranks 1024] [--collectives 100000] [--nodes 128]
+                                   [--faults slow-rank,lossy-link] [--repeat 3] [--quick]
+
+A synthetic session (``bench.synthetic.scale_session``: every rank calls every
+collective, ~102 M nccl_events rows, retransmits on one node, sched totals,
+each node's clock off by a few ms) is written once per node through the real
+SegmentWriter into the operator's layout (``<root>/work/nodes/<node>/``) and
+kept under ``--data`` for later runs; writing it is not measured.
+
+Measured, each run in a fresh process: ``gather.build_artifact`` exactly as the
+operator calls it when a session completes (per-node segments, clock offsets
+applied, split ranks resolved, trace.duckdb written, ``analyse``): wall time and
+the process's peak RSS (a 20 ms sampling thread, and ru_maxrss; DuckDB runs in
+the same process, so this includes its memory). The verdict must name the
+planted straggler.
+
+Side by side, at a size where it finishes in reasonable time
+(``--compare-collectives``), the straightforward path this replaced: every row
+copied into a DuckDB file, then the SQL analysis. Both reports must be equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TARGET_S, TARGET_GIB = 10.0, 2.0
+
+
+def _data_dir(base: Path, ranks: int, collectives: int, nodes: int, segs: int, fault: str) -> Path:
+    return base / f"r{ranks}-c{collectives}-n{nodes}-s{segs}-{fault}"
+
+
+def ensure_session(base: Path, ranks: int, collectives: int, nodes: int, segs: int, fault: str) -> Path:
+    """Write the session unless a complete copy is already there."""
+    import shutil
+
+    from bench.synthetic import scale_session
+
+    root = _data_dir(base, ranks, collectives, nodes, segs, fault)
+    done = root / "written.json"
+    if done.exists():
+        return root
+    shutil.rmtree(root, ignore_errors=True)
+    t = time.perf_counter()
+    print(f"  writing {ranks} ranks x {collectives:,} collectives on {nodes} nodes ({fault}) to {root} ...",
+          flush=True)
+    scale_session(root / "work" / "nodes", ranks=ranks, collectives=collectives, nodes=nodes,
+                  fault=fault, segments_per_node=segs)
+    size = sum(f.stat().st_size for f in (root / "work").rglob("*.parquet"))
+    done.write_text(json.dumps({"seconds": time.perf_counter() - t, "bytes": size}))
+    print(f"  written in {time.perf_counter() - t:.0f} s, {size / 1e9:.2f} GB", flush=True)
+    return root
+
+
+# ---- one measured run (a child process) -----------------------------------------------
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def child(root: Path, ranks: int, collectives: int, nodes: int, fault: str, path: str) -> dict:
+    sys.path.insert(0, str(REPO / "operator"))
+    import duckdb
+
+    from bench.synthetic import scale_layout
+    from ingero import schema
+    from ingero.analysis import analyse
+    from ingero.comms import resolve_split_ranks
+    from ingero_operator import gather
+
+    lay = scale_layout(ranks, collectives, nodes, fault)
+    local = gather.LocalSession(root)
+    local.artifact.unlink(missing_ok=True)
+    peak = [0]
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss_kib())
+            time.sleep(0.02)
+
+    threading.Thread(target=sample, daemon=True).start()
+    rss0 = _rss_kib()
+    load0 = os.getloadavg()[0]
+    t = time.perf_counter()
+    if path == "operator":
+        rep, _ = gather.build_artifact(local, lay["offsets"])
+    else:   # the straightforward path: copy every row into trace.duckdb, then SQL
+        db = root / "materialized.duckdb"
+        db.unlink(missing_ok=True)
+        con = duckdb.connect(str(db))
+        schema.create_all(con)
+        for table in schema.EVENT_TABLES:
+            gather._insert(con, table, gather._sources(local, table, lay["offsets"]))
+        gather._load_state(con, local, lay["offsets"])
+        resolve_split_ranks(con)
+        rep = analyse(con)
+        con.close()
+        db.unlink()
+    secs = time.perf_counter() - t
+    stop.set()
+    peak[0] = max(peak[0], _rss_kib())
+    s = rep.straggler
+    if fault == "slow-rank":
+        ok = s is not None and s.rank == lay["victim"] and s.cause == "compute/unknown"
+    elif fault == "lossy-link":
+        ok = s is not None and s.node == lay["victim_node"] and s.cause == "network"
+    else:
+        ok = s is None
+    return {"path": path, "fault": fault, "seconds": secs, "peak_rss_mib": peak[0] / 1024,
+            "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "rss_before_mib": rss0 / 1024, "load_before": load0, "collectives": rep.collectives,
+            "verdict_ok": ok, "expected": {"rank": lay["victim"], "node": lay["victim_node"]},
+            "straggler": None if s is None else {"rank": s.rank, "node": s.node, "cause": s.cause,
+                                                 "group": s.group, "evidence": s.evidence},
+            "report": rep.to_dict()}
+
+
+def run_child(root: Path, ranks: int, collectives: int, nodes: int, fault: str, path: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "bench.analysis_scale", "--child", str(root), "--ranks",
+                          str(ranks), "--collectives", str(collectives), "--nodes", str(nodes),
+                          "--faults", fault, "--path", path],
+                         cwd=REPO, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"child failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+# ---- the benchmark ---------------------------------------------------------------------------
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=1024)
+    ap.add_argument("--collectives", type=int, default=100_000)
+    ap.add_argument("--nodes", type=int, default=128)
+    ap.add_argument("--segments-per-node", type=int, default=8)
+    ap.add_argument("--faults", default="slow-rank,lossy-link")
+    ap.add_argument("--repeat", type=int, default=3, help="measured runs per fault (median reported)")
+    ap.add_argument("--compare-collectives", type=int, default=2_000,
+                    help="size of the side-by-side run against the straightforward path (0: skip)")
+    ap.add_argument("--data", type=Path, default=REPO / "out" / "bench-data" / "analysis_scale")
+    ap.add_argument("--quick", action="store_true", help="64 ranks x 2,000 collectives on 8 nodes, one run")
+    ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--path", default="operator", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        print(json.dumps(child(a.child, a.ranks, a.collectives, a.nodes, a.faults, a.path), default=str))
+        return {}
+    if a.quick:
+        a.ranks, a.collectives, a.nodes, a.repeat, a.compare_collectives = 64, 2_000, 8, 1, 2_000
+    faults = [f for f in a.faults.split(",") if f]
+    rows = a.ranks * a.collectives
+    results: dict = {"ranks": a.ranks, "collectives": a.collectives, "nodes": a.nodes, "rows": rows,
+                     "segments_per_node": a.segments_per_node, "cpus": os.cpu_count(), "runs": {},
+                     "target": {"seconds": TARGET_S, "gib": TARGET_GIB}}
+    print(f"analysis_scale: {a.ranks} ranks x {a.collectives:,} collectives = {rows:,} NCCL rows on "
+          f"{a.nodes} nodes, {a.segments_per_node} segments per node; {os.cpu_count()} CPUs")
+    for fault in faults:
+        root = ensure_session(a.data, a.ranks, a.collectives, a.nodes, a.segments_per_node, fault)
+        runs = [run_child(root, a.ranks, a.collectives, a.nodes, fault, "operator") for _ in range(a.repeat)]
+        secs = [r["seconds"] for r in runs]
+        peak = max(r["peak_rss_mib"] for r in runs)
+        r0 = runs[0]
+        res = {"seconds_median": statistics.median(secs), "seconds_min": min(secs), "seconds_max": max(secs),
+               "peak_rss_mib": peak, "verdict_ok": all(r["verdict_ok"] for r in runs),
+               "straggler": r0["straggler"], "expected": r0["expected"],
+               "load_before": [round(r["load_before"], 2) for r in runs],
+               "written": json.loads((root / "written.json").read_text())}
+        results["runs"][fault] = res
+        print(f"  {fault}: gather+merge+analysis {res['seconds_median']:.2f} s median "
+              f"(min {res['seconds_min']:.2f}, max {res['seconds_max']:.2f}, {len(runs)} runs), "
+              f"peak RSS {peak:,.0f} MiB; verdict {'as planted' if res['verdict_ok'] else 'WRONG'}: "
+              f"{r0['straggler']}")
+    if a.compare_collectives:
+        fault = faults[0]
+        root = ensure_session(a.data, a.ranks, a.compare_collectives, a.nodes, a.segments_per_node, fault)
+        new = run_child(root, a.ranks, a.compare_collectives, a.nodes, fault, "operator")
+        old = run_child(root, a.ranks, a.compare_collectives, a.nodes, fault, "materialize")
+        same = new["report"] == old["report"]
+        results["side_by_side"] = {
+            "rows": a.ranks * a.compare_collectives, "fault": fault, "reports_equal": same,
+            "operator": {k: new[k] for k in ("seconds", "peak_rss_mib")},
+            "materialize_then_sql": {k: old[k] for k in ("seconds", "peak_rss_mib")},
+            "speedup": old["seconds"] / new["seconds"]}
+        print(f"  side by side at {a.ranks * a.compare_collectives:,} rows ({fault}): operator path "
+              f"{new['seconds']:.2f} s / {new['peak_rss_mib']:,.0f} MiB, copy-into-DuckDB + SQL "
+              f"{old['seconds']:.2f} s / {old['peak_rss_mib']:,.0f} MiB ({old['seconds'] / new['seconds']:.1f}x); "
+              f"reports {'identical' if same else 'DIFFER'}")
+    worst = max(r["seconds_median"] for r in results["runs"].values())
+    peak = max(r["peak_rss_mib"] for r in results["runs"].values())
+    results["meets_target"] = worst < TARGET_S and peak < TARGET_GIB * 1024
+    print(f"  target < {TARGET_S:.0f} s and < {TARGET_GIB:.0f} GiB: "
+          f"{'met' if results['meets_target'] else 'MISSED'} (worst median {worst:.2f} s, peak {peak:,.0f} MiB)")
+    return results
+
+
+if __name__ == "__main__":
+    main()
