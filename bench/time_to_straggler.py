@@ -41,8 +41,8 @@ def one_run(fault: str, fault_after: float, timeout: float, out: Path, poll_s: f
 
     import shutil
 
-    # A fresh folder: the operator keeps a session's work files by namespace/name, and a
-    # session of the same name from an earlier run would start from that run's data.
+    # A fresh folder per run (the operator keys a session's files by UID, so an earlier
+    # run's data would not be read; this just keeps the disk use of many runs bounded).
     shutil.rmtree(out, ignore_errors=True)
     cfg = DemoConfig(scenario=fault, seconds=fault_after + timeout + 5, out=out, fault_after_s=fault_after)
     quiet = []

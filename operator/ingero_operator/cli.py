@@ -31,7 +31,7 @@ def add_parser(sub):
                    help="where merged traces go (default $INGERO_ARTIFACTS_DIR or /var/lib/ingero/artifacts)")
     r.add_argument("--live-window", type=float, default=None, metavar="S",
                    help="while a session runs, also judge the last S seconds alone so a fault that "
-                        "starts mid-session is named quickly; 0 judges the whole session only (default 10)")
+                        "starts mid-session is named quickly; 0 judges the whole session only (default 6)")
     r.add_argument("--refresh-interval", type=float, default=None, metavar="S",
                    help="live status refresh period while a session runs, seconds (default 2)")
     r.add_argument("--standalone", action="store_true", help="no kopf peering (one operator only)")

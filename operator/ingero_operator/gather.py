@@ -120,16 +120,21 @@ def world_size(con) -> int | None:
     return int(row[0] or row[1] or 0) or None
 
 
+# The live window covers at least this many steps, so jobs with long steps are judged on
+# enough of them (at the lab's ~55 ms steps the seconds dominate).
+RECENT_MIN_STEPS = 40
+
+
 def ingest_and_analyse(local: LocalSession, offsets: dict[str, int],
                        slow_collective_ms: float | None = None,
                        recent_s: float | None = None) -> tuple[Report, int | None]:
     """Add event segments not yet in the live database, refresh state tables, analyse.
 
-    With `recent_s`, the last `recent_s` seconds of the session are also judged on
-    their own, and a straggler found there is the one reported: a fault that starts
-    mid-session shows up once it fills half of that window, instead of once it
-    fills half of the whole session (where the median of every earlier, healthy
-    step hides it)."""
+    With `recent_s`, the most recent part of the session (`recent_s` seconds, and at
+    least RECENT_MIN_STEPS steps) is also judged on its own, and a straggler found
+    there is the one reported: a fault that starts mid-session shows up once it
+    fills about half of that window, instead of half of the whole session (where
+    the medians over every earlier, healthy step hide it)."""
     local.work.mkdir(parents=True, exist_ok=True)
     con = duckdb.connect(str(local.live_db))
     try:
@@ -147,32 +152,60 @@ def ingest_and_analyse(local: LocalSession, offsets: dict[str, int],
                             [[node, table, f.name] for node, new in todo for f in new])
         _load_state(con, local, offsets)
         resolve_split_ranks(con)
+        _keep_sched_totals(con)
         rep = analyse(con, slow_collective_ms)
         if recent_s:
-            recent = _analyse_recent(con, slow_collective_ms, recent_s)
+            window_s = max(recent_s, RECENT_MIN_STEPS * rep.step_ms / 1e3)
+            recent = _analyse_recent(con, slow_collective_ms, window_s)
             if recent is not None and recent.straggler is not None:
                 s = recent.straggler
-                rep.straggler = dataclasses.replace(s, evidence=f"in the last {recent_s:g} s: {s.evidence}")
+                rep.straggler = dataclasses.replace(s, evidence=f"in the last {window_s:.3g} s: {s.evidence}")
         return rep, world_size(con)
     finally:
         con.close()
 
 
+def _keep_sched_totals(con) -> None:
+    """Keep this refresh's off-CPU totals (cumulative, from the kernel) with the time of the
+    newest call, so the recent window can use the increase since its start."""
+    con.execute("CREATE TABLE IF NOT EXISTS _sched_totals_at AS "
+                "SELECT 0::BIGINT AS at_ns, * FROM sched_totals WHERE false")
+    con.execute("INSERT INTO _sched_totals_at SELECT (SELECT max(timestamp_ns) FROM nccl_events), * "
+                "FROM sched_totals WHERE (SELECT max(timestamp_ns) FROM nccl_events) IS NOT NULL")
+
+
 def _analyse_recent(con, slow_collective_ms: float | None, recent_s: float) -> Report | None:
     """The analysis of the events of the last `recent_s` seconds (None if the session is
-    not much longer than that). Temporary views shadow the event tables for the while."""
+    not longer than that). Temporary views shadow the event tables for the while, and the
+    off-CPU totals by their increase since the window's start (the snapshot kept at or
+    before it; older snapshots are dropped)."""
     first, last = con.execute("SELECT min(timestamp_ns), max(timestamp_ns) FROM nccl_events").fetchone()
-    if first is None or last - first < 1.5 * recent_s * 1e9:
-        return None
+    if first is None or last - first <= recent_s * 1e9:
+        return None        # the whole session is recent: already judged
     since = int(last - recent_s * 1e9)
     db = con.execute("SELECT current_database()").fetchone()[0].replace('"', '""')
+    base = con.execute("SELECT max(at_ns) FROM _sched_totals_at WHERE at_ns <= ?", [since]).fetchone()[0]
+    shadowed = list(schema.EVENT_TABLES)
     try:
         for table in schema.EVENT_TABLES:
             con.execute(f'CREATE OR REPLACE TEMP VIEW {table} AS SELECT * FROM "{db}".main.{table} '
                         f"WHERE timestamp_ns >= {since}")
+        if base is not None:
+            con.execute("DELETE FROM _sched_totals_at WHERE at_ns < ?", [base])
+            # a restarted agent counts from 0 again: then the whole new total is recent
+            con.execute(f"""CREATE OR REPLACE TEMP VIEW sched_totals AS
+                SELECT c.* REPLACE (CASE WHEN c.total_ns >= b.total_ns THEN c.total_ns - b.total_ns
+                                         ELSE c.total_ns END AS total_ns,
+                                    CASE WHEN c.intervals >= b.intervals THEN c.intervals - b.intervals
+                                         ELSE c.intervals END AS intervals)
+                FROM "{db}".main.sched_totals c
+                LEFT JOIN (SELECT * FROM _sched_totals_at WHERE at_ns = {int(base)}) b
+                  ON b.node IS NOT DISTINCT FROM c.node AND b.session_id IS NOT DISTINCT FROM c.session_id
+                 AND b.pid = c.pid AND b.reason = c.reason""")
+            shadowed.append("sched_totals")
         return analyse(con, slow_collective_ms)
     finally:
-        for table in schema.EVENT_TABLES:
+        for table in shadowed:
             con.execute(f"DROP VIEW IF EXISTS temp.{table}")
 
 

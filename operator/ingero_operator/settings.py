@@ -36,9 +36,9 @@ class AgentSettings:
 class TimingSettings:
     refresh_interval_s: float = 2.0        # live status refresh while Running: a straggler shows up
                                            # within one step of the agents' 2 s segment roll
-    live_window_s: float = 10.0            # the live verdict also judges the last this many seconds
-                                           # alone, so a fault starting mid-session is named within
-                                           # about half of it (bench/time_to_straggler.py)
+    live_window_s: float = 6.0             # the live verdict also judges the last this many seconds
+                                           # (and >= 40 steps) alone, so a fault starting mid-session
+                                           # is named within about half of it (bench/time_to_straggler.py)
     clock_samples: int = 8                 # /v1/time round trips per node; the lowest RTT wins
     pending_retry_s: float = 5.0           # no pods matched yet: look again this often
     gather_retries: int = 3                # attempts per node before it counts as unreachable

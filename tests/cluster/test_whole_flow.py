@@ -106,6 +106,8 @@ def clean(tmp_path_factory):
 def test_clean_run_completes_with_every_node_traced_and_no_straggler(clean):
     assert_completed(clean)
     st = verdict.check_no_straggler(clean["status"], ranks=4, nodes=["lab-node-a", "lab-node-b"])
+    # nor during the run (the live status also judges the last seconds alone)
+    assert "first_straggler" not in clean["timings"], clean["timings"]
     assert [n["name"] for n in st["nodes"]] == ["lab-node-a", "lab-node-b"]
     assert all(abs(n["clockOffsetNs"]) < 5_000_000 and n["clockRttNs"] > 0 for n in st["nodes"])
     assert len(st["ranksTable"]) == 4 and all(r["collectives"] > 0 for r in st["ranksTable"])

@@ -86,7 +86,7 @@ def test_a_fault_starting_mid_session_is_named_from_the_recent_window(tmp_path):
     assert [r.collectives for r in live.ranks] == [r.collectives for r in whole.ranks]  # table: whole session
     # a session not much longer than the window is judged whole only
     short = LocalSession(tmp_path / "ns" / "short")
-    session(short.work / "nodes", steps=100, fault="slow-rank", fault_from_step=60)
+    session(short.work / "nodes", steps=110, fault="slow-rank", fault_from_step=70)   # 5.5 s
     assert ingest_and_analyse(short, {}, recent_s=6.0)[0].straggler is None
 
 
@@ -96,3 +96,46 @@ def test_a_clean_session_names_nobody_in_its_recent_window_either(tmp_path):
     local = LocalSession(tmp_path / "ns" / "job")
     session(local.work / "nodes", steps=400, fault="clean")
     assert ingest_and_analyse(local, {}, recent_s=6.0)[0].straggler is None
+
+
+def test_the_recent_window_stretches_to_forty_steps_for_long_steps(tmp_path):
+    from bench.synthetic import session
+
+    # 60 steps of 150 ms; asked for a 2 s window, which is fewer than 40 steps: 6 s it is.
+    # The last 15 steps (2.25 s) late: a 2 s window would hold only late steps, but the
+    # last 40 hold 25 healthy ones, too few late to name anyone yet.
+    local = LocalSession(tmp_path / "ns" / "job")
+    session(local.work / "nodes", steps=60, step_ms=150.0, fault="slow-rank", fault_from_step=45)
+    assert ingest_and_analyse(local, {}, recent_s=2.0)[0].straggler is None
+    # the last 30 late: most of the last 40 steps are, and the window names the rank
+    more = LocalSession(tmp_path / "ns" / "more")
+    lay = session(more.work / "nodes", steps=60, step_ms=150.0, fault="slow-rank", fault_from_step=30)
+    live = ingest_and_analyse(more, {}, recent_s=2.0)[0]
+    assert live.straggler is not None and live.straggler.rank == lay["victim"]
+    assert live.straggler.evidence.startswith("in the last 6 s: ")
+
+
+def test_the_recent_window_counts_off_cpu_time_since_its_start(tmp_path):
+    from bench.synthetic import session
+    from ingero_operator.gather import _analyse_recent
+
+    local = LocalSession(tmp_path / "ns" / "job")
+    lay = session(local.work / "nodes", steps=400, fault="cpu-hog", fault_from_step=300)
+    whole, _ = ingest_and_analyse(local, {})       # keeps a snapshot of the kernel's totals
+    con = duckdb.connect(str(local.live_db))
+    try:
+        last = con.execute("SELECT max(timestamp_ns) FROM nccl_events").fetchone()[0]
+        since = last - 6_000_000_000
+        # pretend a refresh just before the window saw a quarter of today's totals,
+        # and an older one saw none (dropped once a newer one is at or before the start)
+        con.execute("INSERT INTO _sched_totals_at SELECT ?, * REPLACE (total_ns // 4 AS total_ns) "
+                    "FROM sched_totals", [since - 1])
+        con.execute("INSERT INTO _sched_totals_at SELECT ?, * REPLACE (0 AS total_ns) FROM sched_totals",
+                    [since - 2_000_000_000])
+        recent = _analyse_recent(con, None, 6.0)
+        assert con.execute("SELECT min(at_ns) FROM _sched_totals_at").fetchone()[0] == since - 1
+    finally:
+        con.close()
+    for w, r in zip(whole.ranks, recent.ranks):
+        assert r.offcpu_ms["runqueue"] == pytest.approx(w.offcpu_ms["runqueue"] * 0.75, rel=1e-3)
+    assert recent.straggler.rank == lay["victim"] and recent.straggler.cause == "cpu-contention"
