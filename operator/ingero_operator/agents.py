@@ -37,6 +37,8 @@ class AgentClient:
         self.tls_kw: dict = {}
         if settings.tls:
             self.ssl = ssl.create_default_context(cafile=settings.ca_file)
+            if settings.client_cert_file:      # agents started with --tls-client-ca ask for it
+                self.ssl.load_cert_chain(settings.client_cert_file, settings.client_key_file)
             if settings.tls_server_name:
                 self.tls_kw = {"server_hostname": settings.tls_server_name}
 

@@ -27,6 +27,8 @@ class AgentSettings:
     tls_server_name: str | None = None     # name checked in agent certificates (agents are reached
                                            # by pod IP, so one DaemonSet-wide certificate names a
                                            # Service instead); None: the address itself
+    client_cert_file: str | None = None    # certificate (and key) the operator presents to agents
+    client_key_file: str | None = None     # started with --tls-client-ca (mutual TLS); None: none
     request_timeout_s: float = 10.0        # one API call; a tracer start returns at once
     stop_timeout_s: float = 45.0           # a stop waits for the tracer's last flush (~1-3 s)
     download_timeout_s: float = 120.0      # one segment file (a few MB at most)
@@ -75,6 +77,8 @@ class Settings:
             s.agent.tls = True
         s.agent.ca_file = env.get("INGERO_AGENT_CA_FILE") or s.agent.ca_file
         s.agent.tls_server_name = env.get("INGERO_AGENT_TLS_SERVER_NAME") or s.agent.tls_server_name
+        s.agent.client_cert_file = env.get("INGERO_AGENT_CLIENT_CERT") or s.agent.client_cert_file
+        s.agent.client_key_file = env.get("INGERO_AGENT_CLIENT_KEY") or s.agent.client_key_file
         s.agent.token_secret = env.get("INGERO_AGENT_TOKEN_SECRET") or s.agent.token_secret
         if env.get("INGERO_REFRESH_INTERVAL_S"):
             s.timing.refresh_interval_s = float(env["INGERO_REFRESH_INTERVAL_S"])

@@ -216,6 +216,7 @@ def test_agent_pods_get_no_service_account_token_and_no_role():
     ({"operator": {"replicas": 0}}, "operator.replicas=0 with operator.peering.enabled=true"),
     ({"token": {"existingSecret": "x", "value": "0123456789abcdef0"}}, "token.existingSecret and token.value"),
     ({"tls": {"serverName": "agents.example"}}, "tls.serverName is set but tls.enabled=false"),
+    ({"tls": {"mutual": True}}, "tls.mutual=true needs tls.enabled=true"),
 ])
 def test_invalid_combinations_fail_with_a_message_naming_the_fix(values, message):
     with pytest.raises(helm().HelmRenderError, match=message.replace(".", r"\.").replace("*", r"\*")):

@@ -45,12 +45,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def tls_agent(tmp_path):
+def start_agent(tmp_path, values):
     if not shutil.which("openssl"):
         pytest.skip("openssl is not installed (makes the test certificates)")
     pytest.importorskip("aiohttp", reason="the operator's dependencies are not installed")
-    docs = render(TLS_VALUES)
+    docs = render(values)
     agent, op = container(docs, "DaemonSet", "agent"), container(docs, "Deployment", "operator")
     env = {e["name"]: e["value"] for e in op["env"] if "value" in e}
     make_certs(tmp_path, env["INGERO_AGENT_TLS_SERVER_NAME"])
@@ -74,9 +73,26 @@ def tls_agent(tmp_path):
                 break
         assert proc.poll() is None, proc.stderr.read().decode()
         time.sleep(0.05)
-    env["INGERO_AGENT_CA_FILE"] = env["INGERO_AGENT_CA_FILE"].replace("/etc/ingero/tls/", f"{tmp_path}/")
+    for k, v in env.items():
+        env[k] = v.replace("/etc/ingero/tls/", f"{tmp_path}/")
+    return proc, port, env, args_of(agent)
+
+
+@pytest.fixture
+def tls_agent(tmp_path):
+    proc, port, env, args = start_agent(tmp_path, TLS_VALUES)
     try:
-        yield port, env, args_of(agent)
+        yield port, env, args
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture
+def mtls_agent(tmp_path):
+    proc, port, env, args = start_agent(tmp_path, {"tls": dict(TLS_VALUES["tls"], mutual=True)})
+    try:
+        yield port, env, args, tmp_path
     finally:
         proc.terminate()
         proc.wait(10)
@@ -126,3 +142,17 @@ def test_an_agent_certificate_from_another_ca_is_refused(tls_agent, tmp_path_fac
     s = Settings.from_env(dict(env, INGERO_AGENT_CA_FILE=str(other / "ca.crt")))
     with pytest.raises(AgentUnreachable, match="(?i)certificate"):
         ask_time(port, s.agent)
+
+
+def test_with_mutual_tls_the_agent_accepts_the_operator_certificate_and_refuses_a_client_without_one(mtls_agent):
+    from ingero_operator.agents import AgentUnreachable
+    from ingero_operator.settings import Settings
+
+    port, env, agent_args, certs = mtls_agent
+    assert agent_args["--tls-client-ca"] == ["/etc/ingero/tls/ca.crt"]
+    s = Settings.from_env(env)
+    assert s.agent.client_cert_file.endswith("/tls.crt") and s.agent.client_key_file.endswith("/tls.key")
+    assert ask_time(port, s.agent).rtt_ns > 0
+    bare = {k: v for k, v in env.items() if k not in ("INGERO_AGENT_CLIENT_CERT", "INGERO_AGENT_CLIENT_KEY")}
+    with pytest.raises(AgentUnreachable, match="(?i)certificate|alert|reset|closed|disconnect"):
+        ask_time(port, Settings.from_env(bare).agent)
