@@ -121,7 +121,8 @@ def world_size(con) -> int | None:
 
 
 # The live window covers at least this many steps, so jobs with long steps are judged on
-# enough of them (at the lab's ~55 ms steps the seconds dominate).
+# enough of them (at the lab's ~55 ms steps the seconds dominate); and the live status
+# names no straggler before the session holds this many.
 RECENT_MIN_STEPS = 40
 
 
@@ -154,6 +155,10 @@ def ingest_and_analyse(local: LocalSession, offsets: dict[str, int],
         resolve_split_ranks(con)
         _keep_sched_totals(con)
         rep = analyse(con, slow_collective_ms)
+        if rep.straggler is not None and _steps_traced(con, rep.step_ms) < RECENT_MIN_STEPS:
+            # the first steps of a job (connections, the probes attaching) are not evidence:
+            # a live verdict on them named a healthy rank in 1 of 12 lab runs
+            rep.straggler = None
         if recent_s:
             window_s = max(recent_s, RECENT_MIN_STEPS * rep.step_ms / 1e3)
             recent = _analyse_recent(con, slow_collective_ms, window_s)
@@ -163,6 +168,11 @@ def ingest_and_analyse(local: LocalSession, offsets: dict[str, int],
         return rep, world_size(con)
     finally:
         con.close()
+
+
+def _steps_traced(con, step_ms: float) -> float:
+    first, last = con.execute("SELECT min(timestamp_ns), max(timestamp_ns) FROM nccl_events").fetchone()
+    return (last - first) / (step_ms * 1e6) if first is not None and step_ms > 0 else 0.0
 
 
 def _keep_sched_totals(con) -> None:

@@ -139,3 +139,14 @@ def test_the_recent_window_counts_off_cpu_time_since_its_start(tmp_path):
     for w, r in zip(whole.ranks, recent.ranks):
         assert r.offcpu_ms["runqueue"] == pytest.approx(w.offcpu_ms["runqueue"] * 0.75, rel=1e-3)
     assert recent.straggler.rank == lay["victim"] and recent.straggler.cause == "cpu-contention"
+
+
+def test_the_live_status_names_nobody_before_forty_steps(tmp_path):
+    from bench.synthetic import session
+
+    local = LocalSession(tmp_path / "ns" / "job")
+    session(local.work / "nodes", steps=30, fault="slow-rank")
+    assert ingest_and_analyse(local, {}, recent_s=6.0)[0].straggler is None
+    more = LocalSession(tmp_path / "ns" / "more")
+    lay = session(more.work / "nodes", steps=45, fault="slow-rank")
+    assert ingest_and_analyse(more, {}, recent_s=6.0)[0].straggler.rank == lay["victim"]
