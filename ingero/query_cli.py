@@ -1,7 +1,9 @@
 """`ingero query SOURCE "SQL"`: run SQL on a trace and print a table.
 
-SOURCE is a DuckDB file written by `ingero trace`/`ingero lab` (opened
-read-only) or a directory of Parquet segments (exposed as views).
+SOURCE is a DuckDB file written by `ingero trace`/`ingero lab` or the
+operator (opened read-only), a folder holding one as trace.duckdb (the
+operator's artifact folder, a lab --out folder), or a directory of Parquet
+segments (exposed as views).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def add_parser(sub):
         "  ingero query t.duckdb --tables",
         formatter_class=__import__("argparse").RawDescriptionHelpFormatter,
     )
-    p.add_argument("source", type=Path, help="trace .duckdb file or segment directory")
+    p.add_argument("source", type=Path, help="trace .duckdb file, a folder holding one, or a segment directory")
     p.add_argument("sql", nargs="?", help="the query; '-' reads it from stdin")
     p.add_argument("--format", choices=("table", "csv", "json"), default="table")
     p.add_argument("--max-rows", type=int, default=1000,

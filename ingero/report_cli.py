@@ -17,7 +17,8 @@ def add_parser(sub):
                        description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="example:\n  ingero report out/demo/trace.duckdb")
-    p.add_argument("source", type=Path, help="trace .duckdb file or segment directory")
+    p.add_argument("source", type=Path, help="trace .duckdb file, a folder holding one (the operator's "
+                   "artifact folder, a lab --out folder), or a segment directory")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
 

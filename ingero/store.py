@@ -332,6 +332,9 @@ def open_source(path: Path):
     import duckdb
 
     path = Path(path)
+    if path.is_dir() and (path / "trace.duckdb").is_file() and not any(
+            (path / t).is_dir() for t in schema.TABLES):
+        path = path / "trace.duckdb"      # an operator artifact folder or a lab --out folder
     if path.is_dir():
         con = duckdb.connect()
         found = attach_segments(con, [path])

@@ -130,6 +130,7 @@ def test_the_artifact_folder_moved_whole_still_opens_with_every_row(tmp_path):
     assert whole["nccl_events"]
     shutil.move(local.root, tmp_path / "elsewhere")
     assert tables(tmp_path / "elsewhere" / "trace.duckdb") == whole
+    assert tables(tmp_path / "elsewhere") == whole     # the folder itself names the artifact
     merge([tmp_path / "elsewhere" / "trace.duckdb"], tmp_path / "m.duckdb")
     assert tables(tmp_path / "m.duckdb") == whole
 
