@@ -207,7 +207,8 @@ class Controller:
             try:
                 rep, world = await asyncio.to_thread(ingest_and_analyse, self.local(ref),
                                                      {n: c[0] for n, c in live.clocks.items()},
-                                                     _slow_ms(spec), self.s.timing.live_window_s)
+                                                     _slow_ms(spec), self.s.timing.live_window_s,
+                                                     self.s.timing.live_full_max_calls)
                 patch.update(report_status(rep, world, self.s.gather))
                 warnings += rep.warnings
             except Exception as e:  # live analysis is best effort; the final one decides

@@ -150,3 +150,20 @@ def test_the_live_status_names_nobody_before_forty_steps(tmp_path):
     more = LocalSession(tmp_path / "ns" / "more")
     lay = session(more.work / "nodes", steps=45, fault="slow-rank")
     assert ingest_and_analyse(more, {}, recent_s=6.0)[0].straggler.rank == lay["victim"]
+
+
+def test_a_large_live_session_is_judged_on_its_recent_window_only(tmp_path):
+    from bench.synthetic import session
+
+    local = LocalSession(tmp_path / "ns" / "job")
+    lay = session(local.work / "nodes", steps=400, fault="slow-rank", fault_from_step=300)
+    whole, _ = ingest_and_analyse(local, {}, recent_s=6.0)
+    calls = sum(r.collectives for r in whole.ranks)          # 400 steps x 2 ops x 4 ranks
+    live, world = ingest_and_analyse(local, {}, recent_s=6.0, full_max_calls=calls - 1)
+    assert world == 4 and live.straggler.rank == lay["victim"]
+    assert live.warnings[0].startswith(f"live figures cover the last 6 s of {calls:,} NCCL calls")
+    # the table covers the window: 6 s of 50 ms steps (120), 2 ops per step
+    assert all(235 <= r.collectives <= 245 for r in live.ranks), [r.collectives for r in live.ranks]
+    # at or under the limit: the whole session, as before
+    same, _ = ingest_and_analyse(local, {}, recent_s=6.0, full_max_calls=calls)
+    assert [r.collectives for r in same.ranks] == [r.collectives for r in whole.ranks]
