@@ -24,7 +24,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     ap.add_argument("--out", type=Path, default=Path("bench/results.json"))
     a = ap.parse_args(argv)
-    from bench import analysis_scale, ingest, sqlite_vs_duckdb, step_overhead, storage, uprobe_cost
+    from bench import (analysis_scale, ingest, live_refresh, sqlite_vs_duckdb, step_overhead, storage,
+                       time_to_straggler, uprobe_cost)
 
     q = a.quick
     plan = [
@@ -32,11 +33,14 @@ def main(argv=None) -> int:
         ("sqlite_vs_duckdb", sqlite_vs_duckdb.main,
          ["--events", "300000", "--sqlite-cap", "10"] if q else []),
         ("analysis_scale", analysis_scale.main, ["--quick"] if q else []),
+        ("live_refresh", live_refresh.main, ["--quick"] if q else []),
     ]
     root = [
         ("uprobe_cost", uprobe_cost.main, ["--rounds", "3"] if q else []),
         ("ingest", ingest.main, ["--rates", "1000000", "--seconds", "2"] if q else []),
         ("step_overhead", step_overhead.main, ["--rounds", "1", "--seconds", "4"] if q else []),
+        ("time_to_straggler", time_to_straggler.main,
+         ["--quick"] if q else ["--faults", "lossy-link,slow-rank,cpu-hog,io-stall"]),
     ]
     results = {"machine": {"kernel": platform.release(), "cpus": os.cpu_count(),
                            "when": time.strftime("%Y-%m-%d %H:%M:%S")}}
