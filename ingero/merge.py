@@ -270,6 +270,10 @@ def merge(inputs: list[Path], out: Path, offsets: dict[str, int] | None = None) 
             p = Path(raw)
             if p.is_dir():
                 found = _segment_inputs(p)
+                if (p / "trace.duckdb").is_file():
+                    # the operator's artifact folder (or a lab --out folder): its trace.duckdb
+                    # knows the clock offsets and resolved ranks of the segments beside it
+                    found = [(p / "trace.duckdb", None)] + found
                 if not found:
                     m._skip(p, "folder holds no Ingero segments (<table>/<node>__<session>__<n>.parquet)")
                 files += found

@@ -121,11 +121,11 @@ def test_an_artifact_whose_view_lost_its_files_loses_only_that_table(tmp_path):
 def test_the_artifact_folder_moved_whole_still_opens_with_every_row(tmp_path):
     from ingero_operator.gather import LocalSession, build_artifact
 
-    write_job(tmp_path / "seg")
+    write_job(tmp_path / "seg", skew_b_ns=SKEW)
     local = LocalSession(tmp_path / "art")
     for node in ("node-a", "node-b"):
         shutil.copytree(tmp_path / "seg" / node, local.node_dir(node))
-    build_artifact(local, {"node-a": 0, "node-b": 0})
+    build_artifact(local, {"node-a": 0, "node-b": SKEW})
     whole = tables(local.artifact)
     assert whole["nccl_events"]
     shutil.move(local.root, tmp_path / "elsewhere")
@@ -133,6 +133,8 @@ def test_the_artifact_folder_moved_whole_still_opens_with_every_row(tmp_path):
     assert tables(tmp_path / "elsewhere") == whole     # the folder itself names the artifact
     merge([tmp_path / "elsewhere" / "trace.duckdb"], tmp_path / "m.duckdb")
     assert tables(tmp_path / "m.duckdb") == whole
+    merge([tmp_path / "elsewhere"], tmp_path / "m2.duckdb")       # the folder: the same
+    assert tables(tmp_path / "m2.duckdb") == whole
 
 
 def test_truncated_and_foreign_inputs_are_named_and_skipped_and_everything_else_is_merged(job, tmp_path):
