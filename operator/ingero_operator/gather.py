@@ -141,8 +141,9 @@ def ingest_and_analyse(local: LocalSession, offsets: dict[str, int],
     With `full_max_calls` too, a session holding more NCCL calls than that is judged
     on the recent window only (its per-rank table then covers the window, and a
     warning says so): analysing everything again on every refresh grows with the
-    session (4 s at 2 M calls, 19 s at 5 M on 2 cores) and would outlast the refresh
-    period. The whole session is judged when it ends."""
+    session (2.8 s per refresh at 2 M calls, 13 s at 10 M on 2 cores; the window alone
+    1.3 s: bench/live_refresh.py) and would outlast the refresh period. The whole
+    session is judged when it ends."""
     local.work.mkdir(parents=True, exist_ok=True)
     con = duckdb.connect(str(local.live_db))
     try:

@@ -42,8 +42,9 @@ class TimingSettings:
                                            # (and >= 40 steps) alone, so a fault starting mid-session
                                            # is named within about half of it (bench/time_to_straggler.py)
     live_full_max_calls: int = 1_000_000   # above this many NCCL calls the live status judges only that
-                                           # window (a whole-session analysis per refresh took 4 s at
-                                           # 2 M calls, 7 s at 5 M; the window alone 1 s at 5 M)
+                                           # window (a whole-session analysis per refresh took 2.8 s at
+                                           # 2 M calls, 13 s at 10 M; the window alone 1.3 s:
+                                           # bench/live_refresh.py)
     clock_samples: int = 8                 # /v1/time round trips per node; the lowest RTT wins
     pending_retry_s: float = 5.0           # no pods matched yet: look again this often
     gather_retries: int = 3                # attempts per node before it counts as unreachable
