@@ -25,7 +25,8 @@ from bench.common import CSRC, compile_c, need_root
 
 BATCH = 32
 RING_PAGES = 16384  # 64 MiB
-POLL_S = 0.05       # as TraceOptions.poll_s
+POLL_S = 0.05       # a fixed drain period (TraceOptions.poll_s, the tracer's fallback); the
+#                     tracer's own epoll-driven loop is exercised by tests/bpf/test_ring_wakeups.py
 
 
 def run_rate(rate: int, seconds: float, pump: Path, out: Path) -> dict:

@@ -146,6 +146,7 @@ struct ingero_sched_event {
  * Further settings (-D flags):
  *   INGERO_SELF_TGID      the agent's own tgid: never traced, even with --all
  *   INGERO_MAX_TARGETS    capacity of the target cgroup / tgid / IP maps
+ *   INGERO_EXEC_NOTIFY    1: note execs of target processes in `exec_notes`
  */
 #ifdef INGERO_BPF_PROGRAM
 
@@ -156,6 +157,9 @@ struct ingero_sched_event {
 #endif
 #ifndef INGERO_MAX_TARGETS
 #define INGERO_MAX_TARGETS 4096
+#endif
+#ifndef INGERO_EXEC_NOTIFY
+#define INGERO_EXEC_NOTIFY 0
 #endif
 
 /* Target cgroup ids (cgroup v2 inode numbers). A task is a target when its
@@ -172,6 +176,34 @@ static __always_inline void ingero_count_lost(int slot)
     u64 *n = lost.lookup(&slot);
     if (n)
         (*n)++;
+}
+
+/* Reader wake-ups (watermark). The families write records with
+ * BPF_RB_NO_WAKEUP, so a quiet ring never wakes the agent; the agent drains
+ * on its own schedule (every segment roll) and sleeps in epoll on the ring
+ * buffers in between. `ring_produced[slot]` counts the records offered to a
+ * family's ring; once it reaches `ring_wake_at[slot]` (set by the agent after
+ * each drain to what it had produced then plus a quarter of the ring's
+ * capacity) every further record forces a wake-up, so a burst is drained
+ * while three quarters of the ring are still free. 0 in ring_wake_at: never
+ * wake (a reader that polls). One cache line per family's counter. */
+struct ingero_ring_count {
+    u64 produced;
+    u64 _pad[7];
+};
+BPF_ARRAY(ring_produced, struct ingero_ring_count, LOST_SLOTS);
+BPF_ARRAY(ring_wake_at, u64, LOST_SLOTS);
+
+/* Flags for bpf_ringbuf_output of family `slot`: counts the record. */
+static __always_inline u64 ingero_ring_flags(int slot)
+{
+    struct ingero_ring_count *c = ring_produced.lookup(&slot);
+    u64 *at = ring_wake_at.lookup(&slot);
+    if (!c || !at)
+        return BPF_RB_NO_WAKEUP;
+    __sync_fetch_and_add(&c->produced, 1);
+    u64 mark = *at;
+    return (mark && c->produced >= mark) ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP;
 }
 
 /* Is the current task (tgid, cgroup cgid) traced? */
@@ -195,6 +227,25 @@ static __always_inline int ingero_is_target(u32 tgid, u64 cgid)
     }
     return 0;
 }
+
+#if INGERO_EXEC_NOTIFY
+/* A target process started a program (exec): tell the agent at once, so it
+ * looks for the program's NCCL library now rather than at its next periodic
+ * scan. One record (the tgid) per exec; the ring wakes the agent when it was
+ * empty (adaptive wake-up), and a full ring just drops the note: the
+ * periodic scans still find the process. */
+BPF_RINGBUF_OUTPUT(exec_notes, 1);
+
+TRACEPOINT_PROBE(sched, sched_process_exec)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!ingero_is_target(id >> 32, bpf_get_current_cgroup_id()))
+        return 0;
+    u64 tgid = id >> 32;
+    exec_notes.ringbuf_output(&tgid, sizeof(tgid), 0);
+    return 0;
+}
+#endif
 
 #endif /* INGERO_BPF_PROGRAM */
 

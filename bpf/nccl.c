@@ -471,7 +471,7 @@ static __always_inline void nccl_emit(struct nccl_frame *f, u64 now, s32 ret, u6
     e.datatype = f->datatype;
     e.redop = f->redop;
     e.flags = f->flags;
-    if (nccl_events.ringbuf_output(&e, sizeof(e), BPF_RB_NO_WAKEUP) != 0)
+    if (nccl_events.ringbuf_output(&e, sizeof(e), ingero_ring_flags(LOST_NCCL)) != 0)
         ingero_count_lost(LOST_NCCL);
 }
 

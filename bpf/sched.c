@@ -94,7 +94,7 @@ static __always_inline void sched_switch_in(u32 tid, u64 now)
     e.pid = st.tgid;
     e.tid = tid;
     e.reason = st.reason;
-    if (sched_events.ringbuf_output(&e, sizeof(e), BPF_RB_NO_WAKEUP) != 0)
+    if (sched_events.ringbuf_output(&e, sizeof(e), ingero_ring_flags(LOST_SCHED)) != 0)
         ingero_count_lost(LOST_SCHED);
 }
 

@@ -128,7 +128,7 @@ static __always_inline void tcp_submit(struct ingero_tcp_event *e, int in_proces
     if (e->owner_src == OWNER_NONE && !INGERO_TARGET_ALL && !tcp_ip_is_target(e->saddr, e->family))
         return;
     e->ts_ns = bpf_ktime_get_ns();
-    if (tcp_events.ringbuf_output(e, sizeof(*e), BPF_RB_NO_WAKEUP) != 0)
+    if (tcp_events.ringbuf_output(e, sizeof(*e), ingero_ring_flags(LOST_TCP)) != 0)
         ingero_count_lost(LOST_TCP);
 }
 

@@ -86,6 +86,11 @@ class Plan:
     sched_min_us: float | None = None
     duration_s: float | None = None
 
+    def same_probes(self, other: "Plan") -> bool:
+        """True when only the pods differ: the running tracer can take the new pods."""
+        return (self.probes == other.probes and self.nccl_lib == other.nccl_lib
+                and self.sched_min_us == other.sched_min_us and self.duration_s == other.duration_s)
+
     def same_targets(self, other: "Plan") -> bool:
         """True when `other` traces exactly the same thing (the duration may differ)."""
         key = lambda p: sorted(json.dumps(x, sort_keys=True) for x in p.pods)  # noqa: E731
@@ -178,6 +183,7 @@ class Session:
     proc: subprocess.Popen | None = None
     started_ns: int | None = None
     starts: int = 0
+    replans: int = 0          # pod lists handed to the running tracer (SIGHUP)
 
     @property
     def segments(self) -> Path:
@@ -245,8 +251,18 @@ class SessionManager:
             s = self.sessions.get(plan.session_id)
             if s is not None and s.state() in ("running", "starting") and s.plan.same_targets(plan):
                 return 200, self.info(s)
+            if s is not None and s.state() == "running" and s.plan.same_probes(plan):
+                # Only the pods changed (a restarted rank is a new pod): the running tracer
+                # re-reads the pods file on SIGHUP. Restarting it instead would lose the
+                # communicators it saw created, and with them the other ranks' matching.
+                self._write_pods(s, plan)
+                s.plan = plan
+                (s.dir / "plan.json").write_text(json.dumps(asdict(plan), indent=2))
+                s.proc.send_signal(signal.SIGHUP)
+                s.replans += 1
+                return 200, self.info(s)
             if s is not None and s.state() in ("running", "starting"):
-                self._stop_proc(s)  # new targets: restart the tracer on the same segments
+                self._stop_proc(s)  # other probes: restart the tracer on the same segments
             created = s is None
             if s is None:
                 d = self._inside(self.root / plan.session_id)
@@ -257,15 +273,21 @@ class SessionManager:
             (s.dir / "ready").unlink(missing_ok=True)
             (s.dir / "done").unlink(missing_ok=True)
             (s.dir / "plan.json").write_text(json.dumps(asdict(plan), indent=2))
-            pods_doc = {"node": self.node, "pods": [dict(p, node=p.get("node") or self.node) for p in plan.pods]}
-            if self.cgroup_root is not None:
-                pods_doc["cgroup_root"] = str(self.cgroup_root)
-            (s.dir / "pods.json").write_text(json.dumps(pods_doc, indent=2))
+            self._write_pods(s, plan)
             s.proc = self._spawner.popen(self._argv(s), s.dir / "tracer.log")
             s.started_ns = time.time_ns()
             s.starts += 1
             self.sessions[s.id] = s
             return (201 if created else 200), self.info(s)
+
+    def _write_pods(self, s: Session, plan: Plan) -> None:
+        """The pods file of `ingero trace --pods`, replaced atomically (a tracer may read it)."""
+        doc = {"node": self.node, "pods": [dict(p, node=p.get("node") or self.node) for p in plan.pods]}
+        if self.cgroup_root is not None:
+            doc["cgroup_root"] = str(self.cgroup_root)
+        tmp = s.dir / "pods.json.tmp"
+        tmp.write_text(json.dumps(doc, indent=2))
+        os.replace(tmp, s.dir / "pods.json")
 
     def _argv(self, s: Session) -> list[str]:
         p = s.plan
@@ -356,7 +378,7 @@ class SessionManager:
         proc = s.proc
         return {"session_id": s.id, "node": self.node, "state": s.state(),
                 "pods": len(s.plan.pods), "probes": s.plan.probes, "events": sum(events.values()),
-                "events_by_table": events, "lost": lost, "starts": s.starts,
+                "events_by_table": events, "lost": lost, "starts": s.starts, "replans": s.replans,
                 "exit_code": proc.returncode if proc is not None and proc.poll() is not None else None,
                 "log_tail": self.log_tail(s) if s.state() == "failed" else None}
 

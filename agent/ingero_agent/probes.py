@@ -20,12 +20,16 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ingero.errors import IngeroError
 from ingero_agent.elfsyms import NCCL_SYMBOLS
-from ingero_agent.records import FAMILIES
-from ingero_agent.ringbuf import PAGE_SIZE, open_ring
+from ingero_agent.records import FAMILIES, ringbuf_dtype
+from ingero_agent.ringbuf import PAGE_SIZE, MappedRing, RingWaiter, open_ring
 
 ALL_FAMILIES = ("nccl", "tcp", "sched")
+EXEC_TRACEPOINT = "sched/sched_process_exec"   # exec notes (ingero.h); optional
+WAKE_FRACTION = 4   # a ring wakes the agent once a 1/WAKE_FRACTION of it is unread
 TRACEFS_EVENTS = (Path("/sys/kernel/tracing/events"), Path("/sys/kernel/debug/tracing/events"))
 # Tracepoints each family cannot work without.
 REQUIRED_TRACEPOINTS = {
@@ -99,6 +103,11 @@ def feature_flags(cfg: ProbeConfig) -> tuple[list[str], list[str]]:
             flags.append(f"-D{flag}={int(have)}")
             if not have:
                 notes.append(f"{tp.replace('/', ':')} is missing: its events are not recorded")
+    have_exec = tracepoint_format(EXEC_TRACEPOINT) is not None
+    flags.append(f"-DINGERO_EXEC_NOTIFY={int(have_exec)}")
+    if not have_exec:
+        notes.append("sched:sched_process_exec is missing: new target processes are found by "
+                     "the periodic scans only")
     if "tcp" in cfg.families:
         fmt = tracepoint_format("tcp/tcp_send_reset") or ""
         flags.append(f"-DINGERO_TCP_RESET_SOCKADDR={int('field:__u16 family' not in fmt)}")
@@ -155,9 +164,25 @@ class Probes:
         self.attached: dict[tuple[int, int], tuple[Path, list[str]]] = {}
         self.rings = {}
         size = cfg.ringbuf_pages * PAGE_SIZE
+        self.wake_records: dict[str, int] = {}
         for fam in cfg.families:
             _, dtype, table, _ = FAMILIES[fam]
             self.rings[fam] = open_ring(self.bpf, table, size, dtype)
+            self.wake_records[fam] = max(1, size // ringbuf_dtype(dtype).itemsize // WAKE_FRACTION)
+        # Exec notes of target processes (8-byte tgids), when the kernel has the tracepoint.
+        self.exec_notes = None
+        if "-DINGERO_EXEC_NOTIFY=1" in self.cflags:
+            try:
+                self.exec_notes = MappedRing(self.bpf[b"exec_notes"].map_fd, PAGE_SIZE,
+                                             np.dtype("<u8"))
+            except (OSError, ValueError, KeyError):
+                self.exec_notes = None
+        # Sleep in epoll on the rings when every ring is mapped; else the
+        # caller polls (bcc's callback reader cannot be waited on here).
+        self.waiter = None
+        if all(isinstance(r, MappedRing) for r in self.rings.values()):
+            self.waiter = RingWaiter(list(self.rings.values())
+                                     + ([self.exec_notes] if self.exec_notes else []))
         self._current: dict[str, set] = {"target_cgroups": set(), "target_tgids": set(),
                                          "target_ips": set()}
 
@@ -218,6 +243,19 @@ class Probes:
                 return key
             self._sync("target_ips", ips, ip)
 
+    # ---- reader wake-ups ---------------------------------------------------
+    def arm_wakeup(self, fam: str) -> None:
+        """After draining `fam`: wake the reader once a quarter of its ring is unread again."""
+        slot = FAMILIES[fam][3]
+        produced = self.bpf[b"ring_produced"]
+        t = self.bpf[b"ring_wake_at"]
+        t[t.Key(slot)] = t.Leaf(int(produced[produced.Key(slot)].produced) + self.wake_records[fam])
+
+    def produced(self, fam: str) -> int:
+        """Records the probes of `fam` offered to its ring (kept or lost)."""
+        t = self.bpf[b"ring_produced"]
+        return int(t[t.Key(FAMILIES[fam][3])].produced)
+
     # ---- counters ----------------------------------------------------------
     def lost(self) -> dict[str, int]:
         t = self.bpf[b"lost"]
@@ -237,6 +275,12 @@ class Probes:
         for r in self.rings.values():
             r.close()
         self.rings = {}
+        if self.exec_notes is not None:
+            self.exec_notes.close()
+            self.exec_notes = None
+        if self.waiter is not None:
+            self.waiter.close()
+            self.waiter = None
         try:
             self.bpf.cleanup()
         except Exception:

@@ -22,12 +22,19 @@ needs here; the agent's NCCL probes are x86-64-only for the same reason.
 
 ``CallbackRing`` is the fallback when the map cannot be mapped: bcc's
 ``open_ring_buffer`` with a callback that only appends the raw bytes.
+
+``RingWaiter`` sleeps in epoll on mapped rings (edge-triggered): the probes
+write with BPF_RB_NO_WAKEUP until a ring passes its watermark (bpf/ingero.h,
+``ingero_ring_flags``), so the agent sleeps through quiet periods and wakes
+for bursts; ``notify()`` (e.g. from a signal handler) ends a wait early.
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+import os
+import select
 
 import numpy as np
 
@@ -52,6 +59,7 @@ class MappedRing:
                                    mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
         self._data_map = mmap.mmap(map_fd, PAGE_SIZE + 2 * size, mmap.MAP_SHARED,
                                    mmap.PROT_READ, offset=PAGE_SIZE)
+        self.fd = map_fd
         self._cons = np.frombuffer(self._cons_map, dtype=np.uint64, count=1)
         self._prod = np.frombuffer(self._data_map, dtype=np.uint64, count=1)
         self._data = np.frombuffer(self._data_map, dtype=np.uint8, offset=PAGE_SIZE)
@@ -129,6 +137,49 @@ class CallbackRing:
 
     def close(self) -> None:
         pass
+
+
+class RingWaiter:
+    """Waits until a ring buffer wakes its reader, `notify()` is called, or a timeout."""
+
+    def __init__(self, rings=()):
+        self._ep = select.epoll()
+        self._r, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._ep.register(self._r, select.EPOLLIN)
+        for ring in rings:
+            self.add(ring)
+
+    def add(self, ring: MappedRing) -> None:
+        # Edge-triggered: a ring that still holds records is reported once,
+        # not on every wait; only the kernel's wake-ups report it again.
+        self._ep.register(ring.fd, select.EPOLLIN | select.EPOLLET)
+
+    def notify(self) -> None:
+        """End the current (or next) wait; safe in a signal handler."""
+        try:
+            os.write(self._w, b"x")
+        except OSError:
+            pass   # the pipe is full: a wait will end anyway
+
+    def wait(self, timeout_s: float) -> bool:
+        """Sleep up to `timeout_s`; True when a ring (or notify) ended the wait."""
+        got = self._ep.poll(max(0.0, timeout_s))
+        for fd, _ in got:
+            if fd == self._r:
+                try:
+                    while os.read(self._r, 64):
+                        pass
+                except OSError:
+                    pass
+        return bool(got)
+
+    def close(self) -> None:
+        self._ep.close()
+        for fd in (self._r, self._w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 def open_ring(bpf, table_name: str, size: int, record: np.dtype, force_callback: bool = False):

@@ -4,6 +4,10 @@
 and container cgroups that appeared, lists their processes, reads each new
 process's torchrun variables and looks for an NCCL library it maps (again on
 later scans while none is found: libraries load after the process starts).
+Quick scans in between (``scan(quick=True)``) skip the pod search; the
+snapshot says whether anything was new (processes, libraries, young
+processes still without a library), which keeps the tracer's quick scans
+frequent, and lets them back off while nothing changes.
 
 Pods file (shared with the lab and the operator)::
 
@@ -143,6 +147,7 @@ class Snapshot:
     ips: set[tuple[int, bytes]]
     new_libraries: list[tuple[Path, tuple[int, int], dict[str, int]]]
     new_processes: int = 0
+    awaiting_library: int = 0   # young live processes in which no NCCL library was found yet
 
 
 class TargetSet:
@@ -154,6 +159,7 @@ class TargetSet:
         self.mount = cgroups.cgroup2_mount()
         self.pids = [self._check_pid(p) for p in pids]
         self.cgroup_dirs = [self._check_cgroup(p) for p in cgroup_paths]
+        self.node = node
         self.pods = [p for p in (pods.pods if pods else []) if not p.node or not node or p.node == node]
         self.pod_root = (pods.cgroup_root if pods and pods.cgroup_root else self.mount)
         if pods and self.pod_root is None:
@@ -196,6 +202,14 @@ class TargetSet:
         if self.pods:
             parts.append("pods " + ",".join(f"{p.namespace}/{p.name}" for p in self.pods))
         return "; ".join(parts) or "nothing"
+
+    def replace_pods(self, pods: PodsSpec) -> None:
+        """A new pods list for the running session (a re-plan: a restarted rank is a new
+        pod). Folders of pods still listed are kept; the next full scan finds the new ones."""
+        self.pods = [p for p in pods.pods if not p.node or not self.node or p.node == self.node]
+        keep = {p.uid for p in self.pods}
+        for uid in [u for u in self.pod_dirs if u not in keep]:
+            del self.pod_dirs[uid]
 
     def pod_for_ip(self) -> dict[str, Pod]:
         return {ip: p for p in self.pods for ip in p.ips}
@@ -243,9 +257,10 @@ class TargetSet:
     def scan(self, now_wall_ns: int | None = None, quick: bool = False) -> Snapshot:
         """Refresh processes, cgroup ids and libraries.
 
-        A quick scan (run many times a second, so a library is attached
-        before a new rank gets far) skips the search for pod folders not yet
-        found and looks for libraries only in processes that are still young.
+        A quick scan (up to ten times a second while processes are new or
+        still without a library, so a library is attached before a new rank
+        gets far) skips the search for pod folders not yet found and looks
+        for libraries only in processes that are still young.
         """
         if not quick:
             self._find_pods()
@@ -267,6 +282,7 @@ class TargetSet:
                 fresh += 1
             p.alive = True
         new_libs = []
+        awaiting = 0
         for p in self.processes.values():
             if not p.alive or p.nccl_key is not None:
                 continue
@@ -282,9 +298,11 @@ class TargetSet:
                 if p.nccl_key not in self._libraries:
                     self._libraries.add(p.nccl_key)
                     new_libs.append(got)
+            elif young:
+                awaiting += 1
         ips = {ip_key(ip) for pod in self.pods for ip in pod.ips}
         return Snapshot(cgroup_ids=ids, tgids=set(self.pids), ips=ips, new_libraries=new_libs,
-                        new_processes=fresh)
+                        new_processes=fresh, awaiting_library=awaiting)
 
     def learn(self, pids) -> int:
         """Add processes the kernel reported as targets before a scan listed them.

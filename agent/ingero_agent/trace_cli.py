@@ -77,7 +77,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="trace these processes")
     p.add_argument("--cgroup", nargs="+", action="extend", default=[], metavar="PATH",
                    help="trace every process in these cgroup v2 folders (and below)")
-    p.add_argument("--pods", type=Path, metavar="FILE.json", help="trace these pods")
+    p.add_argument("--pods", type=Path, metavar="FILE.json",
+                   help="trace these pods; SIGHUP re-reads the file (new pods join, traced ones keep going)")
     p.add_argument("--all", action="store_true", help="trace every process")
     p.add_argument("--probes", default="nccl,tcp,sched", help="families to attach "
                    "(default nccl,tcp,sched)")
@@ -160,5 +161,6 @@ def run(args) -> int:
     session = args.session_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     opts = TraceOptions(segments=seg, node=node, session_id=session, probe_config=cfg, out=out,
                         duration_s=duration, nccl_libs=libs, ready_file=args.ready_file, done_file=args.done_file,
+                        pods_file=args.pods,
                         quiet=args.quiet)
     return Tracer(opts, targets).run()

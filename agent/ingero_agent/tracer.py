@@ -1,9 +1,17 @@
 """The tracing loop: drain rings, rescan targets, write segments, stop cleanly.
 
-Every ~50 ms each family's ring buffer is drained and decoded in bulk; about
-once a second the targets are rescanned (new processes, pod cgroups,
-libraries), the filter maps updated, new NCCL libraries attached and the
-small state tables (ranks, comms, sched_totals, nodes, sessions) refreshed.
+The loop sleeps in epoll on the ring buffers (``ringbuf.RingWaiter``) and
+works on timers. The probes write without waking it until a ring is a
+quarter full (the watermark in bpf/ingero.h), so the rings are drained
+right before each segment roll (every ``roll_s``) and at once for a burst,
+with three quarters of the ring still free; a quiet ring costs nothing in
+between. (With bcc's callback reader, the fallback, rings are polled every
+``poll_s``.) Targets are rescanned once a second (new pod cgroups, clock
+offset; state tables are written at each roll) and by quick scans (new
+processes in known target cgroups, libraries of young ones) every
+``quick_scan_s`` while something is new, backing off to the full-scan
+period while nothing changes; an exec by a target process (``exec_notes``)
+wakes the loop for a quick scan 20 ms later.
 On SIGINT/SIGTERM or at the end of --duration the rings are drained until
 empty, the final segments and the DuckDB file are written: nothing the
 kernel recorded is dropped on the way out.
@@ -12,6 +20,7 @@ kernel recorded is dropped on the way out.
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import sys
 import time
@@ -21,12 +30,12 @@ from pathlib import Path
 import numpy as np
 
 from ingero import __version__, schema
-from ingero.errors import NotPermitted
+from ingero.errors import IngeroError, NotPermitted
 from ingero.store import SegmentWriter, build_duckdb
 from ingero_agent.decode import COLUMNS, TABLES, Identity, Registry, mono_to_wall
 from ingero_agent.probes import ProbeConfig, Probes
 from ingero_agent.procinfo import int_or_none
-from ingero_agent.targets import TargetSet
+from ingero_agent.targets import TargetSet, load_pods
 
 INIT_OPS = {10: "COMM_INIT_RANK", 11: "COMM_INIT_ALL", 12: "COMM_SPLIT", 15: "COMM_INIT_RANK_CONFIG"}
 
@@ -41,13 +50,17 @@ class TraceOptions:
     duration_s: float | None = None
     nccl_libs: list[tuple[Path, tuple[int, int], dict[str, int]]] = field(default_factory=list)
     ready_file: Path | None = None
+    pods_file: Path | None = None   # re-read on SIGHUP (the agent's re-plan); without it SIGHUP stops
     done_file: Path | None = None   # touched when the last segments are written
     quiet: bool = False
-    poll_s: float = 0.05       # ring buffer drain period
-    quick_scan_s: float = 0.1  # new processes in known target cgroups, libraries of young ones
-    scan_s: float = 1.0        # full rescan: also new pod/container cgroups, state tables
+    poll_s: float = 0.05       # drain period when the rings cannot wake the tracer (callback reader)
+    quick_scan_s: float = 0.1  # new processes in known target cgroups, libraries of young ones;
+    #                            doubles while nothing is new, up to scan_s
+    exec_scan_delay_s: float = 0.02   # quick scan this long after a target process's exec
+    #                            (its loader maps the libraries meanwhile), at most every quick_scan_s
+    scan_s: float = 1.0        # full rescan: also new pod/container cgroups, clock offset
     progress_s: float = 1.0
-    roll_s: float = 2.0        # segment roll period
+    roll_s: float = 2.0        # segment roll period: drain, state tables, write segments
 
 
 class Tracer:
@@ -63,6 +76,12 @@ class Tracer:
         self._unknown_pids: set[int] = set()   # reported by the kernel, gone before we looked
         self.lost = {f: 0 for f in self.events}
         self._stop = False
+        self._reload = False
+        self._news = False                     # a scan or the kernel showed something new
+        self.quick_every = 0.0                 # current quick-scan period (backs off)
+        self.drains = 0
+        self._state_rows: dict[str, list[dict]] = {}   # state tables as last handed to the writer
+        self.loop_cpu_s = self.loop_wall_s = None   # this process's CPU (all threads) while tracing
         self.status = "running"
         self.probes: Probes | None = None
         self.writer: SegmentWriter | None = None
@@ -70,9 +89,20 @@ class Tracer:
     # ---- lifecycle -----------------------------------------------------------
     def request_stop(self, *_):
         self._stop = True
+        if self.probes is not None and self.probes.waiter is not None:
+            self.probes.waiter.notify()
+
+    def request_reload(self, *_):
+        self._reload = True
+        if self.probes is not None and self.probes.waiter is not None:
+            self.probes.waiter.notify()
 
     def run(self) -> int:
         old = {s: signal.signal(s, self.request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        # SIGHUP: re-read the pods file and keep tracing (the communicators seen so far stay
+        # known, which a restart would lose); with no pods file, a hang-up stops cleanly
+        old[signal.SIGHUP] = signal.signal(signal.SIGHUP, self.request_reload if self.opts.pods_file
+                                           else self.request_stop)
         self.started_ns = time.time_ns()
         try:
             self.probes = Probes(self.opts.probe_config)
@@ -90,7 +120,9 @@ class Tracer:
             self.log(f"tracing {','.join(self.opts.probe_config.families)} for "
                      f"{self.targets.describe()} on node {self.opts.node}, session "
                      f"{self.opts.session_id}; Ctrl-C to stop")
+            cpu0, wall0 = _cpu_seconds(), time.monotonic()
             self._loop()
+            self.loop_cpu_s, self.loop_wall_s = _cpu_seconds() - cpu0, time.monotonic() - wall0
             self.status = "stopped" if self._stop else "completed"
         except BaseException:
             self.status = "failed"
@@ -105,28 +137,87 @@ class Tracer:
 
     def _loop(self) -> None:
         o = self.opts
+        waiter = self.probes.waiter
+        if waiter is not None:
+            for fam in self.probes.rings:
+                self.probes.arm_wakeup(fam)
         t0 = time.monotonic()
         deadline = t0 + o.duration_s if o.duration_s is not None else None
+        self.quick_every = o.quick_scan_s
         next_scan = t0 + o.scan_s
         next_quick = t0 + o.quick_scan_s
-        next_progress = t0 + o.progress_s
+        last_exec_scan, exec_pending = -float("inf"), False
+        next_roll = t0 + o.roll_s
+        next_poll = t0 + o.poll_s if waiter is None else float("inf")
+        next_progress = t0 + o.progress_s if not o.quiet else float("inf")
+        end = deadline if deadline is not None else float("inf")
         while not self._stop:
             now = time.monotonic()
-            if deadline is not None and now >= deadline:
+            due = min(next_scan, next_quick, next_roll, next_poll, next_progress, end)
+            woke = False
+            if due > now:
+                if waiter is not None:
+                    woke = waiter.wait(due - now)
+                else:
+                    time.sleep(due - now)
+                now = time.monotonic()
+            if self._stop or now >= end:
                 break
-            self._drain()
+            if self._reload:
+                self._reload = False
+                self._reload_pods()
+                next_scan = now + o.scan_s
+                next_quick = now + self._next_quick_period()
+            if self._exec_noted():   # a target process exec'd: quick scan soon
+                self.quick_every = o.quick_scan_s
+                next_quick = min(next_quick, max(now + o.exec_scan_delay_s,
+                                                 last_exec_scan + o.quick_scan_s))
+                exec_pending = True
+            if woke or now >= next_roll or now >= next_poll:
+                self._drain()
+                next_poll = now + o.poll_s if waiter is None else next_poll
+            if now >= next_quick and exec_pending:   # at most every quick_scan_s for execs
+                exec_pending, last_exec_scan = False, now
             if now >= next_scan:
                 self._scan()
                 next_scan = now + o.scan_s
-                next_quick = now + o.quick_scan_s
+                next_quick = now + self._next_quick_period()
             elif now >= next_quick:
                 self._scan(quick=True)
-                next_quick = now + o.quick_scan_s
-            if not o.quiet and now >= next_progress:
+                next_quick = now + self._next_quick_period()
+            if now >= next_roll:
+                self._put_state()
+                self.writer.flush(wait=False)
+                next_roll = now + o.roll_s
+            if now >= next_progress:
                 self._progress(now - t0)
                 next_progress = now + o.progress_s
-            self.writer.maybe_roll()
-            time.sleep(max(0.0, min(o.poll_s, (deadline - time.monotonic()) if deadline else o.poll_s)))
+
+    def _reload_pods(self) -> None:
+        try:
+            spec = load_pods(self.opts.pods_file)
+        except IngeroError as e:
+            self.log(f"kept the previous pods: {e}")
+            return
+        self.targets.replace_pods(spec)
+        self._scan()
+        self._news = True
+        self.log(f"re-read {self.opts.pods_file}: {len(self.targets.pods)} pods, "
+                 f"{sum(p.alive for p in self.targets.processes.values())} target processes")
+
+    def _next_quick_period(self) -> float:
+        """Quick scans every quick_scan_s while something is new; doubling to scan_s otherwise."""
+        o = self.opts
+        if self._news:
+            self.quick_every = o.quick_scan_s
+        else:
+            self.quick_every = min(o.scan_s, max(o.quick_scan_s, 2 * self.quick_every))
+        self._news = False
+        return self.quick_every
+
+    def _exec_noted(self) -> bool:
+        notes = self.probes.exec_notes
+        return notes is not None and len(notes.read()) > 0
 
     def _finish(self) -> None:
         if self.probes is None:
@@ -160,17 +251,21 @@ class Tracer:
 
     def _drain(self) -> int:
         got = 0
+        self.drains += 1
         for fam, ring in self.probes.rings.items():
             arr = ring.read()
             if len(arr):
                 got += len(arr)
                 self._handle(fam, arr)
+                if self.probes.waiter is not None:
+                    self.probes.arm_wakeup(fam)
         return got
 
     def _handle(self, fam: str, arr: np.ndarray) -> None:
         pids = [p for p in np.unique(arr["pid"]).tolist()
                 if p and p not in self.registry.by_pid and p not in self._unknown_pids]
         if pids:   # started and traced between two scans: identify it now
+            self._news = True
             self.targets.learn(pids)
             self._unknown_pids.update(p for p in pids if p not in self.targets.processes)
             self._update_registry()
@@ -202,6 +297,8 @@ class Tracer:
 
     def _scan(self, quick: bool = False) -> None:
         snap = self.targets.scan(quick=quick)
+        if snap.new_processes or snap.new_libraries or snap.awaiting_library:
+            self._news = True
         self.probes.set_targets(snap.cgroup_ids, snap.tgids, snap.ips)
         for path, key, syms in snap.new_libraries:
             self._attach(path, key, syms)
@@ -211,7 +308,6 @@ class Tracer:
             return
         self.offset_ns, self.clock_rtt_ns = mono_to_wall()
         self._update_registry()
-        self._put_state()
 
     def _update_registry(self) -> None:
         reg = self.registry
@@ -228,8 +324,14 @@ class Tracer:
             for ip in pod.ips:
                 reg.by_ip[ip] = ident
 
+    def _put_rows(self, table: str, rows: list[dict]) -> None:
+        """Hand a state table to the writer when it changed since the last roll (its file stays)."""
+        if self._state_rows.get(table) == rows:
+            return
+        self.writer.put_rows(table, rows)
+        self._state_rows[table] = list(rows)
+
     def _put_state(self) -> None:
-        w = self.writer
         rows = []
         for p in self.targets.processes.values():
             if p.nccl_key is None and "RANK" not in p.env and p.pid not in self.nccl_pids:
@@ -248,29 +350,29 @@ class Tracer:
                 "addresses": ",".join(p.pod.ips) if p.pod and p.pod.ips else None,
                 "first_seen_ns": p.first_seen_ns,
             })
-        w.put_rows("ranks", rows)
-        w.put_rows("comms", self.comm_rows)
+        self._put_rows("ranks", rows)
+        self._put_rows("comms", self.comm_rows)
         totals = []
         for tgid, reason, total, intervals in self.probes.sched_totals():
             ident = self.registry.by_pid.get(tgid)
             totals.append({"pid": tgid, "rank": ident.rank if ident else None,
                            "reason": schema.OFFCPU_REASONS.get(reason), "total_ns": total,
                            "intervals": intervals})
-        w.put_rows("sched_totals", totals)
+        self._put_rows("sched_totals", totals)
         lost = self.probes.lost()
         for fam, ring in self.probes.rings.items():
             lost[fam] += ring.skipped
         self.lost = lost
         ended = getattr(self, "ended_ns", None)
         uname = os.uname()
-        w.put_rows("nodes", [{
+        self._put_rows("nodes", [{
             "hostname": uname.nodename, "kernel": uname.release, "agent_version": __version__,
             "mono_to_wall_ns": self.offset_ns, "clock_offset_ns": None,
             "clock_rtt_ns": self.clock_rtt_ns,
             **{f"lost_{f}": lost[f] for f in lost}, **{f"events_{f}": self.events[f] for f in self.events},
             "started_ns": self.started_ns, "ended_ns": ended,
         }])
-        w.put_rows("sessions", [{
+        self._put_rows("sessions", [{
             "started_ns": self.started_ns, "ended_ns": ended,
             "probes": ",".join(self.opts.probe_config.families),
             "targets": self.targets.describe(), "status": self.status,
@@ -288,6 +390,16 @@ class Tracer:
         lost = ", ".join(f"{self.lost[f]} {f}" for f in self.opts.probe_config.families)
         self.log(f"{self.status}: recorded {ev} events; lost {lost}; "
                  f"{len(self.comm_rows)} communicators, {self.writer.segments_written} segment files")
+        if self.loop_cpu_s is not None and self.loop_wall_s:
+            self.log(f"tracing used {self.loop_cpu_s:.2f} s CPU in {self.loop_wall_s:.1f} s "
+                     f"({100 * self.loop_cpu_s / self.loop_wall_s:.2f}% of a core), "
+                     f"{self.drains} ring drains")
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU of this process, every thread."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 def require_privileges() -> None:

@@ -169,3 +169,55 @@ def test_a_call_that_never_returns_does_not_silence_the_thread(fake_nccl, trace,
     assert rows == [("COMM_INIT_RANK", None, None), ("COMM_INIT_RANK", None, None),
                     ("GROUP_START", None, None), ("GROUP_END", None, None)] + \
         [("ALL_REDUCE", i, 1000 + i) for i in range(4)] + [("COMM_DESTROY", None, None)]
+
+
+def test_a_new_pods_file_on_sighup_adds_a_pod_and_keeps_the_communicators_already_seen(
+        fake_nccl, trace, make_cgroup, tmp_path):
+    import json
+    import signal
+    import uuid
+
+    root = make_cgroup()
+    uid_a, uid_b = uuid.uuid4().hex, uuid.uuid4().hex
+    (root / f"pod{uid_a}").mkdir()
+    (root / f"pod{uid_b}").mkdir()
+    pods = tmp_path / "pods.json"
+
+    def write_pods(*uids):
+        tmp = tmp_path / "pods.json.tmp"
+        tmp.write_text(json.dumps({"node": "test-node", "cgroup_root": str(root), "pods": [
+            {"name": f"w-{u[:4]}", "namespace": "ml", "uid": u} for u in uids]}))
+        tmp.replace(pods)
+
+    write_pods(uid_a)
+    t = trace("--pods", str(pods), "--probes", "nccl", "--nccl-lib", str(fake_nccl["lib"]))
+    go = tmp_path / "go"
+    a = run_driver(fake_nccl, go, 3, 6, 0, 2, cgroup=root / f"pod{uid_a}", mode="early")
+    assert a.stdout.readline().strip() == "inited"          # its communicator, seen by the tracer
+    b = run_driver(fake_nccl, go, 2, 7, 1, 2, cgroup=root / f"pod{uid_b}")   # not a target yet
+    write_pods(uid_a, uid_b)                                  # the re-plan: a restarted rank's new pod
+    t.proc.send_signal(signal.SIGHUP)
+    t.wait_for_line("2 pods")
+    go.touch()
+    assert a.wait(30) == 0 and b.wait(30) == 0
+    t.stop()
+    # a restarted tracer would have lost a's communicator: hash 0, rank -1 (see the test above)
+    assert t.query("SELECT rank, nranks, comm_id_hash, seq FROM nccl_events WHERE pid = ? AND op = 'ALL_REDUCE' "
+                   "ORDER BY timestamp_ns", [a.pid]) == [(0, 2, fold(ids(6)[0]), i) for i in range(3)]
+    assert t.query("SELECT COUNT(*) FROM nccl_events WHERE pid = ?", [b.pid]) == [(2 + 19,)]
+    assert t.query("SELECT pod FROM ranks WHERE pid = ?", [b.pid]) == [(f"w-{uid_b[:4]}",)]
+
+
+def test_sighup_without_a_pods_file_stops_the_trace_and_keeps_every_event(fake_nccl, trace, make_cgroup, tmp_path):
+    import signal
+
+    cg = make_cgroup()
+    t = trace("--cgroup", str(cg), "--probes", "nccl", "--nccl-lib", str(fake_nccl["lib"]))
+    go = tmp_path / "go"
+    go.touch()
+    drv = run_driver(fake_nccl, go, 2, 8, 0, 1, cgroup=cg)
+    assert drv.wait(30) == 0
+    t.proc.send_signal(signal.SIGHUP)
+    assert t.proc.wait(60) == 0
+    t.stop()
+    assert t.query("SELECT COUNT(*) FROM nccl_events") == [(2 + 19,)]

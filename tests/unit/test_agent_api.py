@@ -14,6 +14,7 @@ import ssl
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -24,11 +25,16 @@ from ingero_agent.server import make_server, parse_listen
 
 TOKEN = "t0k3n-for-tests-0123456789abcdef"
 FAKE_TRACER = r"""
-import signal, sys, time, pathlib
+import json, signal, sys, time, pathlib
 argv = sys.argv[1:]
 ready = pathlib.Path(argv[argv.index("--ready-file") + 1])
+pods = pathlib.Path(argv[argv.index("--pods") + 1])
 pathlib.Path(argv[argv.index("--segments") + 1]).mkdir(parents=True, exist_ok=True)
 signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
+def hup(*_):   # what the real tracer does: re-read the pods file
+    with open(ready.with_name("hup"), "a") as f:
+        f.write(f"{len(json.loads(pods.read_text())['pods'])}\n")
+signal.signal(signal.SIGHUP, hup)
 ready.touch()
 time.sleep(120)
 """
@@ -146,12 +152,27 @@ def test_posting_a_plan_starts_once_and_is_idempotent_and_stop_is_idempotent(age
     assert call(srv, "GET", "/v1/sessions/nope")[0] == 404
 
 
-def test_a_new_pod_in_the_plan_restarts_the_tracer_on_the_same_segments(agent):
+def test_a_new_pod_in_the_plan_goes_to_the_running_tracer_without_a_restart(agent):
     srv, mgr = agent
     call(srv, "POST", "/v1/sessions", {"session_id": "s1", "pods": pods(1)})
     _wait_state(srv, "s1", "running")
     first = mgr.sessions["s1"].proc
     status, doc = call(srv, "POST", "/v1/sessions", {"session_id": "s1", "pods": pods(2)})
+    assert status == 200 and doc["starts"] == 1 and doc["replans"] == 1 and doc["pods"] == 2
+    hup = mgr.root / "s1" / "hup"
+    deadline = time.monotonic() + 10
+    while not (hup.exists() and hup.read_text().endswith("\n")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert hup.read_text() == "2\n" and first.poll() is None     # it read the new pods file
+    assert json.loads((mgr.root / "s1" / "plan.json").read_text())["pods"] == pods(2)
+
+
+def test_other_probes_in_the_plan_restart_the_tracer_on_the_same_segments(agent):
+    srv, mgr = agent
+    call(srv, "POST", "/v1/sessions", {"session_id": "s1", "pods": pods(1)})
+    _wait_state(srv, "s1", "running")
+    first = mgr.sessions["s1"].proc
+    status, doc = call(srv, "POST", "/v1/sessions", {"session_id": "s1", "pods": pods(1), "probes": ["nccl"]})
     assert status == 200 and doc["starts"] == 2 and first.poll() is not None
     assert mgr._argv(mgr.sessions["s1"])[mgr._argv(mgr.sessions["s1"]).index("--segments") + 1] == \
         str(mgr.root / "s1" / "segments")
