@@ -36,10 +36,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET_S, TARGET_GIB = 10.0, 2.0
+# Bump when the writer's Parquet format changes (ingero/store.py), so that kept sessions are rewritten.
+# 2: duration_ns byte-stream-split instead of dictionary-encoded; 3: delta-packed instead
+# (BYTE_STREAM_SPLIT integers need DuckDB >= 2.0 to read).
+FORMAT = 3
 
 
 def _data_dir(base: Path, ranks: int, collectives: int, nodes: int, segs: int, fault: str) -> Path:
-    return base / f"r{ranks}-c{collectives}-n{nodes}-s{segs}-{fault}"
+    return base / f"r{ranks}-c{collectives}-n{nodes}-s{segs}-{fault}-f{FORMAT}"
 
 
 def ensure_session(base: Path, ranks: int, collectives: int, nodes: int, segs: int, fault: str) -> Path:
@@ -74,6 +78,11 @@ def _rss_kib() -> int:
     return 0
 
 
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def child(root: Path, ranks: int, collectives: int, nodes: int, fault: str, path: str) -> dict:
     sys.path.insert(0, str(REPO / "operator"))
     import duckdb
@@ -98,6 +107,7 @@ def child(root: Path, ranks: int, collectives: int, nodes: int, fault: str, path
     threading.Thread(target=sample, daemon=True).start()
     rss0 = _rss_kib()
     load0 = os.getloadavg()[0]
+    cpu0 = _cpu_s()
     t = time.perf_counter()
     if path == "operator":
         rep, _ = gather.build_artifact(local, lay["offsets"])
@@ -114,6 +124,7 @@ def child(root: Path, ranks: int, collectives: int, nodes: int, fault: str, path
         con.close()
         db.unlink()
     secs = time.perf_counter() - t
+    cpu = _cpu_s() - cpu0
     stop.set()
     peak[0] = max(peak[0], _rss_kib())
     s = rep.straggler
@@ -123,7 +134,7 @@ def child(root: Path, ranks: int, collectives: int, nodes: int, fault: str, path
         ok = s is not None and s.node == lay["victim_node"] and s.cause == "network"
     else:
         ok = s is None
-    return {"path": path, "fault": fault, "seconds": secs, "peak_rss_mib": peak[0] / 1024,
+    return {"path": path, "fault": fault, "seconds": secs, "cpu_seconds": cpu, "peak_rss_mib": peak[0] / 1024,
             "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "rss_before_mib": rss0 / 1024, "load_before": load0, "collectives": rep.collectives,
             "verdict_ok": ok, "expected": {"rank": lay["victim"], "node": lay["victim_node"]},
@@ -178,13 +189,16 @@ def main(argv=None) -> dict:
         peak = max(r["peak_rss_mib"] for r in runs)
         r0 = runs[0]
         res = {"seconds_median": statistics.median(secs), "seconds_min": min(secs), "seconds_max": max(secs),
+               "seconds": [round(x, 2) for x in secs],
+               "cpu_seconds_median": statistics.median(r["cpu_seconds"] for r in runs),
                "peak_rss_mib": peak, "verdict_ok": all(r["verdict_ok"] for r in runs),
                "straggler": r0["straggler"], "expected": r0["expected"],
                "load_before": [round(r["load_before"], 2) for r in runs],
                "written": json.loads((root / "written.json").read_text())}
         results["runs"][fault] = res
         print(f"  {fault}: gather+merge+analysis {res['seconds_median']:.2f} s median "
-              f"(min {res['seconds_min']:.2f}, max {res['seconds_max']:.2f}, {len(runs)} runs), "
+              f"(min {res['seconds_min']:.2f}, max {res['seconds_max']:.2f}, {len(runs)} runs; "
+              f"{res['cpu_seconds_median']:.1f} CPU-s median), "
               f"peak RSS {peak:,.0f} MiB; verdict {'as planted' if res['verdict_ok'] else 'WRONG'}: "
               f"{r0['straggler']}")
     if a.compare_collectives:

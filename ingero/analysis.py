@@ -129,7 +129,7 @@ class _Sql:
     def rank_rows(self, slow_collective_ms: float | None) -> tuple[dict, list[str]]:
         con, rows, warnings = self.con, {}, []
         for (grank, node, pod, pid, n, p50, p99, late, last, in_groups) in con.execute("""
-                SELECT grank, any_value(node), any_value(pod), any_value(pid), count(*),
+                SELECT grank, arg_max(node, t), arg_max(pod, t), arg_max(pid, t), count(*),
                        quantile_cont(d, 0.5), quantile_cont(d, 0.99),
                        median(late) FILTER (WHERE arrived > 1), avg(is_last::INT) FILTER (WHERE arrived > 1),
                        count(*) FILTER (WHERE arrived > 1)

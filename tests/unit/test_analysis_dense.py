@@ -123,7 +123,9 @@ def test_a_rank_restarted_on_another_node(tmp_path, caplog):
            ranks=[{"pid": 10, "rank": 0, "pod": "p0"}, {"pid": 11, "rank": 1, "pod": "p1"}])
     _write(local, "node-b", _cat(_calls(30, 1, c, range(20, 40), T0, late=6)),  # rank 1 again, new pid
            ranks=[{"pid": 30, "rank": 1, "pod": "p1b"}])
-    _compare(local, {}, caplog)
+    rep = _compare(local, {}, caplog)
+    r1 = [r for r in rep.ranks if r.rank == 1][0]
+    assert (r1.node, r1.pod, r1.pid) == ("node-b", "p1b", 30)     # where it called last
 
 
 def test_data_the_columns_cannot_hold_falls_back_to_sql(tmp_path, caplog):
@@ -147,3 +149,34 @@ def test_durations_beyond_32_bits_and_retransmits_in_flight(tmp_path, caplog):
     _write(local, "node-b", _calls(20, 2, c, range(0, 50), T0), ranks=[{"pid": 20, "rank": 2}])
     rep = _compare(local, {}, caplog)
     assert rep.straggler.cause == "network"      # the retransmit windows were compared too
+
+
+def test_rows_the_sql_filter_drops_with_nulls(tmp_path, caplog):
+    """Rows with a NULL or unknown op, NULL communicator or NULL/failed ret are dropped as the
+    SQL's WHERE drops them, also when other columns of those rows are NULL; a NULL in a
+    kept row's duration is left to the SQL."""
+    local = gather.LocalSession(tmp_path)
+    c = 0xABAB
+    a = _cat(_calls(10, 0, c, range(0, 30), T0), _calls(11, 1, c, range(0, 30), T0, late=5))
+    a["ret"] = [0] * len(a["seq"])
+    junk = _calls(10, 0, c, range(30, 36), T0)
+    junk["op"] = [None, "NOT_AN_OP", "ALL_REDUCE", "ALL_REDUCE", "ALL_REDUCE", "ALL_REDUCE"]
+    junk["comm_id_hash"] = [c, c, None, c, c, c]
+    junk["ret"] = [0, 0, 0, None, 2, None]
+    junk["duration_ns"] = [None, None, None, None, None, 5]
+    junk["timestamp_ns"][4] = None
+    _write(local, "node-a", _cat(a, junk), ranks=[{"pid": 10, "rank": 0}, {"pid": 11, "rank": 1}], seg=2)
+    _write(local, "node-b", {**_calls(20, 2, c, range(0, 30), T0), "ret": [0] * 30},
+           ranks=[{"pid": 20, "rank": 2}])
+    _compare(local, {"node-b": -2_000_000}, caplog)
+
+    local2 = gather.LocalSession(tmp_path / "kept-null")
+    b = {**_calls(10, 0, c, range(0, 10), T0), "ret": [0] * 10}
+    b["duration_ns"][3] = None
+    _write(local2, "node-a", _cat(b, {**_calls(11, 1, c, range(0, 10), T0), "ret": [0] * 10}),
+           ranks=[{"pid": 10, "rank": 0}, {"pid": 11, "rank": 1}])
+    with caplog.at_level(logging.INFO, logger="ingero.analysis"):
+        caplog.clear()
+        got, _ = gather.build_artifact(local2, {})
+    assert "NULL duration_ns" in caplog.text
+    assert got.to_dict() == _sql_report(local2, {}).to_dict()

@@ -117,3 +117,26 @@ def test_a_subcommand_with_a_missing_dependency_fails_alone_with_the_fix(monkeyp
     assert args.command == "query" and args.sql == "SELECT 1"
     assert cli.main(["broken"]) == 2
     assert "is not part of this installation" in capsys.readouterr().err
+
+
+def test_durations_are_delta_packed_and_read_back_exactly(tmp_path):
+    """duration_ns (nearly all distinct) is stored delta-packed without a dictionary (an
+    encoding every DuckDB since 0.9 reads); DuckDB and pyarrow read every value back,
+    negative, beyond 32 bits and the extremes included (deltas wrap around)."""
+    import duckdb
+    import pyarrow.parquet as pq
+
+    seg = tmp_path / "seg"
+    w = SegmentWriter(seg, node="node-a", session_id="s1")
+    cols = _nccl(6, 1_000_000_000, rank=0, dur_ns=0)
+    cols["duration_ns"] = np.array([5, 1 << 40, -3, -2**63, 2**63 - 1, 123_456_789], dtype=np.int64)
+    w.append("nccl_events", cols)
+    w.append("sched_events", {"timestamp_ns": [1, 2], "duration_ns": [4_000_000, 9]})
+    w.close()
+    for table, want in (("nccl_events", cols["duration_ns"].tolist()), ("sched_events", [4_000_000, 9])):
+        (f,) = (seg / table).glob("*.parquet")
+        md = pq.ParquetFile(f).metadata
+        col = md.row_group(0).column(md.schema.names.index("duration_ns"))
+        assert "DELTA_BINARY_PACKED" in col.encodings and "RLE_DICTIONARY" not in col.encodings
+        assert [d for (d,) in duckdb.sql(f"SELECT duration_ns FROM '{f}'").fetchall()] == want
+        assert pq.read_table(f, columns=["duration_ns"]).column(0).to_pylist() == want
