@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ingero.errors import IngeroError
 from ingero_agent import cgroups
-from ingero_agent.procinfo import (LibraryFinder, int_or_none, process_name, read_environ,
+from ingero_agent.procinfo import (LibraryFinder, host_path, int_or_none, process_name, read_environ,
                                    start_time_ticks)
 
 AF_INET, AF_INET6 = 2, 10
@@ -148,6 +148,7 @@ class Snapshot:
     new_libraries: list[tuple[Path, tuple[int, int], dict[str, int]]]
     new_processes: int = 0
     awaiting_library: int = 0   # young live processes in which no NCCL library was found yet
+    notes: list[str] = field(default_factory=list)   # for the log: e.g. a library path a pod lacks
 
 
 class TargetSet:
@@ -170,6 +171,11 @@ class TargetSet:
         self.processes: dict[int, Process] = {}
         self.pod_dirs: dict[str, list[Path]] = {}   # pod uid -> its cgroup folders
         self._libraries: set[tuple[int, int]] = set()
+        # NCCL library paths as the pods' containers see them (--nccl-lib, a TraceSession's
+        # ncclLibPath): looked up through /proc/<pid>/root of each new target process, so
+        # the library is attached before the process loads it, whatever its host path
+        self.libs_in_pods: list[str] = []
+        self._lib_notes: set[tuple[str, str]] = set()
 
     def _check_pid(self, pid) -> int:
         try:
@@ -270,7 +276,7 @@ class TargetSet:
         wall = now_wall_ns if now_wall_ns is not None else time.time_ns()
         for p in self.processes.values():
             p.alive = p.pid in members
-        fresh = 0
+        fresh, fresh_procs = 0, []
         for pid, (cg_dir, pod) in members.items():
             ticks = start_time_ticks(pid, self.proc)
             if ticks is None:
@@ -280,8 +286,12 @@ class TargetSet:
                 p = self._new_process(pid, ticks, cg_dir, pod, wall)
                 self.processes[pid] = p
                 fresh += 1
+                fresh_procs.append(p)
             p.alive = True
         new_libs = []
+        notes: list[str] = []
+        for p in fresh_procs:
+            new_libs += self._libs_in_root(p, notes)
         awaiting = 0
         for p in self.processes.values():
             if not p.alive or p.nccl_key is not None:
@@ -302,7 +312,7 @@ class TargetSet:
                 awaiting += 1
         ips = {ip_key(ip) for pod in self.pods for ip in pod.ips}
         return Snapshot(cgroup_ids=ids, tgids=set(self.pids), ips=ips, new_libraries=new_libs,
-                        new_processes=fresh, awaiting_library=awaiting)
+                        new_processes=fresh, awaiting_library=awaiting, notes=notes)
 
     def learn(self, pids) -> int:
         """Add processes the kernel reported as targets before a scan listed them.
@@ -333,6 +343,24 @@ class TargetSet:
         return Process(pid=pid, start_ticks=ticks, name=process_name(pid, self.proc),
                        env=read_environ(pid, self.proc), cgroup_path=cg_path, cgroup_id=cg_id,
                        pod=pod, first_seen_ns=wall_ns, started_boot_s=ticks / CLK_TCK)
+
+    def _libs_in_root(self, p: "Process", notes: list[str]) -> list:
+        """The `libs_in_pods` files as process `p` sees them, not attached yet."""
+        out = []
+        for path in self.libs_in_pods:
+            hp = host_path(p.pid, path, self.proc)
+            got = self.finder.check(hp)
+            who = f"pod {p.pod.namespace}/{p.pod.name}" if p.pod else f"pid {p.pid}"
+            if got is None or not got[1]:
+                if (who, path) not in self._lib_notes and (self.proc / str(p.pid)).exists():
+                    self._lib_notes.add((who, path))
+                    notes.append(f"{path} {'is not in' if got is None else 'defines no NCCL functions in'} "
+                                 f"{who}'s file system; its NCCL library is attached when it maps one")
+                continue
+            if got[0] not in self._libraries:
+                self._libraries.add(got[0])
+                out.append((hp, got[0], got[1]))
+        return out
 
     def mark_library_attached(self, key: tuple[int, int]) -> None:
         """A library attached up front (--nccl-lib) is not reported as new again."""

@@ -83,7 +83,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--probes", default="nccl,tcp,sched", help="families to attach "
                    "(default nccl,tcp,sched)")
     p.add_argument("--nccl-lib", type=Path, action="append", default=[], metavar="PATH",
-                   help="attach to this NCCL library now, before target processes load it")
+                   help="attach to this NCCL library now, before target processes load it; with "
+                   "--pods, also the file at this path in each target's own file system "
+                   "(/proc/<pid>/root), as soon as the process appears")
     p.add_argument("--node", help="node name (default: the pods file's node, the config file's "
                    "`node` (/etc/ingero/agent.yaml or $INGERO_CONFIG), NODE_NAME, hostname)")
     p.add_argument("--sched-min-us", type=float, default=1000.0, metavar="US",
@@ -151,7 +153,15 @@ def run(args) -> int:
                         trace_all=args.all, node=node)
     if not (args.pid or args.cgroup or pods or args.all):
         raise IngeroError("nothing to trace: pass --pid, --cgroup, --pods or --all")
-    libs = [_check_nccl_lib(p) for p in args.nccl_lib]
+    libs = []
+    for p in args.nccl_lib:
+        if pods is not None:
+            # with pods, the path is the one their containers see (a TraceSession's
+            # ncclLibPath): looked up through each target's /proc/<pid>/root as it appears
+            targets.libs_in_pods.append(str(p))
+            if not p.is_file():
+                continue          # not in the agent's own file system: only in the pods'
+        libs.append(_check_nccl_lib(p))
     if pods:
         libs += [_check_nccl_lib(p, f"nccl_libs in {args.pods}:") for p in pods.nccl_libs]
     require_privileges()

@@ -300,6 +300,8 @@ class Tracer:
         if snap.new_processes or snap.new_libraries or snap.awaiting_library:
             self._news = True
         self.probes.set_targets(snap.cgroup_ids, snap.tgids, snap.ips)
+        for note in snap.notes:
+            self.log(f"note: {note}")
         for path, key, syms in snap.new_libraries:
             self._attach(path, key, syms)
         if quick:

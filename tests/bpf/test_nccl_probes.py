@@ -221,3 +221,40 @@ def test_sighup_without_a_pods_file_stops_the_trace_and_keeps_every_event(fake_n
     assert t.proc.wait(60) == 0
     t.stop()
     assert t.query("SELECT COUNT(*) FROM nccl_events") == [(2 + 19,)]
+
+
+def test_with_pods_the_library_path_is_resolved_in_each_pods_own_file_system(
+        fake_nccl, trace, make_cgroup, tmp_path):
+    # A container sees its own file at the library path (here: a copy bind-mounted over it
+    # in a private mount namespace, so another inode than the agent's file). The process
+    # appears 1 s before it loads the library and calls ncclCommInitRank at once: only a
+    # library attached through its /proc/<pid>/root beforehand sees that first call.
+    import json
+    import shutil
+    import uuid
+
+    if shutil.which("unshare") is None:
+        import pytest
+        pytest.skip("unshare (util-linux) is not installed: cannot make a private mount namespace")
+    root = make_cgroup()
+    uid = uuid.uuid4().hex
+    (root / f"pod{uid}").mkdir()
+    pods = tmp_path / "pods.json"
+    pods.write_text(json.dumps({"node": "test-node", "cgroup_root": str(root), "pods": [
+        {"name": "w-0", "namespace": "ml", "uid": uid}]}))
+    own = tmp_path / "containers-copy.so"
+    shutil.copy(fake_nccl["lib"], own)
+    lib = str(fake_nccl["lib"])
+    t = trace("--pods", str(pods), "--probes", "nccl", "--nccl-lib", lib)
+    go = tmp_path / "go"
+    go.touch()                                       # no waiting: calls start at once
+    from tests.bpf.conftest import spawn
+    drv = spawn(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                 'mount --bind "$0" "$1" && sleep 1 && exec "$2" 2 9 0 1 "$3"',
+                 str(own), lib, str(fake_nccl["driver"]), str(go)], root / f"pod{uid}")
+    assert drv.wait(30) == 0, drv.stderr.read()
+    t.stop()
+    assert os.stat(own).st_ino != os.stat(lib).st_ino
+    first = t.query("SELECT op, comm_id_hash FROM nccl_events ORDER BY timestamp_ns LIMIT 1")
+    assert first == [("COMM_INIT_RANK", fold(ids(9)[0]))]
+    assert t.query("SELECT COUNT(*) FROM nccl_events") == [(2 + 19,)]
