@@ -82,14 +82,21 @@ def test_a_clock_offset_given_on_the_command_line_is_applied_and_recorded(tmp_pa
     assert tables(tmp_path / "m2.duckdb") == tables(tmp_path / "m.duckdb")
 
 
-def test_an_offset_known_to_one_input_is_applied_once_to_raw_rows_of_that_node(tmp_path):
+def operator_artifact(tmp_path: Path, skew_b_ns: int = 0):
+    """Two nodes' segments (node-b's clock `skew_b_ns` ahead) in tmp/seg, and the
+    operator's artifact built from copies of them in tmp/art (offsets applied)."""
     from ingero_operator.gather import LocalSession, build_artifact
 
-    write_job(tmp_path / "seg", skew_b_ns=SKEW)
+    write_job(tmp_path / "seg", skew_b_ns=skew_b_ns)
     local = LocalSession(tmp_path / "art")
     for node in ("node-a", "node-b"):
         shutil.copytree(tmp_path / "seg" / node, local.node_dir(node))
-    build_artifact(local, {"node-a": 0, "node-b": SKEW})
+    build_artifact(local, {"node-a": 0, "node-b": skew_b_ns})
+    return local
+
+
+def test_an_offset_known_to_one_input_is_applied_once_to_raw_rows_of_that_node(tmp_path):
+    local = operator_artifact(tmp_path, SKEW)
     # the operator's artifact (shifted) plus node-b's raw segments (not shifted) again
     merge([local.artifact, tmp_path / "seg" / "node-b"], tmp_path / "m.duckdb")
     assert tables(tmp_path / "m.duckdb") == tables(local.artifact)
@@ -99,13 +106,7 @@ def test_an_offset_known_to_one_input_is_applied_once_to_raw_rows_of_that_node(t
 
 
 def test_an_artifact_whose_view_lost_its_files_loses_only_that_table(tmp_path):
-    from ingero_operator.gather import LocalSession, build_artifact
-
-    write_job(tmp_path / "seg")
-    local = LocalSession(tmp_path / "art")
-    for node in ("node-a", "node-b"):
-        shutil.copytree(tmp_path / "seg" / node, local.node_dir(node))
-    build_artifact(local, {"node-a": 0, "node-b": 0})
+    local = operator_artifact(tmp_path)
     whole = tables(local.artifact)
     views = [v for (v,) in q(local.artifact, "SELECT view_name FROM duckdb_views() WHERE NOT internal")]
     if not views:
@@ -119,13 +120,7 @@ def test_an_artifact_whose_view_lost_its_files_loses_only_that_table(tmp_path):
 
 
 def test_the_artifact_folder_moved_whole_still_opens_with_every_row(tmp_path):
-    from ingero_operator.gather import LocalSession, build_artifact
-
-    write_job(tmp_path / "seg", skew_b_ns=SKEW)
-    local = LocalSession(tmp_path / "art")
-    for node in ("node-a", "node-b"):
-        shutil.copytree(tmp_path / "seg" / node, local.node_dir(node))
-    build_artifact(local, {"node-a": 0, "node-b": SKEW})
+    local = operator_artifact(tmp_path, SKEW)
     whole = tables(local.artifact)
     assert whole["nccl_events"]
     shutil.move(local.root, tmp_path / "elsewhere")
