@@ -86,6 +86,27 @@ def spawn(argv: list[str], cgroup: Path | None = None, **kw) -> subprocess.Popen
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
+def nccl_probes(fake, pages: int):
+    """The agent's NCCL probes (one ring of `pages` pages) on the fake library, no targets yet."""
+    from ingero_agent.elfsyms import nccl_symbols
+    from ingero_agent.probes import ProbeConfig, Probes
+
+    p = Probes(ProbeConfig(families=("nccl",), ringbuf_pages=pages, self_tgid=os.getpid()))
+    st = os.stat(fake["lib"])
+    p.attach_library(fake["lib"], (st.st_dev, st.st_ino), nccl_symbols(fake["lib"]))
+    return p
+
+
+def drive(p, fake, tmp_path: Path, iters: int) -> subprocess.Popen:
+    """Run the driver (ITERS all-reduces and 19 other calls) as the probes' only target."""
+    go = tmp_path / f"go-{uuid.uuid4().hex}"   # the driver waits for it: targets are set first
+    drv = spawn([str(fake["driver"]), str(iters), "1", "0", "1", str(go)])
+    p.set_targets(set(), {drv.pid}, set())
+    go.touch()
+    assert drv.wait(60) == 0
+    return drv
+
+
 class TraceRun:
     """`ingero trace` in the background; its stderr is collected line by line."""
 
@@ -118,7 +139,7 @@ class TraceRun:
     def wait_for_line(self, text: str, timeout: float = 20) -> None:
         self._wait(lambda: any(text in line for line in self.lines), timeout, repr(text))
 
-    def stop(self, timeout: float = 60) -> "TraceRun":
+    def stop(self, timeout: float = 60) -> TraceRun:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
         rc = self.proc.wait(timeout)

@@ -7,50 +7,33 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-import uuid
 
 import pytest
-
 from ingero_agent.cgroups import cgroup_id
-from ingero_agent.elfsyms import nccl_symbols
 from ingero_agent.probes import ProbeConfig, Probes
 from ingero_agent.records import NCCL_EVENT, ringbuf_dtype
 from ingero_agent.ringbuf import RingWaiter
-from tests.bpf.conftest import FIXTURES, spawn
+
+from tests.bpf.conftest import FIXTURES, drive, nccl_probes, spawn
 
 OTHER_CALLS = 19   # calls the driver makes besides its ITERS all-reduces
 
 
-def _nccl_probes(fake, pages):
-    p = Probes(ProbeConfig(families=("nccl",), ringbuf_pages=pages, self_tgid=os.getpid()))
-    st = os.stat(fake["lib"])
-    p.attach_library(fake["lib"], (st.st_dev, st.st_ino), nccl_symbols(fake["lib"]))
-    return p
-
-
-def _drive(p, fake, tmp_path, iters):
-    go = tmp_path / f"go-{uuid.uuid4().hex}"
-    drv = spawn([str(fake["driver"]), str(iters), "1", "0", "1", str(go)])
-    p.set_targets(set(), {drv.pid}, set())
-    go.touch()
-    assert drv.wait(60) == 0
-
-
 def test_a_ring_wakes_the_reader_only_once_a_quarter_of_it_is_unread(fake_nccl, tmp_path):
-    p = _nccl_probes(fake_nccl, pages=16)      # 64 KiB: 585 NCCL records, wakes at 146
+    p = nccl_probes(fake_nccl, pages=16)      # 64 KiB: 585 NCCL records, wakes at 146
     waiter = RingWaiter([p.rings["nccl"]])     # this ring only (not the exec notes)
     try:
         assert p.wake_records["nccl"] == 16 * 4096 // ringbuf_dtype(NCCL_EVENT).itemsize // 4 == 146
         p.arm_wakeup("nccl")
         waiter.wait(0)                         # nothing pending from set-up
-        _drive(p, fake_nccl, tmp_path, 100)    # 119 records: below the watermark
+        drive(p, fake_nccl, tmp_path, 100)    # 119 records: below the watermark
         assert p.produced("nccl") == 100 + OTHER_CALLS
         assert not waiter.wait(0.3)            # no wake-up: the records just sit there
-        _drive(p, fake_nccl, tmp_path, 30)     # 149 in all: past it
+        drive(p, fake_nccl, tmp_path, 30)     # 149 in all: past it
         assert waiter.wait(5.0)
         assert len(p.rings["nccl"].read()) == 130 + 2 * OTHER_CALLS
         p.arm_wakeup("nccl")                   # re-armed after the drain: quiet again
-        _drive(p, fake_nccl, tmp_path, 100)
+        drive(p, fake_nccl, tmp_path, 100)
         assert not waiter.wait(0.3)
         assert p.lost()["nccl"] == 0
     finally:

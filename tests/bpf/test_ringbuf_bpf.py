@@ -4,36 +4,16 @@ one, and the mmap reader and bcc's callback reader must decode alike."""
 
 from __future__ import annotations
 
-import os
-import uuid
-
-from ingero_agent.elfsyms import nccl_symbols
-from ingero_agent.probes import ProbeConfig, Probes
 from ingero_agent.ringbuf import CallbackRing, MappedRing, open_ring
-from tests.bpf.conftest import spawn
 
-
-def _probes(fake, pages):
-    p = Probes(ProbeConfig(families=("nccl",), ringbuf_pages=pages, self_tgid=os.getpid()))
-    st = os.stat(fake["lib"])
-    p.attach_library(fake["lib"], (st.st_dev, st.st_ino), nccl_symbols(fake["lib"]))
-    return p
-
-
-def _run_driver(p, fake, tmp_path, iters):
-    go = tmp_path / f"go-{uuid.uuid4().hex}"   # the driver waits for it: targets are set first
-    drv = spawn([str(fake["driver"]), str(iters), "1", "0", "1", str(go)])
-    p.set_targets(set(), {drv.pid}, set())
-    go.touch()
-    assert drv.wait(60) == 0
-    return drv
+from tests.bpf.conftest import drive, nccl_probes
 
 
 def test_an_overflowing_ring_counts_every_call_as_event_or_lost(fake_nccl, tmp_path):
-    p = _probes(fake_nccl, pages=1)          # 4 KiB: 36 NCCL records
+    p = nccl_probes(fake_nccl, pages=1)          # 4 KiB: 36 NCCL records
     try:
         assert isinstance(p.rings["nccl"], MappedRing)
-        _run_driver(p, fake_nccl, tmp_path, 500)
+        drive(p, fake_nccl, tmp_path, 500)
         got = p.rings["nccl"].read()
         lost = p.lost()["nccl"]
         assert 0 < len(got) < 500 and lost > 0
@@ -41,7 +21,7 @@ def test_an_overflowing_ring_counts_every_call_as_event_or_lost(fake_nccl, tmp_p
         # what was kept is the start of the run, in order
         assert got["op"][0] == 10 and (got["ts_ns"][1:] >= got["ts_ns"][:-1]).all()
         # the ring accepts events again once drained
-        _run_driver(p, fake_nccl, tmp_path, 3)
+        drive(p, fake_nccl, tmp_path, 3)
         assert len(p.rings["nccl"].read()) == 3 + 19
     finally:
         p.close()
@@ -50,12 +30,12 @@ def test_an_overflowing_ring_counts_every_call_as_event_or_lost(fake_nccl, tmp_p
 def test_mmap_reader_and_callback_reader_decode_the_same_records(fake_nccl, tmp_path):
     decoded = []
     for force_callback in (False, True):
-        p = _probes(fake_nccl, pages=64)
+        p = nccl_probes(fake_nccl, pages=64)
         try:
             ring = open_ring(p.bpf, "nccl_events", 64 * 4096, p.rings["nccl"].record,
                              force_callback=force_callback)
             assert isinstance(ring, CallbackRing if force_callback else MappedRing)
-            drv = _run_driver(p, fake_nccl, tmp_path, 20)
+            drv = drive(p, fake_nccl, tmp_path, 20)
             got = ring.read()          # the driver has exited: every record is committed
             assert len(got) == 20 + 19 and (got["pid"] == drv.pid).all()
             decoded.append(got)
