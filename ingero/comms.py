@@ -15,6 +15,25 @@ from __future__ import annotations
 MAX_SPLIT_DEPTH = 8
 
 
+# Split children whose rank is known, one row per process and communicator: what the
+# events of a split communicator (recorded with rank -1) take their rank and size from.
+RESOLVED_SPLITS = """
+    SELECT node, pid, comm_id_hash, any_value(rank) AS rank, any_value(nranks) AS nranks
+    FROM comms WHERE op = 'COMM_SPLIT' AND rank >= 0 GROUP BY ALL"""
+
+
+def with_split_ranks(events_sql: str) -> str:
+    """`events_sql` (nccl_events rows) with the ranks of resolved split children filled in,
+    as a query: for an artifact whose nccl_events is a view (resolve_split_ranks updates
+    a table)."""
+    return f"""
+        SELECT e.* REPLACE (CASE WHEN e.rank < 0 AND s.pid IS NOT NULL THEN s.rank ELSE e.rank END AS rank,
+                            CASE WHEN e.rank < 0 AND s.pid IS NOT NULL THEN s.nranks ELSE e.nranks END AS nranks)
+        FROM ({events_sql}) e
+        LEFT JOIN ({RESOLVED_SPLITS}) s
+          ON s.node IS NOT DISTINCT FROM e.node AND s.pid = e.pid AND s.comm_id_hash = e.comm_id_hash"""
+
+
 def resolve_split_ranks(con) -> int:
     """Fill rank/nranks of split children in `comms` and `nccl_events` (real tables).
 
@@ -52,10 +71,9 @@ def resolve_split_ranks(con) -> int:
     # Also when nothing new was resolved here: rows merged from elsewhere may carry
     # resolved communicators while their events still say -1.
     if resolved or con.execute("SELECT count(*) FROM comms WHERE op = 'COMM_SPLIT' AND rank >= 0").fetchone()[0]:
-        con.execute("""
+        con.execute(f"""
             UPDATE nccl_events SET rank = c.rank, nranks = c.nranks
-            FROM (SELECT node, pid, comm_id_hash, any_value(rank) AS rank, any_value(nranks) AS nranks
-                  FROM comms WHERE op = 'COMM_SPLIT' AND rank >= 0 GROUP BY ALL) c
+            FROM ({RESOLVED_SPLITS}) c
             WHERE nccl_events.node IS NOT DISTINCT FROM c.node AND nccl_events.pid = c.pid
               AND nccl_events.comm_id_hash = c.comm_id_hash AND nccl_events.rank < 0""")
     return resolved

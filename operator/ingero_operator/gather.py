@@ -23,7 +23,7 @@ import duckdb
 import pyarrow.parquet as pq
 
 from ingero import schema
-from ingero.comms import resolve_split_ranks
+from ingero.comms import resolve_split_ranks, with_split_ranks
 from ingero.analysis import Report, analyse
 from ingero.analysis_dense import Segments
 from ingero.store import segment_files
@@ -161,71 +161,68 @@ def ingest_and_analyse(local: LocalSession, offsets: dict[str, int],
                             [[node, table, f.name] for node, new in todo for f in new])
         _load_state(con, local, offsets)
         resolve_split_ranks(con)
-        _keep_sched_totals(con)
-        calls = con.execute("SELECT count(*) FROM nccl_events").fetchone()[0]
+        calls, first, last = con.execute(
+            "SELECT count(*), min(timestamp_ns), max(timestamp_ns) FROM nccl_events").fetchone()
+        span_ns = (last - first) if first is not None else 0
+        _keep_sched_totals(con, last)
         if recent_s and full_max_calls is not None and calls > full_max_calls:
-            rep = _analyse_recent_only(con, slow_collective_ms, recent_s, calls)
+            rep, window_s = _recent(con, slow_collective_ms, recent_s, span_ns)
             if rep is not None:
+                rep.warnings.insert(0, f"live figures cover the last {window_s:.3g} s of {calls:,} NCCL "
+                                       "calls so far; the whole session is judged when it ends")
                 return rep, world_size(con)
         rep = analyse(con, slow_collective_ms)
-        if rep.straggler is not None and _steps_traced(con, rep.step_ms) < RECENT_MIN_STEPS:
+        if rep.straggler is not None and (not rep.step_ms or span_ns / (rep.step_ms * 1e6) < RECENT_MIN_STEPS):
             # the first steps of a job (connections, the probes attaching) are not evidence:
             # a live verdict on them named a healthy rank in 1 of 12 lab runs
             rep.straggler = None
         if recent_s:
-            window_s = max(recent_s, RECENT_MIN_STEPS * rep.step_ms / 1e3)
-            recent = _analyse_recent(con, slow_collective_ms, window_s)
+            recent, _ = _recent(con, slow_collective_ms, recent_s, span_ns, rep.step_ms)
             if recent is not None and recent.straggler is not None:
-                s = recent.straggler
-                rep.straggler = dataclasses.replace(s, evidence=f"in the last {window_s:.3g} s: {s.evidence}")
+                rep.straggler = recent.straggler
         return rep, world_size(con)
     finally:
         con.close()
 
 
-def _analyse_recent_only(con, slow_collective_ms: float | None, recent_s: float,
-                         calls: int) -> Report | None:
-    """The live report of a large session: the recent window alone (the window is first
-    `recent_s`, then stretched to RECENT_MIN_STEPS of the step time it shows)."""
-    rep = _analyse_recent(con, slow_collective_ms, recent_s)
-    if rep is None:
-        return None
-    window_s = max(recent_s, RECENT_MIN_STEPS * rep.step_ms / 1e3)
-    if window_s > recent_s * 1.01:
-        rep = _analyse_recent(con, slow_collective_ms, window_s)
+def _recent(con, slow_collective_ms: float | None, recent_s: float, span_ns: int,
+            step_ms: float | None = None) -> tuple[Report | None, float]:
+    """The report of the recent window and its length: `recent_s`, stretched to
+    RECENT_MIN_STEPS steps of `step_ms` (unknown: of the step the first `recent_s` show).
+    None when the session is not longer than the window. A straggler's evidence says
+    which window it comes from."""
+    rep = None
+    if step_ms is None:
+        rep = _analyse_recent(con, slow_collective_ms, recent_s, span_ns)
         if rep is None:
-            return None
-    if rep.straggler is not None:
+            return None, recent_s
+        step_ms = rep.step_ms
+    window_s = max(recent_s, RECENT_MIN_STEPS * step_ms / 1e3)
+    if rep is None or window_s > recent_s * 1.01:
+        rep = _analyse_recent(con, slow_collective_ms, window_s, span_ns)
+    if rep is not None and rep.straggler is not None:
         s = rep.straggler
         rep.straggler = dataclasses.replace(s, evidence=f"in the last {window_s:.3g} s: {s.evidence}")
-    rep.warnings.insert(0, f"live figures cover the last {window_s:.3g} s of {calls:,} NCCL calls so far; "
-                           "the whole session is judged when it ends")
-    return rep
+    return rep, window_s
 
 
-def _steps_traced(con, step_ms: float) -> float:
-    first, last = con.execute("SELECT min(timestamp_ns), max(timestamp_ns) FROM nccl_events").fetchone()
-    return (last - first) / (step_ms * 1e6) if first is not None and step_ms > 0 else 0.0
-
-
-def _keep_sched_totals(con) -> None:
+def _keep_sched_totals(con, newest_call_ns: int | None) -> None:
     """Keep this refresh's off-CPU totals (cumulative, from the kernel) with the time of the
     newest call, so the recent window can use the increase since its start."""
     con.execute("CREATE TABLE IF NOT EXISTS _sched_totals_at AS "
                 "SELECT 0::BIGINT AS at_ns, * FROM sched_totals WHERE false")
-    con.execute("INSERT INTO _sched_totals_at SELECT (SELECT max(timestamp_ns) FROM nccl_events), * "
-                "FROM sched_totals WHERE (SELECT max(timestamp_ns) FROM nccl_events) IS NOT NULL")
+    if newest_call_ns is not None:
+        con.execute("INSERT INTO _sched_totals_at SELECT ?, * FROM sched_totals", [int(newest_call_ns)])
 
 
-def _analyse_recent(con, slow_collective_ms: float | None, recent_s: float) -> Report | None:
-    """The analysis of the events of the last `recent_s` seconds (None if the session is
-    not longer than that). Temporary views shadow the event tables for the while, and the
-    off-CPU totals by their increase since the window's start (the snapshot kept at or
-    before it; older snapshots are dropped)."""
-    first, last = con.execute("SELECT min(timestamp_ns), max(timestamp_ns) FROM nccl_events").fetchone()
-    if first is None or last - first <= recent_s * 1e9:
+def _analyse_recent(con, slow_collective_ms: float | None, recent_s: float, span_ns: int) -> Report | None:
+    """The analysis of the events of the last `recent_s` seconds (None if the session,
+    `span_ns` long, is not longer than that). Temporary views shadow the event tables for
+    the while, and the off-CPU totals by their increase since the window's start (the
+    snapshot kept at or before it; older snapshots are dropped)."""
+    if span_ns <= recent_s * 1e9:
         return None        # the whole session is recent: already judged
-    since = int(last - recent_s * 1e9)
+    since = int(con.execute("SELECT max(timestamp_ns) FROM nccl_events").fetchone()[0] - recent_s * 1e9)
     db = con.execute("SELECT current_database()").fetchone()[0].replace('"', '""')
     base = con.execute("SELECT max(at_ns) FROM _sched_totals_at WHERE at_ns <= ?", [since]).fetchone()[0]
     shadowed = list(schema.EVENT_TABLES)
@@ -278,13 +275,7 @@ def _event_view(con, table: str, local: LocalSession, offsets: dict[str, int]) -
     split = table == "nccl_events" and con.execute(
         "SELECT count(*) FROM comms WHERE op = 'COMM_SPLIT' AND rank >= 0").fetchone()[0]
     if split:   # what resolve_split_ranks would UPDATE in a table
-        body = f"""
-            SELECT e.* REPLACE (CASE WHEN e.rank < 0 AND s.pid IS NOT NULL THEN s.rank ELSE e.rank END AS rank,
-                                CASE WHEN e.rank < 0 AND s.pid IS NOT NULL THEN s.nranks ELSE e.nranks END AS nranks)
-            FROM ({body}) e
-            LEFT JOIN (SELECT node, pid, comm_id_hash, any_value(rank) AS rank, any_value(nranks) AS nranks
-                       FROM comms WHERE op = 'COMM_SPLIT' AND rank >= 0 GROUP BY ALL) s
-              ON s.node IS NOT DISTINCT FROM e.node AND s.pid = e.pid AND s.comm_id_hash = e.comm_id_hash"""
+        body = with_split_ranks(body)
     con.execute(f"CREATE VIEW {table} AS {body}")
     return units
 

@@ -82,17 +82,27 @@ def test_a_clock_offset_given_on_the_command_line_is_applied_and_recorded(tmp_pa
     assert tables(tmp_path / "m2.duckdb") == tables(tmp_path / "m.duckdb")
 
 
-def operator_artifact(tmp_path: Path, skew_b_ns: int = 0):
+def operator_artifact(tmp_path: Path, skew_b_ns: int = 0, split: bool = False):
     """Two nodes' segments (node-b's clock `skew_b_ns` ahead) in tmp/seg, and the
     operator's artifact built from copies of them in tmp/art (offsets applied)."""
     from ingero_operator.gather import LocalSession, build_artifact
 
-    write_job(tmp_path / "seg", skew_b_ns=skew_b_ns)
+    write_job(tmp_path / "seg", skew_b_ns=skew_b_ns, split=split)
     local = LocalSession(tmp_path / "art")
     for node in ("node-a", "node-b"):
         shutil.copytree(tmp_path / "seg" / node, local.node_dir(node))
     build_artifact(local, {"node-a": 0, "node-b": skew_b_ns})
     return local
+
+
+def test_the_artifacts_view_resolves_split_ranks_as_the_merge_does_in_a_table(tmp_path):
+    local = operator_artifact(tmp_path, split=True)
+    assert q(local.artifact, "SELECT count(*) FROM duckdb_views() WHERE view_name = 'nccl_events'") == [(1,)]
+    assert q(local.artifact, "SELECT count(*) FROM nccl_events WHERE rank < 0 AND comm_id_hash = ?",
+             [CHILD]) == [(0,)]
+    merge([tmp_path / "seg"], tmp_path / "m.duckdb")          # raw segments: resolved by UPDATE
+    merged, art = tables(tmp_path / "m.duckdb"), tables(local.artifact)
+    assert merged["nccl_events"] == art["nccl_events"] and merged["comms"] == art["comms"]
 
 
 def test_an_offset_known_to_one_input_is_applied_once_to_raw_rows_of_that_node(tmp_path):

@@ -132,7 +132,8 @@ def test_the_recent_window_counts_off_cpu_time_since_its_start(tmp_path):
                     "FROM sched_totals", [since - 1])
         con.execute("INSERT INTO _sched_totals_at SELECT ?, * REPLACE (0 AS total_ns) FROM sched_totals",
                     [since - 2_000_000_000])
-        recent = _analyse_recent(con, None, 6.0)
+        first = con.execute("SELECT min(timestamp_ns) FROM nccl_events").fetchone()[0]
+        recent = _analyse_recent(con, None, 6.0, last - first)
         assert con.execute("SELECT min(at_ns) FROM _sched_totals_at").fetchone()[0] == since - 1
     finally:
         con.close()
