@@ -20,7 +20,8 @@ NON_DEFAULT = {
               "tolerations": [{"key": "example.com/training", "operator": "Equal", "value": "yes",
                                "effect": "NoExecute", "tolerationSeconds": 600}],
               "nodeSelector": {"example.com/gpu": "a100"}, "kernelHeaders": {"linkOnHost": True}},
-    "operator": {"replicas": 2, "artifacts": {"existingClaim": "ingero-artifacts"}, "verbose": True},
+    "operator": {"replicas": 2, "artifacts": {"existingClaim": "ingero-artifacts"}, "verbose": True,
+                 "liveWindowSeconds": 0},
     "token": {"value": "0123456789abcdef0123456789abcdef"},
 }
 NAMESPACED = {"operator": {"watchNamespaces": ["team-a", "team-b"]},
@@ -179,6 +180,7 @@ def test_rendered_args_parse_with_the_real_cli_and_the_operator_settings_match_t
         assert str(t.out).startswith("/tmp/")
         o = build_parser().parse_args(op["args"])
         assert (o.command, o.operator_command) == ("operator", "run")
+        assert o.live_window == (0.0 if values else st.TimingSettings().live_window_s)
         # The operator resolves its settings from the rendered env ...
         env = {e["name"]: e["value"] for e in op["env"] if "value" in e}
         env["POD_NAMESPACE"] = NAMESPACE
@@ -234,6 +236,7 @@ def test_invalid_combinations_fail_with_a_message_naming_the_fix(values, message
     ({"operator": {"replicas": -1}}, "/operator/replicas"),
     ({"operator": {"watchNamespaces": ["Team_A"]}}, "/operator/watchNamespaces/0"),
     ({"operator": {"refreshIntervalSeconds": 0}}, "/operator/refreshIntervalSeconds"),
+    ({"operator": {"liveWindowSeconds": -1}}, "/operator/liveWindowSeconds"),
     ({"token": {"value": "short"}}, "/token/value"),
     ({"tls": {"enabled": "yes"}}, "/tls/enabled"),
     ({"agent": {"tolerations": [{"key": "a", "operator": "Maybe"}]}}, "/agent/tolerations/0/operator"),
