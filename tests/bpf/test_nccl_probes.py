@@ -245,7 +245,9 @@ def test_with_pods_the_library_path_is_resolved_in_each_pods_own_file_system(
     own = tmp_path / "containers-copy.so"
     shutil.copy(fake_nccl["lib"], own)
     lib = str(fake_nccl["lib"])
-    t = trace("--pods", str(pods), "--probes", "nccl", "--nccl-lib", lib)
+    # a second path that exists nowhere: not an error with pods, but named for the pod
+    t = trace("--pods", str(pods), "--probes", "nccl", "--nccl-lib", lib,
+              "--nccl-lib", "/opt/ingero-nowhere/libnccl.so.2")
     go = tmp_path / "go"
     go.touch()                                       # no waiting: calls start at once
     from tests.bpf.conftest import spawn
@@ -258,3 +260,4 @@ def test_with_pods_the_library_path_is_resolved_in_each_pods_own_file_system(
     first = t.query("SELECT op, comm_id_hash FROM nccl_events ORDER BY timestamp_ns LIMIT 1")
     assert first == [("COMM_INIT_RANK", fold(ids(9)[0]))]
     assert t.query("SELECT COUNT(*) FROM nccl_events") == [(2 + 19,)]
+    assert [ln for ln in t.lines if "/opt/ingero-nowhere/libnccl.so.2 is not in pod ml/w-0's file system" in ln]
