@@ -29,10 +29,11 @@ def add_parser(sub):
     e = s.add_parser("perfetto", help="Chrome Trace Event JSON for ui.perfetto.dev",
                      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                      epilog="examples:\n"
-                     "  ingero export perfetto out/demo/artifacts/default/lab-job/trace.duckdb -o lab.json\n"
+                     "  ingero export perfetto out/demo/artifacts/default/lab-job-<uid>/ -o lab.json\n"
                      "  ingero export perfetto job.duckdb -o window.json --start 10s --end 12.5s\n"
                      "  ingero export perfetto job.duckdb -o small.json --max-events 200000")
-    e.add_argument("source", type=Path, help="trace .duckdb file or segment directory")
+    e.add_argument("source", type=Path, help="trace .duckdb file, a folder holding one (the operator's "
+                   "artifact folder), or a segment directory")
     e.add_argument("-o", "--out", type=Path, required=True, help="the JSON file to write")
     e.add_argument("--start", help="keep events from this long after the first event (e.g. 30s, 250ms)")
     e.add_argument("--end", help="... until this long after the first event")
