@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     ap.add_argument("--out", type=Path, default=Path("bench/results.json"))
     a = ap.parse_args(argv)
-    from bench import (analysis_scale, ingest, live_refresh, sqlite_vs_duckdb, step_overhead, storage,
+    from bench import (analysis_scale, duration_encoding, ingest, live_refresh, sqlite_vs_duckdb, step_overhead, storage,
                        time_to_straggler, uprobe_cost)
 
     q = a.quick
@@ -34,6 +34,7 @@ def main(argv=None) -> int:
          ["--events", "300000", "--sqlite-cap", "10"] if q else []),
         ("analysis_scale", analysis_scale.main, ["--quick"] if q else []),
         ("live_refresh", live_refresh.main, ["--quick"] if q else []),
+        ("duration_encoding", duration_encoding.main, ["--rows", "1000000"] if q else []),
     ]
     root = [
         ("uprobe_cost", uprobe_cost.main, ["--rounds", "3"] if q else []),
