@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -38,8 +39,6 @@ def one_run(fault: str, fault_after: float, timeout: float, out: Path, poll_s: f
     sys.path.insert(0, str(REPO / "operator"))
     from ingero_operator.demo import Demo, DemoConfig
     from ingero_operator.settings import Settings
-
-    import shutil
 
     # A fresh folder per run (the operator keys a session's files by UID, so an earlier
     # run's data would not be read; this just keeps the disk use of many runs bounded).
