@@ -93,6 +93,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "shorter ones are only summed")
     p.add_argument("--ringbuf-pages", type=int, default=2048, metavar="N",
                    help="ring buffer size per probe family in pages, a power of 2 (default 2048)")
+    p.add_argument("--segment-seconds", type=float, default=2.0, metavar="S",
+                   help="write a segment (and drain the rings, if no burst woke the tracer "
+                        "earlier) this often (default 2; live views see data this late)")
     p.add_argument("--done-file", type=Path, metavar="PATH",
                    help="touch this file once the last segments are on disk (detaching the "
                         "probes afterwards can take seconds; a supervisor need not wait for it)")
@@ -140,6 +143,9 @@ def run(args) -> int:
     duration = parse_duration(args.duration) if args.duration is not None else None
     if args.sched_min_us < 0:
         raise IngeroError(f"--sched-min-us {args.sched_min_us} is negative; pass 0 or more")
+    if not 0.1 <= args.segment_seconds <= 3600:
+        raise IngeroError(f"--segment-seconds {args.segment_seconds} is out of range; "
+                          "pass 0.1 to 3600")
     cfg = ProbeConfig(families=families, trace_all=args.all,
                       sched_min_ns=int(args.sched_min_us * 1000),
                       ringbuf_pages=args.ringbuf_pages, self_tgid=os.getpid())
@@ -171,6 +177,6 @@ def run(args) -> int:
     session = args.session_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     opts = TraceOptions(segments=seg, node=node, session_id=session, probe_config=cfg, out=out,
                         duration_s=duration, nccl_libs=libs, ready_file=args.ready_file, done_file=args.done_file,
-                        pods_file=args.pods,
+                        pods_file=args.pods, roll_s=args.segment_seconds,
                         quiet=args.quiet)
     return Tracer(opts, targets).run()

@@ -73,11 +73,13 @@ def burst(fake_nccl) -> str:
 
 def test_a_burst_many_rings_long_is_drained_by_wakeups_without_loss(fake_nccl, burst, trace,
                                                                     make_cgroup, tmp_path):
-    pages, calls, roll_s = 2048, 600_000, 2.0   # the agent's default ring: 8 MiB
+    # The agent's default ring (8 MiB), and segments rolled rarely, so that draining only at
+    # rolls could not hold the burst however slowly a busy machine runs it.
+    pages, calls, roll_s = 2048, 600_000, 30.0
     capacity = pages * 4096 // ringbuf_dtype(NCCL_EVENT).itemsize    # 74,898 records
     cg = make_cgroup()
     t = trace("--cgroup", str(cg), "--probes", "nccl", "--nccl-lib", str(fake_nccl["lib"]),
-              "--ringbuf-pages", str(pages), "--quiet")
+              "--ringbuf-pages", str(pages), "--segment-seconds", str(roll_s), "--quiet")
     go = tmp_path / "go"
     t0 = time.monotonic()
     drv = spawn([burst, str(calls), str(go)], cgroup=cg)

@@ -101,3 +101,8 @@ def test_without_root_trace_says_root_is_needed(tmp_path):
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "needs root" in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("seconds", ["0", "-1", "1e400", "nan"])
+def test_segment_seconds_out_of_range_is_one_line_error(capsys, seconds):
+    assert "--segment-seconds" in _one_line_error(capsys, ["trace", "--all", "--segment-seconds", seconds])
