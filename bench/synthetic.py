@@ -71,14 +71,21 @@ def as_agent_columns(cols: dict) -> dict:
 
 def session(seg_dir, nodes: int = 2, ranks_per_node: int = 2, steps: int = 200,
             fault: str = "clean", victim: int | None = None, step_ms: float = 50.0,
-            seed: int = 7, fault_from_step: int = 0) -> dict:
+            seed: int = 7, fault_from_step: int = 0, late_ms: float = 8.0,
+            jitter_ms: float = 0.2, spurious_retx_rank: int | None = None,
+            rank_bias_ms: tuple = ()) -> dict:
     """Write a whole synthetic session (every node's segments) below `seg_dir`.
 
     Each step: compute, then an ALL_REDUCE on communicator A and an ALL_GATHER
     on B. Faults: `slow-rank` (victim arrives late), `io-stall` / `cpu-hog`
     (late, with io / runqueue off-CPU time), `lossy-link` (the victim's node
     retransmits on its own sockets and every collective it joins is slower),
-    from step `fault_from_step` on (a fault injected mid-session).
+    from step `fault_from_step` on (a fault injected mid-session). `late_ms`: how late
+    the victim of a late fault arrives; `jitter_ms`: the arrival noise of every rank (sd);
+    `spurious_retx_rank`: this rank's connections retransmit in 30% of collectives without
+    any loss or slowdown (what the peers of a starved rank see: it acknowledges late).
+    `rank_bias_ms`: a fixed extra lateness per rank (rank i gets item i), as ranks sharing
+    busy CPUs show.
     Returns the layout: victim rank and node names.
     """
     from pathlib import Path
@@ -106,11 +113,12 @@ def session(seg_dir, nodes: int = 2, ranks_per_node: int = 2, steps: int = 200,
                                     "global_rank", "ret")}
             for s in range(steps):
                 base = t0 + s * step_ns
-                late = 8e6 if r == victim and lateish and s >= fault_from_step else 0
+                late = late_ms * 1e6 if r == victim and lateish and s >= fault_from_step else 0
                 for ci, op in enumerate(("ALL_REDUCE", "ALL_GATHER")):
-                    arrive = base + 30e6 + ci * 4e6 + rng.normal(0, 2e5) + late
+                    bias = rank_bias_ms[r] * 1e6 if r < len(rank_bias_ms) else 0.0
+                    arrive = base + 30e6 + ci * 4e6 + rng.normal(0, jitter_ms * 1e6) + late + bias
                     # everyone leaves together when the last rank has arrived
-                    last = base + 30e6 + ci * 4e6 + 8e6 * (lateish and s >= fault_from_step)
+                    last = base + 30e6 + ci * 4e6 + late_ms * 1e6 * (lateish and s >= fault_from_step)
                     lossy = fault == "lossy-link" and s >= fault_from_step
                     wire = 2e6 * (1 + (lossy and rng.random() < 0.3) * 5)
                     cols["timestamp_ns"].append(int(arrive))
@@ -120,6 +128,8 @@ def session(seg_dir, nodes: int = 2, ranks_per_node: int = 2, steps: int = 200,
                     cols["seq"].append(s)
                     if lossy and ni == vnode and rng.random() < 0.3:
                         tcp_ts.append((int(arrive + 1e6), pid, r))
+                    elif r == spurious_retx_rank and rng.random() < 0.3:
+                        tcp_ts.append((int(max(arrive, last) + 1e6), pid, r))
             n = len(cols["timestamp_ns"])
             cols.update(rank=[r] * n, nranks=[world] * n, count=[262144] * n, bytes=[1 << 20] * n,
                         pid=[pid] * n, tid=[pid] * n, global_rank=[r] * n, ret=[0] * n)

@@ -67,3 +67,17 @@ def test_slow_collective_threshold_counts_each_ranks_collectives_over_it(tmp_pat
     # the others wait ~8 ms for rank 3 at each of 400 collectives; rank 3 itself does not wait
     assert slow[3] == 0 and all(slow[r] == 400 for r in (0, 1, 2))
     assert all(r.slow_collectives is None for r in analyse(open_source(tmp_path)).ranks)
+
+
+def test_starved_rank_that_makes_a_peer_retransmit_is_named_for_cpu_not_the_peer_for_network(tmp_path):
+    # A busy machine: every rank's arrivals jitter (sd 1 ms) and two ranks sharing busy CPUs
+    # are late by 2.8 and 1.1 ms every time, so the starved victim (5 ms late) is no lateness
+    # outlier on its own; its ring neighbour's connections retransmit in 30% of collectives
+    # because the victim acknowledges late (the CI failure: rank 2 named for "network").
+    rep, lay = _report(tmp_path, "cpu-hog", victim=1, late_ms=5.0, jitter_ms=1.0,
+                       spurious_retx_rank=2, rank_bias_ms=(2.8, 0.0, 1.1, 0.0))
+    s = rep.straggler
+    assert (s.rank, s.cause) == (lay["victim"], "cpu-contention"), s
+    assert "runqueue" in s.evidence and "retransmits" in s.evidence
+    victim = next(r for r in rep.ranks if r.rank == lay["victim"])
+    assert victim.late_z < 3.5    # the lateness alone would not have named it
