@@ -97,6 +97,8 @@ class LabNetwork:
             ip("addr", "add", f"{node.ipv4}/24", "dev", "eth0", netns=node.netns)
             ip("-6", "addr", "add", f"{node.ipv6}/64", "dev", "eth0", "nodad", netns=node.netns)
             ip("link", "set", "eth0", "up", netns=node.netns)
+            no_offloads(node.netns, "eth0")
+            no_offloads(self.switch, port)
 
     def _add_ns(self, name: str) -> None:
         ip("netns", "add", name)
@@ -122,6 +124,36 @@ class LabNetwork:
             if name_or_index in (n.name, n.index):
                 return n
         raise IngeroError(f"no lab node {name_or_index!r}: nodes are {', '.join(n.name for n in self.nodes)}")
+
+
+# Segmentation and receive offloads off on both ends of every lab veth: with them on, TCP
+# hands veths 64 KB super-packets, and the lossy-link rule (one packet in N dropped) drops
+# ~50 KB at once instead of one segment, which is not how a lossy link loses data.
+OFFLOADS = ("gso", "tso", "gro")
+
+
+def no_offloads(netns: str, dev: str) -> None:
+    """Turn OFFLOADS off on `dev` in `netns` (ethtool -K); a failure raises IngeroError."""
+    argv = in_netns(netns, ["ethtool", "-K", dev] + [x for o in OFFLOADS for x in (o, "off")])
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise IngeroError("ethtool is not installed: run `make setup` (or apt-get install ethtool)") from None
+    if proc.returncode != 0:
+        raise IngeroError(f"`ethtool -K {dev}` in {netns} failed: {proc.stderr.strip() or proc.stdout.strip()}")
+
+
+def offloads(netns: str, dev: str) -> dict[str, bool]:
+    """The state of OFFLOADS on `dev` in `netns`, from `ethtool -k`."""
+    names = {"generic-segmentation-offload": "gso", "tcp-segmentation-offload": "tso",
+             "generic-receive-offload": "gro"}
+    proc = subprocess.run(in_netns(netns, ["ethtool", "-k", dev]), capture_output=True, text=True)
+    out = {}
+    for line in proc.stdout.splitlines():
+        key, _, val = line.partition(":")
+        if key.strip() in names:
+            out[names[key.strip()]] = val.split()[0] == "on"
+    return out
 
 
 def leftover_netns() -> list[str]:

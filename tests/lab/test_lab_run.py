@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from ingero.lab import cgroups
+from ingero.lab.netns import offloads
 from ingero.lab.runner import LabConfig, LabRun
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, cgroups)")
@@ -58,14 +59,22 @@ def test_clean_run_puts_ranks_in_pod_cgroups_finishes_in_lockstep_and_leaves_not
 def test_lossy_link_makes_retransmits_on_the_victim_node_only(tmp_path):
     cfg = LabConfig(scenario="lossy-link", seconds=5, loss_percent=5, out_dir=tmp_path, compute_ms=20)
     with LabRun(cfg, log=lambda m: None) as lab:
+        ends = [(n.netns, "eth0") for n in lab.nodes] + [(lab.net.switch, lab.net.port(n)) for n in lab.nodes]
+        states = {end: offloads(*end) for end in ends}
         lab.start_ranks()
         codes = lab.wait()
         run_id = lab.run_id
     assert set(codes.values()) == {0}
+    # segmentation/receive offloads off on both ends of every veth ...
+    assert all(st == {"gso": False, "tso": False, "gro": False} for st in states.values()), states
     tcp = lab.notes["node_tcp"]
     victim, other = tcp["lab-node-b"]["retrans_segs"], tcp["lab-node-a"]["retrans_segs"]
-    assert tcp["switch"]["nft_dropped"] > 0
+    dropped = tcp["switch"]["nft_dropped"]
+    assert dropped > 0
     assert victim > 50 and victim > 10 * max(other, 1), tcp
+    # ... so each drop is one segment: with GSO a drop took a ~64 KB super-packet, and the
+    # victim retransmitted dozens of segments per dropped packet
+    assert victim <= 3 * dropped, tcp
     assert lab.times["fault_injected_ns"] >= lab.times["started_ns"]
     assert leftovers(run_id) == []
 
