@@ -64,3 +64,27 @@ def pytest_runtest_makereport(item, call):
     rep.outcome = "failed"
     rep.longrepr = (f"CI=true: {where} must run in CI, but it skipped: {reason} "
                     "(fix the machine's setup in the Makefile, not the test)")
+
+
+# ---- nothing the suite creates in the cgroup tree outlives it -----------------------------
+
+CGROUP_PREFIXES = ("ingero-test-", "ingero-lab-")
+
+
+def _our_cgroups() -> set[str]:
+    root = Path("/sys/fs/cgroup/unified")
+    try:
+        return {p.name for p in root.iterdir() if p.name.startswith(CGROUP_PREFIXES)}
+    except OSError:
+        return set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leftover_cgroups():
+    """Fails the run (an error at the last teardown) if a test or lab run left one of our
+    cgroup folders behind. Folders that were there before the run are not ours to judge."""
+    before = _our_cgroups()
+    yield
+    left = sorted(_our_cgroups() - before)
+    if left:
+        pytest.fail(f"the tests left cgroup folders behind: {', '.join(left)}")

@@ -65,18 +65,28 @@ def make_cgroup():
 
     yield make
     for d in reversed(made):
-        for _ in range(50):
-            pids = [int(p) for p in (d / "cgroup.procs").read_text().split()]
-            for p in pids:
-                try:
-                    os.kill(p, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        remove_cgroup_tree(d)
+
+
+def remove_cgroup_tree(top: Path) -> None:
+    """Kill every process in `top` and below, and remove its folders deepest first (a cgroup
+    folder with children cannot be removed: the tests' pod folders leaked that way)."""
+    for _ in range(100):
+        if not top.exists():
+            return
+        folders = sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts))
+        for d in folders + [top]:
             try:
+                for pid in (d / "cgroup.procs").read_text().split():
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
                 d.rmdir()
-                break
             except OSError:
-                time.sleep(0.05)
+                pass
+        time.sleep(0.05)
+    raise RuntimeError(f"could not remove test cgroup {top}")
 
 
 def spawn(argv: list[str], cgroup: Path | None = None, **kw) -> subprocess.Popen:
