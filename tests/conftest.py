@@ -67,24 +67,33 @@ def pytest_runtest_makereport(item, call):
 
 
 # ---- nothing the suite creates in the cgroup tree outlives it -----------------------------
+# Test cgroups carry this process's pid (tests/bpf/conftest.py), so a suite running beside
+# another one on the same machine judges only its own. Lab runs check their own cgroups and
+# namespaces in tests/lab.
 
-CGROUP_PREFIXES = ("ingero-test-", "ingero-lab-")
+CGROUP_ROOT = Path("/sys/fs/cgroup/unified")
 
 
-def _our_cgroups() -> set[str]:
-    root = Path("/sys/fs/cgroup/unified")
-    try:
-        return {p.name for p in root.iterdir() if p.name.startswith(CGROUP_PREFIXES)}
-    except OSError:
-        return set()
+def test_cgroup_prefix() -> str:
+    return f"ingero-test-{os.getpid()}-"
 
 
 @pytest.fixture(scope="session", autouse=True)
 def no_leftover_cgroups():
-    """Fails the run (an error at the last teardown) if a test or lab run left one of our
-    cgroup folders behind. Folders that were there before the run are not ours to judge."""
-    before = _our_cgroups()
+    """Fails the run (an error at the last teardown) if a test left a cgroup folder behind."""
     yield
-    left = sorted(_our_cgroups() - before)
+    try:
+        left = sorted(p.name for p in CGROUP_ROOT.iterdir() if p.name.startswith(test_cgroup_prefix()))
+    except OSError:
+        left = []
     if left:
         pytest.fail(f"the tests left cgroup folders behind: {', '.join(left)}")
+
+
+def background_load() -> int:
+    """Busy processes for the lab verdict tests: 2 in CI (CI=true) or with
+    INGERO_TEST_BACKGROUND_LOAD=N, else none. A verdict must hold on a busy machine."""
+    env = os.environ.get("INGERO_TEST_BACKGROUND_LOAD")
+    if env is not None:
+        return int(env)
+    return 2 if in_ci() else 0

@@ -50,6 +50,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="start the fault this long after the ranks start (time in lab.json: fault_injected_ns); "
                         "default: before they start")
     r.add_argument("--compute-ms", type=float, default=40.0, help="GPU-like wait per step; default 40")
+    r.add_argument("--background-load", type=int, default=0, metavar="N",
+                   help="N busy processes (CPU spin and system-call churn, unpinned) keep the whole "
+                   "machine busy, as on a shared node or in CI; default 0")
     r.add_argument("--ipv6", action="store_true", help="rendezvous and move data over IPv6")
     r.add_argument("--trace", action="store_true", help="run `ingero trace` on every lab node")
     r.add_argument("--out", type=Path, default=Path("out/lab"), help="output directory; default out/lab")
@@ -89,7 +92,8 @@ def _run(args) -> int:
     cfg = LabConfig(scenario=args.scenario, nodes=args.nodes, ranks_per_node=args.ranks_per_node,
                     seconds=args.seconds, steps=args.steps, loss_percent=args.loss_percent,
                     victim_rank=args.victim_rank, ipv6=args.ipv6, out_dir=args.out,
-                    compute_ms=args.compute_ms, fault_after_s=args.fault_after)
+                    compute_ms=args.compute_ms, fault_after_s=args.fault_after,
+                    background_load=args.background_load)
     if cfg.fault_after_s is not None and cfg.fault_after_s < 0:
         raise IngeroError("--fault-after must be >= 0")
     if cfg.seconds <= 0 and cfg.steps <= 0:

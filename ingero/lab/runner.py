@@ -29,6 +29,7 @@ from typing import Callable
 from ingero.errors import IngeroError, NotPermitted
 from ingero.lab import cgroups, faults
 from ingero.lab.build import LabBinaries, build_lab_binaries
+from ingero.lab.load import start_background_load
 from ingero.lab.netns import LabNetwork, LabNode, in_netns, tcp_counters
 
 STEP_LINE = re.compile(r"^rank (\d+) step (\d+) step_ms ([\d.]+)")
@@ -54,6 +55,7 @@ class LabConfig:
     slow_factor: float = 2.0       # slow-rank: victim's compute_ms multiplier
     hogs: int = 8                  # cpu-hog: busy loops sharing the victim's CPU (3 is too mild on 2 cores: docs/operator.md)
     fault_after_s: float | None = None  # start the fault this long after the ranks start (None: before they start)
+    background_load: int = 0       # busy processes keeping the whole machine busy (ingero/lab/load.py)
     timeout_s: int = 60            # a rank whose peer stops answering fails after this
     master_port: int = 29500
     progress_every_s: float = 3.0
@@ -86,6 +88,8 @@ class LabRun:
                  log: Callable[[str], None] = print):
         if cfg.scenario not in faults.SCENARIOS:
             raise IngeroError(f"unknown scenario {cfg.scenario!r}: use one of {', '.join(faults.SCENARIOS)}")
+        if not 0 <= cfg.background_load <= 64:
+            raise IngeroError(f"--background-load {cfg.background_load} is out of range: use 0 to 64")
         if cfg.ranks_per_node < 1 or cfg.world > 64:
             raise IngeroError("--ranks-per-node must be >= 1 and nodes x ranks-per-node at most 64")
         self.victim = cfg.world - 1 if cfg.victim_rank is None else cfg.victim_rank
@@ -100,6 +104,7 @@ class LabRun:
         self.ranks: list[RankProc] = []
         self.extra: list[subprocess.Popen] = []
         self.hogs: list[subprocess.Popen] = []
+        self.load: list[subprocess.Popen] = []   # background load (LabConfig.background_load)
         self.on_close: list[Callable[[], None]] = []  # run first during close()
         self.times: dict[str, int | None] = {"started_ns": None, "ended_ns": None, "fault_injected_ns": None}
         self.notes: dict = {}
@@ -129,6 +134,10 @@ class LabRun:
             self.log(f"lab {self.run_id}: network up, {len(self.nodes)} nodes: "
                      + ", ".join(f"{n.name} {n.ipv6 if self.cfg.ipv6 else n.ipv4}" for n in self.nodes))
             self._make_pods()
+            if self.cfg.background_load:
+                self.load = start_background_load(self.cfg.background_load,
+                                                  cgroups.make_plain(self.run_id, "background-load"))
+                self.log(f"lab {self.run_id}: background load, {self.cfg.background_load} busy processes")
             self._inject_fault()
         except BaseException:
             self.close()
@@ -359,10 +368,11 @@ class LabRun:
                 cb()
             except Exception as e:  # one failing hook must not leave namespaces behind
                 errors.append(f"close hook: {e}")
-        for p in self.hogs + self.extra + [rp.proc for rp in self.ranks if rp.proc]:
+        procs = self.load + self.hogs + self.extra + [rp.proc for rp in self.ranks if rp.proc]
+        for p in procs:
             if p.poll() is None:
                 p.kill()
-        for p in self.hogs + self.extra + [rp.proc for rp in self.ranks if rp.proc]:
+        for p in procs:
             p.wait()
         for rp in self.ranks:
             if rp.exit_code is None and rp.proc is not None:

@@ -45,6 +45,7 @@ class DemoConfig:
     loss_percent: float = 5.0
     victim_rank: int | None = None
     hogs: int = 8                          # cpu-hog: busy loops sharing the victim's CPU
+    background_load: int = 0               # busy processes keeping the whole machine busy (lab --background-load)
     fault_after_s: float | None = None     # the fault starts this long after the ranks (None: before)
     kill_agent_node: str | None = None     # tests: SIGKILL this node's agent ...
     kill_agent_after_s: float = 5.0        # ... this long after the ranks started
@@ -100,7 +101,7 @@ class Demo:
                                 ranks_per_node=self.cfg.ranks_per_node, seconds=self.cfg.seconds,
                                 loss_percent=self.cfg.loss_percent, victim_rank=self.cfg.victim_rank,
                                 hogs=self.cfg.hogs, fault_after_s=self.cfg.fault_after_s,
-                                out_dir=self.out / "lab")
+                                background_load=self.cfg.background_load, out_dir=self.out / "lab")
             self.lab = LabRun(lab_cfg, log=self.log).__enter__()
             self._start_agents()
             for rp in self.lab.ranks:
@@ -268,6 +269,8 @@ def add_parser(sub):
     p.add_argument("--loss-percent", type=float, default=5.0, help="lossy-link drop rate; default 5")
     p.add_argument("--victim-rank", type=int, default=None, help="default: the last rank")
     p.add_argument("--hogs", type=int, default=8, help="cpu-hog: busy loops on the victim's CPU; default 8")
+    p.add_argument("--background-load", type=int, default=0, metavar="N",
+                   help="N busy processes keep the whole machine busy (as on a shared node); default 0")
     p.add_argument("--out", type=Path, default=Path("out/demo"), help="default out/demo")
     p.add_argument("--keep-running", action="store_true",
                    help="keep the API server, operator and agents up afterwards (Ctrl-C ends)")
@@ -285,7 +288,7 @@ def run(args) -> int:
         raise IngeroError("--nodes must be >= 1")
     cfg = DemoConfig(scenario=args.scenario, seconds=args.seconds, nodes=args.nodes,
                      ranks_per_node=args.ranks_per_node, out=args.out, loss_percent=args.loss_percent,
-                     victim_rank=args.victim_rank, hogs=args.hogs)
+                     victim_rank=args.victim_rank, hogs=args.hogs, background_load=args.background_load)
     old = signal.signal(signal.SIGTERM, _interrupt)
     try:
         with Demo(cfg, log=lambda m: print(m, flush=True)) as demo:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import bpf_reason
+from tests.conftest import bpf_reason, test_cgroup_prefix
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -58,7 +58,7 @@ def make_cgroup():
     made: list[Path] = []
 
     def make() -> Path:
-        d = cgroup2_mount() / f"ingero-test-{uuid.uuid4().hex[:8]}"
+        d = cgroup2_mount() / f"{test_cgroup_prefix()}{uuid.uuid4().hex[:8]}"
         d.mkdir()
         made.append(d)
         return d

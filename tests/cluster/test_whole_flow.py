@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from tests.cluster import verdict
-from tests.conftest import bpf_reason
+from tests.conftest import background_load, bpf_reason
 
 pytestmark = pytest.mark.bpf
 SECONDS = 10.0
@@ -45,6 +45,7 @@ def run_flow(out: Path, scenario: str, before=None, **kw) -> dict:
         pytest.skip(reason)
     from ingero_operator.demo import Demo, DemoConfig
 
+    kw.setdefault("background_load", background_load())
     cfg = DemoConfig(scenario=scenario, seconds=kw.pop("seconds", SECONDS), out=out, **kw)
     with Demo(cfg, log=lambda _m: None) as demo:
         extra = before(demo) if before else None

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from ingero.errors import IngeroError
 from ingero.lab import cgroups
 from ingero.lab.netns import offloads
 from ingero.lab.runner import LabConfig, LabRun
@@ -107,3 +108,22 @@ def test_sigint_to_lab_run_removes_namespaces_and_cgroups(tmp_path):
     assert proc.returncode == 128 + signal.SIGINT, rest
     assert leftovers(run_id) == []
     assert [p for p in pids if running(p)] == []
+
+
+def test_background_load_runs_beside_the_job_unpinned_and_is_removed_with_the_run(tmp_path):
+    cfg = LabConfig(scenario="clean", seconds=2, out_dir=tmp_path, compute_ms=20, background_load=3)
+    with LabRun(cfg, log=lambda m: None) as lab:
+        cg = cgroups.run_cgroup(lab.run_id) / "background-load"
+        pids = [int(p) for p in (cg / "cgroup.procs").read_text().split()]
+        allowed = [len(os.sched_getaffinity(p)) for p in pids]
+        lab.start_ranks()
+        codes = lab.wait()
+        run_id = lab.run_id
+    assert set(codes.values()) == {0}
+    assert len(pids) >= 3 and all(n == os.cpu_count() for n in allowed), (pids, allowed)
+    assert [p for p in pids if running(p)] == [] and leftovers(run_id) == []
+
+
+def test_background_load_out_of_range_is_refused_with_the_range(tmp_path):
+    with pytest.raises(IngeroError, match="--background-load 65 is out of range"):
+        LabRun(LabConfig(out_dir=tmp_path, background_load=65))
