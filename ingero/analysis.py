@@ -39,6 +39,7 @@ RETX_SHARE = 0.67             # share of all in-window retransmits that makes th
 RETX_MIN_COLL_SHARE = 0.05
 OFFCPU_RATIO = 2.0            # cause needs >= 2x the peers' median off-CPU time of that reason
 OFFCPU_MIN_SHARE = 0.03       # ... and >= 3% of the traced time
+OFFCPU_FLOOR_MS = 50.0        # spread floor when judging off-CPU totals as an outlier
 
 
 @dataclass
@@ -313,25 +314,31 @@ def _verdict(be, rows: dict, step_ns: float, traced_ns: int) -> Straggler | None
 
 
 def _starved_verdict(be, rows: dict, step_ns: float, traced_ns: int) -> Straggler | None:
-    """The latest rank, when its own off-CPU time (runqueue or I/O) stands out, even if its
-    lateness alone is no outlier: two signals that agree. A rank starved of CPU acknowledges
-    late, so its peers retransmit without any loss (CI on a busy machine, lab cpu-hog: rank 3
-    starved, lateness z 2.85, 147 spurious retransmits on rank 2 named "network"). A lossy
-    link leaves arrivals on time and no rank with an off-CPU excess, so it is judged after."""
+    """The latest rank, when its own off-CPU time (runqueue or I/O) is an outlier among the
+    ranks and the lateness it causes costs the step: the off-CPU excess is the evidence, the
+    lateness need not be an outlier on its own. A rank starved of CPU acknowledges late, so
+    its peers retransmit without any loss, and on a busy machine every rank is somewhat late
+    (CI, lab cpu-hog beside other work: the victim 6.6 ms late, lateness z 2.0, its ring
+    neighbour's 106 spurious retransmits named "network"). A lossy link leaves arrivals on
+    time and no rank with an off-CPU outlier, so it is judged after this."""
     worst = max(rows, key=lambda k: rows[k].late_ms)
     r = rows[worst]
-    if r.late_ms * 1e6 < LATE_MIN_STEP_SHARE * step_ns:
+    if r.late_ms * 1e6 < max(LATE_FLOOR_NS, LATE_FLOOR_STEP_SHARE * step_ns):
         return None
     cause, why = _cpu_cause(rows, worst, traced_ns)
     if cause == "compute/unknown":
         return None
-    retx = sum(x.retransmits_in_window for k, x in rows.items() if k != worst)
+    reason = {"io": "io", "cpu-contention": "runqueue"}[cause]
+    z = robust_z({k: x.offcpu_ms.get(reason, 0.0) for k, x in rows.items()}, OFFCPU_FLOOR_MS)[worst]
     saving = _lateness_saving_ns(be, [worst], step_ns)
+    if z < LATE_Z or saving < LATE_MIN_STEP_SHARE * step_ns:
+        return None
+    retx = sum(x.retransmits_in_window for k, x in rows.items() if k != worst)
     evidence = (f"rank {worst} arrives {r.late_ms:.1f} ms after its peers' median at its collectives, "
-                f"the latest of all ranks (robust z {r.late_z:.1f}), and {why}; weighed against "
-                f"{retx} retransmits on other ranks' connections, which a rank answering late "
+                f"the latest of all ranks (lateness z {r.late_z:.1f}), and {why} (z {z:.1f}); weighed "
+                f"against {retx} retransmits on other ranks' connections, which a rank answering late "
                 "causes without any loss")
-    return Straggler(rank=worst, node=r.node, pod=r.pod, cause=cause, score=round(r.late_z, 2),
+    return Straggler(rank=worst, node=r.node, pod=r.pod, cause=cause, score=round(z, 2),
                      evidence=evidence, saving_ms_per_step=saving / 1e6,
                      saving_pct=100.0 * saving / step_ns if step_ns else 0.0)
 
