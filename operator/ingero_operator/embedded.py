@@ -100,9 +100,10 @@ def describe_error(e: jsonschema.ValidationError) -> tuple[str, str, str]:
     if e.validator == "enum":
         allowed = ", ".join(json.dumps(v) for v in e.validator_value)
         return fld, "FieldValueNotSupported", f"Unsupported value: {json.dumps(e.instance)}: supported values: {allowed}"
-    if e.validator == "minimum":
+    if e.validator in ("minimum", "maximum"):
+        bound = "greater" if e.validator == "minimum" else "less"
         return fld, "FieldValueInvalid", (f"Invalid value: {json.dumps(e.instance)}: {fld} in body should be "
-                                          f"greater than or equal to {e.validator_value}")
+                                          f"{bound} than or equal to {e.validator_value}")
     if e.validator in ("minProperties", "minItems", "minLength"):
         return fld, "FieldValueInvalid", f"Invalid value: {json.dumps(e.instance)}: {fld} in body should have at least {e.validator_value} {'properties' if e.validator == 'minProperties' else 'items' if e.validator == 'minItems' else 'chars'}"
     if e.validator == "type":

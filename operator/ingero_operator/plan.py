@@ -33,13 +33,24 @@ class SessionSpec:
     retention_h: int | None = None
 
 
+# The largest value of each number in a spec; the CRD's schema has the same `maximum`s
+# (tests/chart/test_crds.py checks that they agree). Beyond them a value is a mistake, and
+# some (durationSeconds 1e12) overflow date arithmetic.
+MAXIMUM = {
+    "spec.durationSeconds": 30 * 24 * 3600,           # a month of tracing
+    "spec.thresholds.slowCollectiveMs": 3_600_000,    # an hour
+    "spec.thresholds.schedMinMicros": 60_000_000,     # a minute
+    "spec.artifact.retentionHours": 24 * 366,         # a year
+}
+
+
 def _number(v, where: str, minimum: float, integer: bool = False):
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not float(v).is_integer()):
         raise SpecError(f"{where} must be {'an integer' if integer else 'a number'}, got {v!r}")
-    if v < minimum:
-        raise SpecError(f"{where} must be >= {minimum:g}, got {v!r}")
+    if not minimum <= v <= MAXIMUM[where]:
+        raise SpecError(f"{where} must be between {minimum:g} and {MAXIMUM[where]}, got {v!r}")
     return int(v) if integer else float(v)
 
 

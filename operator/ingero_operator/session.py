@@ -119,10 +119,24 @@ class Controller:
             pods = [p for p in await self.pods(ref, spec) if not planning.pod_finished(p)]
             sel = planning.label_selector(spec.match_labels)
             if not pods:
+                now = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
+                since = parse_iso(status.get("pendingSince")) or now
+                if spec.duration_s and (now - since).total_seconds() >= spec.duration_s:
+                    # a session with a duration ends after it, pods or not
+                    msg = (f"no running pod matched {sel} in namespace {ref.namespace} within "
+                           f"durationSeconds ({spec.duration_s}); check the selector")
+                    await self.patch(ref, {"phase": "Failed", "message": msg, "observedGeneration": ref.generation,
+                                           "conditions": condition("Ready", False, "NoPods", msg, ref.generation,
+                                                                   status.get("conditions"))})
+                    raise kopf.PermanentError(msg)
                 msg = f"no running pod matches {sel} in namespace {ref.namespace}; waiting for the job"
                 await self.patch(ref, {"phase": "Pending", "message": msg, "sessionId": ref.sid,
+                                       "pendingSince": since.isoformat().replace("+00:00", "Z"),
                                        "observedGeneration": ref.generation})
-                raise kopf.TemporaryError(msg, delay=self.s.timing.pending_retry_s)
+                delay = self.s.timing.pending_retry_s
+                if spec.duration_s:   # look again at the latest when the duration is up
+                    delay = max(0.5, min(delay, spec.duration_s - (now - since).total_seconds()))
+                raise kopf.TemporaryError(msg, delay=delay)
             start = parse_iso(status.get("startTime")) or dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
             deadline = start + dt.timedelta(seconds=spec.duration_s) if spec.duration_s else None
             rows, warnings = await self._reconcile(ref, spec, live, pods, deadline)

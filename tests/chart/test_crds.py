@@ -105,3 +105,25 @@ def test_examples_validate_against_the_tracesession_schema():
     bad = dict(examples[0][1], spec=dict(examples[0][1]["spec"], probes=["gpu"]))
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft7Validator(schema).validate(bad)
+
+
+def _spec_numbers(node: dict, path: str):
+    """(dotted path, schema node) of every number in a schema, below `path`."""
+    if node.get("type") in ("integer", "number"):
+        yield path, node
+    for k, sub in (node.get("properties") or {}).items():
+        yield from _spec_numbers(sub, f"{path}.{k}")
+
+
+def test_every_number_in_a_tracesession_spec_has_the_operators_maximum():
+    from ingero_operator.plan import MAXIMUM
+    crd = yaml.safe_load((ROOT / "crds" / "tracesession.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    got = {path: node.get("maximum") for path, node in _spec_numbers(spec, "spec")}
+    assert got == MAXIMUM
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    for huge in (10 ** 12, 2 ** 63 - 1):   # the API server refuses them before the operator sees them
+        doc = {"apiVersion": "ingero.io/v1alpha1", "kind": "TraceSession", "metadata": {"name": "x"},
+               "spec": {"selector": {"matchLabels": {"a": "b"}}, "durationSeconds": huge}}
+        with pytest.raises(jsonschema.ValidationError, match="maximum"):
+            jsonschema.Draft7Validator(schema).validate(doc)

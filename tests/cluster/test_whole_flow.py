@@ -96,6 +96,19 @@ def _malformed(demo) -> dict:
             break
         time.sleep(0.2)
     bad["relative-lib"] = st
+    # a session whose selector never finds a pod ends after its duration
+    path = demo.out / "no-pods.yaml"
+    path.write_text(yaml.safe_dump(dict(base, metadata={"name": "no-pods", "namespace": "default"},
+                                        spec={"selector": {"matchLabels": {"job": "nobody"}},
+                                              "durationSeconds": 2})))
+    demo.kubectl("apply", "-f", str(path))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        st = demo.status("no-pods")
+        if st.get("phase") == "Failed":
+            break
+        time.sleep(0.2)
+    bad["no-pods"] = st
     return bad
 
 
@@ -127,6 +140,14 @@ def test_a_spec_only_the_operator_can_judge_fails_with_a_message_and_others_stil
     st = clean["extra"]["relative-lib"]
     assert st["phase"] == "Failed" and "spec.ncclLibPath" in st["message"]
     assert clean["status"]["phase"] == "Completed"     # the operator kept serving the real session
+
+
+def test_a_session_whose_selector_finds_no_pod_fails_with_reason_no_pods_after_its_duration(clean):
+    st = clean["extra"]["no-pods"]
+    assert st["phase"] == "Failed" and "job=nobody" in st["message"], st
+    ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "NoPods")
+    assert clean["status"]["phase"] == "Completed"
 
 
 # ---- faults ----------------------------------------------------------------------------

@@ -33,7 +33,9 @@ def session(name, **spec):
     ("p3", {"probes": ["nccl"]}, "spec.selector", "Required value"),
     ("p4", {"selector": {"matchLabels": {}}}, "spec.selector.matchLabels", "at least 1"),
     ("p5", {"selector": {"matchLabels": {"a": "b"}}, "thresholds": {"slowCollectiveMs": -2}},
-     "spec.thresholds.slowCollectiveMs", "greater than or equal to 0")])
+     "spec.thresholds.slowCollectiveMs", "greater than or equal to 0"),
+    ("p6", {"selector": {"matchLabels": {"a": "b"}}, "durationSeconds": 2 ** 63 - 1}, "spec.durationSeconds",
+     "less than or equal to 2592000")])
 def test_a_trace_session_violating_the_crd_schema_is_rejected_with_422_naming_the_field(cluster, name, spec,
                                                                                        field, words):
     code, doc = cluster.request("POST", TRS, session(name, **spec))

@@ -77,3 +77,15 @@ def test_session_ids_are_stable_and_safe_for_the_agent():
 def test_finished_pods_and_selectors():
     assert pod_finished(pod("a", "n", phase="Succeeded")) and not pod_finished(pod("a", "n"))
     assert label_selector({"b": "2", "a": "1"}) == "a=1,b=2"
+
+
+@pytest.mark.parametrize("field,value", [
+    ("durationSeconds", 10 ** 12), ("durationSeconds", 2 ** 63 - 1), ("durationSeconds", 2592001)])
+def test_a_number_past_its_maximum_is_a_spec_error_naming_the_range(field, value):
+    with pytest.raises(SpecError, match=f"spec.{field} must be between 1 and 2592000"):
+        parse_spec({"selector": {"matchLabels": {"a": "b"}}, field: value})
+
+
+def test_thresholds_past_their_maximum_are_spec_errors():
+    with pytest.raises(SpecError, match="slowCollectiveMs must be between 0 and 3600000"):
+        parse_spec({"selector": {"matchLabels": {"a": "b"}}, "thresholds": {"slowCollectiveMs": 1e400}})
