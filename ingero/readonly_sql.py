@@ -42,7 +42,8 @@ class Limits:
     timeout_s: float = 10.0          # interrupted after this long
     max_rows: int = 10_000           # rows returned; more are cut (truncated = "rows")
     max_bytes: int = 4 << 20         # JSON size of the rows returned (truncated = "bytes")
-    memory_limit: str = "1GB"        # DuckDB memory_limit of the query's connection
+    memory_limit: str = "512MB"      # DuckDB memory_limit of the query's connection (the agent
+    #                                  also bounds its whole process: server.bound_memory)
     threads: int = 2                 # DuckDB threads of the query's connection
 
     def narrowed(self, timeout_s=None, max_rows=None) -> "Limits":
@@ -185,6 +186,10 @@ def run(con, sql: str, limits: Limits | None = None) -> Result:
                 if len(res.rows) >= limits.max_rows:
                     res.truncated = "rows"
                     break
+                # a value larger than what is left is never turned into JSON (a copy)
+                if sum(len(v) for v in row if isinstance(v, (str, bytes))) + size > limits.max_bytes:
+                    res.truncated = "bytes"
+                    break
                 row = [jsonable(v) for v in row]
                 size += len(json.dumps(row, separators=(",", ":"))) + 1
                 if size > limits.max_bytes:
@@ -196,6 +201,12 @@ def run(con, sql: str, limits: Limits | None = None) -> Result:
     except duckdb.InterruptException as e:
         raise QueryRefused(f"query interrupted after {limits.timeout_s:g} s: narrow it (WHERE, LIMIT) "
                            "or raise the timeout", timeout=True) from e
+    except duckdb.OutOfMemoryException as e:
+        raise QueryRefused("query needs more memory than this agent allows: narrow it "
+                           f"(WHERE, LIMIT, smaller values) ({str(e).splitlines()[0]})") from e
+    except MemoryError as e:
+        raise QueryRefused("query result needs more memory than this agent allows: narrow it "
+                           "(WHERE, LIMIT, smaller values)") from e
     except duckdb.Error as e:
         raise QueryRefused(f"query failed: {str(e).splitlines()[0]}") from e
     finally:

@@ -19,6 +19,7 @@ starts a new tracer that continues writing the same segment folder.
 from __future__ import annotations
 
 import ctypes
+import resource
 import ipaddress
 import json
 import os
@@ -144,11 +145,14 @@ def parse_plan(body) -> Plan:
 
 
 def _pdeathsig():
-    """In the child: get SIGTERM (flush and exit) when the agent dies."""
+    """In the child: get SIGTERM (flush and exit) when the agent dies, and none of the
+    memory bound the agent's own process keeps for its queries (server.bound_memory)."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
         pass
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
 
 
 class _Spawner(threading.Thread):

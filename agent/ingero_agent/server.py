@@ -24,6 +24,7 @@ import hmac
 import json
 import os
 import re
+import resource
 import signal
 import socket
 import ssl
@@ -223,12 +224,30 @@ def add_parser(sub):
                    help="POST /v1/query: rows returned at most (default 10000)")
     r.add_argument("--query-max-bytes", type=int, default=4 << 20, metavar="B",
                    help="POST /v1/query: JSON bytes of rows returned at most (default 4 MiB)")
+    r.add_argument("--max-memory-mb", type=int, default=1536, metavar="MB",
+                   help="the agent's own process (queries included; not its tracers) may use this "
+                   "much data memory; past it a query fails with an out-of-memory error instead of "
+                   "the kernel killing the agent (default 1536: 3/4 of the chart's 2 GiB limit)")
     r.add_argument("--cgroup-root", type=Path, help="cgroup v2 folder holding the pods "
                    "(default: the cgroup2 mount)")
     r.add_argument("--ready-file", type=Path, help="touch this file once listening")
     r.add_argument("--quiet", action="store_true", help="no request log")
     p.set_defaults(_agent_parser=p)
     return p
+
+
+def bound_memory(mb: int) -> None:
+    """Bound this process's data memory (soft RLIMIT_DATA; tracers it starts drop it).
+
+    DuckDB's memory_limit does not cover every allocation: `SELECT repeat('x', 900000000)`
+    drove an agent past 3.7 GB, and under the pod's limit the kernel killed it. With the
+    bound, such an allocation fails inside DuckDB (an out-of-memory error the query returns
+    as a 400) and the agent keeps serving."""
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    want = mb << 20
+    if hard != resource.RLIM_INFINITY:
+        want = min(want, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (want, hard))
 
 
 def run(args) -> int:
@@ -243,18 +262,22 @@ def run(args) -> int:
         raise IngeroError("--tls-client-ca needs TLS: pass --tls-cert and --tls-key too")
     if args.query_timeout <= 0 or args.query_max_rows < 1 or args.query_max_bytes < 1024:
         raise IngeroError("--query-timeout must be > 0, --query-max-rows >= 1 and --query-max-bytes >= 1024")
+    if not 256 <= args.max_memory_mb <= 1 << 20:
+        raise IngeroError(f"--max-memory-mb {args.max_memory_mb} is out of range: use 256 to 1048576")
     if args.cgroup_root is not None and not args.cgroup_root.is_dir():
         raise IngeroError(f"--cgroup-root {args.cgroup_root} is not a folder; pass the cgroup v2 "
                           "folder that holds the pods")
     listen = parse_listen(args.listen)
     token = read_token(args.token_file)
+    bound_memory(args.max_memory_mb)
     try:
         manager = SessionManager(args.data_dir, args.node, args.cgroup_root)
     except OSError as e:
         raise IngeroError(f"--data-dir {args.data_dir}: {e.strerror}; pass a writable folder") from None
     try:
         limits = readonly_sql.Limits(timeout_s=args.query_timeout, max_rows=args.query_max_rows,
-                                     max_bytes=args.query_max_bytes)
+                                     max_bytes=args.query_max_bytes,
+                                     memory_limit=f"{max(64, args.max_memory_mb // 3)}MB")
         srv = make_server(manager, listen, token, (args.tls_cert, args.tls_key) if args.tls_cert else None,
                           quiet=args.quiet, client_ca=args.tls_client_ca,
                           queries=QueryService(manager, limits))

@@ -1,0 +1,73 @@
+"""The agent's own process is bounded in memory: a query that would allocate gigabytes fails
+with a one-line 400 and the agent keeps serving (it was OOM-killed by such a query)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from ingero_operator.cluster_objects import free_port
+
+TOKEN = "memory-test-token-0123456789"
+
+
+@pytest.fixture
+def agent(tmp_path):
+    port = free_port()
+    (tmp_path / "token").write_text(TOKEN)
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-m", "ingero", "agent", "serve", "--node", "n1",
+                             "--listen", f"127.0.0.1:{port}", "--data-dir", str(tmp_path / "data"),
+                             "--token-file", str(tmp_path / "token"), "--max-memory-mb", "768",
+                             "--ready-file", str(ready), "--quiet"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
+        time.sleep(0.05)
+    yield proc, f"http://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(10)
+
+
+def _call(url: str, body: dict | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode() if body is not None else None,
+                                 headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def _peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_a_query_allocating_gigabytes_fails_with_a_400_and_the_agent_keeps_serving(agent):
+    proc, base = agent
+    code, doc = _call(f"{base}/v1/query", {"sql": "SELECT repeat('x', 900000000) AS s"})
+    assert code == 400 and "more memory than this agent allows" in doc["error"], (code, doc)
+    assert "\n" not in doc["error"]
+    assert _peak_rss_mb(proc.pid) < 768, _peak_rss_mb(proc.pid)
+    assert proc.poll() is None
+    assert _call(f"{base}/healthz")[0] == 200
+    code, doc = _call(f"{base}/v1/query", {"sql": "SELECT 41 + 1 AS answer"})
+    assert code == 200 and doc["rows"] == [[42]], doc
+
+
+def test_a_value_larger_than_the_byte_budget_is_cut_without_being_copied_into_json(agent):
+    proc, base = agent
+    code, doc = _call(f"{base}/v1/query", {"sql": "SELECT repeat('x', 50000000) AS s"})
+    assert code == 200 and doc.get("truncated") == "bytes" and doc.get("rows") == [], (code, str(doc)[:300])
+    assert _peak_rss_mb(proc.pid) < 768
