@@ -101,7 +101,7 @@ def _malformed(demo) -> dict:
     path.write_text(yaml.safe_dump(dict(base, metadata={"name": "no-pods", "namespace": "default"},
                                         spec={"selector": {"matchLabels": {"job": "nobody"}},
                                               "durationSeconds": 2})))
-    demo.kubectl("apply", "-f", str(path))
+    demo.kubectl("apply", "--validate=false", "-f", str(path))
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         st = demo.status("no-pods")
