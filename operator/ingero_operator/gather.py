@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
+import re
 from pathlib import Path
 
 import duckdb
@@ -28,6 +30,8 @@ from ingero.analysis import Report, analyse
 from ingero.analysis_dense import Segments
 from ingero.store import segment_files
 from ingero_operator.agents import AgentClient, AgentUnreachable
+
+log = logging.getLogger("ingero.operator.gather")
 
 SHIFTED = {"nccl_events": ("timestamp_ns",), "tcp_events": ("timestamp_ns",),
            "sched_events": ("timestamp_ns",), "comms": ("timestamp_ns",)}
@@ -57,13 +61,54 @@ class LocalSession:
         return st.st_size != entry["size"] or st.st_mtime_ns < entry["mtime_ns"]
 
 
+# What an agent's segment listing may name. The listing crosses a trust boundary (an agent,
+# or whatever answers at its address): names become paths under the session folder, so
+# anything but a plain segment file name is refused and reported, never written.
+SEGMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,200}\.parquet")
+NODE_NAME = re.compile(r"[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?")
+
+
+def check_entry(node: str, entry) -> str | None:
+    """Why a segment listing entry of `node` is refused, or None when it is sound."""
+    if not isinstance(entry, dict):
+        return f"node {node}: refused a segment listing entry that is not an object"
+    name, table = entry.get("name"), entry.get("table")
+    if table not in schema.TABLES:
+        return f"node {node}: refused segment of unknown table {str(table)[:60]!r}"
+    if not isinstance(name, str) or not SEGMENT_NAME.fullmatch(name) or ".." in name:
+        return f"node {node}: refused segment name {str(name)[:80]!r} (not a segment file name)"
+    for k in ("size", "mtime_ns"):
+        v = entry.get(k)
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 63:
+            return f"node {node}: refused segment {name}: {k} {str(v)[:40]!r} is not a count"
+    return None
+
+
 async def fetch_new(client: AgentClient, sid: str, local: LocalSession, since_ns: int,
-                    sem: asyncio.Semaphore) -> tuple[int, int]:
-    """Download the node's segments that are new or changed. Returns (new cursor, files fetched)."""
+                    sem: asyncio.Semaphore) -> tuple[int, int, list[str]]:
+    """Download the node's segments that are new or changed.
+
+    Returns (new cursor, files fetched, warnings naming the entries refused)."""
+    if not NODE_NAME.fullmatch(client.node):
+        return since_ns, 0, [f"node {client.node[:80]!r}: not a node name; nothing fetched from it"]
     listing = await client.segments(sid, max(0, since_ns - LIST_OVERLAP_NS))
     if listing is None:
-        return since_ns, 0
-    todo = [e for e in listing["segments"] if e["table"] in schema.TABLES and local.needs(client.node, e)]
+        return since_ns, 0, []
+    entries = listing.get("segments") if isinstance(listing, dict) else None
+    if not isinstance(entries, list):
+        return since_ns, 0, [f"node {client.node}: refused a segment listing without a segments list"]
+    refused, todo = [], []
+    root = local.node_dir(client.node).resolve()
+    for e in entries:
+        why = check_entry(client.node, e)
+        if why is None and not (root / e["table"] / e["name"]).resolve().is_relative_to(root):
+            why = f"node {client.node}: refused segment name {e['name']!r} (outside the session folder)"
+        if why:
+            refused.append(why)
+        elif local.needs(client.node, e):
+            todo.append(e)
+    for w in refused:
+        log.warning("%s", w)
 
     async def one(e):
         async with sem:
@@ -75,7 +120,8 @@ async def fetch_new(client: AgentClient, sid: str, local: LocalSession, since_ns
     if errors:
         raise errors[0] if isinstance(errors[0], AgentUnreachable) else AgentUnreachable(
             f"{client}: {errors[0]}")
-    return int(listing.get("cursor") or since_ns), len(todo)
+    cursor = listing.get("cursor")
+    return (cursor if isinstance(cursor, int) and cursor >= 0 else since_ns), len(todo), refused
 
 
 def _sql_list(paths) -> str:

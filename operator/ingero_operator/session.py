@@ -241,7 +241,8 @@ class Controller:
                 return f"node {node}: no agent to fetch segments from"
             try:
                 since = 0 if since_zero else live.cursors.get(node, 0)
-                live.cursors[node], _ = await fetch_new(client, ref.sid, local, since, sem)
+                live.cursors[node], _, refused = await fetch_new(client, ref.sid, local, since, sem)
+                live.sticky.extend(w for w in refused if w not in live.sticky)
             except AgentUnreachable as e:
                 return f"node {node}: {e}"
             return None
@@ -309,7 +310,8 @@ class Controller:
                     info = await client.stop(ref.sid)
                     t1 = time.monotonic()
                     live.clocks[node] = await client.clock_offset(t.clock_samples)
-                    _, n = await fetch_new(client, ref.sid, local, 0, sem)
+                    _, n, refused = await fetch_new(client, ref.sid, local, 0, sem)
+                    live.sticky.extend(w for w in refused if w not in live.sticky)
                     log.info("%s/%s: node %s stopped in %.1f s, %d new segment files fetched in %.1f s",
                              ref.namespace, ref.name, node, t1 - t0, n, time.monotonic() - t1)
                     return True, node_row(node, True, (info or {}).get("state", "unknown"),
