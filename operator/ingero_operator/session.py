@@ -272,8 +272,10 @@ class Controller:
                 live.done = True
                 return
             warnings = bounded_warnings(live.sticky + warnings + rep.warnings, self.s.gather)
-            full = {"sessionId": ref.sid, "reason": reason, "nodes": rows, "warnings": warnings,
-                    "worldSize": world, **rep.to_dict()}
+            # the report's own warnings are in `warnings` already: they must not replace the
+            # operator's (a node unreachable while gathering was lost from report.json)
+            full = {**rep.to_dict(), "sessionId": ref.sid, "reason": reason, "nodes": rows,
+                    "warnings": warnings, "worldSize": world}
             local.report.write_text(json.dumps(full, indent=2, default=str) + "\n")
             msg = f"completed ({reason}); gathered {len(gathered)}/{len(nodes)} nodes in {time.monotonic() - t0:.1f} s"
             artifact = {"path": str(local.artifact), "report": str(local.report),

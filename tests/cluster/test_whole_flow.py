@@ -213,6 +213,7 @@ def test_a_killed_agent_gives_a_completed_partial_report_naming_its_node(tmp_pat
     rows = {n["name"]: n for n in st["nodes"]}
     assert rows["lab-node-b"]["agentReached"] and not rows["lab-node-a"]["agentReached"]
     report = json.loads(Path(st["artifact"]["report"]).read_text())
+    assert any("lab-node-a" in w and "partial" in w for w in report["warnings"]), report["warnings"]
     for r in report["ranks"]:
         if r["node"] == "lab-node-b":   # every step of node B's ranks is in the artifact
             assert r["per_op"]["ALL_REDUCE"]["calls"] == flow["stats"][r["rank"]]["steps"], r
