@@ -93,6 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGINT
     except BrokenPipeError:
         return 0
+    except Exception as e:
+        if type(e).__module__.split(".")[0] not in ("duckdb", "_duckdb"):
+            raise
+        # a trace DuckDB cannot read (damaged, crafted, of another version): one line, not a traceback
+        print(f"ingero: cannot read the trace: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

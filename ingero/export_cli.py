@@ -34,6 +34,8 @@ def add_parser(sub):
                      "  ingero export perfetto job.duckdb -o small.json --max-events 200000")
     e.add_argument("source", type=Path, help="trace .duckdb file, a folder holding one (the operator's "
                    "artifact folder), or a segment directory")
+    e.add_argument("--session", metavar="ID", help="the session to read when a segment folder "
+                   "holds several (the error lists them)")
     e.add_argument("-o", "--out", type=Path, required=True, help="the JSON file to write")
     e.add_argument("--start", help="keep events from this long after the first event (e.g. 30s, 250ms)")
     e.add_argument("--end", help="... until this long after the first event")
@@ -57,7 +59,7 @@ def run(args) -> int:
         raise IngeroError("--max-events must be at least 100")
     if not args.out.parent.is_dir():
         raise IngeroError(f"-o {args.out}: folder {args.out.parent} does not exist")
-    con = open_source(args.source)
+    con = open_source(args.source, session=args.session)
     try:
         doc, summ = build(con, start, end, args.max_events, source=str(args.source))
     finally:

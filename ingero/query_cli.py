@@ -31,6 +31,8 @@ def add_parser(sub):
         formatter_class=__import__("argparse").RawDescriptionHelpFormatter,
     )
     p.add_argument("source", type=Path, help="trace .duckdb file, a folder holding one, or a segment directory")
+    p.add_argument("--session", metavar="ID", help="the session to read when a segment folder "
+                   "holds several (the error lists them)")
     p.add_argument("sql", nargs="?", help="the query; '-' reads it from stdin")
     p.add_argument("--format", choices=("table", "csv", "json"), default="table")
     p.add_argument("--max-rows", type=int, default=1000,
@@ -67,7 +69,7 @@ def print_table(names: list[str], rows: list[tuple], out=None) -> None:
 def run(args) -> int:
     import duckdb
 
-    con = open_source(args.source)
+    con = open_source(args.source, session=args.session)
     try:
         if args.tables:
             names = [r[0] for r in con.execute(

@@ -30,7 +30,7 @@ from pathlib import Path
 import duckdb
 
 from ingero.errors import IngeroError
-from ingero.store import attach_segments
+from ingero.store import add_missing_tables, attach_segments
 
 ALLOWED = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
 
@@ -116,9 +116,10 @@ def view_files(con, folder: Path) -> list[str]:
     return sorted(set(out))
 
 
-def open_sandbox(source: Path | list[Path], limits: Limits | None = None):
-    """A locked, read-only connection over a ``.duckdb`` file or segment directories."""
-    limits = limits or Limits()
+def open_sandbox(source: Path | list[Path], limits: Limits | None = None, session: str | None = None):
+    """A locked, read-only connection over a ``.duckdb`` file or segment directories (of one
+    `session`, when given). `limits`: memory and threads of the connection (None: DuckDB's
+    defaults, for the local CLI); the other bounds apply per query in ``run``."""
     con = duckdb.connect(config={"autoinstall_known_extensions": False,
                                  "autoload_known_extensions": False})
     try:
@@ -138,9 +139,11 @@ def open_sandbox(source: Path | list[Path], limits: Limits | None = None):
             dirs = [d for d in dirs if d.is_dir()]
             if dirs:
                 con.execute("SET allowed_directories = ?", [[str(d) + "/" for d in dirs]])
-            attach_segments(con, dirs)
-        con.execute(f"SET memory_limit = '{limits.memory_limit}'")
-        con.execute(f"SET threads = {int(limits.threads)}")
+            attach_segments(con, dirs, session=session)
+        add_missing_tables(con)
+        if limits is not None:
+            con.execute(f"SET memory_limit = '{limits.memory_limit}'")
+            con.execute(f"SET threads = {int(limits.threads)}")
         con.execute("SET max_temp_directory_size = '0B'")
         con.execute("SET enable_external_access = false")
         con.execute("SET lock_configuration = true")
@@ -217,7 +220,7 @@ def run(con, sql: str, limits: Limits | None = None) -> Result:
 
 def query(source: Path | list[Path], sql: str, limits: Limits | None = None) -> Result:
     """Open a sandbox over `source`, run `sql` within `limits`, close it."""
-    con = open_sandbox(source, limits)
+    con = open_sandbox(source, limits or Limits())
     try:
         return run(con, sql, limits)
     finally:

@@ -19,6 +19,8 @@ def add_parser(sub):
                        epilog="example:\n  ingero report out/demo/trace.duckdb")
     p.add_argument("source", type=Path, help="trace .duckdb file, a folder holding one (the operator's "
                    "artifact folder, a lab --out folder), or a segment directory")
+    p.add_argument("--session", metavar="ID", help="the session to read when a segment folder "
+                   "holds several (the error lists them)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
 
@@ -47,7 +49,7 @@ def render(rep: Report, out=None) -> None:
 
 
 def run(args) -> int:
-    con = open_source(args.source)
+    con = open_source(args.source, session=args.session)
     try:
         rep = analyse(con)
     finally:

@@ -273,8 +273,20 @@ class SegmentWriter:
                 self._thread = None
 
 
-def segment_files(sources: list[Path], table: str) -> list[Path]:
-    """Every segment file of `table` below the given dirs, each distinct file once.
+def segment_session(f: Path) -> str | None:
+    """The session id in a segment file name: ``<node>__<session>__<n>.parquet`` (events) or
+    ``<node>__<session>.parquet`` (state tables). Node names hold no underscores."""
+    parts = Path(f).stem.split("__")
+    if len(parts) < 2:
+        return None
+    if len(parts) > 2 and parts[-1].isdigit():
+        parts = parts[:-1]
+    return "__".join(parts[1:])
+
+
+def segment_files(sources: list[Path], table: str, session: str | None = None) -> list[Path]:
+    """Every segment file of `table` below the given dirs, each distinct file once (of one
+    `session` only, when given).
 
     The same segment copied into two places (same name, same size) counts once.
     """
@@ -282,36 +294,83 @@ def segment_files(sources: list[Path], table: str) -> list[Path]:
     for src in sources:
         src = Path(src)
         for f in sorted(src.rglob(f"{table}/*.parquet")):
-            if f.name.startswith("."):
+            if f.name.startswith(".") or (session is not None and segment_session(f) != session):
                 continue
             seen.setdefault((f.name, f.stat().st_size), f)
     return list(seen.values())
+
+
+def sessions_in(sources: list[Path]) -> list[str]:
+    """The session ids of every segment file below the given dirs."""
+    return sorted({segment_session(f) or "?" for t in schema.TABLES for f in segment_files(sources, t)})
 
 
 def _sql_list(paths: list[Path]) -> str:
     return "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths) + "]"
 
 
-def attach_segments(con, sources: list[Path], materialize: bool = False) -> dict[str, int]:
+def _damaged(files: list[Path]) -> str | None:
+    """The first file that is not a readable Parquet file, with why."""
+    import pyarrow.parquet as pq
+
+    for f in files:
+        try:
+            pq.read_metadata(f)
+        except Exception as e:  # pyarrow raises several kinds for a damaged footer
+            return f"{f} ({str(e).splitlines()[0][:120]})"
+    return None
+
+
+def attach_segments(con, sources: list[Path], materialize: bool = False,
+                    session: str | None = None) -> dict[str, int]:
     """Expose segment dirs as the schema's tables (views, or tables if materialize).
 
-    Tables with no segment file exist empty, so every published query runs.
+    Tables with no segment file exist empty, so every published query runs. A damaged
+    (e.g. truncated) segment file is an IngeroError naming it.
     Returns the number of files found per table.
     """
+    import duckdb
+
     found = {}
     for name, t in schema.TABLES.items():
-        files = segment_files(sources, name)
+        files = segment_files(sources, name, session)
         found[name] = len(files)
         kind = "TABLE" if materialize else "VIEW"
         if not files:
             con.execute(t.ddl(if_not_exists=False))
             continue
         cols = ", ".join(f'"{c}"::{ty} AS "{c}"' for c, ty in t.columns)
-        con.execute(
-            f"CREATE {kind} {name} AS SELECT {cols} FROM read_parquet({_sql_list(files)}, "
-            "union_by_name = true)"
-        )
+        try:
+            con.execute(
+                f"CREATE {kind} {name} AS SELECT {cols} FROM read_parquet({_sql_list(files)}, "
+                "union_by_name = true)"
+            )
+        except duckdb.Error as e:
+            bad = _damaged(files)
+            if bad:
+                raise IngeroError(f"segment {bad} is damaged (truncated?): move it out of the folder "
+                                  "to read the rest") from None
+            raise IngeroError(f"cannot read the {name} segments: {str(e).splitlines()[0]}") from None
     return found
+
+
+def add_missing_tables(con) -> list[str]:
+    """Empty temporary tables for the schema's tables a trace lacks (a DuckDB file written by
+    something else, or an older version), so every query and the report run; returns them.
+    A table that is there but lacks columns of the schema is an IngeroError naming them."""
+    cols: dict[str, set] = {}
+    for t, c in con.execute("SELECT table_name, column_name FROM information_schema.columns").fetchall():
+        cols.setdefault(t, set()).add(c)
+    for name, t in schema.TABLES.items():
+        lacking = [c for c, _ in t.columns if name in cols and c not in cols[name]]
+        if lacking:
+            raise IngeroError(f"table {name} lacks the columns {', '.join(lacking[:6])}"
+                              f"{', …' if len(lacking) > 6 else ''}: not an Ingero trace of this version "
+                              "(rebuild it from its segments with `ingero merge`)")
+    missing = [n for n in schema.TABLES if n not in cols]
+    for n in missing:
+        con.execute(schema.TABLES[n].ddl(if_not_exists=False).replace("CREATE TABLE", "CREATE TEMP TABLE", 1))
+    return missing
 
 
 def build_duckdb(sources: list[Path], out: Path) -> Path:
@@ -335,27 +394,30 @@ def build_duckdb(sources: list[Path], out: Path) -> Path:
     return out
 
 
-def open_source(path: Path):
-    """Open a DuckDB file (read-only) or a directory of segments for querying."""
-    import duckdb
+def open_source(path: Path, session: str | None = None):
+    """Open a trace for reading: a DuckDB file, an artifact or lab folder holding
+    ``trace.duckdb``, or a directory of segments (of one `session`, when it holds several).
+
+    The connection is the sandbox of ``ingero.readonly_sql``: file access is off beyond the
+    trace's own files, so a crafted trace cannot read or write anything else."""
+    from ingero.readonly_sql import open_sandbox
 
     path = Path(path)
     if path.is_dir() and (path / "trace.duckdb").is_file() and not any(
-            (path / t).is_dir() for t in schema.TABLES):
-        path = path / "trace.duckdb"      # an operator artifact folder or a lab --out folder
+            any((path / t).glob("*.parquet")) for t in schema.TABLES):
+        # an operator artifact folder or a lab --out folder (its nodes/ is no `nodes` table)
+        path = path / "trace.duckdb"
     if path.is_dir():
-        con = duckdb.connect()
-        found = attach_segments(con, [path])
-        if not any(found.values()):
-            con.close()
+        sessions = sessions_in([path])
+        if not sessions:
             raise IngeroError(f"{path} holds no Ingero segments; pass a trace .duckdb file "
                               "or the segment directory `ingero trace` wrote")
-        return con
+        if session is not None and session not in sessions:
+            raise IngeroError(f"{path} holds no session {session!r}; it holds {', '.join(sessions)}")
+        if session is None and len(sessions) > 1:
+            raise IngeroError(f"{path} holds {len(sessions)} sessions ({', '.join(sessions[:10])}"
+                              f"{', …' if len(sessions) > 10 else ''}): pick one with --session")
+        return open_sandbox(path, session=session)
     if not path.exists():
         raise IngeroError(f"{path} does not exist; pass a trace .duckdb file or a segment directory")
-    try:
-        # the operator's artifact holds views over segment files by paths relative to its folder
-        return duckdb.connect(str(path), read_only=True,
-                              config={"file_search_path": str(path.resolve().parent)})
-    except duckdb.Error as e:
-        raise IngeroError(f"cannot open {path} as DuckDB: {str(e).splitlines()[0]}") from e
+    return open_sandbox(path)

@@ -1,0 +1,101 @@
+"""`ingero report`, `query` and `export` open every trace in the sandbox of ingero.readonly_sql,
+and bad traces get one-line errors (finding 4 and 7 of the hardening issue)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from bench.synthetic import session
+from ingero import schema
+from ingero.cli import main
+
+
+def _one_line_error(capsys, argv) -> str:
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc != 0, err
+    assert err.startswith("ingero: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+@pytest.fixture
+def secret(tmp_path) -> Path:
+    p = tmp_path / "outside" / "secret.txt"
+    p.parent.mkdir()
+    p.write_text("root:$6$not-for-you\n")
+    return p
+
+
+def _crafted(tmp_path: Path, secret: Path) -> Path:
+    """An artifact folder whose trace.duckdb has views reading a file outside it."""
+    art = tmp_path / "art"
+    art.mkdir()
+    con = duckdb.connect(str(art / "trace.duckdb"))
+    cols = ", ".join(f"NULL::{ty} AS {c}" for c, ty in schema.TABLES["nccl_events"].columns)
+    con.execute(f"CREATE VIEW nccl_events AS SELECT {cols}, content FROM read_text('{secret}')")
+    con.execute(f"CREATE VIEW leak AS SELECT content FROM read_text('{secret}')")
+    con.close()
+    return art
+
+
+def test_a_crafted_trace_cannot_read_a_file_outside_it_through_query_report_or_export(tmp_path, secret, capsys):
+    art = _crafted(tmp_path, secret)
+    for argv in (["query", str(art), "SELECT * FROM leak"],
+                 ["query", str(art), "SELECT * FROM nccl_events"],
+                 ["query", str(art), f"SELECT * FROM read_text('{secret}')"],
+                 ["report", str(art)],
+                 ["export", "perfetto", str(art), "-o", str(tmp_path / "t.json")]):
+        err = _one_line_error(capsys, argv)
+        assert "not-for-you" not in err and "Permission" in err, err
+
+
+def test_query_cannot_write_files_attach_databases_or_change_settings(tmp_path, capsys):
+    session(tmp_path / "segs", steps=5)
+    out = tmp_path / "written.csv"
+    for sql in (f"COPY (SELECT 1) TO '{out}'", f"ATTACH '{tmp_path / 'x.duckdb'}' AS x",
+                "SET enable_external_access = true", "INSTALL httpfs"):
+        _one_line_error(capsys, ["query", str(tmp_path / "segs"), sql])
+    assert not out.exists() and not (tmp_path / "x.duckdb").exists()
+
+
+def test_a_truncated_segment_is_a_one_line_error_naming_the_file(tmp_path, capsys):
+    session(tmp_path / "segs", steps=5)
+    seg = next((tmp_path / "segs").rglob("nccl_events/*.parquet"))
+    seg.write_bytes(seg.read_bytes()[:100])
+    for argv in (["report", str(tmp_path / "segs")], ["query", str(tmp_path / "segs"), "SELECT 1"],
+                 ["export", "perfetto", str(tmp_path / "segs"), "-o", str(tmp_path / "t.json")]):
+        err = _one_line_error(capsys, argv)
+        assert seg.name in err and "damaged" in err
+
+
+def test_a_duckdb_lacking_tables_reads_them_as_empty_and_lacking_columns_is_a_one_line_error(tmp_path, capsys):
+    db = tmp_path / "partial.duckdb"
+    con = duckdb.connect(str(db))
+    con.execute(schema.TABLES["nccl_events"].ddl())
+    con.close()
+    assert main(["query", "--format", "csv", str(db), "SELECT count(*) AS n FROM tcp_events"]) == 0
+    assert capsys.readouterr().out.split() == ["n", "0"]
+    db2 = tmp_path / "foreign.duckdb"
+    con = duckdb.connect(str(db2))
+    con.execute("CREATE TABLE nccl_events (op VARCHAR, rank INTEGER)")
+    con.close()
+    for argv in (["report", str(db2)], ["export", "perfetto", str(db2), "-o", str(tmp_path / "t.json")]):
+        assert "lacks the columns" in _one_line_error(capsys, argv)
+
+
+def test_a_folder_holding_several_sessions_is_refused_with_the_list_or_read_with_session(tmp_path, capsys):
+    session(tmp_path / "segs", steps=5)
+    other = tmp_path / "segs" / "node-c"
+    shutil.copytree(tmp_path / "segs" / "node-a", other)
+    for f in list(other.rglob("*.parquet")):
+        f.rename(f.with_name(f.name.replace("node-a__synthetic", "node-c__another")))
+    err = _one_line_error(capsys, ["report", str(tmp_path / "segs")])
+    assert "2 sessions (another, synthetic)" in err and "--session" in err
+    assert main(["report", str(tmp_path / "segs"), "--session", "synthetic"]) == 0
+    assert "straggler" in capsys.readouterr().out
+    assert "no session 'nope'" in _one_line_error(capsys, ["query", "--session", "nope", str(tmp_path / "segs"),
+                                                            "SELECT 1"])
