@@ -3,7 +3,11 @@
  * Hooks: entry and return of ncclAllReduce, ncclAllGather, ncclReduceScatter,
  * ncclBroadcast, ncclBcast, ncclReduce, ncclSend, ncclRecv, ncclGroupStart,
  * ncclGroupEnd, ncclCommInitRank, ncclCommInitRankConfig, ncclCommInitAll,
- * ncclCommSplit, ncclCommDestroy and ncclCommAbort. The loader attaches the
+ * ncclCommSplit, ncclCommDestroy and ncclCommAbort; and, where the library
+ * has them (signatures from NVIDIA's src/nccl.h.in, NCCL 2.30.7):
+ * ncclGroupSimulateEnd (2.22), ncclCommInitRankScalable (2.23),
+ * ncclCommShrink (2.27), ncclAlltoAll, ncclGather, ncclScatter (2.28) and
+ * ncclCommGrow (2.29). The loader attaches the
  * entry program `nccl_enter_<name>` and the shared return program
  * `nccl_return` (ncclCommInitAll: `nccl_return_init_all`) to every one of
  * these symbols a library exports.
@@ -31,7 +35,34 @@
  *     carries the new handle in `comm`, the child hash in `comm_hash`, the
  *     parent's hash, color and key; rank/nranks are -1 (resolved in user
  *     space across ranks).
+ *   - InitRankScalable(comm*, nranks, myrank, nId, ncclUniqueId* commIds,
+ *     config*): the ids come BY REFERENCE (an array of nId); hash = fold of
+ *     the FIRST id. NCCL requires every rank to pass the same ids in the same
+ *     order, so ids[0] names the communicator on every rank.
+ *   - Shrink(comm, excludeRanksList*, excludeRanksCount, newcomm*, config*,
+ *     flags): only the survivors call it. child hash = splitmix64(parent ^
+ *     SHRINK_SALT ^ n), n the parent's shrink counter; rank = parent rank
+ *     minus the excluded ranks below it, nranks = parent nranks - count
+ *     (up to INGERO_NCCL_SHRINK_MAX excluded ranks read; more: rank -1).
+ *   - Grow(comm, nRanks, const ncclUniqueId* id, rank, newcomm*, config*):
+ *     existing ranks (comm != NULL, rank -1) keep their rank, hash =
+ *     splitmix64(parent ^ GROW_SALT ^ n); new ranks (comm NULL) take the
+ *     fold of *id and their rank argument. Existing non-root ranks get no
+ *     id (NULL), so the two sides of a grown communicator carry different
+ *     hashes: a known gap (the `parent_hash` column links the existing side).
  *   - Destroy/Abort remove the entry at return.
+ *
+ * ncclInProgress (7) counts as success for identity. A non-blocking init
+ * writes the new handle before returning 7 (NCCL init.cc), so it is read at
+ * return as for 0. A non-blocking split/shrink writes the child handle only
+ * when its async job finishes: the return then sees NULL, and the identity is
+ * parked in `nccl_pending` (per process, INGERO_NCCL_PENDING slots) with the
+ * address the handle will be written to. The first traced call on a handle
+ * the map does not know (a collective, p2p, a later split, destroy) reads
+ * each parked address of its process; the one holding that handle gives the
+ * communicator its identity. Nothing runs on the hot path: only a call on an
+ * unknown handle looks at the slots. ncclCommGetAsyncError is not probed
+ * (PyTorch's watchdog polls it constantly).
  * A call on a handle created before tracing began gets NCCL_F_COMM_UNKNOWN,
  * comm_hash 0, rank/nranks -1, and a sequence counted from its first call.
  *
@@ -48,6 +79,14 @@
 #ifndef INGERO_NCCL_INITALL_MAX
 #define INGERO_NCCL_INITALL_MAX 16   /* communicators mapped per ncclCommInitAll */
 #endif
+#ifndef INGERO_NCCL_SHRINK_MAX
+#define INGERO_NCCL_SHRINK_MAX 16    /* excluded ranks read per ncclCommShrink */
+#endif
+#ifndef INGERO_NCCL_PENDING
+#define INGERO_NCCL_PENDING 8        /* parked non-blocking children per process */
+#endif
+#define NCCL_SHRINK_SALT 0x5348524b00000000ULL  /* "SHRK" */
+#define NCCL_GROW_SALT   0x47524f5700000000ULL  /* "GROW" */
 
 BPF_RINGBUF_OUTPUT(nccl_events, INGERO_RINGBUF_PAGES);
 
@@ -91,8 +130,23 @@ struct nccl_comm_val {
     u32 p2p_seq;
     u32 splits;
     u32 flags;         /* NCCL_F_COMM_UNKNOWN */
+    u32 shrinks;
+    u32 grows;
 };
 BPF_HASH(nccl_comms, struct nccl_comm_key, struct nccl_comm_val, 65536);
+
+/* Children of non-blocking splits/shrinks whose handle was not written yet. */
+struct nccl_pending_key {
+    u32 tgid;
+    u32 slot;
+};
+struct nccl_pending_val {
+    u64 out;           /* user address the child handle will be written to */
+    u64 hash;
+    s32 rank;
+    s32 nranks;
+};
+BPF_HASH(nccl_pending, struct nccl_pending_key, struct nccl_pending_val, 4096);
 
 static __always_inline u64 ingero_splitmix64(u64 x)
 {
@@ -162,6 +216,42 @@ static __always_inline void nccl_save(struct nccl_frame *f)
     nccl_frames.update(&id, f);
 }
 
+/* A handle the map does not know: is it the child of a non-blocking
+ * split/shrink parked in nccl_pending? Then it takes the parked identity. */
+static __always_inline void nccl_adopt_pending(u32 tgid, u64 comm, struct nccl_comm_val *v)
+{
+#pragma unroll
+    for (u32 i = 0; i < INGERO_NCCL_PENDING; i++) {
+        struct nccl_pending_key pk = {.tgid = tgid, .slot = i};
+        struct nccl_pending_val *p = nccl_pending.lookup(&pk);
+        if (!p)
+            continue;
+        u64 handle = 0;
+        bpf_probe_read_user(&handle, sizeof(handle), (void *)p->out);
+        if (handle != comm)
+            continue;
+        v->hash = p->hash;
+        v->rank = p->rank;
+        v->nranks = p->nranks;
+        v->flags = 0;
+        nccl_pending.delete(&pk);
+        return;
+    }
+}
+
+/* Parks a child identity until its handle appears; a full table drops it. */
+static __always_inline void nccl_park(u64 out, u64 hash, s32 rank, s32 nranks)
+{
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    struct nccl_pending_val pv = {.out = out, .hash = hash, .rank = rank, .nranks = nranks};
+#pragma unroll
+    for (u32 i = 0; i < INGERO_NCCL_PENDING; i++) {
+        struct nccl_pending_key pk = {.tgid = tgid, .slot = i};
+        if (nccl_pending.insert(&pk, &pv) == 0)
+            return;
+    }
+}
+
 /* Looks up a communicator for a call on it and takes the next seq number. */
 static __always_inline void nccl_on_comm(struct nccl_frame *f, u64 comm, int p2p)
 {
@@ -170,6 +260,7 @@ static __always_inline void nccl_on_comm(struct nccl_frame *f, u64 comm, int p2p
     struct nccl_comm_val *v = nccl_comms.lookup(&k);
     if (!v) {
         struct nccl_comm_val unknown = {.rank = -1, .nranks = -1, .flags = NCCL_F_COMM_UNKNOWN};
+        nccl_adopt_pending(k.tgid, comm, &unknown);
         nccl_comms.insert(&k, &unknown);
         v = nccl_comms.lookup(&k);
         if (!v) {
@@ -303,6 +394,41 @@ int nccl_enter_ncclReduce(struct pt_regs *ctx)
     return 0;
 }
 
+/* ncclAlltoAll(sendbuff, recvbuff, count, datatype, comm, stream): count is
+ * the elements sent to EACH peer (block j of sendbuff goes to rank j). */
+int nccl_enter_ncclAlltoAll(struct pt_regs *ctx)
+{
+    struct nccl_frame f = {};
+    if (!nccl_begin(ctx, &f, OP_ALL_TO_ALL))
+        return 0;
+    f.count = PT_REGS_PARM3(ctx);
+    f.datatype = PT_REGS_PARM4(ctx);
+    f.stream = PT_REGS_PARM6(ctx);
+    nccl_on_comm(&f, PT_REGS_PARM5(ctx), 0);
+    nccl_save(&f);
+    return 0;
+}
+
+/* ncclGather(sendbuff, recvbuff, count, datatype, root, comm, stream) and
+ * ncclScatter alike: count is the elements each rank sends (Gather) or
+ * receives (Scatter); the root handles nranks x count. */
+static __always_inline int nccl_enter_rooted(struct pt_regs *ctx, u8 op)
+{
+    struct nccl_frame f = {};
+    if (!nccl_begin(ctx, &f, op))
+        return 0;
+    f.count = PT_REGS_PARM3(ctx);
+    f.datatype = PT_REGS_PARM4(ctx);
+    f.peer = PT_REGS_PARM5(ctx);
+    f.stream = nccl_stack_arg(ctx, 1);
+    nccl_on_comm(&f, PT_REGS_PARM6(ctx), 0);
+    nccl_save(&f);
+    return 0;
+}
+
+int nccl_enter_ncclGather(struct pt_regs *ctx) { return nccl_enter_rooted(ctx, OP_GATHER); }
+int nccl_enter_ncclScatter(struct pt_regs *ctx) { return nccl_enter_rooted(ctx, OP_SCATTER); }
+
 /* ncclSend(sendbuff, count, datatype, peer, comm, stream); ncclRecv alike */
 static __always_inline int nccl_enter_p2p(struct pt_regs *ctx, u8 op)
 {
@@ -338,10 +464,12 @@ int nccl_enter_ncclGroupStart(struct pt_regs *ctx)
     return 0;
 }
 
-int nccl_enter_ncclGroupEnd(struct pt_regs *ctx)
+/* ncclGroupEnd(void); ncclGroupSimulateEnd(ncclSimInfo_t*) closes the group
+ * the same way (it simulates instead of launching). */
+static __always_inline int nccl_enter_group_end(struct pt_regs *ctx, u8 op)
 {
     struct nccl_frame f = {};
-    if (!nccl_begin(ctx, &f, OP_GROUP_END))
+    if (!nccl_begin(ctx, &f, op))
         return 0;
     u64 id = bpf_get_current_pid_tgid();
     u32 *depth = nccl_group_depth.lookup(&id);
@@ -353,6 +481,12 @@ int nccl_enter_ncclGroupEnd(struct pt_regs *ctx)
     }
     nccl_save(&f);
     return 0;
+}
+
+int nccl_enter_ncclGroupEnd(struct pt_regs *ctx) { return nccl_enter_group_end(ctx, OP_GROUP_END); }
+int nccl_enter_ncclGroupSimulateEnd(struct pt_regs *ctx)
+{
+    return nccl_enter_group_end(ctx, OP_GROUP_SIMULATE_END);
 }
 
 /* ncclCommInitRank(comm*, nranks, ncclUniqueId id, rank): id at SP+8 */
@@ -419,6 +553,95 @@ int nccl_enter_ncclCommSplit(struct pt_regs *ctx)
     return 0;
 }
 
+/* ncclCommInitRankScalable(newcomm*, nranks, myrank, nId, ncclUniqueId* commIds,
+ * config*): six register arguments; the ids by reference (r8). */
+int nccl_enter_ncclCommInitRankScalable(struct pt_regs *ctx)
+{
+    struct nccl_frame f = {};
+    if (!nccl_begin(ctx, &f, OP_COMM_INIT_RANK_SCALABLE))
+        return 0;
+    f.comm = PT_REGS_PARM1(ctx);
+    f.nranks = PT_REGS_PARM2(ctx);
+    f.rank = PT_REGS_PARM3(ctx);
+    f.count = (u32)PT_REGS_PARM4(ctx);       /* nId */
+    f.hash = ingero_hash_uid((void *)PT_REGS_PARM5(ctx));
+    nccl_save(&f);
+    return 0;
+}
+
+/* ncclCommShrink(comm, int* excludeRanksList, excludeRanksCount, newcomm*,
+ * config*, shrinkFlags) */
+int nccl_enter_ncclCommShrink(struct pt_regs *ctx)
+{
+    struct nccl_frame f = {};
+    if (!nccl_begin(ctx, &f, OP_COMM_SHRINK))
+        return 0;
+    struct nccl_comm_key k = {.tgid = bpf_get_current_pid_tgid() >> 32,
+                              .comm = PT_REGS_PARM1(ctx)};
+    s32 nexcl = PT_REGS_PARM3(ctx);
+    u64 list = PT_REGS_PARM2(ctx);
+    struct nccl_comm_val *parent = nccl_comms.lookup(&k);
+    if (parent && !(parent->flags & NCCL_F_COMM_UNKNOWN)) {
+        u32 n = parent->shrinks;
+        parent->shrinks = n + 1;
+        f.parent_hash = parent->hash;
+        f.hash = ingero_splitmix64(parent->hash ^ NCCL_SHRINK_SALT ^ n);
+        s32 below = 0;
+        if (parent->rank >= 0 && parent->nranks > 0 && nexcl >= 0 && nexcl <= INGERO_NCCL_SHRINK_MAX) {
+            /* one read of the whole list, then a branch-free count */
+            s32 ex[INGERO_NCCL_SHRINK_MAX] = {};
+            u32 sz = ((u32)nexcl * 4) & (INGERO_NCCL_SHRINK_MAX * 4 * 2 - 1);
+            if (sz > sizeof(ex))
+                sz = sizeof(ex);
+            if (sz)
+                bpf_probe_read_user(ex, sz, (void *)list);
+            s32 me = parent->rank;
+#pragma unroll
+            for (int i = 0; i < INGERO_NCCL_SHRINK_MAX; i++)
+                below += (i < nexcl) & (ex[i] < me);
+            f.rank = parent->rank - below;
+            f.nranks = parent->nranks - nexcl;
+        }
+    } else {
+        f.flags |= NCCL_F_COMM_UNKNOWN;
+    }
+    f.comm = PT_REGS_PARM4(ctx);      /* where the new handle will be written */
+    nccl_save(&f);
+    return 0;
+}
+
+/* ncclCommGrow(comm, nRanks, const ncclUniqueId* uniqueId, rank, newcomm*, config*) */
+int nccl_enter_ncclCommGrow(struct pt_regs *ctx)
+{
+    struct nccl_frame f = {};
+    if (!nccl_begin(ctx, &f, OP_COMM_GROW))
+        return 0;
+    u64 parent_handle = PT_REGS_PARM1(ctx);
+    f.nranks = PT_REGS_PARM2(ctx);
+    if (parent_handle) {               /* an existing rank: keeps its rank */
+        struct nccl_comm_key k = {.tgid = bpf_get_current_pid_tgid() >> 32, .comm = parent_handle};
+        struct nccl_comm_val *parent = nccl_comms.lookup(&k);
+        if (parent && !(parent->flags & NCCL_F_COMM_UNKNOWN)) {
+            u32 n = parent->grows;
+            parent->grows = n + 1;
+            f.parent_hash = parent->hash;
+            f.hash = ingero_splitmix64(parent->hash ^ NCCL_GROW_SALT ^ n);
+            f.rank = parent->rank;
+        } else {
+            f.flags |= NCCL_F_COMM_UNKNOWN;
+        }
+    } else {                           /* a new rank: the id and its rank */
+        u64 uid = PT_REGS_PARM3(ctx);
+        f.hash = uid ? ingero_hash_uid((void *)uid) : 0;
+        f.rank = PT_REGS_PARM4(ctx);
+        if (!uid)
+            f.flags |= NCCL_F_COMM_UNKNOWN;
+    }
+    f.comm = PT_REGS_PARM5(ctx);
+    nccl_save(&f);
+    return 0;
+}
+
 /* ncclCommDestroy(comm) / ncclCommAbort(comm) */
 static __always_inline int nccl_enter_comm_end(struct pt_regs *ctx, u8 op)
 {
@@ -428,15 +651,16 @@ static __always_inline int nccl_enter_comm_end(struct pt_regs *ctx, u8 op)
     struct nccl_comm_key k = {.tgid = bpf_get_current_pid_tgid() >> 32,
                               .comm = PT_REGS_PARM1(ctx)};
     f.comm = k.comm;
+    struct nccl_comm_val got = {.rank = -1, .nranks = -1, .flags = NCCL_F_COMM_UNKNOWN};
     struct nccl_comm_val *v = nccl_comms.lookup(&k);
-    if (v) {
-        f.hash = v->hash;
-        f.rank = v->rank;
-        f.nranks = v->nranks;
-        f.flags |= (u8)v->flags;
-    } else {
-        f.flags |= NCCL_F_COMM_UNKNOWN;
-    }
+    if (v)
+        __builtin_memcpy(&got, v, sizeof(got));
+    else
+        nccl_adopt_pending(k.tgid, k.comm, &got);
+    f.hash = got.hash;
+    f.rank = got.rank;
+    f.nranks = got.nranks;
+    f.flags |= (u8)got.flags;
     nccl_save(&f);
     return 0;
 }
@@ -502,10 +726,19 @@ int nccl_return(struct pt_regs *ctx)
     switch (f.op) {
     case OP_COMM_INIT_RANK:
     case OP_COMM_INIT_RANK_CONFIG:
+    case OP_COMM_INIT_RANK_SCALABLE:
     case OP_COMM_SPLIT:
+    case OP_COMM_SHRINK:
+    case OP_COMM_GROW:
         bpf_probe_read_user(&handle, sizeof(handle), (void *)f.comm);
-        if (ret == 0 && handle && !(f.flags & NCCL_F_COMM_UNKNOWN))
-            nccl_put_comm(handle, f.hash, f.rank, f.nranks);
+        if ((ret == NCCL_SUCCESS || ret == NCCL_IN_PROGRESS) && !(f.flags & NCCL_F_COMM_UNKNOWN)) {
+            if (handle) {
+                nccl_put_comm(handle, f.hash, f.rank, f.nranks);
+            } else if (ret == NCCL_IN_PROGRESS && f.comm) {
+                nccl_park(f.comm, f.hash, f.rank, f.nranks);
+                f.flags |= NCCL_F_PENDING;
+            }
+        }
         nccl_emit(&f, now, ret, handle);
         return 0;
     case OP_COMM_DESTROY:

@@ -21,6 +21,8 @@ from ingero.store import dict_column
 from ingero_agent.records import NCCL_F_IN_GROUP, OWNER_SOURCES
 
 OP_COMM_SPLIT = 12
+OP_COMM_SHRINK = 17
+OP_COMM_GROW = 18
 _DATA_OPS = np.zeros(256, dtype=bool)
 _REDUCE_OPS = np.zeros(256, dtype=bool)
 for _code, _name in schema.NCCL_OPS.items():
@@ -112,6 +114,7 @@ def nccl_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
     op = a["op"].astype(np.int64)
     data_op = _DATA_OPS[op]
     split = op == OP_COMM_SPLIT
+    derived = split | (op == OP_COMM_SHRINK) | (op == OP_COMM_GROW)   # have a parent
     count = a["count"].astype(np.int64)
     nbytes = count * _DT_SIZE[a["datatype"]]
     codes = unique_pids(a["pid"])
@@ -135,7 +138,7 @@ def nccl_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
         "in_group": (a["flags"] & NCCL_F_IN_GROUP) != 0,
         "comm": a["comm"],
         "stream": _masked(a["stream"], ~data_op),
-        "parent_hash": _masked(a["parent_hash"], ~split),
+        "parent_hash": _masked(a["parent_hash"], ~derived | ((op == OP_COMM_GROW) & (a["parent_hash"] == 0))),
         "color": _masked(a["color"], ~split),
         "split_key": _masked(a["key"], ~split),
         "pid": a["pid"].astype(np.int32),

@@ -20,6 +20,10 @@ NCCL_SYMBOLS = (
     "ncclReduce", "ncclSend", "ncclRecv", "ncclGroupStart", "ncclGroupEnd",
     "ncclCommInitRank", "ncclCommInitRankConfig", "ncclCommInitAll", "ncclCommSplit",
     "ncclCommDestroy", "ncclCommAbort",
+    # newer entry points (NVIDIA nccl.h.in): GroupSimulateEnd 2.22, InitRankScalable 2.23,
+    # Shrink 2.27, AlltoAll/Gather/Scatter 2.28, Grow 2.29
+    "ncclGroupSimulateEnd", "ncclCommInitRankScalable", "ncclCommShrink", "ncclCommGrow",
+    "ncclAlltoAll", "ncclGather", "ncclScatter",
 )
 MARKER = "ncclAllReduce"   # a file that defines this one is an NCCL library
 
