@@ -202,11 +202,14 @@ class Probes:
                 continue
             seen_addr.add(addr)
             ret_fn = "nccl_return_init_all" if name == "ncclCommInitAll" else "nccl_return"
+            # Symbols found only in .symtab (NCCL linked in and hidden) attach by
+            # address: bcc turns the virtual address into the file offset.
+            where = ({"addr": addr} if getattr(symbols, "from_symtab", False)
+                     else {"sym": name.encode()})
             try:
-                self.bpf.attach_uprobe(name=os.fsencode(path), sym=name.encode(),
-                                       fn_name=f"nccl_enter_{name}".encode())
-                self.bpf.attach_uretprobe(name=os.fsencode(path), sym=name.encode(),
-                                          fn_name=ret_fn.encode())
+                self.bpf.attach_uprobe(name=os.fsencode(path), fn_name=f"nccl_enter_{name}".encode(),
+                                       **where)
+                self.bpf.attach_uretprobe(name=os.fsencode(path), fn_name=ret_fn.encode(), **where)
             except Exception as e:
                 raise IngeroError(f"attaching a uprobe to {name} in {path} failed ({e}); check "
                                   "that uprobes are enabled (CONFIG_UPROBE_EVENTS)") from e

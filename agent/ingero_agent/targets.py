@@ -302,12 +302,13 @@ class TargetSet:
             if p.last_lib_check and not young and now - p.last_lib_check < LIB_RECHECK_SLOW_S:
                 continue
             p.last_lib_check = now
-            got = self.finder.find(p.pid)
-            if got:
-                p.nccl_path, p.nccl_key, p.nccl_symbols = got
-                if p.nccl_key not in self._libraries:
-                    self._libraries.add(p.nccl_key)
-                    new_libs.append(got)
+            found = self.finder.find_all(p.pid)
+            if found:
+                p.nccl_path, p.nccl_key, p.nccl_symbols = found[0]
+                for got in found:   # every copy the process maps is attached
+                    if got[1] not in self._libraries:
+                        self._libraries.add(got[1])
+                        new_libs.append(got)
             elif young:
                 awaiting += 1
         ips = {ip_key(ip) for pod in self.pods for ip in pod.ips}

@@ -323,3 +323,42 @@ def test_newer_entry_points_scalable_init_shrink_grow_alltoall_gather_scatter_ke
     assert all(c[1] != 0 for c in comms)
     # the process's world identity comes from the scalable init
     assert t.query("SELECT rank, world_size FROM ranks WHERE pid = ?", [drv.pid]) == [(1, 4)]
+
+
+@pytest.fixture(scope="module")
+def two_copies(tmp_path_factory):
+    """A program mapping libfakenccl.so and libtorchlike.so, which links the same fake
+    NCCL in with every nccl* symbol local (.symtab only), as libtorch_cuda.so may."""
+    import shutil
+    import subprocess
+    from tests.bpf.conftest import FIXTURES
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is not installed: cannot build the NCCL fixtures")
+    d = tmp_path_factory.mktemp("twocopies")
+    run = lambda *a: subprocess.run(list(a), check=True, cwd=d)  # noqa: E731
+    run("gcc", "-O1", "-fPIC", "-c", str(FIXTURES / "fakenccl.c"), "-o", "fake.o")
+    run("gcc", "-O1", "-fPIC", "-c", str(FIXTURES / "torchlike.c"), "-o", "tl.o")
+    (d / "vs").write_text("{ global: torchlike_*; local: *; };\n")
+    run("gcc", "-shared", "-o", "libtorchlike.so", "tl.o", "fake.o", "-Wl,--version-script=vs")
+    run("gcc", "-O1", "-fPIC", "-shared", "-o", "libfakenccl.so", str(FIXTURES / "fakenccl.c"))
+    run("gcc", "-o", "twocopies", str(FIXTURES / "twocopies.c"), f"-L{d}", "-lfakenccl",
+        "-ltorchlike", f"-Wl,-rpath,{d}")
+    return d
+
+
+def test_nccl_hidden_in_another_library_is_found_in_symtab_and_both_mapped_copies_are_traced(
+        two_copies, trace, tmp_path):
+    from ingero_agent.elfsyms import nccl_symbols
+    from tests.bpf.conftest import spawn
+    hidden = nccl_symbols(two_copies / "libtorchlike.so")
+    assert hidden.from_symtab and "ncclAllReduce" in hidden
+    go = tmp_path / "go"
+    proc = spawn([str(two_copies / "twocopies"), str(go)], None)
+    t = trace("--pid", str(proc.pid), "--probes", "nccl")
+    go.touch()
+    assert proc.wait(30) == 0
+    t.stop()
+    rows = t.query("SELECT op, count, stream, nranks, rank FROM nccl_events WHERE pid = ? "
+                   "AND op = 'ALL_REDUCE' ORDER BY timestamp_ns", [proc.pid])
+    # 11 elements through the exported copy, 22 through the hidden one
+    assert rows == [("ALL_REDUCE", 11, 0x11, 4, 2), ("ALL_REDUCE", 22, 0x77, 2, 1)]
