@@ -104,18 +104,23 @@ struct nccl_frame {
     s32 peer;
     s32 color;
     s32 key;
-    u64 sp;            /* stack pointer at entry: tells nested calls and stale frames apart */
+    u64 sp;            /* stack pointer at entry: tells nested calls and stale frames apart;
+                          0 once the call returned (the slot stays, for the next call) */
+    u32 depth;         /* ncclGroupStart depth of the thread (kept across calls) */
+    u32 _pad;
     u8 op;
     u8 datatype;
     u8 redop;
     u8 flags;
 };
-/* Plain preallocated hashes, not LRU: an LRU lookup costs ~9% more per probed
- * call (bench/uprobe_cost.py). Entries of a thread that dies inside a call are
- * removed at its exit (sched_process_exit below), so the maps do not fill up. */
+/* One slot per thread, written in place: a hash update allocates and frees an
+ * element and a delete takes the bucket lock, which cost more than the rest of
+ * the probe (bench/uprobe_cost.py with kernel.bpf_stats_enabled), so a call
+ * only inserts on a thread's first call and otherwise rewrites its slot; the
+ * return marks it closed (sp = 0). The thread's group depth lives in the same
+ * slot. Plain preallocated hash, not LRU (an LRU lookup costs ~9% more per
+ * call); a thread's slot is removed at its exit (sched_process_exit below). */
 BPF_HASH(nccl_frames, u64, struct nccl_frame, 16384);
-/* ncclGroupStart depth per thread. */
-BPF_HASH(nccl_group_depth, u64, u32, 16384);
 
 struct nccl_comm_key {
     u32 tgid;
@@ -195,7 +200,7 @@ static __always_inline int nccl_begin(struct pt_regs *ctx, struct nccl_frame *f,
         return 0;
     u64 sp = PT_REGS_SP(ctx);
     struct nccl_frame *open = nccl_frames.lookup(&id);
-    if (open && sp < open->sp)
+    if (open && open->sp && sp < open->sp)
         return 0;
     f->sp = sp;
     f->ts = bpf_ktime_get_ns();
@@ -204,8 +209,8 @@ static __always_inline int nccl_begin(struct pt_regs *ctx, struct nccl_frame *f,
     f->rank = -1;
     f->nranks = -1;
     f->peer = -1;
-    u32 *depth = nccl_group_depth.lookup(&id);
-    if (depth && *depth > 0)
+    f->depth = open ? open->depth : 0;
+    if (f->depth > 0)
         f->flags |= NCCL_F_IN_GROUP;
     return 1;
 }
@@ -213,7 +218,11 @@ static __always_inline int nccl_begin(struct pt_regs *ctx, struct nccl_frame *f,
 static __always_inline void nccl_save(struct nccl_frame *f)
 {
     u64 id = bpf_get_current_pid_tgid();
-    nccl_frames.update(&id, f);
+    struct nccl_frame *slot = nccl_frames.lookup(&id);
+    if (slot)
+        __builtin_memcpy(slot, f, sizeof(*f));
+    else
+        nccl_frames.update(&id, f);
 }
 
 /* A handle the map does not know: is it the child of a non-blocking
@@ -296,7 +305,6 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
 {
     u64 id = bpf_get_current_pid_tgid();
     nccl_frames.delete(&id);
-    nccl_group_depth.delete(&id);
     return 0;
 }
 
@@ -453,13 +461,7 @@ int nccl_enter_ncclGroupStart(struct pt_regs *ctx)
     struct nccl_frame f = {};
     if (!nccl_begin(ctx, &f, OP_GROUP_START))
         return 0;
-    u64 id = bpf_get_current_pid_tgid();
-    u32 one = 1;
-    u32 *depth = nccl_group_depth.lookup(&id);
-    if (depth)
-        *depth += 1;
-    else
-        nccl_group_depth.update(&id, &one);
+    f.depth += 1;
     nccl_save(&f);
     return 0;
 }
@@ -471,12 +473,10 @@ static __always_inline int nccl_enter_group_end(struct pt_regs *ctx, u8 op)
     struct nccl_frame f = {};
     if (!nccl_begin(ctx, &f, op))
         return 0;
-    u64 id = bpf_get_current_pid_tgid();
-    u32 *depth = nccl_group_depth.lookup(&id);
     f.flags &= ~NCCL_F_IN_GROUP;
-    if (depth && *depth > 0) {
-        *depth -= 1;
-        if (*depth > 0)
+    if (f.depth > 0) {
+        f.depth -= 1;
+        if (f.depth > 0)
             f.flags |= NCCL_F_IN_GROUP;  /* closes an inner group */
     }
     nccl_save(&f);
@@ -706,10 +706,10 @@ static __always_inline int nccl_end(struct pt_regs *ctx, struct nccl_frame *f)
 {
     u64 id = bpf_get_current_pid_tgid();
     struct nccl_frame *open = nccl_frames.lookup(&id);
-    if (!open || PT_REGS_SP(ctx) < open->sp + 8)
+    if (!open || !open->sp || PT_REGS_SP(ctx) < open->sp + 8)
         return 0;
-    *f = *open;
-    nccl_frames.delete(&id);
+    __builtin_memcpy(f, open, sizeof(*f));
+    open->sp = 0;                      /* closed; the slot (and group depth) stays */
     return 1;
 }
 
