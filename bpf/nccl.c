@@ -16,13 +16,16 @@
  * return one `struct ingero_nccl_event` leaves through the `nccl_events` ring
  * buffer with duration and return code.
  *
- * Arguments follow the x86-64 SysV ABI (the loader refuses other machines):
- * integer/pointer arguments in rdi, rsi, rdx, rcx, r8, r9, then on the stack
- * at SP+8, SP+16 at entry (SP holds the return address). ncclUniqueId is a
- * 128-byte struct passed BY VALUE: it is classed MEMORY, so it is copied onto
- * the stack at SP+8 and takes no register; the int arguments after it move
- * up (ncclCommInitRank: rdi=comm*, rsi=nranks, rdx=rank; the Config variant
- * adds rcx=config).
+ * Arguments: where each one is comes from the per-machine table in
+ * agent/ingero_agent/abi.py (-D ARG_<function>_<parameter>). On x86-64 (SysV)
+ * integer/pointer arguments are in rdi, rsi, rdx, rcx, r8, r9, then on the
+ * stack at SP+8, SP+16 at entry (SP holds the return address); ncclUniqueId
+ * is a 128-byte struct passed BY VALUE: class MEMORY, copied onto the stack
+ * at SP+8, taking no register, so the int arguments after it move up
+ * (ncclCommInitRank: rdi=comm*, rsi=nranks, rdx=rank). On aarch64 (AAPCS64
+ * rule B.4) the id is copied by the caller and passed BY REFERENCE: a pointer
+ * in x2, rank in x3; x0..x7 carry every other probed argument, and the return
+ * SP equals the entry SP (INGERO_RET_SP_DELTA 0, 8 on x86-64).
  *
  * Communicators: a map (tgid, handle) -> {hash, rank, nranks, counters}.
  *   - InitRank(Config): hash = fold of the 16 words of the id (see
@@ -174,13 +177,19 @@ static __always_inline u64 ingero_hash_uid(const void *uid)
     return h;
 }
 
-static __always_inline u64 nccl_stack_arg(struct pt_regs *ctx, int n)
+/* The 8-byte stack word at SP + off at entry. Where each argument is (register,
+ * stack slot, by-value copy) comes from agent/ingero_agent/abi.py as -D flags
+ * ARG_<function>_<parameter>, per machine (x86-64 SysV, AAPCS64). */
+static __always_inline u64 nccl_stack_word(struct pt_regs *ctx, int off)
 {
-    /* n-th stack argument (1-based) at entry: SP + 8*n */
     u64 v = 0;
-    bpf_probe_read_user(&v, sizeof(v), (void *)(PT_REGS_SP(ctx) + 8 * n));
+    bpf_probe_read_user(&v, sizeof(v), (void *)(PT_REGS_SP(ctx) + off));
     return v;
 }
+
+#ifndef INGERO_RET_SP_DELTA
+#error "build through ingero_agent.probes: the argument table (abi.py) gives the -D flags"
+#endif
 
 /* Starts a frame; 0 when the call is not traced (not a target, or nested).
  *
@@ -316,11 +325,11 @@ int nccl_enter_ncclAllReduce(struct pt_regs *ctx)
     struct nccl_frame f = {};
     if (!nccl_begin(ctx, &f, OP_ALL_REDUCE))
         return 0;
-    f.count = PT_REGS_PARM3(ctx);
-    f.datatype = PT_REGS_PARM4(ctx);
-    f.redop = PT_REGS_PARM5(ctx);
-    f.stream = nccl_stack_arg(ctx, 1);
-    nccl_on_comm(&f, PT_REGS_PARM6(ctx), 0);
+    f.count = ARG_ncclAllReduce_count;
+    f.datatype = ARG_ncclAllReduce_datatype;
+    f.redop = ARG_ncclAllReduce_op;
+    f.stream = ARG_ncclAllReduce_stream;
+    nccl_on_comm(&f, ARG_ncclAllReduce_comm, 0);
     nccl_save(&f);
     return 0;
 }
@@ -331,10 +340,10 @@ int nccl_enter_ncclAllGather(struct pt_regs *ctx)
     struct nccl_frame f = {};
     if (!nccl_begin(ctx, &f, OP_ALL_GATHER))
         return 0;
-    f.count = PT_REGS_PARM3(ctx);
-    f.datatype = PT_REGS_PARM4(ctx);
-    f.stream = PT_REGS_PARM6(ctx);
-    nccl_on_comm(&f, PT_REGS_PARM5(ctx), 0);
+    f.count = ARG_ncclAllGather_sendcount;
+    f.datatype = ARG_ncclAllGather_datatype;
+    f.stream = ARG_ncclAllGather_stream;
+    nccl_on_comm(&f, ARG_ncclAllGather_comm, 0);
     nccl_save(&f);
     return 0;
 }
@@ -345,11 +354,11 @@ int nccl_enter_ncclReduceScatter(struct pt_regs *ctx)
     struct nccl_frame f = {};
     if (!nccl_begin(ctx, &f, OP_REDUCE_SCATTER))
         return 0;
-    f.count = PT_REGS_PARM3(ctx);
-    f.datatype = PT_REGS_PARM4(ctx);
-    f.redop = PT_REGS_PARM5(ctx);
-    f.stream = nccl_stack_arg(ctx, 1);
-    nccl_on_comm(&f, PT_REGS_PARM6(ctx), 0);
+    f.count = ARG_ncclReduceScatter_recvcount;
+    f.datatype = ARG_ncclReduceScatter_datatype;
+    f.redop = ARG_ncclReduceScatter_op;
+    f.stream = ARG_ncclReduceScatter_stream;
+    nccl_on_comm(&f, ARG_ncclReduceScatter_comm, 0);
     nccl_save(&f);
     return 0;
 }
@@ -360,11 +369,11 @@ int nccl_enter_ncclBroadcast(struct pt_regs *ctx)
     struct nccl_frame f = {};
     if (!nccl_begin(ctx, &f, OP_BROADCAST))
         return 0;
-    f.count = PT_REGS_PARM3(ctx);
-    f.datatype = PT_REGS_PARM4(ctx);
-    f.peer = PT_REGS_PARM5(ctx);
-    f.stream = nccl_stack_arg(ctx, 1);
-    nccl_on_comm(&f, PT_REGS_PARM6(ctx), 0);
+    f.count = ARG_ncclBroadcast_count;
+    f.datatype = ARG_ncclBroadcast_datatype;
+    f.peer = ARG_ncclBroadcast_root;
+    f.stream = ARG_ncclBroadcast_stream;
+    nccl_on_comm(&f, ARG_ncclBroadcast_comm, 0);
     nccl_save(&f);
     return 0;
 }
@@ -376,11 +385,11 @@ int nccl_enter_ncclBcast(struct pt_regs *ctx)
     if (!nccl_begin(ctx, &f, OP_BROADCAST))
         return 0;
     f.flags |= NCCL_F_BCAST_ALIAS;
-    f.count = PT_REGS_PARM2(ctx);
-    f.datatype = PT_REGS_PARM3(ctx);
-    f.peer = PT_REGS_PARM4(ctx);
-    f.stream = PT_REGS_PARM6(ctx);
-    nccl_on_comm(&f, PT_REGS_PARM5(ctx), 0);
+    f.count = ARG_ncclBcast_count;
+    f.datatype = ARG_ncclBcast_datatype;
+    f.peer = ARG_ncclBcast_root;
+    f.stream = ARG_ncclBcast_stream;
+    nccl_on_comm(&f, ARG_ncclBcast_comm, 0);
     nccl_save(&f);
     return 0;
 }
@@ -392,12 +401,12 @@ int nccl_enter_ncclReduce(struct pt_regs *ctx)
     struct nccl_frame f = {};
     if (!nccl_begin(ctx, &f, OP_REDUCE))
         return 0;
-    f.count = PT_REGS_PARM3(ctx);
-    f.datatype = PT_REGS_PARM4(ctx);
-    f.redop = PT_REGS_PARM5(ctx);
-    f.peer = PT_REGS_PARM6(ctx);
-    f.stream = nccl_stack_arg(ctx, 2);
-    nccl_on_comm(&f, nccl_stack_arg(ctx, 1), 0);
+    f.count = ARG_ncclReduce_count;
+    f.datatype = ARG_ncclReduce_datatype;
+    f.redop = ARG_ncclReduce_op;
+    f.peer = ARG_ncclReduce_root;
+    f.stream = ARG_ncclReduce_stream;
+    nccl_on_comm(&f, ARG_ncclReduce_comm, 0);
     nccl_save(&f);
     return 0;
 }
@@ -409,10 +418,10 @@ int nccl_enter_ncclAlltoAll(struct pt_regs *ctx)
     struct nccl_frame f = {};
     if (!nccl_begin(ctx, &f, OP_ALL_TO_ALL))
         return 0;
-    f.count = PT_REGS_PARM3(ctx);
-    f.datatype = PT_REGS_PARM4(ctx);
-    f.stream = PT_REGS_PARM6(ctx);
-    nccl_on_comm(&f, PT_REGS_PARM5(ctx), 0);
+    f.count = ARG_ncclAlltoAll_count;
+    f.datatype = ARG_ncclAlltoAll_datatype;
+    f.stream = ARG_ncclAlltoAll_stream;
+    nccl_on_comm(&f, ARG_ncclAlltoAll_comm, 0);
     nccl_save(&f);
     return 0;
 }
@@ -425,11 +434,11 @@ static __always_inline int nccl_enter_rooted(struct pt_regs *ctx, u8 op)
     struct nccl_frame f = {};
     if (!nccl_begin(ctx, &f, op))
         return 0;
-    f.count = PT_REGS_PARM3(ctx);
-    f.datatype = PT_REGS_PARM4(ctx);
-    f.peer = PT_REGS_PARM5(ctx);
-    f.stream = nccl_stack_arg(ctx, 1);
-    nccl_on_comm(&f, PT_REGS_PARM6(ctx), 0);
+    f.count = ARG_ncclGather_count;
+    f.datatype = ARG_ncclGather_datatype;
+    f.peer = ARG_ncclGather_root;
+    f.stream = ARG_ncclGather_stream;
+    nccl_on_comm(&f, ARG_ncclGather_comm, 0);
     nccl_save(&f);
     return 0;
 }
@@ -443,11 +452,11 @@ static __always_inline int nccl_enter_p2p(struct pt_regs *ctx, u8 op)
     struct nccl_frame f = {};
     if (!nccl_begin(ctx, &f, op))
         return 0;
-    f.count = PT_REGS_PARM2(ctx);
-    f.datatype = PT_REGS_PARM3(ctx);
-    f.peer = PT_REGS_PARM4(ctx);
-    f.stream = PT_REGS_PARM6(ctx);
-    nccl_on_comm(&f, PT_REGS_PARM5(ctx), 1);
+    f.count = ARG_ncclSend_count;
+    f.datatype = ARG_ncclSend_datatype;
+    f.peer = ARG_ncclSend_peer;
+    f.stream = ARG_ncclSend_stream;
+    nccl_on_comm(&f, ARG_ncclSend_comm, 1);
     nccl_save(&f);
     return 0;
 }
@@ -495,10 +504,10 @@ static __always_inline int nccl_enter_init_rank(struct pt_regs *ctx, u8 op)
     struct nccl_frame f = {};
     if (!nccl_begin(ctx, &f, op))
         return 0;
-    f.comm = PT_REGS_PARM1(ctx);      /* where the new handle will be written */
-    f.nranks = PT_REGS_PARM2(ctx);
-    f.rank = PT_REGS_PARM3(ctx);
-    f.hash = ingero_hash_uid((void *)(PT_REGS_SP(ctx) + 8));
+    f.comm = ARG_ncclCommInitRank_comm;      /* where the new handle will be written */
+    f.nranks = ARG_ncclCommInitRank_nranks;
+    f.rank = ARG_ncclCommInitRank_rank;
+    f.hash = ingero_hash_uid((void *)(ARG_ncclCommInitRank_commId));
     nccl_save(&f);
     return 0;
 }
@@ -520,8 +529,8 @@ int nccl_enter_ncclCommInitAll(struct pt_regs *ctx)
     struct nccl_frame f = {};
     if (!nccl_begin(ctx, &f, OP_COMM_INIT_ALL))
         return 0;
-    f.comm = PT_REGS_PARM1(ctx);
-    f.nranks = PT_REGS_PARM2(ctx);
+    f.comm = ARG_ncclCommInitAll_comm;
+    f.nranks = ARG_ncclCommInitAll_ndev;
     f.count = (u32)f.nranks;
     u64 tgid = bpf_get_current_pid_tgid() >> 32;
     f.hash = ingero_splitmix64(tgid ^ ingero_splitmix64(f.comm ^ ingero_splitmix64(f.ts)));
@@ -535,10 +544,10 @@ int nccl_enter_ncclCommSplit(struct pt_regs *ctx)
     struct nccl_frame f = {};
     if (!nccl_begin(ctx, &f, OP_COMM_SPLIT))
         return 0;
-    f.color = PT_REGS_PARM2(ctx);
-    f.key = PT_REGS_PARM3(ctx);
+    f.color = ARG_ncclCommSplit_color;
+    f.key = ARG_ncclCommSplit_key;
     struct nccl_comm_key k = {.tgid = bpf_get_current_pid_tgid() >> 32,
-                              .comm = PT_REGS_PARM1(ctx)};
+                              .comm = ARG_ncclCommSplit_comm};
     struct nccl_comm_val *parent = nccl_comms.lookup(&k);
     if (parent && !(parent->flags & NCCL_F_COMM_UNKNOWN)) {
         u32 n = parent->splits;
@@ -548,7 +557,7 @@ int nccl_enter_ncclCommSplit(struct pt_regs *ctx)
     } else {
         f.flags |= NCCL_F_COMM_UNKNOWN;
     }
-    f.comm = PT_REGS_PARM4(ctx);      /* where the new handle will be written */
+    f.comm = ARG_ncclCommSplit_newcomm;      /* where the new handle will be written */
     nccl_save(&f);
     return 0;
 }
@@ -560,11 +569,11 @@ int nccl_enter_ncclCommInitRankScalable(struct pt_regs *ctx)
     struct nccl_frame f = {};
     if (!nccl_begin(ctx, &f, OP_COMM_INIT_RANK_SCALABLE))
         return 0;
-    f.comm = PT_REGS_PARM1(ctx);
-    f.nranks = PT_REGS_PARM2(ctx);
-    f.rank = PT_REGS_PARM3(ctx);
-    f.count = (u32)PT_REGS_PARM4(ctx);       /* nId */
-    f.hash = ingero_hash_uid((void *)PT_REGS_PARM5(ctx));
+    f.comm = ARG_ncclCommInitRankScalable_newcomm;
+    f.nranks = ARG_ncclCommInitRankScalable_nranks;
+    f.rank = ARG_ncclCommInitRankScalable_myrank;
+    f.count = (u32)ARG_ncclCommInitRankScalable_nId;       /* nId */
+    f.hash = ingero_hash_uid((void *)ARG_ncclCommInitRankScalable_commIds);
     nccl_save(&f);
     return 0;
 }
@@ -577,9 +586,9 @@ int nccl_enter_ncclCommShrink(struct pt_regs *ctx)
     if (!nccl_begin(ctx, &f, OP_COMM_SHRINK))
         return 0;
     struct nccl_comm_key k = {.tgid = bpf_get_current_pid_tgid() >> 32,
-                              .comm = PT_REGS_PARM1(ctx)};
-    s32 nexcl = PT_REGS_PARM3(ctx);
-    u64 list = PT_REGS_PARM2(ctx);
+                              .comm = ARG_ncclCommShrink_comm};
+    s32 nexcl = ARG_ncclCommShrink_excludeRanksCount;
+    u64 list = ARG_ncclCommShrink_excludeRanksList;
     struct nccl_comm_val *parent = nccl_comms.lookup(&k);
     if (parent && !(parent->flags & NCCL_F_COMM_UNKNOWN)) {
         u32 n = parent->shrinks;
@@ -605,7 +614,7 @@ int nccl_enter_ncclCommShrink(struct pt_regs *ctx)
     } else {
         f.flags |= NCCL_F_COMM_UNKNOWN;
     }
-    f.comm = PT_REGS_PARM4(ctx);      /* where the new handle will be written */
+    f.comm = ARG_ncclCommShrink_newcomm;      /* where the new handle will be written */
     nccl_save(&f);
     return 0;
 }
@@ -616,8 +625,8 @@ int nccl_enter_ncclCommGrow(struct pt_regs *ctx)
     struct nccl_frame f = {};
     if (!nccl_begin(ctx, &f, OP_COMM_GROW))
         return 0;
-    u64 parent_handle = PT_REGS_PARM1(ctx);
-    f.nranks = PT_REGS_PARM2(ctx);
+    u64 parent_handle = ARG_ncclCommGrow_comm;
+    f.nranks = ARG_ncclCommGrow_nRanks;
     if (parent_handle) {               /* an existing rank: keeps its rank */
         struct nccl_comm_key k = {.tgid = bpf_get_current_pid_tgid() >> 32, .comm = parent_handle};
         struct nccl_comm_val *parent = nccl_comms.lookup(&k);
@@ -631,13 +640,13 @@ int nccl_enter_ncclCommGrow(struct pt_regs *ctx)
             f.flags |= NCCL_F_COMM_UNKNOWN;
         }
     } else {                           /* a new rank: the id and its rank */
-        u64 uid = PT_REGS_PARM3(ctx);
+        u64 uid = ARG_ncclCommGrow_uniqueId;
         f.hash = uid ? ingero_hash_uid((void *)uid) : 0;
-        f.rank = PT_REGS_PARM4(ctx);
+        f.rank = ARG_ncclCommGrow_rank;
         if (!uid)
             f.flags |= NCCL_F_COMM_UNKNOWN;
     }
-    f.comm = PT_REGS_PARM5(ctx);
+    f.comm = ARG_ncclCommGrow_newcomm;
     nccl_save(&f);
     return 0;
 }
@@ -649,7 +658,7 @@ static __always_inline int nccl_enter_comm_end(struct pt_regs *ctx, u8 op)
     if (!nccl_begin(ctx, &f, op))
         return 0;
     struct nccl_comm_key k = {.tgid = bpf_get_current_pid_tgid() >> 32,
-                              .comm = PT_REGS_PARM1(ctx)};
+                              .comm = ARG_ncclCommDestroy_comm};
     f.comm = k.comm;
     struct nccl_comm_val got = {.rank = -1, .nranks = -1, .flags = NCCL_F_COMM_UNKNOWN};
     struct nccl_comm_val *v = nccl_comms.lookup(&k);
@@ -706,7 +715,7 @@ static __always_inline int nccl_end(struct pt_regs *ctx, struct nccl_frame *f)
 {
     u64 id = bpf_get_current_pid_tgid();
     struct nccl_frame *open = nccl_frames.lookup(&id);
-    if (!open || !open->sp || PT_REGS_SP(ctx) < open->sp + 8)
+    if (!open || !open->sp || PT_REGS_SP(ctx) < open->sp + INGERO_RET_SP_DELTA)
         return 0;
     __builtin_memcpy(f, open, sizeof(*f));
     open->sp = 0;                      /* closed; the slot (and group depth) stays */

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import ctypes as ct
 import os
-import platform
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ingero.errors import IngeroError
+from ingero_agent import abi
 from ingero_agent.elfsyms import NCCL_SYMBOLS
 from ingero_agent.records import FAMILIES, ringbuf_dtype
 from ingero_agent.ringbuf import PAGE_SIZE, MappedRing, RingWaiter, open_ring
@@ -134,13 +134,14 @@ def build_program(cfg: ProbeConfig, src: Path | None = None) -> tuple[str, list[
         f"-DINGERO_SELF_TGID={int(cfg.self_tgid)}",
         f"-DINGERO_MAX_TARGETS={int(cfg.max_targets)}",
     ] + flags
+    if "nccl" in cfg.families:
+        cflags += abi.cflags()     # where each NCCL argument is on this machine
     return "".join(parts), cflags, notes
 
 
 def check_machine(cfg: ProbeConfig) -> None:
-    if "nccl" in cfg.families and platform.machine() not in ("x86_64", "amd64"):
-        raise IngeroError(f"the nccl probes read stack-passed arguments with the x86-64 SysV "
-                          f"layout; this machine is {platform.machine()}: use --probes tcp,sched")
+    if "nccl" in cfg.families:
+        abi.machine()   # raises, naming the fix, on a machine without an argument table
 
 
 class Probes:
