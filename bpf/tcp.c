@@ -96,10 +96,18 @@ static __always_inline int tcp_ip_is_target(const u8 *addr, u16 family)
 {
     struct ip_key k = {};
     k.family = family;
-    if (family == INGERO_AF_INET)
+    if (family == INGERO_AF_INET) {
         __builtin_memcpy(k.addr, addr, 4);
-    else
+    } else if (addr[0] == 0 && addr[1] == 0 && addr[2] == 0 && addr[3] == 0 && addr[4] == 0 &&
+               addr[5] == 0 && addr[6] == 0 && addr[7] == 0 && addr[8] == 0 && addr[9] == 0 &&
+               addr[10] == 0xff && addr[11] == 0xff) {
+        /* IPv4-mapped IPv6 (::ffff:a.b.c.d, a dual-stack socket talking IPv4):
+         * matches the pod's IPv4 address */
+        k.family = INGERO_AF_INET;
+        __builtin_memcpy(k.addr, addr + 12, 4);
+    } else {
         __builtin_memcpy(k.addr, addr, 16);
+    }
     return target_ips.lookup(&k) != 0;
 }
 

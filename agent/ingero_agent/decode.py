@@ -165,6 +165,16 @@ def format_addresses(addr: np.ndarray, family: np.ndarray) -> tuple[np.ndarray, 
     return inv.reshape(-1), names
 
 
+def _unmapped(name: str | None) -> str | None:
+    """An IPv4-mapped IPv6 address (::ffff:a.b.c.d, a dual-stack socket talking IPv4)
+    as the IPv4 address pods are listed with; any other address unchanged."""
+    if name and name.startswith("::ffff:"):
+        mapped = ipaddress.IPv6Address(name).ipv4_mapped
+        if mapped is not None:
+            return str(mapped)
+    return name
+
+
 def tcp_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
     n = len(a)
     s_codes, s_names = format_addresses(a["saddr"], a["family"])
@@ -177,7 +187,7 @@ def tcp_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
     by_ip = reg.by_ip
     unknown = np.flatnonzero(pid == 0)
     for i in unknown.tolist():
-        ident = by_ip.get(s_names[s_codes[i]])
+        ident = by_ip.get(_unmapped(s_names[s_codes[i]]))
         if ident is not None:
             row_ident[i] = ident
             owner[i] = 3   # "address"
