@@ -94,8 +94,8 @@ def lossy_link(tmp_path):
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def client(ns: str, fam: int, cgroup: Path | None = None) -> tuple[subprocess.Popen, int]:
-    p = spawn(["ip", "netns", "exec", ns, sys.executable, "-c", CLIENT, ADDRS[fam][1], str(PORT)], cgroup)
+def client(ns: str, fam: int, cgroup: Path | None = None, to: str | None = None) -> tuple[subprocess.Popen, int]:
+    p = spawn(["ip", "netns", "exec", ns, sys.executable, "-c", CLIENT, to or ADDRS[fam][1], str(PORT)], cgroup)
     sport = int(p.stdout.readline())
     return p, sport
 
@@ -121,8 +121,12 @@ def test_retransmits_are_recorded_for_the_target_connection_with_its_owner_pid(
     assert t.query("SELECT COUNT(*) FROM tcp_events") == t.query("SELECT events_tcp FROM nodes")
 
 
+@pytest.mark.parametrize("mapped", [False, True], ids=["ipv4", "ipv4-mapped-ipv6"])
 def test_connections_of_unknown_owners_are_kept_when_they_use_a_target_pod_address(
-        lossy_link, trace, make_cgroup, tmp_path):
+        lossy_link, trace, make_cgroup, tmp_path, mapped):
+    """With `mapped`, the client is a dual-stack AF_INET6 socket talking to the IPv4
+    server through ::ffff:198.18.0.2: its local end ::ffff:198.18.0.1 must match the
+    pod's IPv4 address, in the kernel filter and in the user-side attribution."""
     pod_uid = uuid.uuid4().hex
     pod_cg = make_cgroup()
     pod_dir = pod_cg / f"pod{pod_uid}"
@@ -131,7 +135,8 @@ def test_connections_of_unknown_owners_are_kept_when_they_use_a_target_pod_addre
     pods.write_text(json.dumps({"node": "test-node", "cgroup_root": str(pod_cg), "pods": [
         {"name": "w-0", "namespace": "ml", "uid": pod_uid, "ips": [ADDRS[4][0]]}]}))
     t = trace("--pods", str(pods), "--probes", "tcp")
-    outside, port = client(lossy_link, 4)       # not in the pod's cgroup, but uses its address
+    to = f"::ffff:{ADDRS[4][1]}" if mapped else None
+    outside, port = client(lossy_link, 4, to=to)   # not in the pod's cgroup, but uses its address
     assert outside.wait(60) == 0
     t.stop()
     pod_dir.rmdir()
