@@ -41,7 +41,8 @@ OPTIONAL_TRACEPOINTS = {
     "tcp": (("tcp/tcp_send_reset", "INGERO_HAVE_TCP_SEND_RESET"),
             ("tcp/tcp_receive_reset", "INGERO_HAVE_TCP_RECEIVE_RESET"),
             ("tcp/tcp_destroy_sock", "INGERO_HAVE_TCP_DESTROY_SOCK"),
-            ("sock/sock_send_length", "INGERO_HAVE_SOCK_LENGTH")),
+            ("sock/sock_send_length", "INGERO_HAVE_SOCK_LENGTH"),
+            ("tcp/tcp_rcv_space_adjust", "INGERO_HAVE_TCP_RCV_SPACE_ADJUST")),
 }
 
 
@@ -82,6 +83,9 @@ class ProbeConfig:
 
 
 def tracepoint_format(name: str) -> str | None:
+    # INGERO_HIDE_TRACEPOINTS=a/b,c/d: behave as on a kernel without them (to test fallbacks)
+    if name in os.environ.get("INGERO_HIDE_TRACEPOINTS", "").split(","):
+        return None
     for base in TRACEFS_EVENTS:
         try:
             return (base / name / "format").read_text()

@@ -143,3 +143,37 @@ def test_connections_of_unknown_owners_are_kept_when_they_use_a_target_pod_addre
     rows = t.query("SELECT pid, owner_source, pod, namespace, sport FROM tcp_events "
                    "WHERE event = 'tcp_retransmit_skb'")
     assert rows and set(rows) == {(None, "address", "w-0", "ml", port)}
+
+
+PASSIVE_PORT = 5002
+
+
+@pytest.mark.parametrize("hide_length_tracepoints", [False, True], ids=["sock_length", "rcv_space_adjust"])
+def test_an_accepted_connection_gets_its_owner_from_the_reading_task(
+        lossy_link, trace, make_cgroup, monkeypatch, hide_length_tracepoints):
+    """The server (in the target cgroup) only accepts and reads; the client is outside.
+    Its connection's later state changes (softirq) carry the server as owner: from
+    sock_recv_length, or on kernels without it (hidden here) from tcp_rcv_space_adjust."""
+    from ingero_agent.probes import tracepoint_format
+    if tracepoint_format("tcp/tcp_rcv_space_adjust") is None:
+        pytest.skip("this kernel has no tcp:tcp_rcv_space_adjust")
+    if hide_length_tracepoints:
+        monkeypatch.setenv("INGERO_HIDE_TRACEPOINTS", "sock/sock_send_length,sock/sock_recv_length")
+    server_ns = lossy_link.replace("ingA", "ingB")
+    cg = make_cgroup()
+    t = trace("--cgroup", str(cg), "--probes", "tcp")
+    srv = spawn(["ip", "netns", "exec", server_ns, sys.executable, "-c", SERVER, ADDRS[4][1],
+                 str(PASSIVE_PORT)], cg)
+    try:
+        assert srv.stdout.readline().strip() == "listening"
+        cli = subprocess.Popen(["ip", "netns", "exec", lossy_link, sys.executable, "-c", CLIENT,
+                                ADDRS[4][1], str(PASSIVE_PORT)], stdout=subprocess.PIPE, text=True)
+        assert cli.wait(60) == 0
+        import time
+        time.sleep(0.5)
+    finally:
+        srv.kill()
+        srv.wait()
+    t.stop()
+    rows = t.query("SELECT DISTINCT pid, owner_source FROM tcp_events WHERE sport = ?", [PASSIVE_PORT])
+    assert (srv.pid, "socket") in rows, rows
