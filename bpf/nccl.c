@@ -314,6 +314,13 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
 {
     u64 id = bpf_get_current_pid_tgid();
     nccl_frames.delete(&id);
+    if ((u32)id == (u32)(id >> 32)) {   /* the process itself: its parked children go too */
+#pragma unroll
+        for (u32 i = 0; i < INGERO_NCCL_PENDING; i++) {
+            struct nccl_pending_key pk = {.tgid = id >> 32, .slot = i};
+            nccl_pending.delete(&pk);
+        }
+    }
     return 0;
 }
 
