@@ -10,7 +10,14 @@ round, so they share the machine's noise:
 * bare:   an empty BPF program on the uprobe and the uretprobe (the kernel's
           own cost of entry+return probing, nothing of ours);
 * ingero: Ingero's NCCL probes (argument capture, communicator lookup, seq,
-          ring-buffer record), the process targeted, its ring drained meanwhile.
+          ring-buffer record), the process targeted, its ring drained meanwhile
+          by a Python thread of this benchmark's process every 20 ms (on a
+          2-core machine it competes with the loop for CPU).
+
+--bpf-stats also reports the programs' own run time per call, measured by the
+kernel (kernel.bpf_stats_enabled=1 for the run, then restored; run_time_ns /
+run_cnt from /proc/self/fdinfo of each program): robust to machine load, where
+the wall-clock figures are not.
 
 Reported: the median per set-up, the probe cost (set-up minus none), and
 ingero's cost over bare's. Target: ingero <= bare + 10%. Needs root.
@@ -48,6 +55,20 @@ def _loop(loop: Path, lib: Path, calls: int, before_go=None) -> float:
     return ns
 
 
+STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
+PROG_NS: dict[str, list[float]] = {}
+
+
+def _prog_ns(name: str, fd: int) -> None:
+    """Record the program's mean in-kernel run time per call (needs bpf_stats on)."""
+    import re
+    text = Path(f"/proc/self/fdinfo/{fd}").read_text()
+    ns = re.search(r"run_time_ns:\s+(\d+)", text)
+    cnt = re.search(r"run_cnt:\s+(\d+)", text)
+    if ns and cnt and int(cnt.group(1)):
+        PROG_NS.setdefault(name, []).append(int(ns.group(1)) / int(cnt.group(1)))
+
+
 def _bare(loop, lib, calls) -> float:
     from bcc import BPF
 
@@ -55,7 +76,10 @@ def _bare(loop, lib, calls) -> float:
     b.attach_uprobe(name=str(lib), sym="ncclAllReduce", fn_name="on_entry")
     b.attach_uretprobe(name=str(lib), sym="ncclAllReduce", fn_name="on_return")
     try:
-        return _loop(loop, lib, calls)
+        ns = _loop(loop, lib, calls)
+        _prog_ns("bare entry", b.funcs[b"on_entry"].fd)
+        _prog_ns("bare return", b.funcs[b"on_return"].fd)
+        return ns
     finally:
         b.cleanup()
 
@@ -87,6 +111,8 @@ def _ingero(loop, lib, calls) -> tuple[float, int, int]:
 
     try:
         ns = _loop(loop, lib, calls, go)
+        _prog_ns("ingero entry", p.bpf.funcs[b"nccl_enter_ncclAllReduce"].fd)
+        _prog_ns("ingero return", p.bpf.funcs[b"nccl_return"].fd)
         return ns, got[0], p.lost()["nccl"]
     finally:
         p.close()
@@ -96,8 +122,21 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=300_000)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--bpf-stats", action="store_true",
+                    help="also report the programs' in-kernel run time per call")
     a = ap.parse_args(argv)
     need_root("uprobe_cost")
+    old_stats = STATS.read_text().strip() if a.bpf_stats else None
+    if a.bpf_stats:
+        STATS.write_text("1")
+    try:
+        return _main(a)
+    finally:
+        if old_stats is not None:
+            STATS.write_text(old_stats)
+
+
+def _main(a) -> dict:
     res = {"none": [], "bare": [], "ingero": []}
     events = lost = 0
     with tempfile.TemporaryDirectory() as d:
@@ -123,6 +162,10 @@ def main(argv=None) -> dict:
           f"{100 * (ours / bare_cost - 1):+.1f}% over bare (target <= +10%; by the fastest "
           f"round {100 * (r['ratio_min'] - 1):+.1f}%); "
           f"events {events:,} of {r['expected_events']:,}, lost {lost:,}")
+    if PROG_NS:
+        r["bpf_ns_per_call"] = {k: statistics.median(v) for k, v in PROG_NS.items()}
+        print("in-kernel BPF run time per call (median of rounds): " + ", ".join(
+            f"{k} {v:.0f} ns" for k, v in r["bpf_ns_per_call"].items()))
     return r
 
 

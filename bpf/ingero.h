@@ -48,11 +48,25 @@
 #define OP_COMM_DESTROY    13
 #define OP_COMM_ABORT      14
 #define OP_COMM_INIT_RANK_CONFIG 15
+#define OP_COMM_INIT_RANK_SCALABLE 16  /* ncclCommInitRankScalable (NCCL >= 2.23) */
+#define OP_COMM_SHRINK     17  /* ncclCommShrink (NCCL >= 2.27) */
+#define OP_COMM_GROW       18  /* ncclCommGrow (NCCL >= 2.29) */
+#define OP_GROUP_SIMULATE_END 19  /* ncclGroupSimulateEnd (NCCL >= 2.22) */
+#define OP_ALL_TO_ALL      20  /* ncclAlltoAll (NCCL >= 2.28) */
+#define OP_GATHER          21  /* ncclGather (NCCL >= 2.28) */
+#define OP_SCATTER         22  /* ncclScatter (NCCL >= 2.28) */
+
+/* ncclResult_t values the probes treat as success for identity (nccl.h) */
+#define NCCL_SUCCESS       0
+#define NCCL_IN_PROGRESS   7   /* ncclInProgress: non-blocking communicators */
 
 /* ingero_nccl_event.flags */
 #define NCCL_F_IN_GROUP     1  /* called between ncclGroupStart and ncclGroupEnd */
 #define NCCL_F_COMM_UNKNOWN 2  /* communicator created before tracing began */
 #define NCCL_F_BCAST_ALIAS  4  /* ncclBcast (in-place) rather than ncclBroadcast */
+#define NCCL_F_PENDING      8  /* init/split/shrink returned ncclInProgress before the child
+                                  handle was written: `comm` is 0 here; the handle is bound to
+                                  this identity at the first call made on it (see nccl.c) */
 
 /* One record per NCCL API call, emitted at return. 104 bytes. */
 struct ingero_nccl_event {

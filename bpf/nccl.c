@@ -3,7 +3,11 @@
  * Hooks: entry and return of ncclAllReduce, ncclAllGather, ncclReduceScatter,
  * ncclBroadcast, ncclBcast, ncclReduce, ncclSend, ncclRecv, ncclGroupStart,
  * ncclGroupEnd, ncclCommInitRank, ncclCommInitRankConfig, ncclCommInitAll,
- * ncclCommSplit, ncclCommDestroy and ncclCommAbort. The loader attaches the
+ * ncclCommSplit, ncclCommDestroy and ncclCommAbort; and, where the library
+ * has them (signatures from NVIDIA's src/nccl.h.in, NCCL 2.30.7):
+ * ncclGroupSimulateEnd (2.22), ncclCommInitRankScalable (2.23),
+ * ncclCommShrink (2.27), ncclAlltoAll, ncclGather, ncclScatter (2.28) and
+ * ncclCommGrow (2.29). The loader attaches the
  * entry program `nccl_enter_<name>` and the shared return program
  * `nccl_return` (ncclCommInitAll: `nccl_return_init_all`) to every one of
  * these symbols a library exports.
@@ -12,13 +16,16 @@
  * return one `struct ingero_nccl_event` leaves through the `nccl_events` ring
  * buffer with duration and return code.
  *
- * Arguments follow the x86-64 SysV ABI (the loader refuses other machines):
- * integer/pointer arguments in rdi, rsi, rdx, rcx, r8, r9, then on the stack
- * at SP+8, SP+16 at entry (SP holds the return address). ncclUniqueId is a
- * 128-byte struct passed BY VALUE: it is classed MEMORY, so it is copied onto
- * the stack at SP+8 and takes no register; the int arguments after it move
- * up (ncclCommInitRank: rdi=comm*, rsi=nranks, rdx=rank; the Config variant
- * adds rcx=config).
+ * Arguments: where each one is comes from the per-machine table in
+ * agent/ingero_agent/abi.py (-D ARG_<function>_<parameter>). On x86-64 (SysV)
+ * integer/pointer arguments are in rdi, rsi, rdx, rcx, r8, r9, then on the
+ * stack at SP+8, SP+16 at entry (SP holds the return address); ncclUniqueId
+ * is a 128-byte struct passed BY VALUE: class MEMORY, copied onto the stack
+ * at SP+8, taking no register, so the int arguments after it move up
+ * (ncclCommInitRank: rdi=comm*, rsi=nranks, rdx=rank). On aarch64 (AAPCS64
+ * rule B.4) the id is copied by the caller and passed BY REFERENCE: a pointer
+ * in x2, rank in x3; x0..x7 carry every other probed argument, and the return
+ * SP equals the entry SP (INGERO_RET_SP_DELTA 0, 8 on x86-64).
  *
  * Communicators: a map (tgid, handle) -> {hash, rank, nranks, counters}.
  *   - InitRank(Config): hash = fold of the 16 words of the id (see
@@ -31,7 +38,34 @@
  *     carries the new handle in `comm`, the child hash in `comm_hash`, the
  *     parent's hash, color and key; rank/nranks are -1 (resolved in user
  *     space across ranks).
+ *   - InitRankScalable(comm*, nranks, myrank, nId, ncclUniqueId* commIds,
+ *     config*): the ids come BY REFERENCE (an array of nId); hash = fold of
+ *     the FIRST id. NCCL requires every rank to pass the same ids in the same
+ *     order, so ids[0] names the communicator on every rank.
+ *   - Shrink(comm, excludeRanksList*, excludeRanksCount, newcomm*, config*,
+ *     flags): only the survivors call it. child hash = splitmix64(parent ^
+ *     SHRINK_SALT ^ n), n the parent's shrink counter; rank = parent rank
+ *     minus the excluded ranks below it, nranks = parent nranks - count
+ *     (up to INGERO_NCCL_SHRINK_MAX excluded ranks read; more: rank -1).
+ *   - Grow(comm, nRanks, const ncclUniqueId* id, rank, newcomm*, config*):
+ *     existing ranks (comm != NULL, rank -1) keep their rank, hash =
+ *     splitmix64(parent ^ GROW_SALT ^ n); new ranks (comm NULL) take the
+ *     fold of *id and their rank argument. Existing non-root ranks get no
+ *     id (NULL), so the two sides of a grown communicator carry different
+ *     hashes: a known gap (the `parent_hash` column links the existing side).
  *   - Destroy/Abort remove the entry at return.
+ *
+ * ncclInProgress (7) counts as success for identity. A non-blocking init
+ * writes the new handle before returning 7 (NCCL init.cc), so it is read at
+ * return as for 0. A non-blocking split/shrink writes the child handle only
+ * when its async job finishes: the return then sees NULL, and the identity is
+ * parked in `nccl_pending` (per process, INGERO_NCCL_PENDING slots) with the
+ * address the handle will be written to. The first traced call on a handle
+ * the map does not know (a collective, p2p, a later split, destroy) reads
+ * each parked address of its process; the one holding that handle gives the
+ * communicator its identity. Nothing runs on the hot path: only a call on an
+ * unknown handle looks at the slots. ncclCommGetAsyncError is not probed
+ * (PyTorch's watchdog polls it constantly).
  * A call on a handle created before tracing began gets NCCL_F_COMM_UNKNOWN,
  * comm_hash 0, rank/nranks -1, and a sequence counted from its first call.
  *
@@ -48,6 +82,14 @@
 #ifndef INGERO_NCCL_INITALL_MAX
 #define INGERO_NCCL_INITALL_MAX 16   /* communicators mapped per ncclCommInitAll */
 #endif
+#ifndef INGERO_NCCL_SHRINK_MAX
+#define INGERO_NCCL_SHRINK_MAX 16    /* excluded ranks read per ncclCommShrink */
+#endif
+#ifndef INGERO_NCCL_PENDING
+#define INGERO_NCCL_PENDING 8        /* parked non-blocking children per process */
+#endif
+#define NCCL_SHRINK_SALT 0x5348524b00000000ULL  /* "SHRK" */
+#define NCCL_GROW_SALT   0x47524f5700000000ULL  /* "GROW" */
 
 BPF_RINGBUF_OUTPUT(nccl_events, INGERO_RINGBUF_PAGES);
 
@@ -65,18 +107,23 @@ struct nccl_frame {
     s32 peer;
     s32 color;
     s32 key;
-    u64 sp;            /* stack pointer at entry: tells nested calls and stale frames apart */
+    u64 sp;            /* stack pointer at entry: tells nested calls and stale frames apart;
+                          0 once the call returned (the slot stays, for the next call) */
+    u32 depth;         /* ncclGroupStart depth of the thread (kept across calls) */
+    u32 _pad;
     u8 op;
     u8 datatype;
     u8 redop;
     u8 flags;
 };
-/* Plain preallocated hashes, not LRU: an LRU lookup costs ~9% more per probed
- * call (bench/uprobe_cost.py). Entries of a thread that dies inside a call are
- * removed at its exit (sched_process_exit below), so the maps do not fill up. */
+/* One slot per thread, written in place: a hash update allocates and frees an
+ * element and a delete takes the bucket lock, which cost more than the rest of
+ * the probe (bench/uprobe_cost.py with kernel.bpf_stats_enabled), so a call
+ * only inserts on a thread's first call and otherwise rewrites its slot; the
+ * return marks it closed (sp = 0). The thread's group depth lives in the same
+ * slot. Plain preallocated hash, not LRU (an LRU lookup costs ~9% more per
+ * call); a thread's slot is removed at its exit (sched_process_exit below). */
 BPF_HASH(nccl_frames, u64, struct nccl_frame, 16384);
-/* ncclGroupStart depth per thread. */
-BPF_HASH(nccl_group_depth, u64, u32, 16384);
 
 struct nccl_comm_key {
     u32 tgid;
@@ -91,8 +138,23 @@ struct nccl_comm_val {
     u32 p2p_seq;
     u32 splits;
     u32 flags;         /* NCCL_F_COMM_UNKNOWN */
+    u32 shrinks;
+    u32 grows;
 };
 BPF_HASH(nccl_comms, struct nccl_comm_key, struct nccl_comm_val, 65536);
+
+/* Children of non-blocking splits/shrinks whose handle was not written yet. */
+struct nccl_pending_key {
+    u32 tgid;
+    u32 slot;
+};
+struct nccl_pending_val {
+    u64 out;           /* user address the child handle will be written to */
+    u64 hash;
+    s32 rank;
+    s32 nranks;
+};
+BPF_HASH(nccl_pending, struct nccl_pending_key, struct nccl_pending_val, 4096);
 
 static __always_inline u64 ingero_splitmix64(u64 x)
 {
@@ -115,13 +177,19 @@ static __always_inline u64 ingero_hash_uid(const void *uid)
     return h;
 }
 
-static __always_inline u64 nccl_stack_arg(struct pt_regs *ctx, int n)
+/* The 8-byte stack word at SP + off at entry. Where each argument is (register,
+ * stack slot, by-value copy) comes from agent/ingero_agent/abi.py as -D flags
+ * ARG_<function>_<parameter>, per machine (x86-64 SysV, AAPCS64). */
+static __always_inline u64 nccl_stack_word(struct pt_regs *ctx, int off)
 {
-    /* n-th stack argument (1-based) at entry: SP + 8*n */
     u64 v = 0;
-    bpf_probe_read_user(&v, sizeof(v), (void *)(PT_REGS_SP(ctx) + 8 * n));
+    bpf_probe_read_user(&v, sizeof(v), (void *)(PT_REGS_SP(ctx) + off));
     return v;
 }
+
+#ifndef INGERO_RET_SP_DELTA
+#error "build through ingero_agent.probes: the argument table (abi.py) gives the -D flags"
+#endif
 
 /* Starts a frame; 0 when the call is not traced (not a target, or nested).
  *
@@ -141,7 +209,7 @@ static __always_inline int nccl_begin(struct pt_regs *ctx, struct nccl_frame *f,
         return 0;
     u64 sp = PT_REGS_SP(ctx);
     struct nccl_frame *open = nccl_frames.lookup(&id);
-    if (open && sp < open->sp)
+    if (open && open->sp && sp < open->sp)
         return 0;
     f->sp = sp;
     f->ts = bpf_ktime_get_ns();
@@ -150,8 +218,8 @@ static __always_inline int nccl_begin(struct pt_regs *ctx, struct nccl_frame *f,
     f->rank = -1;
     f->nranks = -1;
     f->peer = -1;
-    u32 *depth = nccl_group_depth.lookup(&id);
-    if (depth && *depth > 0)
+    f->depth = open ? open->depth : 0;
+    if (f->depth > 0)
         f->flags |= NCCL_F_IN_GROUP;
     return 1;
 }
@@ -159,7 +227,47 @@ static __always_inline int nccl_begin(struct pt_regs *ctx, struct nccl_frame *f,
 static __always_inline void nccl_save(struct nccl_frame *f)
 {
     u64 id = bpf_get_current_pid_tgid();
-    nccl_frames.update(&id, f);
+    struct nccl_frame *slot = nccl_frames.lookup(&id);
+    if (slot)
+        __builtin_memcpy(slot, f, sizeof(*f));
+    else
+        nccl_frames.update(&id, f);
+}
+
+/* A handle the map does not know: is it the child of a non-blocking
+ * split/shrink parked in nccl_pending? Then it takes the parked identity. */
+static __always_inline void nccl_adopt_pending(u32 tgid, u64 comm, struct nccl_comm_val *v)
+{
+#pragma unroll
+    for (u32 i = 0; i < INGERO_NCCL_PENDING; i++) {
+        struct nccl_pending_key pk = {.tgid = tgid, .slot = i};
+        struct nccl_pending_val *p = nccl_pending.lookup(&pk);
+        if (!p)
+            continue;
+        u64 handle = 0;
+        bpf_probe_read_user(&handle, sizeof(handle), (void *)p->out);
+        if (handle != comm)
+            continue;
+        v->hash = p->hash;
+        v->rank = p->rank;
+        v->nranks = p->nranks;
+        v->flags = 0;
+        nccl_pending.delete(&pk);
+        return;
+    }
+}
+
+/* Parks a child identity until its handle appears; a full table drops it. */
+static __always_inline void nccl_park(u64 out, u64 hash, s32 rank, s32 nranks)
+{
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    struct nccl_pending_val pv = {.out = out, .hash = hash, .rank = rank, .nranks = nranks};
+#pragma unroll
+    for (u32 i = 0; i < INGERO_NCCL_PENDING; i++) {
+        struct nccl_pending_key pk = {.tgid = tgid, .slot = i};
+        if (nccl_pending.insert(&pk, &pv) == 0)
+            return;
+    }
 }
 
 /* Looks up a communicator for a call on it and takes the next seq number. */
@@ -170,6 +278,7 @@ static __always_inline void nccl_on_comm(struct nccl_frame *f, u64 comm, int p2p
     struct nccl_comm_val *v = nccl_comms.lookup(&k);
     if (!v) {
         struct nccl_comm_val unknown = {.rank = -1, .nranks = -1, .flags = NCCL_F_COMM_UNKNOWN};
+        nccl_adopt_pending(k.tgid, comm, &unknown);
         nccl_comms.insert(&k, &unknown);
         v = nccl_comms.lookup(&k);
         if (!v) {
@@ -205,7 +314,13 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
 {
     u64 id = bpf_get_current_pid_tgid();
     nccl_frames.delete(&id);
-    nccl_group_depth.delete(&id);
+    if ((u32)id == (u32)(id >> 32)) {   /* the process itself: its parked children go too */
+#pragma unroll
+        for (u32 i = 0; i < INGERO_NCCL_PENDING; i++) {
+            struct nccl_pending_key pk = {.tgid = id >> 32, .slot = i};
+            nccl_pending.delete(&pk);
+        }
+    }
     return 0;
 }
 
@@ -217,11 +332,11 @@ int nccl_enter_ncclAllReduce(struct pt_regs *ctx)
     struct nccl_frame f = {};
     if (!nccl_begin(ctx, &f, OP_ALL_REDUCE))
         return 0;
-    f.count = PT_REGS_PARM3(ctx);
-    f.datatype = PT_REGS_PARM4(ctx);
-    f.redop = PT_REGS_PARM5(ctx);
-    f.stream = nccl_stack_arg(ctx, 1);
-    nccl_on_comm(&f, PT_REGS_PARM6(ctx), 0);
+    f.count = ARG_ncclAllReduce_count;
+    f.datatype = ARG_ncclAllReduce_datatype;
+    f.redop = ARG_ncclAllReduce_op;
+    f.stream = ARG_ncclAllReduce_stream;
+    nccl_on_comm(&f, ARG_ncclAllReduce_comm, 0);
     nccl_save(&f);
     return 0;
 }
@@ -232,10 +347,10 @@ int nccl_enter_ncclAllGather(struct pt_regs *ctx)
     struct nccl_frame f = {};
     if (!nccl_begin(ctx, &f, OP_ALL_GATHER))
         return 0;
-    f.count = PT_REGS_PARM3(ctx);
-    f.datatype = PT_REGS_PARM4(ctx);
-    f.stream = PT_REGS_PARM6(ctx);
-    nccl_on_comm(&f, PT_REGS_PARM5(ctx), 0);
+    f.count = ARG_ncclAllGather_sendcount;
+    f.datatype = ARG_ncclAllGather_datatype;
+    f.stream = ARG_ncclAllGather_stream;
+    nccl_on_comm(&f, ARG_ncclAllGather_comm, 0);
     nccl_save(&f);
     return 0;
 }
@@ -246,11 +361,11 @@ int nccl_enter_ncclReduceScatter(struct pt_regs *ctx)
     struct nccl_frame f = {};
     if (!nccl_begin(ctx, &f, OP_REDUCE_SCATTER))
         return 0;
-    f.count = PT_REGS_PARM3(ctx);
-    f.datatype = PT_REGS_PARM4(ctx);
-    f.redop = PT_REGS_PARM5(ctx);
-    f.stream = nccl_stack_arg(ctx, 1);
-    nccl_on_comm(&f, PT_REGS_PARM6(ctx), 0);
+    f.count = ARG_ncclReduceScatter_recvcount;
+    f.datatype = ARG_ncclReduceScatter_datatype;
+    f.redop = ARG_ncclReduceScatter_op;
+    f.stream = ARG_ncclReduceScatter_stream;
+    nccl_on_comm(&f, ARG_ncclReduceScatter_comm, 0);
     nccl_save(&f);
     return 0;
 }
@@ -261,11 +376,11 @@ int nccl_enter_ncclBroadcast(struct pt_regs *ctx)
     struct nccl_frame f = {};
     if (!nccl_begin(ctx, &f, OP_BROADCAST))
         return 0;
-    f.count = PT_REGS_PARM3(ctx);
-    f.datatype = PT_REGS_PARM4(ctx);
-    f.peer = PT_REGS_PARM5(ctx);
-    f.stream = nccl_stack_arg(ctx, 1);
-    nccl_on_comm(&f, PT_REGS_PARM6(ctx), 0);
+    f.count = ARG_ncclBroadcast_count;
+    f.datatype = ARG_ncclBroadcast_datatype;
+    f.peer = ARG_ncclBroadcast_root;
+    f.stream = ARG_ncclBroadcast_stream;
+    nccl_on_comm(&f, ARG_ncclBroadcast_comm, 0);
     nccl_save(&f);
     return 0;
 }
@@ -277,11 +392,11 @@ int nccl_enter_ncclBcast(struct pt_regs *ctx)
     if (!nccl_begin(ctx, &f, OP_BROADCAST))
         return 0;
     f.flags |= NCCL_F_BCAST_ALIAS;
-    f.count = PT_REGS_PARM2(ctx);
-    f.datatype = PT_REGS_PARM3(ctx);
-    f.peer = PT_REGS_PARM4(ctx);
-    f.stream = PT_REGS_PARM6(ctx);
-    nccl_on_comm(&f, PT_REGS_PARM5(ctx), 0);
+    f.count = ARG_ncclBcast_count;
+    f.datatype = ARG_ncclBcast_datatype;
+    f.peer = ARG_ncclBcast_root;
+    f.stream = ARG_ncclBcast_stream;
+    nccl_on_comm(&f, ARG_ncclBcast_comm, 0);
     nccl_save(&f);
     return 0;
 }
@@ -293,15 +408,50 @@ int nccl_enter_ncclReduce(struct pt_regs *ctx)
     struct nccl_frame f = {};
     if (!nccl_begin(ctx, &f, OP_REDUCE))
         return 0;
-    f.count = PT_REGS_PARM3(ctx);
-    f.datatype = PT_REGS_PARM4(ctx);
-    f.redop = PT_REGS_PARM5(ctx);
-    f.peer = PT_REGS_PARM6(ctx);
-    f.stream = nccl_stack_arg(ctx, 2);
-    nccl_on_comm(&f, nccl_stack_arg(ctx, 1), 0);
+    f.count = ARG_ncclReduce_count;
+    f.datatype = ARG_ncclReduce_datatype;
+    f.redop = ARG_ncclReduce_op;
+    f.peer = ARG_ncclReduce_root;
+    f.stream = ARG_ncclReduce_stream;
+    nccl_on_comm(&f, ARG_ncclReduce_comm, 0);
     nccl_save(&f);
     return 0;
 }
+
+/* ncclAlltoAll(sendbuff, recvbuff, count, datatype, comm, stream): count is
+ * the elements sent to EACH peer (block j of sendbuff goes to rank j). */
+int nccl_enter_ncclAlltoAll(struct pt_regs *ctx)
+{
+    struct nccl_frame f = {};
+    if (!nccl_begin(ctx, &f, OP_ALL_TO_ALL))
+        return 0;
+    f.count = ARG_ncclAlltoAll_count;
+    f.datatype = ARG_ncclAlltoAll_datatype;
+    f.stream = ARG_ncclAlltoAll_stream;
+    nccl_on_comm(&f, ARG_ncclAlltoAll_comm, 0);
+    nccl_save(&f);
+    return 0;
+}
+
+/* ncclGather(sendbuff, recvbuff, count, datatype, root, comm, stream) and
+ * ncclScatter alike: count is the elements each rank sends (Gather) or
+ * receives (Scatter); the root handles nranks x count. */
+static __always_inline int nccl_enter_rooted(struct pt_regs *ctx, u8 op)
+{
+    struct nccl_frame f = {};
+    if (!nccl_begin(ctx, &f, op))
+        return 0;
+    f.count = ARG_ncclGather_count;
+    f.datatype = ARG_ncclGather_datatype;
+    f.peer = ARG_ncclGather_root;
+    f.stream = ARG_ncclGather_stream;
+    nccl_on_comm(&f, ARG_ncclGather_comm, 0);
+    nccl_save(&f);
+    return 0;
+}
+
+int nccl_enter_ncclGather(struct pt_regs *ctx) { return nccl_enter_rooted(ctx, OP_GATHER); }
+int nccl_enter_ncclScatter(struct pt_regs *ctx) { return nccl_enter_rooted(ctx, OP_SCATTER); }
 
 /* ncclSend(sendbuff, count, datatype, peer, comm, stream); ncclRecv alike */
 static __always_inline int nccl_enter_p2p(struct pt_regs *ctx, u8 op)
@@ -309,11 +459,11 @@ static __always_inline int nccl_enter_p2p(struct pt_regs *ctx, u8 op)
     struct nccl_frame f = {};
     if (!nccl_begin(ctx, &f, op))
         return 0;
-    f.count = PT_REGS_PARM2(ctx);
-    f.datatype = PT_REGS_PARM3(ctx);
-    f.peer = PT_REGS_PARM4(ctx);
-    f.stream = PT_REGS_PARM6(ctx);
-    nccl_on_comm(&f, PT_REGS_PARM5(ctx), 1);
+    f.count = ARG_ncclSend_count;
+    f.datatype = ARG_ncclSend_datatype;
+    f.peer = ARG_ncclSend_peer;
+    f.stream = ARG_ncclSend_stream;
+    nccl_on_comm(&f, ARG_ncclSend_comm, 1);
     nccl_save(&f);
     return 0;
 }
@@ -327,32 +477,32 @@ int nccl_enter_ncclGroupStart(struct pt_regs *ctx)
     struct nccl_frame f = {};
     if (!nccl_begin(ctx, &f, OP_GROUP_START))
         return 0;
-    u64 id = bpf_get_current_pid_tgid();
-    u32 one = 1;
-    u32 *depth = nccl_group_depth.lookup(&id);
-    if (depth)
-        *depth += 1;
-    else
-        nccl_group_depth.update(&id, &one);
+    f.depth += 1;
     nccl_save(&f);
     return 0;
 }
 
-int nccl_enter_ncclGroupEnd(struct pt_regs *ctx)
+/* ncclGroupEnd(void); ncclGroupSimulateEnd(ncclSimInfo_t*) closes the group
+ * the same way (it simulates instead of launching). */
+static __always_inline int nccl_enter_group_end(struct pt_regs *ctx, u8 op)
 {
     struct nccl_frame f = {};
-    if (!nccl_begin(ctx, &f, OP_GROUP_END))
+    if (!nccl_begin(ctx, &f, op))
         return 0;
-    u64 id = bpf_get_current_pid_tgid();
-    u32 *depth = nccl_group_depth.lookup(&id);
     f.flags &= ~NCCL_F_IN_GROUP;
-    if (depth && *depth > 0) {
-        *depth -= 1;
-        if (*depth > 0)
+    if (f.depth > 0) {
+        f.depth -= 1;
+        if (f.depth > 0)
             f.flags |= NCCL_F_IN_GROUP;  /* closes an inner group */
     }
     nccl_save(&f);
     return 0;
+}
+
+int nccl_enter_ncclGroupEnd(struct pt_regs *ctx) { return nccl_enter_group_end(ctx, OP_GROUP_END); }
+int nccl_enter_ncclGroupSimulateEnd(struct pt_regs *ctx)
+{
+    return nccl_enter_group_end(ctx, OP_GROUP_SIMULATE_END);
 }
 
 /* ncclCommInitRank(comm*, nranks, ncclUniqueId id, rank): id at SP+8 */
@@ -361,10 +511,10 @@ static __always_inline int nccl_enter_init_rank(struct pt_regs *ctx, u8 op)
     struct nccl_frame f = {};
     if (!nccl_begin(ctx, &f, op))
         return 0;
-    f.comm = PT_REGS_PARM1(ctx);      /* where the new handle will be written */
-    f.nranks = PT_REGS_PARM2(ctx);
-    f.rank = PT_REGS_PARM3(ctx);
-    f.hash = ingero_hash_uid((void *)(PT_REGS_SP(ctx) + 8));
+    f.comm = ARG_ncclCommInitRank_comm;      /* where the new handle will be written */
+    f.nranks = ARG_ncclCommInitRank_nranks;
+    f.rank = ARG_ncclCommInitRank_rank;
+    f.hash = ingero_hash_uid((void *)(ARG_ncclCommInitRank_commId));
     nccl_save(&f);
     return 0;
 }
@@ -386,8 +536,8 @@ int nccl_enter_ncclCommInitAll(struct pt_regs *ctx)
     struct nccl_frame f = {};
     if (!nccl_begin(ctx, &f, OP_COMM_INIT_ALL))
         return 0;
-    f.comm = PT_REGS_PARM1(ctx);
-    f.nranks = PT_REGS_PARM2(ctx);
+    f.comm = ARG_ncclCommInitAll_comm;
+    f.nranks = ARG_ncclCommInitAll_ndev;
     f.count = (u32)f.nranks;
     u64 tgid = bpf_get_current_pid_tgid() >> 32;
     f.hash = ingero_splitmix64(tgid ^ ingero_splitmix64(f.comm ^ ingero_splitmix64(f.ts)));
@@ -401,10 +551,10 @@ int nccl_enter_ncclCommSplit(struct pt_regs *ctx)
     struct nccl_frame f = {};
     if (!nccl_begin(ctx, &f, OP_COMM_SPLIT))
         return 0;
-    f.color = PT_REGS_PARM2(ctx);
-    f.key = PT_REGS_PARM3(ctx);
+    f.color = ARG_ncclCommSplit_color;
+    f.key = ARG_ncclCommSplit_key;
     struct nccl_comm_key k = {.tgid = bpf_get_current_pid_tgid() >> 32,
-                              .comm = PT_REGS_PARM1(ctx)};
+                              .comm = ARG_ncclCommSplit_comm};
     struct nccl_comm_val *parent = nccl_comms.lookup(&k);
     if (parent && !(parent->flags & NCCL_F_COMM_UNKNOWN)) {
         u32 n = parent->splits;
@@ -414,7 +564,96 @@ int nccl_enter_ncclCommSplit(struct pt_regs *ctx)
     } else {
         f.flags |= NCCL_F_COMM_UNKNOWN;
     }
-    f.comm = PT_REGS_PARM4(ctx);      /* where the new handle will be written */
+    f.comm = ARG_ncclCommSplit_newcomm;      /* where the new handle will be written */
+    nccl_save(&f);
+    return 0;
+}
+
+/* ncclCommInitRankScalable(newcomm*, nranks, myrank, nId, ncclUniqueId* commIds,
+ * config*): six register arguments; the ids by reference (r8). */
+int nccl_enter_ncclCommInitRankScalable(struct pt_regs *ctx)
+{
+    struct nccl_frame f = {};
+    if (!nccl_begin(ctx, &f, OP_COMM_INIT_RANK_SCALABLE))
+        return 0;
+    f.comm = ARG_ncclCommInitRankScalable_newcomm;
+    f.nranks = ARG_ncclCommInitRankScalable_nranks;
+    f.rank = ARG_ncclCommInitRankScalable_myrank;
+    f.count = (u32)ARG_ncclCommInitRankScalable_nId;       /* nId */
+    f.hash = ingero_hash_uid((void *)ARG_ncclCommInitRankScalable_commIds);
+    nccl_save(&f);
+    return 0;
+}
+
+/* ncclCommShrink(comm, int* excludeRanksList, excludeRanksCount, newcomm*,
+ * config*, shrinkFlags) */
+int nccl_enter_ncclCommShrink(struct pt_regs *ctx)
+{
+    struct nccl_frame f = {};
+    if (!nccl_begin(ctx, &f, OP_COMM_SHRINK))
+        return 0;
+    struct nccl_comm_key k = {.tgid = bpf_get_current_pid_tgid() >> 32,
+                              .comm = ARG_ncclCommShrink_comm};
+    s32 nexcl = ARG_ncclCommShrink_excludeRanksCount;
+    u64 list = ARG_ncclCommShrink_excludeRanksList;
+    struct nccl_comm_val *parent = nccl_comms.lookup(&k);
+    if (parent && !(parent->flags & NCCL_F_COMM_UNKNOWN)) {
+        u32 n = parent->shrinks;
+        parent->shrinks = n + 1;
+        f.parent_hash = parent->hash;
+        f.hash = ingero_splitmix64(parent->hash ^ NCCL_SHRINK_SALT ^ n);
+        s32 below = 0;
+        if (parent->rank >= 0 && parent->nranks > 0 && nexcl >= 0 && nexcl <= INGERO_NCCL_SHRINK_MAX) {
+            /* one read of the whole list, then a branch-free count */
+            s32 ex[INGERO_NCCL_SHRINK_MAX] = {};
+            u32 sz = ((u32)nexcl * 4) & (INGERO_NCCL_SHRINK_MAX * 4 * 2 - 1);
+            if (sz > sizeof(ex))
+                sz = sizeof(ex);
+            if (sz)
+                bpf_probe_read_user(ex, sz, (void *)list);
+            s32 me = parent->rank;
+#pragma unroll
+            for (int i = 0; i < INGERO_NCCL_SHRINK_MAX; i++)
+                below += (i < nexcl) & (ex[i] < me);
+            f.rank = parent->rank - below;
+            f.nranks = parent->nranks - nexcl;
+        }
+    } else {
+        f.flags |= NCCL_F_COMM_UNKNOWN;
+    }
+    f.comm = ARG_ncclCommShrink_newcomm;      /* where the new handle will be written */
+    nccl_save(&f);
+    return 0;
+}
+
+/* ncclCommGrow(comm, nRanks, const ncclUniqueId* uniqueId, rank, newcomm*, config*) */
+int nccl_enter_ncclCommGrow(struct pt_regs *ctx)
+{
+    struct nccl_frame f = {};
+    if (!nccl_begin(ctx, &f, OP_COMM_GROW))
+        return 0;
+    u64 parent_handle = ARG_ncclCommGrow_comm;
+    f.nranks = ARG_ncclCommGrow_nRanks;
+    if (parent_handle) {               /* an existing rank: keeps its rank */
+        struct nccl_comm_key k = {.tgid = bpf_get_current_pid_tgid() >> 32, .comm = parent_handle};
+        struct nccl_comm_val *parent = nccl_comms.lookup(&k);
+        if (parent && !(parent->flags & NCCL_F_COMM_UNKNOWN)) {
+            u32 n = parent->grows;
+            parent->grows = n + 1;
+            f.parent_hash = parent->hash;
+            f.hash = ingero_splitmix64(parent->hash ^ NCCL_GROW_SALT ^ n);
+            f.rank = parent->rank;
+        } else {
+            f.flags |= NCCL_F_COMM_UNKNOWN;
+        }
+    } else {                           /* a new rank: the id and its rank */
+        u64 uid = ARG_ncclCommGrow_uniqueId;
+        f.hash = uid ? ingero_hash_uid((void *)uid) : 0;
+        f.rank = ARG_ncclCommGrow_rank;
+        if (!uid)
+            f.flags |= NCCL_F_COMM_UNKNOWN;
+    }
+    f.comm = ARG_ncclCommGrow_newcomm;
     nccl_save(&f);
     return 0;
 }
@@ -426,17 +665,18 @@ static __always_inline int nccl_enter_comm_end(struct pt_regs *ctx, u8 op)
     if (!nccl_begin(ctx, &f, op))
         return 0;
     struct nccl_comm_key k = {.tgid = bpf_get_current_pid_tgid() >> 32,
-                              .comm = PT_REGS_PARM1(ctx)};
+                              .comm = ARG_ncclCommDestroy_comm};
     f.comm = k.comm;
+    struct nccl_comm_val got = {.rank = -1, .nranks = -1, .flags = NCCL_F_COMM_UNKNOWN};
     struct nccl_comm_val *v = nccl_comms.lookup(&k);
-    if (v) {
-        f.hash = v->hash;
-        f.rank = v->rank;
-        f.nranks = v->nranks;
-        f.flags |= (u8)v->flags;
-    } else {
-        f.flags |= NCCL_F_COMM_UNKNOWN;
-    }
+    if (v)
+        __builtin_memcpy(&got, v, sizeof(got));
+    else
+        nccl_adopt_pending(k.tgid, k.comm, &got);
+    f.hash = got.hash;
+    f.rank = got.rank;
+    f.nranks = got.nranks;
+    f.flags |= (u8)got.flags;
     nccl_save(&f);
     return 0;
 }
@@ -482,10 +722,10 @@ static __always_inline int nccl_end(struct pt_regs *ctx, struct nccl_frame *f)
 {
     u64 id = bpf_get_current_pid_tgid();
     struct nccl_frame *open = nccl_frames.lookup(&id);
-    if (!open || PT_REGS_SP(ctx) < open->sp + 8)
+    if (!open || !open->sp || PT_REGS_SP(ctx) < open->sp + INGERO_RET_SP_DELTA)
         return 0;
-    *f = *open;
-    nccl_frames.delete(&id);
+    __builtin_memcpy(f, open, sizeof(*f));
+    open->sp = 0;                      /* closed; the slot (and group depth) stays */
     return 1;
 }
 
@@ -502,10 +742,19 @@ int nccl_return(struct pt_regs *ctx)
     switch (f.op) {
     case OP_COMM_INIT_RANK:
     case OP_COMM_INIT_RANK_CONFIG:
+    case OP_COMM_INIT_RANK_SCALABLE:
     case OP_COMM_SPLIT:
+    case OP_COMM_SHRINK:
+    case OP_COMM_GROW:
         bpf_probe_read_user(&handle, sizeof(handle), (void *)f.comm);
-        if (ret == 0 && handle && !(f.flags & NCCL_F_COMM_UNKNOWN))
-            nccl_put_comm(handle, f.hash, f.rank, f.nranks);
+        if ((ret == NCCL_SUCCESS || ret == NCCL_IN_PROGRESS) && !(f.flags & NCCL_F_COMM_UNKNOWN)) {
+            if (handle) {
+                nccl_put_comm(handle, f.hash, f.rank, f.nranks);
+            } else if (ret == NCCL_IN_PROGRESS && f.comm) {
+                nccl_park(f.comm, f.hash, f.rank, f.nranks);
+                f.flags |= NCCL_F_PENDING;
+            }
+        }
         nccl_emit(&f, now, ret, handle);
         return 0;
     case OP_COMM_DESTROY:

@@ -26,7 +26,8 @@
  *   INGERO_HAVE_TCP_SEND_RESET, INGERO_HAVE_TCP_RECEIVE_RESET,
  *   INGERO_HAVE_TCP_DESTROY_SOCK, INGERO_HAVE_SOCK_LENGTH: the tracepoint
  *     exists (sock_send_length/sock_recv_length are recent; without them
- *     owners are learned at connect() only).
+ *     owners are learned at connect() and, with INGERO_HAVE_TCP_RCV_SPACE_ADJUST,
+ *     at a socket's reads: accepted connections get an owner too).
  *   INGERO_TCP_RESET_SOCKADDR: tcp_send_reset stores sockaddr_in/_in6 in
  *     saddr/daddr (recent kernels); else the older sport/dport/family layout.
  *   INGERO_DECLARE_SK_RST_REASON: see below.
@@ -41,6 +42,9 @@
 #endif
 #ifndef INGERO_HAVE_TCP_RECEIVE_RESET
 #define INGERO_HAVE_TCP_RECEIVE_RESET 1
+#endif
+#ifndef INGERO_HAVE_TCP_RCV_SPACE_ADJUST
+#define INGERO_HAVE_TCP_RCV_SPACE_ADJUST 0
 #endif
 #ifndef INGERO_HAVE_TCP_DESTROY_SOCK
 #define INGERO_HAVE_TCP_DESTROY_SOCK 1
@@ -96,10 +100,18 @@ static __always_inline int tcp_ip_is_target(const u8 *addr, u16 family)
 {
     struct ip_key k = {};
     k.family = family;
-    if (family == INGERO_AF_INET)
+    if (family == INGERO_AF_INET) {
         __builtin_memcpy(k.addr, addr, 4);
-    else
+    } else if (addr[0] == 0 && addr[1] == 0 && addr[2] == 0 && addr[3] == 0 && addr[4] == 0 &&
+               addr[5] == 0 && addr[6] == 0 && addr[7] == 0 && addr[8] == 0 && addr[9] == 0 &&
+               addr[10] == 0xff && addr[11] == 0xff) {
+        /* IPv4-mapped IPv6 (::ffff:a.b.c.d, a dual-stack socket talking IPv4):
+         * matches the pod's IPv4 address */
+        k.family = INGERO_AF_INET;
+        __builtin_memcpy(k.addr, addr + 12, 4);
+    } else {
         __builtin_memcpy(k.addr, addr, 16);
+    }
     return target_ips.lookup(&k) != 0;
 }
 
@@ -253,6 +265,15 @@ TRACEPOINT_PROBE(sock, sock_recv_length)
 {
     if (args->protocol == INGERO_IPPROTO_TCP)
         tcp_note_owner((u64)args->sk);
+    return 0;
+}
+#elif INGERO_HAVE_TCP_RCV_SPACE_ADJUST
+/* Without sock_*_length: tcp_rcv_space_adjust runs in tcp_recvmsg, in the
+ * context of the task reading the socket, so a passive (accepted) connection
+ * gets its owner at its first read, not only active ones at connect(). */
+TRACEPOINT_PROBE(tcp, tcp_rcv_space_adjust)
+{
+    tcp_note_owner((u64)args->skaddr);
     return 0;
 }
 #endif

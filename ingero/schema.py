@@ -39,10 +39,22 @@ NCCL_OPS: dict[int, str] = {
     13: "COMM_DESTROY",
     14: "COMM_ABORT",
     15: "COMM_INIT_RANK_CONFIG",
+    16: "COMM_INIT_RANK_SCALABLE",
+    17: "COMM_SHRINK",
+    18: "COMM_GROW",
+    19: "GROUP_SIMULATE_END",
+    20: "ALL_TO_ALL",
+    21: "GATHER",
+    22: "SCATTER",
 }
-COLLECTIVE_OPS = ("ALL_REDUCE", "ALL_GATHER", "REDUCE_SCATTER", "BROADCAST", "REDUCE")
+# ncclResult_t codes that count as success (nccl.h): ncclInProgress (7) is the
+# normal return of every call on a non-blocking communicator.
+NCCL_OK_RETS = (0, 7)
+COLLECTIVE_OPS = ("ALL_REDUCE", "ALL_GATHER", "REDUCE_SCATTER", "BROADCAST", "REDUCE",
+                  "ALL_TO_ALL", "GATHER", "SCATTER")
 P2P_OPS = ("SEND", "RECV")
-LIFECYCLE_OPS = ("COMM_INIT_RANK", "COMM_INIT_RANK_CONFIG", "COMM_INIT_ALL", "COMM_SPLIT",
+LIFECYCLE_OPS = ("COMM_INIT_RANK", "COMM_INIT_RANK_CONFIG", "COMM_INIT_RANK_SCALABLE",
+                 "COMM_INIT_ALL", "COMM_SPLIT", "COMM_SHRINK", "COMM_GROW",
                  "COMM_DESTROY", "COMM_ABORT")
 
 # ncclDataType_t: name and size in bytes (bytes = count x size).

@@ -120,8 +120,38 @@ def procs_below(root: Path) -> dict[int, Path]:
     return out
 
 
+def cgroup2_mounts(mounts: Path = Path("/proc/self/mounts")) -> list[Path]:
+    """Every cgroup v2 mount point the agent sees (its own, and a host one it is given)."""
+    try:
+        lines = mounts.read_text().splitlines()
+    except OSError:
+        return []
+    return [Path(p[1].replace("\\040", " ")) for p in (ln.split() for ln in lines)
+            if len(p) >= 3 and p[2] == "cgroup2"]
+
+
+def mount_of(path: Path | None, mounts: list[Path]) -> Path | None:
+    """The cgroup2 mount holding `path` (longest prefix), e.g. the host hierarchy
+    mounted into the agent's container as /host/sys/fs/cgroup."""
+    if path is None:
+        return None
+    best = None
+    for m in mounts:
+        if (path == m or m in path.parents) and (best is None or len(m.parts) > len(best.parts)):
+            best = m
+    return best
+
+
 def pid_cgroup_path(pid: int, mount: Path | None, proc: Path = PROC) -> Path | None:
-    """The cgroup v2 folder of process `pid` (None when unknown)."""
+    """The cgroup v2 folder of process `pid` below `mount` (None when unknown).
+
+    /proc/<pid>/cgroup is relative to the READER's cgroup namespace: inside the
+    agent's container (private cgroupns) a pod's path reads like
+    `/../../kubepods.slice/...`. `mount` should be the host hierarchy the agent
+    is given (not its own namespace's mount): the leading `..` are dropped and
+    the rest looked up there; if that folder does not exist, the deepest
+    existing folder whose path ends with the same components is taken (the
+    last ones, the pod and container scopes, are unique)."""
     if mount is None:
         return None
     try:
@@ -129,7 +159,19 @@ def pid_cgroup_path(pid: int, mount: Path | None, proc: Path = PROC) -> Path | N
     except OSError:
         return None
     for line in lines:
-        if line.startswith("0::"):
-            rel = line[3:].strip().lstrip("/")
-            return mount / rel if rel else mount
+        if not line.startswith("0::"):
+            continue
+        parts = [c for c in line[3:].strip().split("/") if c and c != "."]
+        while parts and parts[0] == "..":
+            parts.pop(0)
+        if not parts:
+            return mount
+        direct = mount.joinpath(*parts)
+        if direct.is_dir() or ".." not in line:
+            return direct
+        tail = tuple(parts)
+        for d in walk_dirs(mount):
+            if d.parts[-len(tail):] == tail:
+                return d
+        return None
     return None

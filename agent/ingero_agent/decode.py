@@ -21,6 +21,8 @@ from ingero.store import dict_column
 from ingero_agent.records import NCCL_F_IN_GROUP, OWNER_SOURCES
 
 OP_COMM_SPLIT = 12
+OP_COMM_SHRINK = 17
+OP_COMM_GROW = 18
 _DATA_OPS = np.zeros(256, dtype=bool)
 _REDUCE_OPS = np.zeros(256, dtype=bool)
 for _code, _name in schema.NCCL_OPS.items():
@@ -112,6 +114,7 @@ def nccl_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
     op = a["op"].astype(np.int64)
     data_op = _DATA_OPS[op]
     split = op == OP_COMM_SPLIT
+    derived = split | (op == OP_COMM_SHRINK) | (op == OP_COMM_GROW)   # have a parent
     count = a["count"].astype(np.int64)
     nbytes = count * _DT_SIZE[a["datatype"]]
     codes = unique_pids(a["pid"])
@@ -135,7 +138,7 @@ def nccl_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
         "in_group": (a["flags"] & NCCL_F_IN_GROUP) != 0,
         "comm": a["comm"],
         "stream": _masked(a["stream"], ~data_op),
-        "parent_hash": _masked(a["parent_hash"], ~split),
+        "parent_hash": _masked(a["parent_hash"], ~derived | ((op == OP_COMM_GROW) & (a["parent_hash"] == 0))),
         "color": _masked(a["color"], ~split),
         "split_key": _masked(a["key"], ~split),
         "pid": a["pid"].astype(np.int32),
@@ -162,6 +165,16 @@ def format_addresses(addr: np.ndarray, family: np.ndarray) -> tuple[np.ndarray, 
     return inv.reshape(-1), names
 
 
+def _unmapped(name: str | None) -> str | None:
+    """An IPv4-mapped IPv6 address (::ffff:a.b.c.d, a dual-stack socket talking IPv4)
+    as the IPv4 address pods are listed with; any other address unchanged."""
+    if name and name.startswith("::ffff:"):
+        mapped = ipaddress.IPv6Address(name).ipv4_mapped
+        if mapped is not None:
+            return str(mapped)
+    return name
+
+
 def tcp_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
     n = len(a)
     s_codes, s_names = format_addresses(a["saddr"], a["family"])
@@ -174,7 +187,7 @@ def tcp_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
     by_ip = reg.by_ip
     unknown = np.flatnonzero(pid == 0)
     for i in unknown.tolist():
-        ident = by_ip.get(s_names[s_codes[i]])
+        ident = by_ip.get(_unmapped(s_names[s_codes[i]]))
         if ident is not None:
             row_ident[i] = ident
             owner[i] = 3   # "address"

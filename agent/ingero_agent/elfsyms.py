@@ -1,8 +1,12 @@
-"""Which NCCL functions a shared object exports (its ELF dynamic symbol table).
+"""Which NCCL functions a shared object defines (.dynsym, else .symtab).
 
 NCCL is not always a file called libnccl: PyTorch wheels can link it into
 another library (libtorch_cuda.so). What counts is whether a mapped file
-*defines* ncclAllReduce & co. in .dynsym. The reader memory-maps the file,
+*defines* ncclAllReduce & co. in .dynsym; when NCCL is linked statically and
+hidden (its functions in .symtab only, not exported), the full symbol table
+is read instead and the result says so (`Symbols.from_symtab`): the loader
+then attaches by address, as a name lookup of a local symbol is not
+guaranteed. The reader memory-maps the file,
 walks the section headers to .dynsym and its string table, and compares
 names in bulk with numpy, so a 1 GB library costs a few milliseconds.
 Only 64-bit little-endian ELF is read (the agent's probes are x86-64).
@@ -20,6 +24,10 @@ NCCL_SYMBOLS = (
     "ncclReduce", "ncclSend", "ncclRecv", "ncclGroupStart", "ncclGroupEnd",
     "ncclCommInitRank", "ncclCommInitRankConfig", "ncclCommInitAll", "ncclCommSplit",
     "ncclCommDestroy", "ncclCommAbort",
+    # newer entry points (NVIDIA nccl.h.in): GroupSimulateEnd 2.22, InitRankScalable 2.23,
+    # Shrink 2.27, AlltoAll/Gather/Scatter 2.28, Grow 2.29
+    "ncclGroupSimulateEnd", "ncclCommInitRankScalable", "ncclCommShrink", "ncclCommGrow",
+    "ncclAlltoAll", "ncclGather", "ncclScatter",
 )
 MARKER = "ncclAllReduce"   # a file that defines this one is an NCCL library
 
@@ -28,12 +36,17 @@ _SHDR = np.dtype([("name", "<u4"), ("type", "<u4"), ("flags", "<u8"), ("addr", "
                   ("addralign", "<u8"), ("entsize", "<u8")])
 _SYM = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"),
                  ("value", "<u8"), ("size", "<u8")])
-SHT_DYNSYM = 11
+SHT_SYMTAB, SHT_DYNSYM = 2, 11
 STT_FUNC, STT_GNU_IFUNC = 2, 10
 
 
 class NotElf(ValueError):
     pass
+
+
+class Symbols(dict):
+    """name -> st_value; `from_symtab` when they came from .symtab (not exported)."""
+    from_symtab: bool = False
 
 
 def defined_symbols(path: str | os.PathLike, wanted: tuple[str, ...] = NCCL_SYMBOLS) -> dict[str, int]:
@@ -50,7 +63,7 @@ def defined_symbols(path: str | os.PathLike, wanted: tuple[str, ...] = NCCL_SYMB
             return _scan(m, size, wanted, path)
 
 
-def _scan(m: mmap.mmap, size: int, wanted: tuple[str, ...], path) -> dict[str, int]:
+def _scan(m: mmap.mmap, size: int, wanted: tuple[str, ...], path) -> Symbols:
     if m[:4] != b"\x7fELF" or m[4] != 2 or m[5] != 1:
         raise NotElf(f"{path}: not a 64-bit little-endian ELF file")
     buf = np.frombuffer(m, dtype=np.uint8)
@@ -59,29 +72,39 @@ def _scan(m: mmap.mmap, size: int, wanted: tuple[str, ...], path) -> dict[str, i
         shentsize = int(buf[0x3A:0x3C].view("<u2")[0])
         shnum = int(buf[0x3C:0x3E].view("<u2")[0])
         if shentsize != _SHDR.itemsize or shoff + shnum * shentsize > size or not shnum:
-            return {}
+            return Symbols()
         shdrs = buf[shoff:shoff + shnum * shentsize].view(_SHDR)
-        found: dict[str, int] = {}
-        for dynsym in shdrs[shdrs["type"] == SHT_DYNSYM]:
-            strtab = shdrs[int(dynsym["link"])]
-            s0, sn = int(strtab["offset"]), int(strtab["size"])
-            y0, yn = int(dynsym["offset"]), int(dynsym["size"])
-            if s0 + sn > size or y0 + yn > size:
-                continue
-            syms = buf[y0:y0 + yn - yn % _SYM.itemsize].view(_SYM)
-            strs = m[s0:s0 + sn]
-            kind = syms["info"] & 0xF
-            defined = (syms["shndx"] != 0) & ((kind == STT_FUNC) | (kind == STT_GNU_IFUNC))
-            for name in wanted:
-                offsets = _occurrences(strs, name.encode() + b"\0")
-                if not offsets:
-                    continue
-                hit = defined & np.isin(syms["name"], offsets)
-                if hit.any():
-                    found[name] = int(syms["value"][np.argmax(hit)])
+        found = _table(m, buf, size, shdrs, SHT_DYNSYM, wanted)
+        if MARKER in wanted and MARKER not in found:
+            local = _table(m, buf, size, shdrs, SHT_SYMTAB, wanted)
+            if MARKER in local:
+                local.from_symtab = True
+                return local
         return found
     finally:
         del buf
+
+
+def _table(m, buf, size: int, shdrs, kind_wanted: int, wanted: tuple[str, ...]) -> Symbols:
+    found = Symbols()
+    for dynsym in shdrs[shdrs["type"] == kind_wanted]:
+        strtab = shdrs[int(dynsym["link"])]
+        s0, sn = int(strtab["offset"]), int(strtab["size"])
+        y0, yn = int(dynsym["offset"]), int(dynsym["size"])
+        if s0 + sn > size or y0 + yn > size:
+            continue
+        syms = buf[y0:y0 + yn - yn % _SYM.itemsize].view(_SYM)
+        strs = m[s0:s0 + sn]
+        kind = syms["info"] & 0xF
+        defined = (syms["shndx"] != 0) & ((kind == STT_FUNC) | (kind == STT_GNU_IFUNC))
+        for name in wanted:
+            offsets = _occurrences(strs, name.encode() + b"\0")
+            if not offsets:
+                continue
+            hit = defined & np.isin(syms["name"], offsets)
+            if hit.any():
+                found[name] = int(syms["value"][np.argmax(hit)])
+    return found
 
 
 def _occurrences(haystack: bytes, needle: bytes) -> list[int]:

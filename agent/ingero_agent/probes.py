@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import ctypes as ct
 import os
-import platform
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ingero.errors import IngeroError
+from ingero_agent import abi
 from ingero_agent.elfsyms import NCCL_SYMBOLS
 from ingero_agent.records import FAMILIES, ringbuf_dtype
 from ingero_agent.ringbuf import PAGE_SIZE, MappedRing, RingWaiter, open_ring
@@ -41,7 +41,8 @@ OPTIONAL_TRACEPOINTS = {
     "tcp": (("tcp/tcp_send_reset", "INGERO_HAVE_TCP_SEND_RESET"),
             ("tcp/tcp_receive_reset", "INGERO_HAVE_TCP_RECEIVE_RESET"),
             ("tcp/tcp_destroy_sock", "INGERO_HAVE_TCP_DESTROY_SOCK"),
-            ("sock/sock_send_length", "INGERO_HAVE_SOCK_LENGTH")),
+            ("sock/sock_send_length", "INGERO_HAVE_SOCK_LENGTH"),
+            ("tcp/tcp_rcv_space_adjust", "INGERO_HAVE_TCP_RCV_SPACE_ADJUST")),
 }
 
 
@@ -82,6 +83,9 @@ class ProbeConfig:
 
 
 def tracepoint_format(name: str) -> str | None:
+    # INGERO_HIDE_TRACEPOINTS=a/b,c/d: behave as on a kernel without them (to test fallbacks)
+    if name in os.environ.get("INGERO_HIDE_TRACEPOINTS", "").split(","):
+        return None
     for base in TRACEFS_EVENTS:
         try:
             return (base / name / "format").read_text()
@@ -134,13 +138,14 @@ def build_program(cfg: ProbeConfig, src: Path | None = None) -> tuple[str, list[
         f"-DINGERO_SELF_TGID={int(cfg.self_tgid)}",
         f"-DINGERO_MAX_TARGETS={int(cfg.max_targets)}",
     ] + flags
+    if "nccl" in cfg.families:
+        cflags += abi.cflags()     # where each NCCL argument is on this machine
     return "".join(parts), cflags, notes
 
 
 def check_machine(cfg: ProbeConfig) -> None:
-    if "nccl" in cfg.families and platform.machine() not in ("x86_64", "amd64"):
-        raise IngeroError(f"the nccl probes read stack-passed arguments with the x86-64 SysV "
-                          f"layout; this machine is {platform.machine()}: use --probes tcp,sched")
+    if "nccl" in cfg.families:
+        abi.machine()   # raises, naming the fix, on a machine without an argument table
 
 
 class Probes:
@@ -202,11 +207,14 @@ class Probes:
                 continue
             seen_addr.add(addr)
             ret_fn = "nccl_return_init_all" if name == "ncclCommInitAll" else "nccl_return"
+            # Symbols found only in .symtab (NCCL linked in and hidden) attach by
+            # address: bcc turns the virtual address into the file offset.
+            where = ({"addr": addr} if getattr(symbols, "from_symtab", False)
+                     else {"sym": name.encode()})
             try:
-                self.bpf.attach_uprobe(name=os.fsencode(path), sym=name.encode(),
-                                       fn_name=f"nccl_enter_{name}".encode())
-                self.bpf.attach_uretprobe(name=os.fsencode(path), sym=name.encode(),
-                                          fn_name=ret_fn.encode())
+                self.bpf.attach_uprobe(name=os.fsencode(path), fn_name=f"nccl_enter_{name}".encode(),
+                                       **where)
+                self.bpf.attach_uretprobe(name=os.fsencode(path), fn_name=ret_fn.encode(), **where)
             except Exception as e:
                 raise IngeroError(f"attaching a uprobe to {name} in {path} failed ({e}); check "
                                   "that uprobes are enabled (CONFIG_UPROBE_EVENTS)") from e

@@ -101,23 +101,34 @@ class LibraryFinder:
         return key, self._verdict[key]
 
     def find(self, pid: int) -> tuple[Path, tuple[int, int], dict[str, int]] | None:
-        """(host path, (dev, inode), symbols) of the NCCL library `pid` maps, if any.
+        """(host path, (dev, inode), symbols) of the first NCCL library `pid` maps, if any."""
+        found = self.find_all(pid)
+        return found[0] if found else None
 
-        Files named libnccl* are checked first; then every other mapped
-        shared object (NCCL linked into another library also counts).
+    def find_all(self, pid: int) -> list[tuple[Path, tuple[int, int], dict[str, int]]]:
+        """Every NCCL copy `pid` maps, one per file: (host path, (dev, inode), symbols).
+
+        Files named libnccl* come first; then every other mapped shared
+        object (NCCL linked into another library, e.g. libtorch_cuda.so,
+        also counts). A process may map two copies (a libnccl.so.2 and one
+        linked into another library): each is attached.
         """
         try:
             maps = parse_maps((self.proc / str(pid) / "maps").read_text())
         except OSError:
-            return None
+            return []
         libs = [m for m in maps if is_shared_object(m.path)]
         libs.sort(key=lambda m: not os.path.basename(m.path).startswith("libnccl"))
+        out, seen = [], set()
         for m in libs:
+            if m.path in seen:
+                continue
+            seen.add(m.path)
             hp = host_path(pid, m.path, self.proc)
             got = self.check(hp)
-            if got and got[1]:
-                return hp, got[0], got[1]
-        return None
+            if got and got[1] and got[0] not in {k for _, k, _ in out}:
+                out.append((hp, got[0], got[1]))
+        return out
 
 
 def process_name(pid: int, proc: Path = PROC) -> str | None:

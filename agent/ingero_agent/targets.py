@@ -163,6 +163,9 @@ class TargetSet:
         self.node = node
         self.pods = [p for p in (pods.pods if pods else []) if not p.node or not node or p.node == node]
         self.pod_root = (pods.cgroup_root if pods and pods.cgroup_root else self.mount)
+        # Processes are resolved against the hierarchy holding the pods' cgroup_root (the
+        # host's, as mounted into the agent's container), not the agent's own namespace.
+        self.host_mount = cgroups.mount_of(self.pod_root, cgroups.cgroup2_mounts()) or self.mount
         if pods and self.pod_root is None:
             raise IngeroError("no cgroup v2 file system is mounted and the pods file has no "
                               "cgroup_root; mount cgroup2 or set cgroup_root")
@@ -288,6 +291,10 @@ class TargetSet:
                 fresh += 1
                 fresh_procs.append(p)
             p.alive = True
+        for p in self.processes.values():   # first seen through its events, not resolved yet
+            if (p.cgroup_id is None or p.pod is None) and p.pid not in members \
+                    and (self.proc / str(p.pid)).is_dir():
+                self._resolve(p)
         new_libs = []
         notes: list[str] = []
         for p in fresh_procs:
@@ -302,12 +309,13 @@ class TargetSet:
             if p.last_lib_check and not young and now - p.last_lib_check < LIB_RECHECK_SLOW_S:
                 continue
             p.last_lib_check = now
-            got = self.finder.find(p.pid)
-            if got:
-                p.nccl_path, p.nccl_key, p.nccl_symbols = got
-                if p.nccl_key not in self._libraries:
-                    self._libraries.add(p.nccl_key)
-                    new_libs.append(got)
+            found = self.finder.find_all(p.pid)
+            if found:
+                p.nccl_path, p.nccl_key, p.nccl_symbols = found[0]
+                for got in found:   # every copy the process maps is attached
+                    if got[1] not in self._libraries:
+                        self._libraries.add(got[1])
+                        new_libs.append(got)
             elif young:
                 awaiting += 1
         ips = {ip_key(ip) for pod in self.pods for ip in pod.ips}
@@ -330,8 +338,21 @@ class TargetSet:
             added += 1
         return added
 
+    def _resolve(self, p: "Process") -> None:
+        """Retry the cgroup folder, id and pod of a process learnt from its events."""
+        if p.cgroup_id is None:
+            p.cgroup_path = cgroups.pid_cgroup_path(p.pid, self.host_mount, self.proc)
+            try:
+                p.cgroup_id = cgroups.cgroup_id(p.cgroup_path) if p.cgroup_path else None
+            except OSError:
+                p.cgroup_id = None
+        if p.pod is None and p.cgroup_path is not None:
+            for uid, dirs in self.pod_dirs.items():
+                if any(d == p.cgroup_path or d in p.cgroup_path.parents for d in dirs):
+                    p.pod = next(x for x in self.pods if x.uid == uid)
+
     def _new_process(self, pid, ticks, cg_dir, pod, wall_ns) -> Process:
-        cg_path = cg_dir or cgroups.pid_cgroup_path(pid, self.mount, self.proc)
+        cg_path = cg_dir or cgroups.pid_cgroup_path(pid, self.host_mount, self.proc)
         try:
             cg_id = cgroups.cgroup_id(cg_path) if cg_path else None
         except OSError:

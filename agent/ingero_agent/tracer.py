@@ -37,7 +37,10 @@ from ingero_agent.probes import ProbeConfig, Probes
 from ingero_agent.procinfo import int_or_none
 from ingero_agent.targets import TargetSet, load_pods
 
-INIT_OPS = {10: "COMM_INIT_RANK", 11: "COMM_INIT_ALL", 12: "COMM_SPLIT", 15: "COMM_INIT_RANK_CONFIG"}
+INIT_OPS = {10: "COMM_INIT_RANK", 11: "COMM_INIT_ALL", 12: "COMM_SPLIT", 15: "COMM_INIT_RANK_CONFIG",
+            16: "COMM_INIT_RANK_SCALABLE", 17: "COMM_SHRINK", 18: "COMM_GROW"}
+RANKED_INIT_OPS = (10, 15, 16)   # creations whose rank is the process's rank in a fresh world
+NCCL_F_PENDING = 8               # bpf/ingero.h: child handle not written yet (ncclInProgress)
 
 
 @dataclass
@@ -277,19 +280,23 @@ class Tracer:
 
     def _note_comms(self, a: np.ndarray) -> None:
         self.nccl_pids.update(np.unique(a["pid"]).tolist())
-        sel = np.flatnonzero(np.isin(a["op"], list(INIT_OPS)) & (a["ret"] == 0) & (a["comm"] != 0))
+        # ncclInProgress (7) is success: a non-blocking init has its handle already; a
+        # non-blocking split/shrink has none yet (NCCL_F_PENDING) but its identity counts.
+        ok = np.isin(a["ret"], schema.NCCL_OK_RETS)
+        made = (a["comm"] != 0) | ((a["flags"] & NCCL_F_PENDING) != 0)
+        sel = np.flatnonzero(np.isin(a["op"], list(INIT_OPS)) & ok & made)
         changed = False
         for r in a[sel]:
             pid, rank, nranks, op = int(r["pid"]), int(r["rank"]), int(r["nranks"]), int(r["op"])
             self.comm_rows.append({
                 "pid": pid, "comm": int(r["comm"]), "comm_id_hash": int(r["comm_hash"]),
                 "rank": rank, "nranks": nranks, "op": INIT_OPS[op],
-                "parent_hash": int(r["parent_hash"]) if op == 12 else None,
+                "parent_hash": int(r["parent_hash"]) if op in (12, 17, 18) else None,
                 "color": int(r["color"]) if op == 12 else None,
                 "split_key": int(r["key"]) if op == 12 else None,
                 "timestamp_ns": int(r["ts_ns"]) + self.offset_ns,
             })
-            if op in (10, 15) and rank >= 0 and nranks > self.init_rank.get(pid, (-1, -1))[0]:
+            if op in RANKED_INIT_OPS and rank >= 0 and nranks > self.init_rank.get(pid, (-1, -1))[0]:
                 self.init_rank[pid] = (nranks, rank)
                 changed = True
         if changed:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 M64 = (1 << 64) - 1
 
 
@@ -261,3 +263,102 @@ def test_with_pods_the_library_path_is_resolved_in_each_pods_own_file_system(
     assert first == [("COMM_INIT_RANK", fold(ids(9)[0]))]
     assert t.query("SELECT COUNT(*) FROM nccl_events") == [(2 + 19,)]
     assert [ln for ln in t.lines if "/opt/ingero-nowhere/libnccl.so.2 is not in pod ml/w-0's file system" in ln]
+
+
+SHRINK_SALT = 0x5348524B00000000   # bpf/nccl.c NCCL_SHRINK_SALT
+GROW_SALT = 0x47524F5700000000     # bpf/nccl.c NCCL_GROW_SALT
+
+
+def expected_newer_rows(seed: int, rank: int, nranks: int, ret: int) -> list[tuple]:
+    """What driver.c's "newer" mode must produce (rank 1 of 4; ret 7 when non-blocking)."""
+    id1, id2 = ids(seed)
+    h1 = fold(id1)                                  # InitRankScalable: the FIRST of the ids
+    shrunk = splitmix64(h1 ^ SHRINK_SALT ^ 0)
+    child = splitmix64(h1 ^ splitmix64(0) ^ 0)
+    grown = splitmix64(h1 ^ GROW_SALT ^ 0)
+    n = None
+    return [
+        ("COMM_INIT_RANK_SCALABLE", rank, nranks, h1, n, n, n, n, n, n, ret, False, n, n, n, n),
+        ("ALL_TO_ALL", rank, nranks, h1, 0, 6, 24, "float32", n, n, ret, False, 10, n, n, n),
+        ("GATHER", rank, nranks, h1, 1, 5, 40, "int64", n, 1, ret, False, 11, n, n, n),
+        ("SCATTER", rank, nranks, h1, 2, 3, 6, "bfloat16", n, 2, ret, False, 12, n, n, n),
+        ("GROUP_START", -1, -1, 0, n, n, n, n, n, n, 0, False, n, n, n, n),
+        ("ALL_REDUCE", rank, nranks, h1, 3, 4, 16, "float32", "sum", n, 0, True, 13, n, n, n),
+        ("GROUP_SIMULATE_END", -1, -1, 0, n, n, n, n, n, n, 0, False, n, n, n, n),
+        # survivors of excluding ranks 0 and 3: rank 1 becomes rank 0 of 2
+        ("COMM_SHRINK", 0, 2, shrunk, n, n, n, n, n, n, ret, False, n, h1, n, n),
+        ("COMM_SPLIT", -1, -1, child, n, n, n, n, n, n, ret, False, n, h1, 0, rank),
+        ("ALL_REDUCE", 0, 2, shrunk, 0, 7, 28, "float32", "sum", n, 0, False, 14, n, n, n),
+        ("ALL_REDUCE", -1, -1, child, 0, 2, 8, "float32", "sum", n, 0, False, 15, n, n, n),
+        ("COMM_GROW", rank, nranks + 1, grown, n, n, n, n, n, n, 0, False, n, h1, n, n),
+        ("COMM_GROW", nranks, nranks + 1, fold(id2), n, n, n, n, n, n, 0, False, n, n, n, n),
+    ]
+
+
+
+@pytest.mark.parametrize("nonblocking", [False, True], ids=["blocking", "nonblocking"])
+def test_newer_entry_points_scalable_init_shrink_grow_alltoall_gather_scatter_keep_identity(
+        fake_nccl, trace, tmp_path, nonblocking):
+    """InitRankScalable hashes the first of its ids; AlltoAll/Gather/Scatter carry count,
+    bytes, root and seq; GroupSimulateEnd closes the group; Shrink gives the survivor its
+    new rank; with a non-blocking world (ncclInProgress, 7) the split/shrink children,
+    whose handles are written only later, still get their identity at their first call."""
+    go = tmp_path / "go"
+    seed, rank, nranks = 9, 1, 4
+    env = dict(os.environ, RANK="1", WORLD_SIZE="4")
+    if nonblocking:
+        env["NONBLOCKING"] = "1"
+    drv = run_driver(fake_nccl, go, 1, seed, rank, nranks, mode="newer", env=env)
+    t = trace("--pid", str(drv.pid), "--probes", "nccl")
+    go.touch()
+    assert drv.wait(30) == 0
+    t.stop()
+    rows = t.query(f"SELECT {COLS} FROM nccl_events WHERE pid = ? ORDER BY timestamp_ns", [drv.pid])
+    want = expected_newer_rows(seed, rank, nranks, 7 if nonblocking else 0)
+    assert rows[:len(want)] == want
+    assert [r[0] for r in rows[len(want):]] == ["COMM_DESTROY"] * 5
+    comms = t.query("SELECT op, comm_id_hash, rank, nranks FROM comms ORDER BY timestamp_ns")
+    assert [c[0] for c in comms] == ["COMM_INIT_RANK_SCALABLE", "COMM_SHRINK", "COMM_SPLIT",
+                                     "COMM_GROW", "COMM_GROW"]
+    assert all(c[1] != 0 for c in comms)
+    # the process's world identity comes from the scalable init
+    assert t.query("SELECT rank, world_size FROM ranks WHERE pid = ?", [drv.pid]) == [(1, 4)]
+
+
+@pytest.fixture(scope="module")
+def two_copies(tmp_path_factory):
+    """A program mapping libfakenccl.so and libtorchlike.so, which links the same fake
+    NCCL in with every nccl* symbol local (.symtab only), as libtorch_cuda.so may."""
+    import shutil
+    import subprocess
+    from tests.bpf.conftest import FIXTURES
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is not installed: cannot build the NCCL fixtures")
+    d = tmp_path_factory.mktemp("twocopies")
+    run = lambda *a: subprocess.run(list(a), check=True, cwd=d)  # noqa: E731
+    run("gcc", "-O1", "-fPIC", "-c", str(FIXTURES / "fakenccl.c"), "-o", "fake.o")
+    run("gcc", "-O1", "-fPIC", "-c", str(FIXTURES / "torchlike.c"), "-o", "tl.o")
+    (d / "vs").write_text("{ global: torchlike_*; local: *; };\n")
+    run("gcc", "-shared", "-o", "libtorchlike.so", "tl.o", "fake.o", "-Wl,--version-script=vs")
+    run("gcc", "-O1", "-fPIC", "-shared", "-o", "libfakenccl.so", str(FIXTURES / "fakenccl.c"))
+    run("gcc", "-o", "twocopies", str(FIXTURES / "twocopies.c"), f"-L{d}", "-lfakenccl",
+        "-ltorchlike", f"-Wl,-rpath,{d}")
+    return d
+
+
+def test_nccl_hidden_in_another_library_is_found_in_symtab_and_both_mapped_copies_are_traced(
+        two_copies, trace, tmp_path):
+    from ingero_agent.elfsyms import nccl_symbols
+    from tests.bpf.conftest import spawn
+    hidden = nccl_symbols(two_copies / "libtorchlike.so")
+    assert hidden.from_symtab and "ncclAllReduce" in hidden
+    go = tmp_path / "go"
+    proc = spawn([str(two_copies / "twocopies"), str(go)], None)
+    t = trace("--pid", str(proc.pid), "--probes", "nccl")
+    go.touch()
+    assert proc.wait(30) == 0
+    t.stop()
+    rows = t.query("SELECT op, count, stream, nranks, rank FROM nccl_events WHERE pid = ? "
+                   "AND op = 'ALL_REDUCE' ORDER BY timestamp_ns", [proc.pid])
+    # 11 elements through the exported copy, 22 through the hidden one
+    assert rows == [("ALL_REDUCE", 11, 0x11, 4, 2), ("ALL_REDUCE", 22, 0x77, 2, 1)]

@@ -94,8 +94,8 @@ def lossy_link(tmp_path):
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def client(ns: str, fam: int, cgroup: Path | None = None) -> tuple[subprocess.Popen, int]:
-    p = spawn(["ip", "netns", "exec", ns, sys.executable, "-c", CLIENT, ADDRS[fam][1], str(PORT)], cgroup)
+def client(ns: str, fam: int, cgroup: Path | None = None, to: str | None = None) -> tuple[subprocess.Popen, int]:
+    p = spawn(["ip", "netns", "exec", ns, sys.executable, "-c", CLIENT, to or ADDRS[fam][1], str(PORT)], cgroup)
     sport = int(p.stdout.readline())
     return p, sport
 
@@ -121,8 +121,12 @@ def test_retransmits_are_recorded_for_the_target_connection_with_its_owner_pid(
     assert t.query("SELECT COUNT(*) FROM tcp_events") == t.query("SELECT events_tcp FROM nodes")
 
 
+@pytest.mark.parametrize("mapped", [False, True], ids=["ipv4", "ipv4-mapped-ipv6"])
 def test_connections_of_unknown_owners_are_kept_when_they_use_a_target_pod_address(
-        lossy_link, trace, make_cgroup, tmp_path):
+        lossy_link, trace, make_cgroup, tmp_path, mapped):
+    """With `mapped`, the client is a dual-stack AF_INET6 socket talking to the IPv4
+    server through ::ffff:198.18.0.2: its local end ::ffff:198.18.0.1 must match the
+    pod's IPv4 address, in the kernel filter and in the user-side attribution."""
     pod_uid = uuid.uuid4().hex
     pod_cg = make_cgroup()
     pod_dir = pod_cg / f"pod{pod_uid}"
@@ -131,10 +135,45 @@ def test_connections_of_unknown_owners_are_kept_when_they_use_a_target_pod_addre
     pods.write_text(json.dumps({"node": "test-node", "cgroup_root": str(pod_cg), "pods": [
         {"name": "w-0", "namespace": "ml", "uid": pod_uid, "ips": [ADDRS[4][0]]}]}))
     t = trace("--pods", str(pods), "--probes", "tcp")
-    outside, port = client(lossy_link, 4)       # not in the pod's cgroup, but uses its address
+    to = f"::ffff:{ADDRS[4][1]}" if mapped else None
+    outside, port = client(lossy_link, 4, to=to)   # not in the pod's cgroup, but uses its address
     assert outside.wait(60) == 0
     t.stop()
     pod_dir.rmdir()
     rows = t.query("SELECT pid, owner_source, pod, namespace, sport FROM tcp_events "
                    "WHERE event = 'tcp_retransmit_skb'")
     assert rows and set(rows) == {(None, "address", "w-0", "ml", port)}
+
+
+PASSIVE_PORT = 5002
+
+
+@pytest.mark.parametrize("hide_length_tracepoints", [False, True], ids=["sock_length", "rcv_space_adjust"])
+def test_an_accepted_connection_gets_its_owner_from_the_reading_task(
+        lossy_link, trace, make_cgroup, monkeypatch, hide_length_tracepoints):
+    """The server (in the target cgroup) only accepts and reads; the client is outside.
+    Its connection's later state changes (softirq) carry the server as owner: from
+    sock_recv_length, or on kernels without it (hidden here) from tcp_rcv_space_adjust."""
+    from ingero_agent.probes import tracepoint_format
+    if tracepoint_format("tcp/tcp_rcv_space_adjust") is None:
+        pytest.skip("this kernel has no tcp:tcp_rcv_space_adjust")
+    if hide_length_tracepoints:
+        monkeypatch.setenv("INGERO_HIDE_TRACEPOINTS", "sock/sock_send_length,sock/sock_recv_length")
+    server_ns = lossy_link.replace("ingA", "ingB")
+    cg = make_cgroup()
+    t = trace("--cgroup", str(cg), "--probes", "tcp")
+    srv = spawn(["ip", "netns", "exec", server_ns, sys.executable, "-c", SERVER, ADDRS[4][1],
+                 str(PASSIVE_PORT)], cg)
+    try:
+        assert srv.stdout.readline().strip() == "listening"
+        cli = subprocess.Popen(["ip", "netns", "exec", lossy_link, sys.executable, "-c", CLIENT,
+                                ADDRS[4][1], str(PASSIVE_PORT)], stdout=subprocess.PIPE, text=True)
+        assert cli.wait(60) == 0
+        import time
+        time.sleep(0.5)
+    finally:
+        srv.kill()
+        srv.wait()
+    t.stop()
+    rows = t.query("SELECT DISTINCT pid, owner_source FROM tcp_events WHERE sport = ?", [PASSIVE_PORT])
+    assert (srv.pid, "socket") in rows, rows

@@ -106,3 +106,17 @@ def test_mono_to_wall_offset_converts_monotonic_to_current_wall_time():
     now_wall = time.clock_gettime_ns(time.CLOCK_MONOTONIC) + off
     assert abs(now_wall - time.time_ns()) < 50_000_000
     assert isinstance(dict_column(np.array([0]), ["x"]), pa.DictionaryArray)
+
+
+def test_an_ipv4_mapped_ipv6_socket_is_attributed_to_the_pod_with_that_ipv4_address():
+    a = _tcp(2)
+    a["family"] = [10, 10]
+    mapped = lambda b: [0] * 10 + [0xFF, 0xFF] + b                # noqa: E731
+    a["saddr"][0], a["daddr"][0] = mapped([10, 0, 0, 2]), mapped([10, 0, 0, 3])
+    a["saddr"][1], a["daddr"][1] = mapped([10, 0, 0, 9]), mapped([10, 0, 0, 2])   # only remote end
+    reg = Registry()
+    reg.by_ip["10.0.0.2"] = Identity(rank=4, pod="w-4", namespace="ml")
+    cols = tcp_columns(a, 0, reg)
+    assert _col("tcp_events", cols, "saddr") == ["::ffff:a00:2", "::ffff:a00:9"]   # as Python formats them
+    assert _col("tcp_events", cols, "rank") == [4, None]
+    assert _col("tcp_events", cols, "owner_source") == ["address", "none"]

@@ -104,6 +104,36 @@ ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId,
 ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank,
                                     ncclConfig_t *config);
 ncclResult_t ncclCommInitAll(ncclComm_t *comms, int ndev, const int *devlist);
+
+/* ---- newer entry points (signatures and structs from NVIDIA's src/nccl.h.in,
+ * NCCL 2.30.7; the NCCL release that introduced each in brackets) ---------- */
+
+/* [2.22] ncclGroupSimulateEnd: its info struct (ncclSimInfo_v22200). */
+typedef struct ncclSimInfo_v22200 {
+  size_t size;
+  unsigned int magic;
+  unsigned int version;
+  float estimatedTime;
+} ncclSimInfo_t;
+#define NCCL_UNDEF_FLOAT -1.0f
+#define NCCL_SIM_INFO_INITIALIZER {                                  \
+  sizeof(ncclSimInfo_t),                     /* size */              \
+  0x74685283,                                /* magic */             \
+  NCCL_VERSION_CODE,                         /* version */           \
+  NCCL_UNDEF_FLOAT                           /* estimated time */    \
+}
+ncclResult_t ncclGroupSimulateEnd(ncclSimInfo_t *simInfo);
+
+/* [2.23] ids by reference, nId of them, same ids in the same order on every rank.
+ * Here every rank bootstraps through commIds[0]'s root (a CPU needs no more). */
+ncclResult_t ncclCommInitRankScalable(ncclComm_t *newcomm, int nranks, int myrank, int nId,
+                                      ncclUniqueId *commIds, ncclConfig_t *config);
+
+/* [2.27] only the surviving ranks call it; they are renumbered in parent order. */
+#define NCCL_SHRINK_DEFAULT 0x00
+#define NCCL_SHRINK_ABORT 0x01
+ncclResult_t ncclCommShrink(ncclComm_t comm, int *excludeRanksList, int excludeRanksCount,
+                            ncclComm_t *newcomm, ncclConfig_t *config, int shrinkFlags);
 ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm,
                            ncclConfig_t *config);
 ncclResult_t ncclCommFinalize(ncclComm_t comm);
@@ -132,6 +162,16 @@ ncclResult_t ncclAllGather(const void *sendbuff, void *recvbuff, size_t sendcoun
                            ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream);
 ncclResult_t ncclSend(const void *sendbuff, size_t count, ncclDataType_t datatype, int peer,
                       ncclComm_t comm, cudaStream_t stream);
+/* [2.28] count: elements sent to EACH peer (block j of sendbuff goes to rank j,
+ * block i of recvbuff comes from rank i). Not in place. */
+ncclResult_t ncclAlltoAll(const void *sendbuff, void *recvbuff, size_t count,
+                          ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream);
+/* [2.28] count: elements each rank sends; the root puts rank i's at recvbuff + i*count. */
+ncclResult_t ncclGather(const void *sendbuff, void *recvbuff, size_t count,
+                        ncclDataType_t datatype, int root, ncclComm_t comm, cudaStream_t stream);
+/* [2.28] count: elements each rank receives; the root sends sendbuff + i*count to rank i. */
+ncclResult_t ncclScatter(const void *sendbuff, void *recvbuff, size_t count,
+                         ncclDataType_t datatype, int root, ncclComm_t comm, cudaStream_t stream);
 ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t datatype, int peer,
                       ncclComm_t comm, cudaStream_t stream);
 ncclResult_t ncclGroupStart(void);

@@ -410,3 +410,132 @@ ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t datatype, int
   (void)stream;
   return CALL(K_RECV, comm, NULL, recvbuff, count, datatype, ncclSum, peer);
 }
+
+/* ---- newer entry points (NCCL 2.22 .. 2.28; see nccl.h) ------------------- */
+
+ncclResult_t ncclCommInitRankScalable(ncclComm_t *newcomm, int nranks, int myrank, int nId,
+                                      ncclUniqueId *commIds, ncclConfig_t *config) {
+  (void)config;
+  if (nId < 1 || !commIds) {
+    ncpu_set_error(NULL, "ncclCommInitRankScalable: need at least one unique id (nId %d)", nId);
+    return ncclInvalidArgument;
+  }
+  /* Real NCCL spreads the bootstrap over nId roots; on a CPU every rank goes
+   * through the first id's root, which all ranks share. */
+  return init_rank(newcomm, nranks, &commIds[0], myrank);
+}
+
+/* Closes the group like ncclGroupEnd but launches nothing: the queued calls are
+ * dropped and estimatedTime is their bytes at 1 GB/s, in microseconds (a CPU has
+ * no tuning model; only the shape of the answer is NCCL's). */
+ncclResult_t ncclGroupSimulateEnd(ncclSimInfo_t *simInfo) {
+  if (!simInfo) return ncclInvalidArgument;
+  if (group_depth == 0) return ncclInvalidUsage;
+  double bytes = 0;
+  for (int i = 0; i < queued; i++) bytes += (double)queue[i].count * ncpu_type_size(queue[i].type);
+  simInfo->estimatedTime = (float)(bytes / 1e3);
+  if (--group_depth == 0) queued = 0;
+  return ncclSuccess;
+}
+
+/* AlltoAll, Gather and Scatter as grouped sends and receives on the comm's
+ * mesh (self blocks are paired in memory by run_comm_calls). */
+static ncclResult_t group_close(ncclResult_t res) {
+  ncclResult_t end = ncclGroupEnd();
+  return res != ncclSuccess ? res : end;
+}
+
+ncclResult_t ncclAlltoAll(const void *sendbuff, void *recvbuff, size_t count,
+                          ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream) {
+  size_t es = ncpu_type_size(datatype);
+  if (!valid(comm) || !es) return ncclInvalidArgument;
+  ncclResult_t res = ncclGroupStart();
+  for (int p = 0; p < comm->nranks && res == ncclSuccess; p++) {
+    res = ncclSend((const char *)sendbuff + (size_t)p * count * es, count, datatype, p, comm, stream);
+    if (res == ncclSuccess)
+      res = ncclRecv((char *)recvbuff + (size_t)p * count * es, count, datatype, p, comm, stream);
+  }
+  return group_close(res);
+}
+
+ncclResult_t ncclGather(const void *sendbuff, void *recvbuff, size_t count,
+                        ncclDataType_t datatype, int root, ncclComm_t comm, cudaStream_t stream) {
+  size_t es = ncpu_type_size(datatype);
+  if (!valid(comm) || !es || root < 0 || root >= comm->nranks) return ncclInvalidArgument;
+  ncclResult_t res = ncclGroupStart();
+  if (res == ncclSuccess) res = ncclSend(sendbuff, count, datatype, root, comm, stream);
+  if (comm->rank == root)
+    for (int p = 0; p < comm->nranks && res == ncclSuccess; p++)
+      res = ncclRecv((char *)recvbuff + (size_t)p * count * es, count, datatype, p, comm, stream);
+  return group_close(res);
+}
+
+ncclResult_t ncclScatter(const void *sendbuff, void *recvbuff, size_t count,
+                         ncclDataType_t datatype, int root, ncclComm_t comm, cudaStream_t stream) {
+  size_t es = ncpu_type_size(datatype);
+  if (!valid(comm) || !es || root < 0 || root >= comm->nranks) return ncclInvalidArgument;
+  ncclResult_t res = ncclGroupStart();
+  if (comm->rank == root)
+    for (int p = 0; p < comm->nranks && res == ncclSuccess; p++)
+      res = ncclSend((const char *)sendbuff + (size_t)p * count * es, count, datatype, p, comm, stream);
+  if (res == ncclSuccess) res = ncclRecv(recvbuff, count, datatype, root, comm, stream);
+  return group_close(res);
+}
+
+/* Only the survivors call it (the excluded ranks may be gone). They swap their
+ * new listening addresses over the parent's mesh, then build a fresh mesh
+ * numbered in parent order. */
+ncclResult_t ncclCommShrink(ncclComm_t comm, int *excludeRanksList, int excludeRanksCount,
+                            ncclComm_t *newcomm, ncclConfig_t *config, int shrinkFlags) {
+  (void)config; (void)shrinkFlags;
+  if (!valid(comm) || !newcomm || excludeRanksCount < 0 || (excludeRanksCount && !excludeRanksList))
+    return ncclInvalidArgument;
+  *newcomm = NULL;
+  int n = comm->nranks, lfd = -1, m = 0, me = -1;
+  char *gone = calloc(n, 1);
+  struct sockaddr_storage *addrs = calloc(n, sizeof *addrs), *kept = calloc(n, sizeof *kept);
+  if (!gone || !addrs || !kept) { free(gone); free(addrs); free(kept); return ncclSystemError; }
+  ncclResult_t res = ncclSuccess;
+  for (int i = 0; i < excludeRanksCount; i++) {
+    int r = excludeRanksList[i];
+    if (r < 0 || r >= n || r == comm->rank) res = ncclInvalidArgument;
+    else gone[r] = 1;
+  }
+  struct sockaddr_storage local = comm->self_addr;
+  if (local.ss_family != AF_INET && local.ss_family != AF_INET6) {  /* InitAll: loopback */
+    memset(&local, 0, sizeof local);
+    struct sockaddr_in *s4 = (struct sockaddr_in *)&local;
+    s4->sin_family = AF_INET;
+    s4->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  }
+  if (res == ncclSuccess) res = ncpu_listen_on(&local, &lfd, &addrs[comm->rank]);
+  if (res == ncclSuccess) {
+    res = ncclGroupStart();
+    for (int p = 0; p < n && res == ncclSuccess; p++) {
+      if (gone[p] || p == comm->rank) continue;
+      res = ncclSend(&addrs[comm->rank], sizeof *addrs, ncclUint8, p, comm, NULL);
+      if (res == ncclSuccess) res = ncclRecv(&addrs[p], sizeof *addrs, ncclUint8, p, comm, NULL);
+    }
+    res = group_close(res);
+  }
+  uint32_t shrink_no = comm->splits++;   /* children of a comm counted together */
+  if (res == ncclSuccess) {
+    for (int p = 0; p < n; p++) {
+      if (gone[p]) continue;
+      if (p == comm->rank) me = m;
+      kept[m++] = addrs[p];
+    }
+    struct ncclComm *c = comm_new(me, m);
+    if (!c) res = ncclSystemError;
+    else {
+      c->id_hash = ncpu_mix(comm->id_hash ^ ncpu_mix(0x5348524b00000000ULL | shrink_no));
+      c->self_addr = comm->self_addr;
+      res = ncpu_build_mesh(c, lfd, kept, c->id_hash);
+      if (res != ncclSuccess) { snprintf(comm->last_error, sizeof comm->last_error, "%s", c->last_error); comm_free(c); }
+      else *newcomm = c;
+    }
+  }
+  if (lfd >= 0) close(lfd);
+  free(gone); free(addrs); free(kept);
+  return res;
+}

@@ -169,6 +169,26 @@ static int cmp_double(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
+/* [probes] ncclAlltoAll, ncclGather (root 0), ncclScatter (root world-1) on `comm`,
+ * each checked; 0 when every result is right. */
+static int newer_collectives(ncclComm_t comm, int world, long step) {
+  enum { N = 64 };
+  int bad = 0;
+  float *s = malloc(sizeof(float) * N * world), *r = malloc(sizeof(float) * N * world);
+  for (int p = 0; p < world; p++)
+    for (int i = 0; i < N; i++) s[p * N + i] = (float)(g_rank * 1000 + p) + (float)(step % 3);
+  nccl_check(ncclAlltoAll(s, r, N, ncclFloat32, comm, NULL), "ncclAlltoAll", comm);
+  for (int p = 0; p < world; p++) bad |= r[p * N] != (float)(p * 1000 + g_rank) + (float)(step % 3);
+  nccl_check(ncclGather(s, r, N, ncclFloat32, 0, comm, NULL), "ncclGather", comm);
+  if (g_rank == 0)
+    for (int p = 0; p < world; p++) bad |= r[p * N + N - 1] != (float)(p * 1000) + (float)(step % 3);
+  nccl_check(ncclScatter(s, r, N, ncclFloat32, world - 1, comm, NULL), "ncclScatter", comm);
+  bad |= r[0] != (float)((world - 1) * 1000 + g_rank) + (float)(step % 3);
+  if (bad) fprintf(stderr, "ingero-lab-worker: rank %d step %ld: wrong alltoall/gather/scatter result\n", g_rank, step);
+  free(s); free(r);
+  return bad;
+}
+
 int main(void) {
   g_rank = (int)env_long("RANK", -1);
   int world = (int)env_long("WORLD_SIZE", -1), local_rank = (int)env_long("LOCAL_RANK", 0);
@@ -196,7 +216,21 @@ int main(void) {
   ncclComm_t A, B, C;
   ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
   double t_init = now_s();
-  nccl_check(ncclCommInitRank(&A, world, idA, g_rank), "ncclCommInitRank", NULL);
+  /* [probes] Like PyTorch: above TORCH_NCCL_RANKS_PER_ROOT (default 128) ranks the world
+   * comes from ncclCommInitRankScalable with one id per ceil(world / per_root) roots, the
+   * same list on every rank (extra ids derived from X; the CPU library bootstraps through
+   * ids[0]). INGERO_LAB_NEWER_COLLECTIVES=1: AlltoAll, Gather, Scatter once per step. */
+  long per_root = env_long("TORCH_NCCL_RANKS_PER_ROOT", 128);
+  int newer_colls = env_long("INGERO_LAB_NEWER_COLLECTIVES", 0) != 0;
+  if (per_root > 0 && world > per_root) {
+    int nroots = (int)((world + per_root - 1) / per_root);
+    ncclUniqueId *ids = calloc((size_t)nroots, sizeof *ids);
+    for (int k = 0; k < nroots; k++) { ids[k] = idA; ids[k].internal[100] ^= (char)k; }
+    nccl_check(ncclCommInitRankScalable(&A, world, g_rank, nroots, ids, &cfg), "ncclCommInitRankScalable", NULL);
+    free(ids);
+  } else {
+    nccl_check(ncclCommInitRank(&A, world, idA, g_rank), "ncclCommInitRank", NULL);
+  }
   nccl_check(ncclCommInitRankConfig(&B, world, idB, g_rank, &cfg), "ncclCommInitRankConfig", NULL);
   nccl_check(ncclCommSplit(A, node, local_rank, &C, NULL), "ncclCommSplit", A);
   int nC, rC, version;
@@ -262,6 +296,7 @@ int main(void) {
       fprintf(stderr, "ingero-lab-worker: rank %d: wrong data received from rank %d\n", g_rank, prev);
       return 4;
     }
+    if (newer_colls && newer_collectives(A, world, step) != 0) return 4;  /* [probes] */
     double dt = (now_s() - ts) * 1e3;
     if (step < 1000000) times[step] = dt;
     sum += dt;
