@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from ingero.schema import COLLECTIVE_OPS
+from ingero.schema import COLLECTIVE_OPS, NCCL_OK_RETS
 
 # Thresholds; units in the names. Chosen for lab runs of 2-16 ranks.
 LATE_Z = 3.5                  # robust z-score that makes an arrival outlier
@@ -90,6 +90,7 @@ class Report:
 log = logging.getLogger("ingero.analysis")
 
 _COLL = ", ".join(f"'{o}'" for o in COLLECTIVE_OPS)
+_OK = ", ".join(str(r) for r in NCCL_OK_RETS)   # ncclSuccess, and ncclInProgress (non-blocking)
 
 
 def _prepare(con) -> None:
@@ -103,7 +104,7 @@ def _prepare(con) -> None:
         LEFT JOIN (SELECT node, pid, any_value(rank) AS rank, any_value(pod) AS pod
                    FROM ranks GROUP BY node, pid) r
           ON r.node IS NOT DISTINCT FROM e.node AND r.pid = e.pid
-        WHERE e.op IN ({_COLL}) AND e.comm_id_hash <> 0 AND e.ret = 0""")
+        WHERE e.op IN ({_COLL}) AND e.comm_id_hash <> 0 AND e.ret IN ({_OK})""")
     con.execute("""
         CREATE OR REPLACE TEMP VIEW _arr AS
         SELECT *, t - median(t) OVER g AS late, t = max(t) OVER g AS is_last,

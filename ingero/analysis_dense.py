@@ -43,7 +43,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ingero.schema import COLLECTIVE_OPS
+from ingero.schema import COLLECTIVE_OPS, NCCL_OK_RETS
 
 # Op codes in string order, so that "ORDER BY op" and code order agree. 0 = no op.
 OPS = sorted(COLLECTIVE_OPS)
@@ -302,7 +302,7 @@ _READ = ("timestamp_ns", "duration_ns", "seq", "op", "comm_id_hash", "pid", "ret
 
 def _load(path: str):
     """One file's rows the analysis keeps, as numpy columns (t, d, seq, op code, comm, pid);
-    None if it keeps none. Rows are kept as ``op IN OPS AND comm_id_hash <> 0 AND ret = 0``
+    None if it keeps none. Rows are kept as ``op IN OPS AND comm_id_hash <> 0 AND ret IN NCCL_OK_RETS``
     keeps them (a NULL in any of those drops the row); a NULL in another column of a kept
     row is not handled here (Unsupported)."""
     tbl = pq.read_table(path, columns=list(_READ), read_dictionary=["op"], use_threads=False)
@@ -339,7 +339,7 @@ def _load(path: str):
     _, cm = ints("comm_id_hash", True)
     also(cm != 0)
     _, ret = ints("ret", True)
-    also(ret == 0)
+    also(np.isin(ret, NCCL_OK_RETS))
     out = []
     for name in ("timestamp_ns", "duration_ns", "seq", "pid"):
         col, v = ints(name, False)
@@ -435,7 +435,8 @@ def _sql_str(v) -> str:
     return "'" + str(v).replace("'", "''") + "'"
 
 
-_WHERE = f"op IN ({', '.join(repr(o) for o in OPS)}) AND comm_id_hash <> 0 AND ret = 0"
+_WHERE = (f"op IN ({', '.join(repr(o) for o in OPS)}) AND comm_id_hash <> 0 "
+          f"AND ret IN ({', '.join(map(str, NCCL_OK_RETS))})")
 
 
 # ---- the analysis ----------------------------------------------------------------------------

@@ -37,7 +37,7 @@ LATEST = f"""
                LEFT JOIN (SELECT node, pid, any_value(rank) AS rank FROM ranks GROUP BY ALL) r
                  ON r.node IS NOT DISTINCT FROM e.node AND r.pid = e.pid
                WHERE e.op IN ({", ".join(f"'{o}'" for o in schema.COLLECTIVE_OPS)})
-                 AND e.comm_id_hash <> 0 AND e.ret = 0),
+                 AND e.comm_id_hash <> 0 AND e.ret IN ({", ".join(map(str, schema.NCCL_OK_RETS))})),
          a AS (SELECT *, t - median(t) OVER w AS late, count(*) OVER w AS n
                FROM c WINDOW w AS (PARTITION BY comm_id_hash, seq, op))
     SELECT op, printf('%016x', comm_id_hash), seq, late / 1e6, d / 1e6 FROM a

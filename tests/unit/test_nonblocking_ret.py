@@ -2,14 +2,10 @@
 communicator (PyTorch: TORCH_NCCL_USE_COMM_NONBLOCKING). The merged tables must
 be analysed the same whether a job's calls returned 0 or 7.
 
-The agent side already keeps them (bpf/nccl.c, ingero_agent/tracer.py; see
-tests/bpf/test_nccl_probes.py's non-blocking case). The analysis still keeps
-only `ret = 0` rows: ingero/analysis.py (`e.ret = 0` in the collectives
-query), ingero/analysis_dense.py (`also(ret == 0)` and `_WHERE ... AND ret =
-0`), and ingero/mcp_server.py's slow-collective query. Those files belong to
-other helpers (engine, trust), so the expectation is recorded here as a strict
-xfail: it starts passing (and then fails as XPASS, so the marker is dropped)
-once those filters accept schema.NCCL_OK_RETS.
+The agent keeps them (bpf/nccl.c, ingero_agent/tracer.py; see
+tests/bpf/test_nccl_probes.py's non-blocking case) and so does the analysis
+(`ret IN schema.NCCL_OK_RETS` in ingero/analysis.py, analysis_dense.py and the
+MCP server's slow-collective query).
 """
 
 from __future__ import annotations
@@ -47,8 +43,6 @@ def test_a_job_returning_success_names_its_slow_rank(tmp_path):
     assert rep.straggler is not None and rep.straggler.rank == lay["victim"]
 
 
-@pytest.mark.xfail(strict=True, reason="analysis filters keep ret = 0 only (engine/trust must accept "
-                                        "ret IN schema.NCCL_OK_RETS)")
 def test_a_non_blocking_job_returning_in_progress_names_the_same_slow_rank(tmp_path):
     con, lay = _merged(tmp_path, 7)
     rep = analyse(con)
