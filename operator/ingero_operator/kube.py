@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import ssl
 import tempfile
+from pathlib import Path
 
 import aiohttp
 import kopf
@@ -36,17 +38,18 @@ def _ssl_context(info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
     elif info.ca_data:
         data = info.ca_data if isinstance(info.ca_data, str) else info.ca_data.decode()
         ctx.load_verify_locations(cadata=data)
-    cert, key = info.certificate_path, info.private_key_path
-    if info.certificate_data and info.private_key_data:   # load_cert_chain wants files
-        files = []
-        for blob in (info.certificate_data, info.private_key_data):
-            f = tempfile.NamedTemporaryFile(suffix=".pem", delete=False)
-            f.write(blob if isinstance(blob, bytes) else blob.encode())
-            f.close()
-            files.append(f.name)
-        cert, key = files
-    if cert:
-        ctx.load_cert_chain(cert, key)
+    if info.certificate_data and info.private_key_data:
+        # load_cert_chain wants files: a private folder, removed as soon as the context holds
+        # the key (the kubeconfig's client key was left in /tmp before)
+        with tempfile.TemporaryDirectory(prefix="ingero-kube-") as d:
+            cert, key = Path(d) / "cert.pem", Path(d) / "key.pem"
+            for path, blob in ((cert, info.certificate_data), (key, info.private_key_data)):
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(blob if isinstance(blob, bytes) else blob.encode())
+            ctx.load_cert_chain(cert, key)
+    elif info.certificate_path:
+        ctx.load_cert_chain(info.certificate_path, info.private_key_path)
     return ctx
 
 
