@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime as dt
 import decimal
 import json
+import math
 import re
 import threading
 import time
@@ -47,8 +48,12 @@ class Limits:
     threads: int = 2                 # DuckDB threads of the query's connection
 
     def narrowed(self, timeout_s=None, max_rows=None) -> "Limits":
-        """These limits, tightened (never widened) by a caller's request."""
+        """These limits, tightened (never widened) by a caller's request; ValueError for a
+        value that is not a finite number (1e400 parses as infinity)."""
         out = Limits(**self.__dict__)
+        for v in (timeout_s, max_rows):
+            if v is not None and (isinstance(v, bool) or not math.isfinite(float(v))):
+                raise ValueError(f"{v!r} is not a finite number")
         if timeout_s is not None:
             out.timeout_s = min(self.timeout_s, max(0.05, float(timeout_s)))
         if max_rows is not None:

@@ -134,10 +134,10 @@ def parse_plan(body) -> Plan:
     if nccl_lib is not None and (not isinstance(nccl_lib, str) or not nccl_lib.startswith("/")):
         raise ApiError(400, "nccl_lib must be an absolute path")
     nums = {}
-    for k in ("sched_min_us", "duration_s"):
+    for k, most in (("sched_min_us", 60e6), ("duration_s", 30 * 24 * 3600.0)):
         v = body.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
-            raise ApiError(400, f"{k} must be a number >= 0")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= most):
+            raise ApiError(400, f"{k} must be a number from 0 to {most:g}")
         nums[k] = float(v) if v is not None else None
     if nums["duration_s"] == 0:
         nums["duration_s"] = None

@@ -1,0 +1,116 @@
+"""The agent's HTTP server against hostile and careless clients (finding 5 of the hardening
+issue): idle and half-open connections are dropped and bounded, and every malformed input is
+a 400 with a one-line reason, never a 500."""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from tests.unit.trace_fixture import TOKEN, agent_data, serve_agent
+
+
+@pytest.fixture
+def agent(tmp_path):
+    srv, _ = serve_agent(agent_data(tmp_path / "data", "n1", [0, 1]), "n1", max_connections=8,
+                         idle_timeout_s=0.5)
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def _raw(srv, request: bytes, timeout: float = 5.0) -> tuple[int, dict]:
+    with socket.create_connection(srv.server_address[:2], timeout=timeout) as s:
+        s.sendall(request)
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _length(data):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body or b"{}")
+
+
+def _length(data: bytes) -> int:
+    for line in data.split(b"\r\n\r\n", 1)[0].split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":")[1])
+    return 0
+
+
+def _post(path: str, body: bytes, length: bytes | None = None) -> bytes:
+    n = str(len(body)).encode() if length is None else length
+    return (b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
+            + b"\r\nContent-Type: application/json\r\nContent-Length: " + n + b"\r\nConnection: close\r\n\r\n" + body)
+
+
+def _healthz(srv) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{srv.server_address[1]}/healthz", timeout=5) as r:
+        return r.status
+
+
+@pytest.mark.parametrize("length", [b"-5", b"abc", b"1e9", b"+7"])
+def test_a_negative_or_non_numeric_content_length_is_a_400(agent, length):
+    code, doc = _raw(agent, _post("/v1/query", b'{"sql": "SELECT 1"}', length))
+    assert code == 400 and "Content-Length" in doc["error"], (code, doc)
+
+
+@pytest.mark.parametrize("name,body,words", [
+    ("nested", b"[" * 100_000 + b"]" * 100_000, "nests too deeply"),
+    ("max_rows-inf", b'{"sql": "SELECT 1", "max_rows": 1e400}', "must be numbers"),
+    ("timeout-inf", b'{"sql": "SELECT 1", "timeout_s": -1e400}', "must be numbers"),
+    ("max_rows-text", b'{"sql": "SELECT 1", "max_rows": "many"}', "must be numbers"),
+])
+def test_malformed_query_bodies_are_400s_with_one_line_reasons(agent, name, body, words):
+    code, doc = _raw(agent, _post("/v1/query", body))
+    assert code == 400 and words in doc["error"] and "\n" not in doc["error"], (code, doc)
+
+
+@pytest.mark.parametrize("duration", [b"1e400", b"-1", b"2592001", b'"soon"'])
+def test_a_plan_with_an_impossible_duration_is_a_400_and_starts_no_tracer(agent, duration):
+    body = b'{"session_id": "s9", "pods": [], "duration_s": ' + duration + b"}"
+    code, doc = _raw(agent, _post("/v1/sessions", body))
+    assert code == 400 and "duration_s must be a number from 0 to" in doc["error"], (code, doc)
+
+
+def test_half_open_connections_are_dropped_after_the_idle_timeout_and_bounded(agent):
+    idle = [socket.create_connection(agent.server_address[:2]) for _ in range(8)]   # all the slots
+    extra = socket.create_connection(agent.server_address[:2])
+    extra.settimeout(5)
+    assert extra.recv(1) == b""          # past the bound: closed at once
+    time.sleep(1.5)                      # the idle timeout (0.5 s here) frees the slots
+    for s in idle:
+        s.settimeout(5)
+        assert s.recv(1) == b""
+        s.close()
+    extra.close()
+    assert _healthz(agent) == 200
+
+
+def test_a_tls_client_that_never_says_hello_does_not_stall_the_server(tmp_path):
+    d = tmp_path / "pki"
+    d.mkdir()
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                    "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(d / "k.pem"), "-out", str(d / "c.pem")], check=True, capture_output=True)
+    srv, _ = serve_agent(agent_data(tmp_path / "data", "n1", [0]), "n1", tls=(d / "c.pem", d / "k.pem"),
+                         idle_timeout_s=0.5)
+    try:
+        silent = socket.create_connection(srv.server_address[:2])      # TCP only, no ClientHello
+        ctx = ssl.create_default_context(cafile=str(d / "c.pem"))
+        t0 = time.monotonic()
+        with urllib.request.urlopen(f"https://127.0.0.1:{srv.server_address[1]}/healthz", timeout=5,
+                                    context=ctx) as r:
+            assert r.status == 200
+        assert time.monotonic() - t0 < 3
+        silent.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()
