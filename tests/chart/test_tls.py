@@ -154,5 +154,7 @@ def test_with_mutual_tls_the_agent_accepts_the_operator_certificate_and_refuses_
     assert s.agent.client_cert_file.endswith("/tls.crt") and s.agent.client_key_file.endswith("/tls.key")
     assert ask_time(port, s.agent).rtt_ns > 0
     bare = {k: v for k, v in env.items() if k not in ("INGERO_AGENT_CLIENT_CERT", "INGERO_AGENT_CLIENT_KEY")}
-    with pytest.raises(AgentUnreachable, match="(?i)certificate|alert|reset|closed|disconnect"):
+    # TLS 1.3: the client finishes its side of the handshake before the agent checks its (missing)
+    # certificate, so the refusal may surface as the agent closing the connection (broken pipe)
+    with pytest.raises(AgentUnreachable, match="(?i)certificate|alert|reset|closed|disconnect|broken pipe"):
         ask_time(port, Settings.from_env(bare).agent)
