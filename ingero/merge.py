@@ -124,19 +124,22 @@ class Merger:
         return n
 
     def add_duckdb(self, path: Path) -> int:
-        """A trace .duckdb (lab trace, operator artifact, earlier merge); timestamps made raw."""
+        """A trace .duckdb (lab trace, operator artifact, earlier merge); timestamps made raw.
+
+        It is read through the sandbox of ``readonly_sql`` (file access limited to the trace's
+        own files: a crafted view cannot read anything else) and streamed into the stage."""
+        from ingero.readonly_sql import open_sandbox
+
         try:
-            # views in the operator's artifact name their segment files relative to its folder
-            self.con.execute("SET file_search_path = ?", [str(Path(path).resolve().parent)])
-            self.con.execute("ATTACH ? AS src (READ_ONLY)", [str(path)])
-        except duckdb.Error as e:
+            src = open_sandbox(path)
+        except (IngeroError, duckdb.Error) as e:
             self._skip(path, f"not a readable DuckDB file ({str(e).splitlines()[0][:160]})")
             return 0
         try:
             # tables, and views (the operator's artifact keeps nccl_events as a view over its segments)
             tables: dict[str, set[str]] = {}
-            for t, c in self.con.execute("SELECT table_name, column_name FROM duckdb_columns() "
-                                         "WHERE database_name = 'src' AND NOT internal").fetchall():
+            for t, c in src.execute("SELECT table_name, column_name FROM duckdb_columns() "
+                                    "WHERE database_name = 'trace' AND NOT internal").fetchall():
                 tables.setdefault(t, set()).add(c)
             usable = {t: cols for t, cols in tables.items()
                       if t in schema.TABLES and set(KEYS[t][0]) <= cols}
@@ -148,33 +151,45 @@ class Merger:
             has_offsets = "nodes" in usable and "clock_offset_ns" in usable["nodes"]
             applied = {}
             if has_offsets:
-                for node, sid, off in self.con.execute(
-                        "SELECT node, session_id, any_value(clock_offset_ns) FROM src.nodes "
+                for node, sid, off in src.execute(
+                        "SELECT node, session_id, any_value(clock_offset_ns) FROM trace.nodes "
                         "WHERE clock_offset_ns IS NOT NULL GROUP BY ALL").fetchall():
                     applied[(node, sid)] = int(off)
             total, ok = 0, 0
             for table, have in usable.items():
                 if applied and table in SHIFTED:
                     sel = _select(table, have, "coalesce(o.off, 0)")
-                    sql = (f"INSERT INTO stage.{table} SELECT {sel}, {self.src} FROM src.{table} t "
+                    sql = (f"SELECT {sel}, {self.src} FROM trace.{table} t "
                            "LEFT JOIN (SELECT node AS o_node, session_id AS o_sid, any_value(clock_offset_ns) AS off "
-                           "FROM src.nodes GROUP BY ALL) o ON o.o_node IS NOT DISTINCT FROM t.node "
+                           "FROM trace.nodes GROUP BY ALL) o ON o.o_node IS NOT DISTINCT FROM t.node "
                            "AND o.o_sid IS NOT DISTINCT FROM t.session_id")
                 else:
-                    sql = f"INSERT INTO stage.{table} SELECT {_select(table, have)}, {self.src} FROM src.{table} t"
+                    sql = f"SELECT {_select(table, have)}, {self.src} FROM trace.{table} t"
                 try:   # table by table: one unreadable table (a view whose files are gone) loses only itself
+                    rel = src.sql(sql)
+                    # a stream of Arrow batches (DuckDB 2: to_arrow_reader; 1.x: record_batch)
+                    rows = rel.to_arrow_reader() if hasattr(rel, "to_arrow_reader") else rel.record_batch()
+                    self.con.register("_src_rows", rows)
                     self.con.execute("BEGIN")
-                    total += self.con.execute(sql).fetchone()[0]
+                    total += self.con.execute(f"INSERT INTO stage.{table} SELECT * FROM _src_rows").fetchone()[0]
                     self.con.execute("COMMIT")
                     ok += 1
                 except duckdb.Error as e:
-                    self.con.execute("ROLLBACK")
+                    try:
+                        self.con.execute("ROLLBACK")
+                    except duckdb.Error:
+                        pass      # the error came before BEGIN
                     self._skip(path, f"table {table} unreadable ({str(e).splitlines()[0][:160]})")
+                finally:
+                    try:
+                        self.con.unregister("_src_rows")
+                    except duckdb.Error:
+                        pass
         except duckdb.Error as e:
             self._skip(path, f"unreadable DuckDB trace ({str(e).splitlines()[0][:160]})")
             return 0
         finally:
-            self.con.execute("DETACH src")
+            src.close()
         if not ok:
             return 0
         for key, off in applied.items():

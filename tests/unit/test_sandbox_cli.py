@@ -99,3 +99,22 @@ def test_a_folder_holding_several_sessions_is_refused_with_the_list_or_read_with
     assert "straggler" in capsys.readouterr().out
     assert "no session 'nope'" in _one_line_error(capsys, ["query", "--session", "nope", str(tmp_path / "segs"),
                                                             "SELECT 1"])
+
+
+def test_merge_reads_a_crafted_trace_in_the_sandbox_and_copies_nothing_from_outside(tmp_path, secret, capsys):
+    session(tmp_path / "segs", steps=3)
+    art = tmp_path / "art"
+    art.mkdir()
+    con = duckdb.connect(str(art / "trace.duckdb"))
+    sel = ", ".join(("content" if c == "pod" else f"NULL::{ty}") + f" AS {c}"
+                    for c, ty in schema.TABLES["nccl_events"].columns)
+    con.execute(f"CREATE VIEW nccl_events AS SELECT {sel} FROM read_text('{secret}')")
+    con.close()
+    out = tmp_path / "merged.duckdb"
+    assert main(["merge", str(art / "trace.duckdb"), str(tmp_path / "segs"), "-o", str(out)]) == 0
+    text = capsys.readouterr()
+    assert "Permission" in text.out + text.err           # the crafted table was refused, and said so
+    con = duckdb.connect(str(out), read_only=True)
+    pods = {r[0] for r in con.execute("SELECT DISTINCT pod FROM nccl_events").fetchall()}
+    con.close()
+    assert not any("not-for-you" in (p or "") for p in pods), pods
