@@ -287,8 +287,8 @@ def robust_z(values: dict, floor: float) -> dict:
     """For each key, (x - median of the others) / max(1.4826 * MAD of the others, floor).
 
     Each value is judged against its peers without itself: with a handful of ranks, an
-    outlier inside its own median and MAD widens the scale it is measured by (lab cpu-hog,
-    4 ranks: z 2.85 with the victim in, far above 3.5 without it)."""
+    outlier inside its own median and MAD widens the scale it is measured by (a CI run of
+    the 4-rank lab cpu-hog scored its victim z 2.85 with the victim inside, under 3.5)."""
     keys = list(values)
     if len(keys) < 2:
         return {k: 0.0 for k in keys}
