@@ -146,10 +146,10 @@ def open_sandbox(source: Path | list[Path], limits: Limits | None = None, sessio
                 con.execute("SET allowed_directories = ?", [[str(d) + "/" for d in dirs]])
             attach_segments(con, dirs, session=session)
         add_missing_tables(con)
-        if limits is not None:
+        if limits is not None:   # a served query: bounded, and no spilling to disk
             con.execute(f"SET memory_limit = '{limits.memory_limit}'")
             con.execute(f"SET threads = {int(limits.threads)}")
-        con.execute("SET max_temp_directory_size = '0B'")
+            con.execute("SET max_temp_directory_size = '0B'")
         con.execute("SET enable_external_access = false")
         con.execute("SET lock_configuration = true")
     except BaseException:
