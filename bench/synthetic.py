@@ -77,7 +77,8 @@ def session(seg_dir, nodes: int = 2, ranks_per_node: int = 2, steps: int = 200,
     """Write a whole synthetic session (every node's segments) below `seg_dir`.
 
     Each step: compute, then an ALL_REDUCE on communicator A and an ALL_GATHER
-    on B. Faults: `slow-rank` (victim arrives late), `io-stall` / `cpu-hog`
+    on B, causal (a rank arrives when its own work since its last return is done).
+    Faults: `slow-rank` (victim works late_ms longer before each collective), `io-stall` / `cpu-hog`
     (late, with io / runqueue off-CPU time), `lossy-link` (the victim's node
     retransmits on its own sockets and every collective it joins is slower),
     from step `fault_from_step` on (a fault injected mid-session). `late_ms`: how late
@@ -97,9 +98,36 @@ def session(seg_dir, nodes: int = 2, ranks_per_node: int = 2, steps: int = 200,
     victim = world - 1 if victim is None else victim
     vnode = victim // ranks_per_node
     t0 = 1_750_000_000_000_000_000
-    step_ns = int(step_ms * 1e6)
     node_names = [f"node-{chr(97 + i)}" for i in range(nodes)]
     hashes = [0x1111_2222_3333_4444, 0x1111_2222_3333_4445]
+    lateish = fault in ("slow-rank", "io-stall", "cpu-hog")
+    # Causal timeline: a rank arrives at a collective when its own work since its last
+    # return is done; every member returns when the last has arrived plus the transfer.
+    # Own work per step: 30 ms before the ALL_REDUCE, 4 ms before the ALL_GATHER, the
+    # rest of the step after it; the victim of a late fault works late_ms longer before each.
+    work = (30e6, 4e6)
+    rest = step_ms * 1e6 - sum(work) - 2 * 2e6
+    arrive = np.zeros((steps, 2, world))
+    leave = np.zeros((steps, 2, world))
+    wire = np.zeros((steps, 2))
+    prev = np.full(world, float(t0))
+    retx_at = []
+    for s in range(steps):
+        faulty = s >= fault_from_step
+        for ci in range(2):
+            own = np.full(world, work[ci]) + (rest if ci == 0 and s > 0 else 0)
+            own += rng.normal(0, jitter_ms * 1e6, world)
+            own += np.array([rank_bias_ms[r] * 1e6 if r < len(rank_bias_ms) else 0.0 for r in range(world)])
+            if lateish and faulty:
+                own[victim] += late_ms * 1e6
+            a = prev + np.maximum(own, 0)
+            lossy = fault == "lossy-link" and faulty and rng.random() < 0.3
+            x = 2e6 * (1 + lossy * 5)
+            end = a.max() + x
+            arrive[s, ci], leave[s, ci], wire[s, ci] = a, end, x
+            if lossy:
+                retx_at.append((s, ci, a.max() + 1e6))
+            prev = np.full(world, end)
     for ni, node in enumerate(node_names):
         w = SegmentWriter(Path(seg_dir) / node, node=node, session_id="synthetic")
         ranks_rows, totals = [], []
@@ -107,36 +135,28 @@ def session(seg_dir, nodes: int = 2, ranks_per_node: int = 2, steps: int = 200,
         for lr in range(ranks_per_node):
             r = ni * ranks_per_node + lr
             pid = 1000 + r
-            lateish = fault in ("slow-rank", "io-stall", "cpu-hog")
             cols = {k: [] for k in ("timestamp_ns", "duration_ns", "op", "rank", "nranks",
                                     "comm_id_hash", "seq", "count", "bytes", "pid", "tid",
                                     "global_rank", "ret")}
             for s in range(steps):
-                base = t0 + s * step_ns
-                late = late_ms * 1e6 if r == victim and lateish and s >= fault_from_step else 0
                 for ci, op in enumerate(("ALL_REDUCE", "ALL_GATHER")):
-                    bias = rank_bias_ms[r] * 1e6 if r < len(rank_bias_ms) else 0.0
-                    arrive = base + 30e6 + ci * 4e6 + rng.normal(0, jitter_ms * 1e6) + late + bias
-                    # everyone leaves together when the last rank has arrived
-                    last = base + 30e6 + ci * 4e6 + late_ms * 1e6 * (lateish and s >= fault_from_step)
-                    lossy = fault == "lossy-link" and s >= fault_from_step
-                    wire = 2e6 * (1 + (lossy and rng.random() < 0.3) * 5)
-                    cols["timestamp_ns"].append(int(arrive))
-                    cols["duration_ns"].append(int(max(last - arrive, 0) + wire))
+                    a = arrive[s, ci, r]
+                    cols["timestamp_ns"].append(int(a))
+                    cols["duration_ns"].append(int(leave[s, ci, r] - a))
                     cols["op"].append(op)
                     cols["comm_id_hash"].append(hashes[ci])
                     cols["seq"].append(s)
-                    if lossy and ni == vnode and rng.random() < 0.3:
-                        tcp_ts.append((int(arrive + 1e6), pid, r))
-                    elif r == spurious_retx_rank and rng.random() < 0.3:
-                        tcp_ts.append((int(max(arrive, last) + 1e6), pid, r))
+                    if r == spurious_retx_rank and rng.random() < 0.3:
+                        tcp_ts.append((int(leave[s, ci, r] - 1e6), pid, r))
+            if ni == vnode and lr == victim % ranks_per_node:
+                tcp_ts += [(int(t), pid, r) for _, _, t in retx_at]
             n = len(cols["timestamp_ns"])
             cols.update(rank=[r] * n, nranks=[world] * n, count=[262144] * n, bytes=[1 << 20] * n,
                         pid=[pid] * n, tid=[pid] * n, global_rank=[r] * n, ret=[0] * n)
             w.append("nccl_events", {k: np.asarray(v) if k != "op" else v for k, v in cols.items()})
             ranks_rows.append({"pid": pid, "rank": r, "local_rank": lr, "world_size": world,
                                "pod": f"train-{r}", "namespace": "default"})
-            traced = steps * step_ns
+            traced = steps * step_ms * 1e6
             runq = 0.2 if (r == victim and fault == "cpu-hog") else 0.01
             io = 0.15 if (r == victim and fault == "io-stall") else 0.0
             totals += [{"pid": pid, "rank": r, "reason": "runqueue", "total_ns": int(runq * traced),
@@ -146,6 +166,7 @@ def session(seg_dir, nodes: int = 2, ranks_per_node: int = 2, steps: int = 200,
                        {"pid": pid, "rank": r, "reason": "sleep", "total_ns": int(0.6 * traced),
                         "intervals": steps}]
         if tcp_ts:
+            tcp_ts.sort()
             w.append("tcp_events", {"timestamp_ns": np.array([t for t, _, _ in tcp_ts]),
                                     "event": ["tcp_retransmit_skb"] * len(tcp_ts),
                                     "pid": np.array([p for _, p, _ in tcp_ts], np.int32),
@@ -345,3 +366,195 @@ def scale_session(seg_root, ranks: int = 1024, collectives: int = 100_000, nodes
         if progress:
             progress(ni + 1, nodes)
     return lay
+
+
+# ---- a tensor x pipeline x data parallel job, simulated (tests/unit/test_verdict_pipeline.py) ----
+
+def pipeline_layout(tp: int, pp: int, dp: int) -> dict:
+    """Megatron's rank order (tp fastest, then pp, then dp) and the communicators of each rank."""
+    world = tp * pp * dp
+    rank = lambda d, p, t: d * pp * tp + p * tp + t
+    groups = {"world": [list(range(world))]}
+    groups["tp"] = [[rank(d, p, t) for t in range(tp)] for d in range(dp) for p in range(pp)]
+    groups["dp"] = [[rank(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)]
+    groups["pp"] = [[rank(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)]
+    stage = {rank(d, p, t): p for d in range(dp) for p in range(pp) for t in range(tp)}
+    return {"world": world, "groups": groups, "stage": stage, "rank": rank}
+
+
+def simulate_pipeline(tp: int, pp: int, dp: int, steps: int, micro: int = 4, fwd_ms: float = 4.0,
+                      bwd_ms: float = 8.0, x_ms: float = 0.3, jitter: float = 0.03, seed: int = 5,
+                      factor=None) -> dict:
+    """Run a GPipe schedule per step (forward of every microbatch, then backward) as a
+    discrete-event simulation: compute is own work (fwd_ms / bwd_ms per microbatch, times
+    ``factor(rank, step)`` and a jitter), sends are eager, a recv returns when its send
+    was posted, a collective when its last member arrived, each plus a transfer of x_ms.
+    Then the data-parallel all-reduce and a world all-reduce ending the step.
+    Returns {"calls": per rank list of (op, group kind, group index, peer global rank or -1,
+    t, d)}, "step_ns": mean step}."""
+    lay = pipeline_layout(tp, pp, dp)
+    world, stage = lay["world"], lay["stage"]
+    gi = {k: {r: i for i, g in enumerate(gs) for r in g} for k, gs in lay["groups"].items()}
+    members = {k: {i: g for i, g in enumerate(gs)} for k, gs in lay["groups"].items()}
+    rng = np.random.default_rng(seed)
+    factor = factor or (lambda r, s: 1.0)
+    prog = {r: [] for r in range(world)}
+    for r in range(world):
+        s_, pipe = stage[r], members["pp"][gi["pp"][r]]
+        for st in range(steps):
+            f = factor(r, st)
+            for m in range(micro):
+                if s_ > 0:
+                    prog[r].append(("RECV", "pp", pipe[s_ - 1]))
+                prog[r].append(("work", fwd_ms * f * (1 + rng.normal(0, jitter))))
+                if tp > 1:
+                    prog[r].append(("ALL_REDUCE", "tp", None))
+                if s_ < pp - 1:
+                    prog[r].append(("SEND", "pp", pipe[s_ + 1]))
+            for m in range(micro):
+                if s_ < pp - 1:
+                    prog[r].append(("RECV", "pp", pipe[s_ + 1]))
+                prog[r].append(("work", bwd_ms * f * (1 + rng.normal(0, jitter))))
+                if tp > 1:
+                    prog[r].append(("ALL_REDUCE", "tp", None))
+                if s_ > 0:
+                    prog[r].append(("SEND", "pp", pipe[s_ - 1]))
+            if dp > 1:
+                prog[r].append(("ALL_REDUCE", "dp", None))
+            prog[r].append(("work", 0.5))
+            prog[r].append(("ALL_REDUCE", "world", None))
+    x = x_ms * 1e6
+    t = {r: 0.0 for r in range(world)}
+    ptr = {r: 0 for r in range(world)}
+    calls = {r: [] for r in range(world)}
+    sent: dict = {}                       # (src, dst) -> [send arrival times]
+    got: dict = {}                        # (src, dst) -> recvs done
+    coll_n = {}                           # (rank, kind) -> collectives called
+    arrivals: dict = {}                   # (kind, group, seq) -> {rank: t}
+    waiting: dict = {}
+    done = 0
+    total = sum(len(p) for p in prog.values())
+    while done < total:
+        progressed = False
+        for r in range(world):
+            while ptr[r] < len(prog[r]):
+                op = prog[r][ptr[r]]
+                if op[0] == "work":
+                    t[r] += max(op[1], 0) * 1e6
+                elif op[0] == "SEND":
+                    key = (r, op[2])
+                    sent.setdefault(key, []).append(t[r])
+                    calls[r].append(("SEND", "pp", gi["pp"][r], op[2], t[r], 20_000))
+                    t[r] += 20_000
+                elif op[0] == "RECV":
+                    key = (op[2], r)
+                    k = got.get(key, 0)
+                    if len(sent.get(key, [])) <= k:
+                        break
+                    a = waiting.pop((r, "recv"), t[r])
+                    end = max(a, sent[key][k]) + x
+                    got[key] = k + 1
+                    calls[r].append(("RECV", "pp", gi["pp"][r], op[2], a, end - a))
+                    t[r] = end
+                else:
+                    kind = op[1]
+                    g = gi[kind][r]
+                    seq = coll_n.get((r, kind), 0)
+                    inst = arrivals.setdefault((kind, g, seq), {})
+                    if r not in inst:
+                        inst[r] = t[r]
+                    mem = members[kind][g]
+                    if len(inst) < len(mem):
+                        break
+                    end = max(inst.values()) + x
+                    calls[r].append((op[0], kind, g, -1, inst[r], end - inst[r]))
+                    coll_n[(r, kind)] = seq + 1
+                    t[r] = end
+                ptr[r] += 1
+                done += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("the simulated schedule deadlocked")
+    ends = [c[4] + c[5] for r in range(world) for c in calls[r] if c[1] == "world"]
+    per = sorted(set(round(e) for e in ends))
+    marks = [max(c[4] + c[5] for r in range(world) for c in calls[r] if c[1] == "world" and i == j)
+             for j in range(steps) for i in [j]] if False else None
+    del marks, per
+    wend = {}
+    for r in range(world):
+        k = 0
+        for c in calls[r]:
+            if c[1] == "world":
+                wend[k] = max(wend.get(k, 0), c[4] + c[5])
+                k += 1
+    step_ns = (wend[steps - 1] - wend[0]) / (steps - 1)
+    return {"calls": calls, "step_ns": step_ns, "layout": lay}
+
+
+def pipeline_session(seg_dir, tp: int, pp: int, dp: int, nodes: int, steps: int = 12,
+                     fault: str = "clean", victim: int | None = None, stage_slow: int = 1,
+                     slow: float = 1.5, imbalance: float = 1.0, seed: int = 5, **kw) -> dict:
+    """Write a simulated tp x pp x dp session below `seg_dir` (one folder per node, ranks
+    in order over nodes) and return the ground truth: the planted saving per step (the
+    same run without the fault, same noise), the victim or stage."""
+    from pathlib import Path
+
+    from ingero.store import SegmentWriter
+
+    lay = pipeline_layout(tp, pp, dp)
+    world = lay["world"]
+    frng = np.random.default_rng([seed, 99])
+    draws = frng.uniform(1.0, 1.0 + imbalance, (world, steps))
+    if fault == "slow-rank":
+        fac = lambda r, s: slow if r == victim else 1.0
+    elif fault == "slow-stage":
+        fac = lambda r, s: slow if lay["stage"][r] == stage_slow else 1.0
+    elif fault == "imbalance":
+        fac = lambda r, s: float(draws[r, s])
+    else:
+        fac = None
+    run = simulate_pipeline(tp, pp, dp, steps, seed=seed, factor=fac, **kw)
+    fixed = simulate_pipeline(tp, pp, dp, steps, seed=seed, **kw)
+    if fault == "imbalance":   # every rank at the median draw: the imbalance removed
+        med = float(np.median(draws))
+        fixed = simulate_pipeline(tp, pp, dp, steps, seed=seed, factor=lambda r, s: med, **kw)
+    hashes = {k: [0x7000_0000_0000_0000 + (ki << 16) + i for i in range(len(gs))]
+              for ki, (k, gs) in enumerate(lay["groups"].items())}
+    rpn = world // nodes
+    names = [f"node-{chr(97 + i)}" for i in range(nodes)]
+    t0 = 1_750_000_000_000_000_000
+    for ni, node in enumerate(names):
+        w = SegmentWriter(Path(seg_dir) / node, node=node, session_id="pipeline")
+        ranks_rows, totals = [], []
+        for r in range(ni * rpn, (ni + 1) * rpn):
+            cols = {k: [] for k in ("timestamp_ns", "duration_ns", "op", "rank", "nranks", "comm_id_hash",
+                                    "seq", "peer", "pid", "tid", "global_rank", "ret", "count", "bytes")}
+            seqs: dict = {}
+            for op, kind, g, peer, a, d in run["calls"][r]:
+                mem = lay["groups"][kind][g]
+                h = hashes[kind][g]
+                seqs[h] = seqs.get(h, 0) + 1
+                cols["timestamp_ns"].append(t0 + int(a))
+                cols["duration_ns"].append(int(d))
+                cols["op"].append(op)
+                cols["rank"].append(mem.index(r))
+                cols["nranks"].append(len(mem))
+                cols["comm_id_hash"].append(h)
+                cols["seq"].append(seqs[h] - 1)
+                cols["peer"].append(mem.index(peer) if peer >= 0 else -1)
+            n = len(cols["op"])
+            cols.update(pid=[1000 + r] * n, tid=[1000 + r] * n, global_rank=[r] * n, ret=[0] * n,
+                        count=[1024] * n, bytes=[4096] * n)
+            w.append("nccl_events", {k: np.asarray(v, dtype=np.uint64) if k == "comm_id_hash" else
+                                     (np.asarray(v) if k != "op" else v) for k, v in cols.items()})
+            ranks_rows.append({"pid": 1000 + r, "rank": r, "local_rank": r % rpn, "world_size": world,
+                               "pod": f"train-{r}", "namespace": "default"})
+            totals.append({"pid": 1000 + r, "rank": r, "reason": "runqueue", "total_ns": 1_000_000,
+                           "intervals": steps})
+        w.put_rows("ranks", ranks_rows)
+        w.put_rows("sched_totals", totals)
+        w.close()
+    step = run["step_ns"]
+    return {"step_ms": step / 1e6, "planted_saving_ms": (step - fixed["step_ns"]) / 1e6,
+            "victim": victim, "stage": stage_slow, "nodes": names, "layout": lay,
+            "stage_ranks": sorted(r for r, s in lay["stage"].items() if s == stage_slow)}

@@ -27,23 +27,29 @@ def add_parser(sub):
 
 def render(rep: Report, out=None) -> None:
     out = out or sys.stdout
-    names = ["rank", "node", "pod", "colls", "p50 ms", "p99 ms", "late ms", "last %",
-             "z", "retx", "retx in coll", "runq ms", "io ms", "sleep ms"]
-    rows = [(r.rank, r.node or "", r.pod or "", r.collectives, r.p50_ms, r.p99_ms, r.late_ms,
+    names = ["rank", "node", "pod", "stage", "own ms", "wait ms", "colls", "p50 ms", "p99 ms", "late ms",
+             "last %", "z", "retx", "retx in coll", "runq ms", "io ms", "sleep ms"]
+    rows = [(r.rank, r.node or "", r.pod or "", "" if r.stage is None else r.stage, r.own_ms, r.wait_ms,
+             r.collectives, r.p50_ms, r.p99_ms, r.late_ms,
              round(100 * r.last_share), r.late_z, r.retransmits, r.retransmits_in_window,
              r.offcpu_ms.get("runqueue", 0.0), r.offcpu_ms.get("io", 0.0),
              r.offcpu_ms.get("sleep", 0.0)) for r in rep.ranks]
     print_table(names, rows, out=out)
-    print(f"\nstep ~{rep.step_ms:.1f} ms, {rep.collectives} collectives, "
+    print(f"\nstep ~{rep.step_ms:.1f} ms (mean {rep.mean_step_ms:.1f} ms), {rep.collectives} collectives, "
           f"{rep.retransmits} retransmits", file=out)
     s = rep.straggler
     if s is None:
-        print("straggler: none (no rank stands out from its peers)", file=out)
+        best = (f"; the best single fix ({rep.best_candidate}) would save {rep.best_saving_pct:.1f}% "
+                "of the step, under the floor" if rep.best_candidate else "")
+        print(f"straggler: none{best}", file=out)
     else:
-        who = s.group or f"rank {s.rank} ({s.pod or s.node})"
+        who = s.group if s.kind != "rank" and s.group else f"rank {s.rank} ({s.pod or s.node})"
         print(f"straggler: {who}, cause {s.cause}, score {s.score}; would save "
-              f"~{s.saving_ms_per_step:.1f} ms/step ({s.saving_pct:.1f}%)", file=out)
+              f"~{s.saving_ms_per_step:.1f} ms/step ({s.saving_pct:.1f}%): predicted step "
+              f"{rep.predicted_step_ms:.1f} ms instead of {rep.mean_step_ms:.1f} ms", file=out)
         print(f"evidence: {s.evidence}", file=out)
+        for p in s.propagated:
+            print(f"propagated: {p}", file=out)
     for w in rep.warnings:
         print(f"warning: {w}", file=out)
 

@@ -27,7 +27,6 @@ import pyarrow.parquet as pq
 from ingero import schema
 from ingero.comms import resolve_split_ranks, with_split_ranks
 from ingero.analysis import Report, analyse
-from ingero.analysis_dense import Segments
 from ingero.store import segment_files
 from ingero_operator.agents import AgentClient, AgentUnreachable
 
@@ -335,8 +334,8 @@ def build_artifact(local: LocalSession, offsets: dict[str, int],
     in ``work/nodes/``, by paths relative to the session folder, so the folder is the
     artifact and can be moved or copied whole. Readers resolve them by setting DuckDB's
     ``file_search_path`` to the folder (``ingero.store.open_source`` does; the duckdb
-    shell does when started inside it). The analysis reads the NCCL files column-wise
-    (``ingero.analysis_dense``). Copying 100 M rows into a DuckDB file took 137 s on 2
+    shell does when started inside it). The analysis reads the calls through the view
+    as Arrow columns (``ingero.analysis.calls``). Copying 100 M rows into a DuckDB file took 137 s on 2
     cores; the other tables are small and are copied. See docs/benchmarks.md, "Gather,
     merge and analysis at scale".
     """
@@ -350,9 +349,9 @@ def build_artifact(local: LocalSession, offsets: dict[str, int],
         _insert(con, "tcp_events", _sources(local, "tcp_events", offsets))
         _load_state(con, local, offsets)
         resolve_split_ranks(con)           # comms (nccl_events is still an empty table here)
-        units = _event_view(con, "nccl_events", local, offsets)
+        _event_view(con, "nccl_events", local, offsets)
         _event_view(con, "sched_events", local, offsets)
-        result = analyse(con, slow_collective_ms, segments=Segments(units)), world_size(con)
+        result = analyse(con, slow_collective_ms), world_size(con)
     finally:
         con.close()
     os.replace(tmp, local.artifact)

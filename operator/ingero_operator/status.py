@@ -42,6 +42,8 @@ def rank_row(r) -> dict:
             "lateZ": _r(r.late_z), "lastPct": _r(100 * r.last_share, 1), "retransmits": r.retransmits,
             "retransmitsInWindow": r.retransmits_in_window,
             **({"slowCollectives": r.slow_collectives} if r.slow_collectives is not None else {}),
+            **({"stage": r.stage} if r.stage is not None else {}),
+            "ownMs": _r(r.own_ms, 3), "waitMs": _r(r.wait_ms, 3),
             "offcpuMs": {k: _r(v, 1) for k, v in sorted(r.offcpu_ms.items())}}
 
 
@@ -52,17 +54,28 @@ def ranks_table(rep: Report, rows: int) -> list[dict]:
     return [rank_row(r) for r in keep]
 
 
+def who(s) -> str:
+    """What the STRAGGLER column shows: "rank 3 (pod)", or the group ("stage 1 (ranks 4-7)")."""
+    if s.kind != "rank" and s.group:
+        return s.group
+    return f"rank {s.rank} ({s.pod or s.node})" if (s.pod or s.node) else f"rank {s.rank}"
+
+
 def report_status(rep: Report, world: int | None, g: GatherSettings) -> dict:
     """The analysis part of status. Keys that must disappear are set to None (merge patch)."""
     s = rep.straggler
     out = {"ranks": len(rep.ranks), "worldSize": world or len(rep.ranks) or None,
-           "stepMs": _r(rep.step_ms, 3), "retransmits": int(rep.retransmits),
+           "stepMs": _r(rep.step_ms, 3), "meanStepMs": _r(rep.mean_step_ms, 3),
+           "predictedStepMs": _r(rep.predicted_step_ms, 3) if rep.predicted_step_ms is not None else None,
+           "bestSavingPct": _r(rep.best_saving_pct, 1), "retransmits": int(rep.retransmits),
            "ranksTable": ranks_table(rep, g.ranks_table_rows), "straggler": None, "slowdown": None}
     if s is not None:
         out["straggler"] = {
             "rank": s.rank, "pod": s.pod, "node": s.node, "score": _r(s.score), "cause": s.cause,
             "evidence": cut(s.evidence, g.evidence_chars), "savingPct": _r(s.saving_pct, 1),
-            "savingMsPerStep": _r(s.saving_ms_per_step, 2), "group": s.group}
+            "savingMsPerStep": _r(s.saving_ms_per_step, 2), "group": s.group,
+            "kind": s.kind, "who": who(s), "ranks": list(s.ranks)[:4096],
+            "propagated": [cut(p, g.evidence_chars) for p in s.propagated[:16]]}
         out["slowdown"] = f"{s.saving_pct:.1f}%"
     return out
 

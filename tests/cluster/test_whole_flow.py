@@ -166,7 +166,7 @@ def test_printer_columns_evaluated_by_kubectl_on_the_real_status_give_the_expect
     lines = [ln.split() for ln in lossy["custom_columns"].strip().splitlines()]
     assert lines[0] == ["NAME"] + [c["name"].upper() for c in cols]
     row = dict(zip(lines[0], lines[1]))
-    assert row == {"NAME": "lab-job", "PHASE": "Completed", "RANKS": "4", "STRAGGLER": st["straggler"]["pod"],
+    assert row == {"NAME": "lab-job", "PHASE": "Completed", "RANKS": "4", "STRAGGLER": st["straggler"]["who"],
                    "CAUSE": "network", "SLOWDOWN": st["slowdown"], "RETRANSMITS": str(st["retransmits"]),
                    "AGE": row["AGE"]}
     assert row["AGE"].startswith("20") and st["slowdown"].endswith("%")   # a timestamp; kubectl prints it raw

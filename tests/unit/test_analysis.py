@@ -27,7 +27,8 @@ def test_slow_rank_is_named_with_compute_cause_and_a_saving(tmp_path):
     rep, lay = _report(tmp_path, "slow-rank")
     s = rep.straggler
     assert s.rank == lay["victim"] and s.cause == "compute/unknown"
-    assert "arrives" in s.evidence
+    assert "own work" in s.evidence and "replayed without it" in s.evidence
+    assert s.saving_ms_per_step < rep.mean_step_ms and s.propagated
     assert s.saving_ms_per_step == pytest.approx(16.0, rel=0.15)  # 8 ms late at two collectives
     victim = next(r for r in rep.ranks if r.rank == lay["victim"])
     others = [r for r in rep.ranks if r.rank != lay["victim"]]

@@ -89,7 +89,7 @@ def test_kubectl_shows_the_printer_columns_and_the_schema_error(cluster, tmp_pat
            "KUBECACHEDIR": str(tmp_path / "kube-cache")}
     cluster.patch(f"{TRS}/ok1/status", {"status": {"phase": "Completed", "ranks": 4, "retransmits": 12,
                                                    "slowdown": "7.5%",
-                                                   "straggler": {"pod": "w-3", "cause": "network"}}})
+                                                   "straggler": {"who": "w-3", "pod": "w-3", "cause": "network"}}})
     out = subprocess.run(["kubectl", "get", "trs", "ok1"], env=env, capture_output=True, text=True, timeout=30)
     lines = [ln.split() for ln in out.stdout.splitlines()]
     assert lines[0] == ["NAME", "PHASE", "RANKS", "STRAGGLER", "CAUSE", "SLOWDOWN", "RETRANSMITS", "AGE"]

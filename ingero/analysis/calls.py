@@ -1,0 +1,291 @@
+"""The calls of a session as numpy columns, and the blocking points they form.
+
+A rank blocks on other ranks at *sync events*: an ungrouped collective or
+point-to-point call, or the outermost ``ncclGroupEnd`` of a group (the calls
+inside a group only record work; the group end waits for all of it). Each sync
+event has an arrival (the call, or the group's start), an end (the return) and
+its dependencies:
+
+* a collective instance (communicator, seq, op): every member's arrival;
+* a receive: the arrival of the sync event holding the matching send (sends and
+  receives are paired in order per (communicator, sender, receiver): NCCL's
+  per-communicator seq of p2p calls does not match across ranks);
+* a send: the matching receive's arrival, when the send returned after that
+  receive was posted (a rendezvous; a send that returned earlier was eager).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ingero.schema import COLLECTIVE_OPS, NCCL_OK_RETS, P2P_OPS
+
+OPS = list(COLLECTIVE_OPS) + list(P2P_OPS)      # op code = index + 1; GROUP_START -1, GROUP_END -2
+_SEND, _RECV = OPS.index("SEND") + 1, OPS.index("RECV") + 1
+_GS, _GE = -1, -2
+
+_QUERY = f"""
+    SELECT COALESCE(r.rank, e.global_rank, e.rank) AS grank, e.node, COALESCE(r.pod, e.pod) AS pod,
+           e.pid, e.op, e.comm_id_hash AS comm, e.seq, e.timestamp_ns AS t, e.duration_ns AS d,
+           e.rank AS crank, e.peer, e.event_id
+    FROM nccl_events e
+    LEFT JOIN (SELECT node, pid, any_value(rank) AS rank, any_value(pod) AS pod
+               FROM ranks GROUP BY node, pid) r
+      ON r.node IS NOT DISTINCT FROM e.node AND r.pid = e.pid
+    WHERE e.ret IN ({', '.join(map(str, NCCL_OK_RETS))}) AND e.timestamp_ns IS NOT NULL
+      AND e.duration_ns IS NOT NULL
+      AND ((e.op IN ({', '.join(repr(o) for o in OPS)}) AND e.comm_id_hash <> 0 AND e.seq IS NOT NULL)
+           OR e.op IN ('GROUP_START', 'GROUP_END'))"""
+
+
+@dataclass
+class Calls:
+    """One row per call, sorted by (rank, time). ``op``: code (index in OPS + 1, -1 group
+    start, -2 group end); ``comm``: communicator code; ``inst``: collective instance id (-1
+    for others); ``peer``: the global rank at the other end of a send/recv (-1 unknown)."""
+
+    rank: np.ndarray
+    t: np.ndarray
+    d: np.ndarray
+    op: np.ndarray
+    comm: np.ndarray
+    seq: np.ndarray
+    inst: np.ndarray
+    peer: np.ndarray
+    pid: np.ndarray
+    node_of: dict              # rank -> (node, pod, pid) where it called last
+    comm_hash: np.ndarray      # comm code -> hash
+    inst_comm: np.ndarray      # instance -> comm code
+    inst_op: np.ndarray        # instance -> op code
+    inst_size: np.ndarray      # instance -> calls (traced members)
+    comm_members: dict         # comm code -> sorted global ranks
+
+    @property
+    def n(self) -> int:
+        return len(self.t)
+
+
+def load(con) -> tuple[Calls, list[str]]:
+    """The session's collective, p2p and group calls from `con` (any view of the tables)."""
+    warnings: list[str] = []
+    tbl = con.sql(_QUERY).to_arrow_table()
+    if tbl.num_rows == 0:
+        z = np.zeros(0, np.int64)
+        return Calls(z, z, z, z.astype(np.int8), z, z, z, z, z, {}, z.astype(np.uint64), z, z, z, {}), warnings
+
+    def col(name, dtype=None, fill=0):
+        c = tbl.column(name)
+        if c.null_count:
+            c = c.fill_null(fill)
+        a = c.to_numpy()
+        return a.astype(dtype) if dtype is not None else a
+
+    grank = tbl.column("grank")
+    keep = ~grank.is_null().to_numpy(zero_copy_only=False)
+    if not keep.all():
+        warnings.append(f"{int((~keep).sum())} calls of processes without a rank were left out")
+    rank = col("grank", np.int64, -1)
+    t, d = col("t", np.int64), col("d", np.int64)
+    ops = tbl.column("op").to_pylist()
+    lut = {o: i + 1 for i, o in enumerate(OPS)}
+    lut.update(GROUP_START=_GS, GROUP_END=_GE)
+    op = np.fromiter((lut[o] for o in ops), np.int8, len(ops))
+    comm_h = col("comm", np.uint64)
+    seq = col("seq", np.int64)
+    crank = col("crank", np.int64, -1)
+    peer_c = col("peer", np.int64, -1)
+    pid = col("pid", np.int64)
+    eid = col("event_id", np.uint64)
+    o = np.lexsort((eid, t, rank))
+    o = o[keep[o]]
+    rank, t, d, op, comm_h, seq, crank, peer_c, pid = (a[o] for a in (rank, t, d, op, comm_h, seq, crank, peer_c, pid))
+    node_of = _where_ranks_are(rank, t, o, tbl)
+    hashes, comm = np.unique(comm_h, return_inverse=True)
+    comm = comm.astype(np.int64)
+    # comm rank -> global rank, per communicator, from the calls themselves
+    ismem = (op > 0) & (crank >= 0)
+    key = comm[ismem] * (1 << 32) + crank[ismem]
+    uk, first = np.unique(key, return_index=True)
+    gr = rank[ismem][first]
+    members: dict = {}
+    for c, g in zip((uk >> 32).tolist(), gr.tolist()):
+        members.setdefault(c, []).append(g)
+    members = {c: sorted(set(v)) for c, v in members.items()}
+    peer = np.full(len(t), -1, np.int64)
+    p2p = ((op == _SEND) | (op == _RECV)) & (peer_c >= 0)
+    if p2p.any():
+        pk = comm[p2p] * (1 << 32) + peer_c[p2p]
+        i = np.searchsorted(uk, pk)
+        ok = (i < len(uk)) & (uk[np.minimum(i, len(uk) - 1)] == pk)
+        pg = np.full(len(pk), -1, np.int64)
+        pg[ok] = gr[i[ok]]
+        peer[p2p] = pg
+    # collective instances (comm, seq, op)
+    coll = (op > 0) & (op != _SEND) & (op != _RECV)
+    inst = np.full(len(t), -1, np.int64)
+    ik = np.stack([comm[coll], seq[coll], op[coll].astype(np.int64)])
+    if coll.any():
+        u, inv, cnt = np.unique(ik, axis=1, return_inverse=True, return_counts=True)
+        inst[coll] = inv.ravel()
+        inst_comm, inst_seq, inst_op = u
+        # one rank calling one instance twice: keep the first call as the instance's
+        dup = _dups(inst, rank)
+        if dup.any():
+            warnings.append(f"{int(dup.sum())} calls repeat a (communicator, seq) already called "
+                            "by the same rank; they are counted as calls, not as instances")
+            inst[dup] = -1
+            cnt = np.bincount(inst[inst >= 0], minlength=len(inst_op))
+    else:
+        inst_comm = inst_op = cnt = np.zeros(0, np.int64)
+    return Calls(rank=rank, t=t, d=d, op=op, comm=comm, seq=seq, inst=inst, peer=peer, pid=pid,
+                 node_of=node_of, comm_hash=hashes, inst_comm=np.asarray(inst_comm),
+                 inst_op=np.asarray(inst_op), inst_size=np.asarray(cnt), comm_members=members), warnings
+
+
+def _dups(inst: np.ndarray, rank: np.ndarray) -> np.ndarray:
+    """Calls whose (instance, rank) was already seen earlier in call order."""
+    idx = np.flatnonzero(inst >= 0)
+    key = inst[idx] * (int(rank.max()) + 1) + rank[idx]
+    _, first = np.unique(key, return_index=True)
+    dup = np.ones(len(idx), bool)
+    dup[first] = False
+    out = np.zeros(len(inst), bool)
+    out[idx[dup]] = True
+    return out
+
+
+def _where_ranks_are(rank, t, order, tbl) -> dict:
+    """rank -> (node, pod, pid) of its latest call (a restarted rank shows where it called last)."""
+    last = np.flatnonzero(np.r_[rank[1:] != rank[:-1], True])
+    rows = order[last].tolist()
+    nodes, pods, pids = (tbl.column(c).take(rows).to_pylist() for c in ("node", "pod", "pid"))
+    return {int(r): (n, p, int(q) if q is not None else 0)
+            for r, n, p, q in zip(rank[last].tolist(), nodes, pods, pids)}
+
+
+@dataclass
+class Events:
+    """Sync events, sorted by (rank, arrival); ``off[k]``..``off[k+1]`` are rank ``ranks[k]``'s."""
+
+    ranks: np.ndarray          # the ranks, sorted
+    off: np.ndarray
+    rank: np.ndarray           # per event
+    a: np.ndarray              # arrival
+    e: np.ndarray              # end
+    inst: np.ndarray           # collective instance, or -1
+    dep_ptr: np.ndarray        # CSR of p2p dependencies (event ids)
+    dep_idx: np.ndarray
+    p2p_pairs: int
+    unpaired: int
+
+
+def events(c: Calls) -> Events:
+    """The sync events of `c` and their p2p dependencies."""
+    n = c.n
+    if n == 0:
+        z = np.zeros(0, np.int64)
+        return Events(z, np.zeros(1, np.int64), z, z, z, z, np.zeros(1, np.int64), z, 0, 0)
+    newrank = np.r_[True, c.rank[1:] != c.rank[:-1]]
+    start = (c.op == _GS).astype(np.int64)
+    end = (c.op == _GE).astype(np.int64)
+    # group depth per rank: +1 at a start, -1 after an end; never below 0 (an end whose
+    # start was not traced closes nothing)
+    step = start - end
+    depth_after = _clamped_cumsum(step, newrank)
+    depth_before = depth_after - step
+    depth_before = np.where(end == 1, depth_after + 1, depth_before)
+    outer_start = (start == 1) & (depth_before == 0)
+    outer_end = (end == 1) & (depth_after == 0) & (depth_before == 1)
+    inside = (depth_before > 0) & (c.op > 0)
+    real = c.op > 0
+    # an event per ungrouped call and per outermost group; a group's calls belong to it
+    ev_start = (real & ~inside) | outer_start
+    gid = np.cumsum(ev_start) - 1                   # event id of each call (calls before any: -1)
+    owner = np.where(real | outer_start | outer_end, gid, -1)
+    owner[(c.op == _GE) & ~outer_end] = -1
+    owner[(c.op == _GS) & ~outer_start] = -1
+    ne = int(ev_start.sum())
+    first_call = np.flatnonzero(ev_start)
+    ev_rank = c.rank[first_call]
+    a = c.t[first_call].astype(np.int64)
+    has = owner >= 0
+    e = np.full(ne, np.iinfo(np.int64).min, np.int64)
+    np.maximum.at(e, owner[has], (c.t + c.d)[has])
+    # an event's instance: its collective call (ungrouped collectives only; a collective
+    # inside a group waits at the group end like any other member)
+    inst = np.full(ne, -1, np.int64)
+    single = real & ~inside & (c.inst >= 0)
+    inst[gid[single]] = c.inst[single]
+    # drop group events that hold no call (an empty group)
+    nreal = np.bincount(owner[real & has], minlength=ne)
+    live = nreal > 0
+    # p2p pairing, in order per (comm, sender, receiver)
+    W = int(c.rank.max()) + 2
+    sends = np.flatnonzero((c.op == _SEND) & (c.peer >= 0) & has)
+    recvs = np.flatnonzero((c.op == _RECV) & (c.peer >= 0) & has)
+    sk = (c.comm[sends] * W + c.rank[sends]) * W + c.peer[sends]
+    rk = (c.comm[recvs] * W + c.peer[recvs]) * W + c.rank[recvs]
+    s_ord, r_ord = _nth(sk), _nth(rk)
+    K = int(max(s_ord.max(initial=0), r_ord.max(initial=0))) + 1
+    s_full = sk * K + s_ord
+    r_full = rk * K + r_ord
+    common, si, ri = np.intersect1d(s_full, r_full, assume_unique=True, return_indices=True)
+    s_ev, r_ev = owner[sends[si]], owner[recvs[ri]]
+    unpaired = len(sends) + len(recvs) - 2 * len(common)
+    # recv waits for the send's event to arrive; send waits for the recv only in a rendezvous
+    rdv = (c.t + c.d)[sends[si]] >= a[r_ev]
+    src = np.concatenate([r_ev, s_ev[rdv]])
+    dst = np.concatenate([s_ev, r_ev[rdv]])
+    same = src == dst
+    src, dst = src[~same], dst[~same]
+    # renumber live events
+    new_id = np.cumsum(live) - 1
+    ok = live[src] & live[dst]
+    src, dst = new_id[src[ok]], new_id[dst[ok]]
+    ev_rank, a, e, inst = ev_rank[live], a[live], e[live], inst[live]
+    o = np.argsort(src, kind="stable")
+    src, dst = src[o], dst[o]
+    dep_ptr = np.zeros(len(a) + 1, np.int64)
+    np.add.at(dep_ptr, src + 1, 1)
+    dep_ptr = np.cumsum(dep_ptr)
+    ranks, off = np.unique(ev_rank, return_index=True)
+    off = np.r_[off, len(ev_rank)].astype(np.int64)
+    return Events(ranks=ranks, off=off, rank=ev_rank, a=a, e=np.maximum(e, a), inst=inst,
+                  dep_ptr=dep_ptr, dep_idx=dst, p2p_pairs=len(common), unpaired=unpaired)
+
+
+def _clamped_cumsum(step: np.ndarray, newrank: np.ndarray) -> np.ndarray:
+    """Running sum of `step` restarting at each new rank, never below zero."""
+    out = np.empty(len(step), np.int64)
+    if not (step < 0).any() or _simple(step, newrank):
+        seg = np.cumsum(newrank) - 1
+        cs = np.cumsum(step)
+        base = np.r_[0, cs][np.flatnonzero(newrank)]
+        return cs - base[seg]
+    acc = 0
+    for i, (s, nr) in enumerate(zip(step.tolist(), newrank.tolist())):
+        acc = max((0 if nr else acc) + s, 0)
+        out[i] = acc
+    return out
+
+
+def _simple(step: np.ndarray, newrank: np.ndarray) -> bool:
+    seg = np.cumsum(newrank) - 1
+    cs = np.cumsum(step)
+    base = np.r_[0, cs][np.flatnonzero(newrank)]
+    return bool(((cs - base[seg]) >= 0).all())
+
+
+def _nth(keys: np.ndarray) -> np.ndarray:
+    """For each key (in call order), how many equal keys came before it."""
+    if len(keys) == 0:
+        return np.zeros(0, np.int64)
+    o = np.argsort(keys, kind="stable")
+    ks = keys[o]
+    newk = np.r_[True, ks[1:] != ks[:-1]]
+    pos = np.arange(len(ks)) - np.maximum.accumulate(np.where(newk, np.arange(len(ks)), 0))
+    out = np.empty(len(keys), np.int64)
+    out[o] = pos
+    return out

@@ -1,0 +1,60 @@
+"""What the analysis returns: per-rank rows, the straggler verdict and the report."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RankRow:
+    rank: int
+    node: str | None
+    pod: str | None
+    pid: int
+    collectives: int = 0
+    p50_ms: float = 0.0
+    p99_ms: float = 0.0
+    late_ms: float = 0.0          # median arrival lateness vs the instance median (largest per-op median)
+    last_share: float = 0.0       # share of collectives where it arrived last
+    late_z: float = 0.0
+    retransmits: int = 0          # on its own connections, whole trace
+    retransmits_in_window: int = 0
+    slow_collectives: int | None = None   # collectives over the session's threshold, when one is set
+    offcpu_ms: dict = field(default_factory=dict)  # reason -> ms
+    per_op: dict = field(default_factory=dict)     # op -> {"calls", "p50_ms", "p99_ms"}
+    stage: int | None = None      # pipeline stage, when the job has a pipeline
+    own_ms: float = 0.0           # own work per step: time between its blocking calls
+    wait_ms: float = 0.0          # per step: time blocked on other ranks at its calls
+
+
+@dataclass
+class Straggler:
+    rank: int | None              # the rank named (for a group: the worst rank in it)
+    node: str | None
+    pod: str | None
+    cause: str                    # network | cpu-contention | io | compute/unknown | imbalance
+    score: float
+    evidence: str
+    saving_ms_per_step: float     # replayed: measured step - predicted step with the fix
+    saving_pct: float
+    group: str | None = None      # "stage 1 (ranks 4-7)", "node lab-node-b", "spread: no single rank"
+    kind: str = "rank"            # rank | stage | node | spread
+    ranks: list = field(default_factory=list)
+    propagated: list = field(default_factory=list)   # "rank 12 is late because it waits on rank 4"
+
+
+@dataclass
+class Report:
+    ranks: list[RankRow]
+    straggler: Straggler | None
+    step_ms: float
+    collectives: int
+    retransmits: int
+    warnings: list[str]
+    mean_step_ms: float = 0.0         # replayed step of the measured run (whole steps)
+    predicted_step_ms: float | None = None   # with the named fix
+    best_saving_pct: float = 0.0      # the best single fix's saving, named or not (below the floor)
+    best_candidate: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)

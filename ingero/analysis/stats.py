@@ -1,0 +1,179 @@
+"""Per-rank statistics and small vectorised helpers (grouped quantiles, robust z)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ingero.analysis.calls import OPS, Calls, _RECV, _SEND
+from ingero.analysis.model import RankRow
+
+
+def group_sort(keys: np.ndarray, values: np.ndarray):
+    """(unique keys, start of each group, its size, values sorted within groups)."""
+    o = np.lexsort((values, keys))
+    k, v = keys[o], values[o]
+    new = np.r_[True, k[1:] != k[:-1]] if len(k) else np.zeros(0, bool)
+    starts = np.flatnonzero(new)
+    sizes = np.diff(np.r_[starts, len(k)])
+    return k[starts], starts, sizes, v
+
+
+def group_quantile(keys: np.ndarray, values: np.ndarray, q: float):
+    """(unique keys, quantile_cont(q) of each group's values), linear interpolation."""
+    uk, starts, sizes, v = group_sort(keys, values)
+    rn = (sizes - 1) * q
+    lo = np.floor(rn).astype(np.int64)
+    hi = np.ceil(rn).astype(np.int64)
+    f = rn - lo
+    vl, vh = v[starts + lo].astype(np.float64), v[starts + hi].astype(np.float64)
+    return uk, vl + (vh - vl) * f
+
+
+def median_of_others(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """For each element, the median of the other elements with the same key (NaN alone)."""
+    n = len(values)
+    out = np.full(n, np.nan)
+    if n == 0:
+        return out
+    o = np.lexsort((values, keys))
+    k, v = keys[o], values[o].astype(np.float64)
+    new = np.r_[True, k[1:] != k[:-1]]
+    starts = np.flatnonzero(new)
+    sizes = np.diff(np.r_[starts, n])
+    gs = np.repeat(starts, sizes)
+    m = np.repeat(sizes, sizes) - 1                  # others in the group
+    i = np.arange(n) - gs                            # own index within the sorted group
+    j1 = (m - 1) // 2
+    j2 = m // 2
+
+    def pick(j):
+        jj = np.where(j < i, j, j + 1)
+        return v[np.minimum(gs + jj, n - 1)]
+
+    med = (pick(j1) + pick(j2)) / 2
+    med[m == 0] = np.nan
+    out[o] = med
+    return out
+
+
+def robust_z(values: dict, floor: float) -> dict:
+    """For each key, (x - median of the others) / max(1.4826 * MAD of the others, floor).
+
+    Each value is judged against its peers without itself: with a handful of ranks, an
+    outlier inside its own median and MAD widens the scale it is measured by."""
+    keys = list(values)
+    if len(keys) < 2:
+        return {k: 0.0 for k in keys}
+    x = np.asarray([float(values[k]) for k in keys])
+    out = {}
+    for i, k in enumerate(keys):
+        others = np.delete(x, i)
+        med = float(np.median(others))
+        scale = max(1.4826 * float(np.median(np.abs(others - med))), floor)
+        out[k] = (x[i] - med) / scale
+    return out
+
+
+def rank_rows(c: Calls, slow_collective_ms: float | None) -> tuple[dict, list[str]]:
+    """Per rank: collective counts, duration quantiles (all and per op), arrival lateness,
+    share of instances where it came last."""
+    rows: dict = {}
+    warnings: list[str] = []
+    coll = c.inst >= 0
+    ranks = np.unique(c.rank[(c.op > 0)]) if c.n else np.zeros(0, np.int64)
+    for r in ranks.tolist():
+        node, pod, pid = c.node_of.get(r, (None, None, 0))
+        rows[r] = RankRow(rank=r, node=node, pod=pod, pid=pid)
+    if not coll.any():
+        return rows, warnings
+    cr, cd, ct, ci, co = c.rank[coll], c.d[coll], c.t[coll], c.inst[coll], c.op[coll].astype(np.int64)
+    uk, n = np.unique(cr, return_counts=True)
+    for r, k in zip(uk.tolist(), n.tolist()):
+        rows[r].collectives = k
+    _, p50 = group_quantile(cr, cd, 0.5)
+    _, p99 = group_quantile(cr, cd, 0.99)
+    for r, a, b in zip(uk.tolist(), p50.tolist(), p99.tolist()):
+        rows[r].p50_ms, rows[r].p99_ms = a / 1e6, b / 1e6
+    W = int(cr.max()) + 1
+    key = cr * 64 + co
+    kk, cnt = np.unique(key, return_counts=True)
+    _, q50 = group_quantile(key, cd, 0.5)
+    _, q99 = group_quantile(key, cd, 0.99)
+    for k, m, a, b in zip(kk.tolist(), cnt.tolist(), q50.tolist(), q99.tolist()):
+        rows[k // 64].per_op[OPS[k % 64 - 1]] = {"calls": m, "p50_ms": a / 1e6, "p99_ms": b / 1e6}
+    if slow_collective_ms is not None:
+        slow = np.bincount(cr[cd > slow_collective_ms * 1e6], minlength=W)
+        for r in rows:
+            rows[r].slow_collectives = int(slow[r]) if r < len(slow) else 0
+    # lateness: arrival - the instance's median arrival, instances with more than one call
+    ui, starts, sizes, ts = group_sort(ci, ct)
+    med = (ts[starts + (sizes - 1) // 2].astype(np.float64) + ts[starts + sizes // 2]) / 2
+    last_t = ts[starts + sizes - 1]
+    pos = np.searchsorted(ui, ci)
+    multi = sizes[pos] > 1
+    late = ct - med[pos]
+    is_last = ct == last_t[pos]
+    arrived = np.bincount(cr[multi], minlength=W)
+    lasts = np.bincount(cr[multi & is_last], minlength=W)
+    if multi.any():
+        lk, lm = group_quantile(key[multi], late[multi], 0.5)
+        best: dict = {}
+        for k, m in zip(lk.tolist(), lm.tolist()):
+            best[k // 64] = max(best.get(k // 64, m), m)
+        for r, m in best.items():
+            rows[r].late_ms = m / 1e6
+    for r in rows:
+        a = int(arrived[r]) if r < len(arrived) else 0
+        rows[r].last_share = (int(lasts[r]) / a) if a else 0.0
+        if a == 0 and rows[r].collectives:
+            warnings.append(f"rank {r}: no collective matched on another rank (other ranks not traced?)")
+    return rows, warnings
+
+
+def p2p_calls(c: Calls) -> int:
+    return int(np.count_nonzero((c.op == _SEND) | (c.op == _RECV)))
+
+
+# Retransmits with the rank that owns the connection (by socket owner pid, else the event's rank).
+RETX_BY_RANK = """
+    SELECT t.timestamp_ns AS ts, COALESCE(r.rank, t.rank) AS grank, t.node AS node
+    FROM tcp_events t
+    LEFT JOIN (SELECT node, pid, any_value(rank) AS rank FROM ranks GROUP BY ALL) r
+      ON r.node IS NOT DISTINCT FROM t.node AND r.pid = t.pid AND t.pid > 0
+    WHERE t.event = 'tcp_retransmit_skb' AND t.timestamp_ns IS NOT NULL"""
+
+
+def retransmits(con) -> tuple[np.ndarray, np.ndarray, list]:
+    """(timestamps, owning rank or -1, node) of every retransmit, by time."""
+    rows = con.execute(RETX_BY_RANK + " ORDER BY ts").fetchall()
+    ts = np.array([r[0] for r in rows], np.int64)
+    rk = np.array([-1 if r[1] is None else r[1] for r in rows], np.int64)
+    return ts, rk, [r[2] for r in rows]
+
+
+def add_network(c: Calls, rows: dict, ts: np.ndarray, rk: np.ndarray) -> None:
+    """Retransmits per rank on its own connections, and those inside its calls' windows."""
+    for r in rows.values():
+        mine = ts[rk == r.rank]
+        r.retransmits = len(mine)
+        if not len(mine):
+            continue
+        sel = (c.rank == r.rank) & (c.op > 0)
+        t, e = c.t[sel], c.t[sel] + c.d[sel]
+        o = np.argsort(t, kind="stable")
+        t, e = t[o], np.maximum.accumulate(e[o])
+        i = np.searchsorted(t, mine, side="right") - 1
+        r.retransmits_in_window = int(np.count_nonzero((i >= 0) & (e[np.maximum(i, 0)] >= mine)))
+
+
+def add_offcpu(con, rows: dict) -> None:
+    """Off-CPU time by reason: kernel totals when present, else the events over threshold."""
+    has_totals = con.execute("SELECT count(*) FROM sched_totals").fetchone()[0] > 0
+    src, col = ("sched_totals", "total_ns") if has_totals else ("sched_events", "duration_ns")
+    q = f"""SELECT COALESCE(r.rank, s.rank), s.reason, sum(s.{col})
+            FROM {src} s LEFT JOIN (SELECT node, pid, any_value(rank) AS rank
+                                    FROM ranks GROUP BY ALL) r
+              ON r.node IS NOT DISTINCT FROM s.node AND r.pid = s.pid GROUP BY ALL"""
+    for grank, reason, ns in con.execute(q).fetchall():
+        if grank in rows and reason and ns is not None:
+            rows[grank].offcpu_ms[reason] = ns / 1e6

@@ -1,0 +1,449 @@
+"""The straggler verdict: candidates, each replayed, and the one that saves most.
+
+Candidates (``Candidate``): a single rank (its own work set to its role peers'
+median at each position of the step), a pipeline stage (its ranks' own work
+scaled to the other stages'), a node (all its ranks fixed), the network of a
+node (transfers with that node's retransmits in flight set to the clean
+median), and "spread" (every rank fixed at once). The saving of each is
+measured step minus replayed step, so it is never more than the step.
+Nobody is named below SAVING_FLOOR_PCT; "spread" is named when the best single
+fix removes less than SPREAD_SHARE of what fixing everyone would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ingero.analysis.calls import Calls, Events, _RECV, _SEND
+from ingero.analysis.model import Straggler
+from ingero.analysis.replay import Measured, replay
+from ingero.analysis.stats import median_of_others, robust_z
+
+SAVING_FLOOR_PCT = 5.0        # fixing the named rank (or group) must save >= 5% of the step
+SPREAD_FLOOR_PCT = 12.0       # "spread" needs more: a busy machine's jitter alone removes ~5-8%
+SPREAD_SHARE = 0.5            # the best single fix removes < half of "fix everyone": spread
+TIE_SHARE = 0.9               # a rank within 90% of a group's saving is named instead (more specific)
+STARVED_SHARE = 0.5           # an off-CPU-explained rank within 50% of the network fix wins
+RETX_MIN = 3                  # fewer retransmits in transfer windows than this is not a cause
+RETX_SHARE = 0.67             # a node holding >= 2/3 of them is where the loss is
+RETX_MIN_EVENT_SHARE = 0.05   # ... and they hit >= 5% of the sync events
+OFFCPU_Z = 3.5                # off-CPU time (of one reason) an outlier among the ranks
+OFFCPU_FLOOR_MS = 50.0
+OFFCPU_EXPLAINS = 0.3         # ... covering >= 30% of the rank's excess own work
+CANDIDATE_RANKS = 3           # ranks with the largest excess own work that are replayed
+
+
+@dataclass
+class Candidate:
+    kind: str                 # rank | stage | node | network | spread
+    ranks: list
+    saving_ns: float
+    label: str
+    cause: str = "compute/unknown"
+    why: str = ""
+    score: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class Timeline:
+    """What the verdict works on: events, their measurement, roles and the step window."""
+
+    ev: Events
+    m: Measured
+    role: np.ndarray          # per event: the rank's role (pipeline stage, 0 without one)
+    key: np.ndarray           # per event: (role, step, ordinal) as one integer, -1 outside the window
+    inwin: np.ndarray         # per event: inside the whole-step window
+    marker_inst: np.ndarray   # the marker instances, in order
+    steps: int                # whole steps in the window
+    stage_of: dict            # rank -> stage (pipelines only)
+
+    def step_ns(self, E: np.ndarray) -> float:
+        """(end of the last marker instance - end of the first) / steps, for event ends E."""
+        ends = np.full(int(self.ev.inst.max()) + 1, np.iinfo(np.int64).min, np.int64)
+        has = self.ev.inst >= 0
+        np.maximum.at(ends, self.ev.inst[has], E[has])
+        me = ends[self.marker_inst]
+        return float(me[-1] - me[0]) / self.steps if self.steps else 0.0
+
+
+def stages(c: Calls) -> dict:
+    """rank -> pipeline stage, from communicators used only for send/recv between neighbours
+    (PyTorch/Megatron: one p2p group per pipeline, ordered by stage)."""
+    p2p = (c.op == _SEND) | (c.op == _RECV)
+    if not p2p.any():
+        return {}
+    has_coll = np.zeros(len(c.comm_hash), bool)
+    has_coll[c.comm[c.inst >= 0]] = True
+    out: dict = {}
+    for comm in np.unique(c.comm[p2p]).tolist():
+        if has_coll[comm]:
+            continue
+        mem = c.comm_members.get(comm, [])
+        if len(mem) < 2:
+            continue
+        idx = {g: i for i, g in enumerate(mem)}
+        sel = p2p & (c.comm == comm) & (c.peer >= 0)
+        me = np.array([idx.get(g, -9) for g in c.rank[sel].tolist()])
+        pe = np.array([idx.get(g, -99) for g in c.peer[sel].tolist()])
+        if len(me) and np.mean(np.abs(me - pe) == 1) >= 0.95:
+            for g, i in idx.items():
+                out.setdefault(g, i)
+    return out
+
+
+def timeline(c: Calls, ev: Events, m: Measured) -> Timeline | None:
+    """The step window: from the first to the last instance of the marker collective (the
+    widest communicator's op with the fewest instances: once per step)."""
+    if not (ev.inst >= 0).any():
+        return None
+    size = c.inst_size
+    best = None
+    for comm, op in set(zip(c.inst_comm.tolist(), c.inst_op.tolist())):
+        sel = (c.inst_comm == comm) & (c.inst_op == op)
+        n = int(sel.sum())
+        if n < 2:
+            continue
+        k = (-int(size[sel].max()), n, int(c.comm_hash[comm]), op)
+        if best is None or k < best[0]:
+            best = (k, comm, op)
+    if best is None:
+        return None
+    _, comm, op = best
+    mk = np.zeros(len(size), bool)
+    mk[(c.inst_comm == comm) & (c.inst_op == op)] = True
+    # marker instances in time order (their earliest member event)
+    first = np.full(len(size), np.iinfo(np.int64).max, np.int64)
+    has = ev.inst >= 0
+    np.minimum.at(first, ev.inst[has], ev.a[has])
+    marker_inst = np.flatnonzero(mk)
+    marker_inst = marker_inst[np.argsort(first[marker_inst], kind="stable")]
+    is_mk = has & mk[np.maximum(ev.inst, 0)]
+    n = len(ev.a)
+    # per rank: step index = markers passed before this event; ordinal since the last marker
+    cs = np.cumsum(is_mk)
+    base = np.r_[0, cs][ev.off[:-1]]
+    seg = np.repeat(np.arange(len(ev.ranks)), np.diff(ev.off))
+    before = cs - is_mk - base[seg]                  # markers strictly before
+    idx = np.arange(n)
+    last_mk = np.maximum.accumulate(np.where(is_mk, idx, -1))
+    # restart per rank
+    rank_start = ev.off[:-1][seg]
+    since = np.where(last_mk >= rank_start, idx - last_mk, idx - rank_start + 10**6)
+    nmk = np.r_[cs[ev.off[1:] - 1] - base] if n else np.zeros(0, np.int64)
+    total_mk = np.repeat(nmk, np.diff(ev.off))
+    inwin = (before >= 1) & ((before < total_mk) | is_mk & (before == total_mk - 1))
+    inwin &= ~(is_mk & (before == 0))
+    stage_of = stages(c)
+    role = np.array([stage_of.get(int(r), 0) for r in ev.ranks.tolist()], np.int64)[seg]
+    key = np.where(inwin, (role * (1 << 20) + before) * (1 << 20) + np.minimum(since, (1 << 20) - 1), -1)
+    steps = len(marker_inst) - 1
+    if steps < 1:
+        return None
+    return Timeline(ev=ev, m=m, role=role, key=key, inwin=inwin, marker_inst=marker_inst,
+                    steps=steps, stage_of=stage_of)
+
+
+def own_per_rank(tl: Timeline, w: np.ndarray) -> dict:
+    ev = tl.ev
+    sel = tl.inwin
+    tot = np.bincount(np.searchsorted(ev.ranks, ev.rank[sel]), weights=w[sel], minlength=len(ev.ranks))
+    return {int(r): float(v) / tl.steps for r, v in zip(ev.ranks.tolist(), tot.tolist())}
+
+
+def wait_per_rank(tl: Timeline) -> dict:
+    ev, m = tl.ev, tl.m
+    sel = tl.inwin
+    wait = (m.ready - ev.a)[sel]
+    tot = np.bincount(np.searchsorted(ev.ranks, ev.rank[sel]), weights=wait, minlength=len(ev.ranks))
+    return {int(r): float(v) / tl.steps for r, v in zip(ev.ranks.tolist(), tot.tolist())}
+
+
+def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int) -> tuple[Straggler | None, dict]:
+    """The verdict and the figures behind it (base and predicted step, best candidate)."""
+    ev, m = tl.ev, tl.m
+    base = replay(ev, m.w, m.x)
+    base_step = tl.step_ns(base.e)
+    info = {"base_step_ns": base_step, "stuck_rounds": base.stuck_rounds}
+    if base_step <= 0:
+        return None, info
+    med = median_of_others(tl.key, m.w.astype(np.float64))
+    med = np.where(np.isnan(med) | (tl.key < 0), m.w, med)
+    fixed_w = np.minimum(m.w, med).astype(np.int64)
+
+    replays: dict = {}
+
+    def saving(w=None, x=None) -> float:
+        r = replay(ev, m.w if w is None else w, m.x if x is None else x)
+        replays[len(replays)] = (r, m.x if x is None else x)
+        return base_step - tl.step_ns(r.e)
+
+    def last_replay() -> dict:
+        return {"replay": replays[len(replays) - 1]}
+
+    own = own_per_rank(tl, m.w)
+    peers_own = {}
+    for r, v in own.items():
+        role = tl.stage_of.get(r, 0)
+        others = [own[k] for k in own if k != r and tl.stage_of.get(k, 0) == role]
+        peers_own[r] = float(np.median(others)) if others else v
+    excess = {r: own[r] - peers_own[r] for r in own}
+    own_z: dict = {}
+    for role in set(tl.stage_of.get(r, 0) for r in own):
+        grp = {r: v for r, v in own.items() if tl.stage_of.get(r, 0) == role}
+        own_z.update(robust_z(grp, max(0.01 * base_step, 100_000)))
+    cands: list[Candidate] = []
+    # ranks with the largest excess own work
+    for r in sorted(excess, key=lambda k: -excess[k])[:CANDIDATE_RANKS]:
+        if excess[r] <= 0:
+            break
+        w = np.where(ev.rank == r, fixed_w, m.w)
+        cause, why = _offcpu_cause(rows, r, excess[r] * tl.steps, traced_ns)
+        cands.append(Candidate("rank", [r], saving(w), f"rank {r}", cause=cause, why=why,
+                               score=round(own_z.get(r, 0.0), 2),
+                               extra={"excess_ms": excess[r] / 1e6, "own_ms": own[r] / 1e6,
+                                      "peers_ms": peers_own[r] / 1e6, **last_replay()}))
+    # the slowest pipeline stage, as a whole
+    if len(set(tl.stage_of.values())) > 1:
+        by_stage: dict = {}
+        for r, v in own.items():
+            if r in tl.stage_of:
+                by_stage.setdefault(tl.stage_of[r], []).append(v)
+        st_med = {s: float(np.median(v)) for s, v in by_stage.items()}
+        s = max(st_med, key=st_med.get)
+        others = float(np.median([v for k, v in st_med.items() if k != s]))
+        if st_med[s] > others > 0:
+            f = others / st_med[s]
+            members = sorted(r for r, k in tl.stage_of.items() if k == s)
+            inst = np.isin(ev.rank, members) & tl.inwin
+            w = np.where(inst, (m.w * f).astype(np.int64), m.w)
+            cands.append(Candidate("stage", members, saving(w), f"stage {s} ({_span(members)})",
+                                   score=round(st_med[s] / others, 2), extra=last_replay(),
+                                   why=f"its ranks' own work is {st_med[s] / 1e6:.1f} ms/step vs "
+                                       f"{others / 1e6:.1f} ms for the other stages' median"))
+    # the node of the worst rank, when several of its ranks are slow
+    if cands and cands[0].kind == "rank":
+        top = cands[0].ranks[0]
+        node = rows[top].node if top in rows else None
+        members = sorted(r for r, x in rows.items() if x.node == node)
+        slow = [r for r in members if excess.get(r, 0) > 0.5 * excess[top]]
+        if len(members) > 1 and len(slow) > 1:
+            w = np.where(np.isin(ev.rank, members), fixed_w, m.w)
+            cands.append(Candidate("node", members, saving(w), f"node {node}", extra=last_replay()))
+    net = _network(c, tl, rows, retx)
+    if net is not None:
+        node, hit, why, score, rank, single = net
+        x = m.x.copy()
+        xm = median_of_others(np.where(hit, -2, tl.key), m.x.astype(np.float64))
+        clean = m.x[~hit & tl.inwin]
+        fallback = float(np.median(clean)) if len(clean) else 0.0
+        # a hit event's transfer: the clean median at its position (events without a hit)
+        ck, cv = tl.key[~hit & tl.inwin], m.x[~hit & tl.inwin]
+        if len(ck):
+            from ingero.analysis.stats import group_quantile
+            uk, q = group_quantile(ck, cv, 0.5)
+            pos = np.searchsorted(uk, tl.key[hit])
+            ok = (pos < len(uk)) & (uk[np.minimum(pos, len(uk) - 1)] == tl.key[hit])
+            target = np.where(ok, q[np.minimum(pos, len(uk) - 1)], fallback)
+        else:
+            target = np.full(int(hit.sum()), fallback)
+        del xm
+        x[hit] = np.minimum(m.x[hit], target.astype(np.int64))
+        label = f"rank {rank} on {node}" if single else f"node {node}"
+        members = [rank] if single else sorted(r for r, v in rows.items() if v.node == node)
+        cands.append(Candidate("network", members, saving(x=x), label, cause="network", why=why,
+                               score=score, extra={"node": node, "single": single, **last_replay()}))
+    spread = Candidate("spread", sorted(own), saving(fixed_w), "spread: no single rank", cause="imbalance")
+    info["spread_ns"] = spread.saving_ns
+    specific = sorted(cands, key=lambda k: -k.saving_ns)
+    info["candidates"] = [(k.label, k.saving_ns) for k in specific] + [(spread.label, spread.saving_ns)]
+    if not specific:
+        best = None
+    else:
+        best = specific[0]
+        ranks_ = [k for k in specific if k.kind == "rank"]
+        # a starved rank makes its peers retransmit: when its off-CPU time explains it and its
+        # fix saves a good part of what the network fix would, it is the cause
+        netc = next((k for k in specific if k.kind == "network"), None)
+        if best.kind == "network":
+            starved = [k for k in ranks_ if k.cause in ("cpu-contention", "io")
+                       and k.saving_ns >= STARVED_SHARE * best.saving_ns]
+            if starved:
+                best = starved[0]
+        if best.kind == "rank" and netc is not None:
+            best.why += (f"; weighed against {netc.label}'s retransmits (fixing the transfers they slow "
+                         f"would save {netc.saving_ns / 1e6:.1f} ms/step), which a rank answering late "
+                         "causes without any loss")
+        elif best.kind == "rank" and len(retx[0]):
+            others = int(np.count_nonzero(retx[1] != best.ranks[0]))
+            if others:
+                best.why += (f"; weighed against {others} retransmits on other ranks' connections, "
+                             "too few or too spread out to be a lossy link")
+        elif best.kind in ("stage", "node") and ranks_ and ranks_[0].saving_ns >= TIE_SHARE * best.saving_ns:
+            best = ranks_[0]
+    info["best"] = best
+    pct = lambda k: 100.0 * k.saving_ns / base_step
+    info["best_saving_pct"] = pct(best) if best else 0.0
+    if spread.saving_ns > 0 and pct(spread) >= SPREAD_FLOOR_PCT and (
+            best is None or best.saving_ns < SPREAD_SHARE * spread.saving_ns):
+        worst = max(excess, key=excess.get)
+        share = (best.saving_ns / spread.saving_ns) if best else 0.0
+        spread.why = (f"fixing every rank's excess own work would save {spread.saving_ns / 1e6:.1f} ms/step; "
+                      f"the best single fix ({best.label if best else 'none'}) only {share:.0%} of that")
+        spread.score = round(share, 2)
+        spread.extra["worst"] = worst
+        info["named"] = spread
+        return _straggler(spread, tl, rows, base_step, excess, base), info
+    if best is None or pct(best) < SAVING_FLOOR_PCT:
+        return None, info
+    info["named"] = best
+    return _straggler(best, tl, rows, base_step, excess, base), info
+
+
+def _span(members: list) -> str:
+    if len(members) > 1 and members == list(range(members[0], members[-1] + 1)):
+        return f"ranks {members[0]}-{members[-1]}"
+    return "ranks " + ", ".join(map(str, members[:16])) + (", …" if len(members) > 16 else "")
+
+
+def _offcpu_cause(rows: dict, r: int, excess_total_ns: float, traced_ns: int) -> tuple[str, str]:
+    """cpu-contention or io when the rank's off-CPU time of that reason is an outlier among
+    the ranks and lines up with its excess own work."""
+    if r not in rows:
+        return "compute/unknown", ""
+    floor = max(OFFCPU_FLOOR_MS, 0.01 * traced_ns / 1e6)
+    for reason, cause in (("io", "io"), ("runqueue", "cpu-contention")):
+        vals = {k: x.offcpu_ms.get(reason, 0.0) for k, x in rows.items()}
+        z = robust_z(vals, floor)[r]
+        peers = float(np.median([v for k, v in vals.items() if k != r]))
+        extra_ms = vals[r] - peers
+        if z >= OFFCPU_Z and extra_ms * 1e6 >= OFFCPU_EXPLAINS * excess_total_ns:
+            return cause, (f"it spent {vals[r]:.0f} ms off-CPU in {reason} wait vs a peer median of "
+                           f"{peers:.0f} ms (z {z:.1f}), {extra_ms * 1e6 / max(excess_total_ns, 1):.0%} "
+                           "of its excess own work")
+    return "compute/unknown", "no CPU or I/O wait of its own explains it (off-CPU times weighed)"
+
+
+def _network(c: Calls, tl: Timeline, rows: dict, retx):
+    """The node whose connections retransmit while transfers are in flight, if concentrated:
+    (node, events hit, evidence, share, top rank, single rank?)."""
+    ts, rk, nodes = retx
+    if len(ts) < RETX_MIN:
+        return None
+    ev, m = tl.ev, tl.m
+    lo, hi = m.ready, ev.e
+    by_node: dict = {}
+    for nd in sorted({n for n in nodes if n is not None}):
+        sel = np.array([n == nd for n in nodes])
+        t = ts[sel]
+        k = np.searchsorted(t, hi, side="right") - np.searchsorted(t, lo, side="left")
+        hit = (k > 0) & tl.inwin
+        # retransmits of this node that fall in some transfer window
+        inwin = np.zeros(len(t), bool)
+        if hit.any():
+            order = np.argsort(lo[hit])
+            l, h = lo[hit][order], np.maximum.accumulate(hi[hit][order])
+            i = np.searchsorted(l, t, side="right") - 1
+            inwin = (i >= 0) & (h[np.maximum(i, 0)] >= t)
+        by_node[nd] = (int(inwin.sum()), hit, rk[sel][inwin])
+    total = sum(v[0] for v in by_node.values())
+    if total < RETX_MIN:
+        return None
+    node = max(by_node, key=lambda k: by_node[k][0])
+    n, hit, owners = by_node[node]
+    if n < RETX_SHARE * total or hit.sum() < RETX_MIN_EVENT_SHARE * tl.inwin.sum():
+        return None
+    owners = owners[owners >= 0]
+    rank, single = None, False
+    if len(owners):
+        u, cnt = np.unique(owners, return_counts=True)
+        rank = int(u[np.argmax(cnt)])
+        node_ranks = [r for r, v in rows.items() if v.node == node]
+        single = len(node_ranks) == 1 or cnt.max() >= RETX_SHARE * len(owners)
+    if rank is None:
+        rank = min((r for r, v in rows.items() if v.node == node), default=None)
+    clean = m.x[~hit & tl.inwin]
+    slow = m.x[hit]
+    why = (f"{n} of {total} retransmits inside transfers are on {node}'s connections"
+           f"{f' (rank {rank} owns {int(np.max(np.unique(owners, return_counts=True)[1]))})' if len(owners) else ''}; "
+           f"transfers with one in flight take {np.median(slow) / 1e6:.1f} ms at median vs "
+           f"{(np.median(clean) if len(clean) else 0) / 1e6:.1f} ms without, in {int(hit.sum())} of "
+           f"{int(tl.inwin.sum())} sync events, with arrivals on time")
+    return node, hit, why, round(n / total, 2), rank, single
+
+
+def _straggler(k: Candidate, tl: Timeline, rows: dict, base_step: float, excess: dict, base) -> Straggler:
+    if k.kind == "spread":
+        who = k.extra["worst"]
+    elif k.kind == "network":
+        who = k.ranks[0] if k.extra.get("single") else max(k.ranks, key=lambda r: rows[r].retransmits_in_window)
+    else:
+        who = max(k.ranks, key=lambda r: excess.get(r, 0.0))
+    row = rows.get(who)
+    ev = tl.ev
+    named = set(k.ranks) if k.kind != "spread" else set()
+    evidence = _evidence(k, tl, rows, excess, base_step)
+    prop = _propagated(tl, named, base_step, k.extra.get("replay"), base) if named else []
+    kind = "rank" if k.kind in ("rank",) or (k.kind == "network" and k.extra.get("single")) else k.kind
+    if kind == "network":
+        kind = "node"
+    if kind in ("stage", "node") and len(k.ranks) == 1:    # a stage or node of one rank is that rank
+        kind = "rank"
+    group = None if kind == "rank" else (k.label if k.kind != "network" else f"node {k.extra['node']}")
+    del ev
+    return Straggler(rank=who, node=row.node if row else None, pod=row.pod if row else None,
+                     cause=k.cause, score=round(float(k.score), 2), evidence=evidence,
+                     saving_ms_per_step=k.saving_ns / 1e6, saving_pct=100.0 * k.saving_ns / base_step,
+                     group=group, kind=kind, ranks=sorted(k.ranks) if k.kind != "spread" else [],
+                     propagated=prop)
+
+
+def _evidence(k: Candidate, tl: Timeline, rows: dict, excess: dict, base_step: float) -> str:
+    pred = (base_step - k.saving_ns) / 1e6
+    what_if = f"replayed without it the step takes {pred:.1f} ms instead of {base_step / 1e6:.1f} ms"
+    if k.kind == "rank":
+        r = k.ranks[0]
+        x = k.extra
+        return (f"rank {r}'s own work (between its blocking calls) is {x['own_ms']:.1f} ms/step vs "
+                f"{x['peers_ms']:.1f} ms for its peers' median; {what_if}"
+                f"{'; ' + k.why if k.why else ''}")
+    if k.kind == "spread":
+        return f"{k.why}; the slowdown is spread over many ranks, not one"
+    return f"{k.why}; {what_if}"
+
+
+def _propagated(tl: Timeline, named: set, base_step: float, fixed, base) -> list[str]:
+    """Ranks that wait longer only because of the named ones: the wait each rank loses in
+    the replay without them, and the dependency it waited on."""
+    if fixed is None:
+        return []
+    rep, x = fixed
+    ev, m = tl.ev, tl.m
+    wait_base = (base.e - tl.m.x) - base.a
+    wait_fixed = (rep.e - x) - rep.a
+    gain = np.where(tl.inwin, wait_base - wait_fixed, 0).astype(np.float64)
+    W = int(ev.ranks.max()) + 1
+    sel = tl.inwin & (m.crit != ev.rank)
+    key = ev.rank[sel] * W + m.crit[sel]
+    by = np.bincount(key, weights=gain[sel], minlength=W * W).reshape(W, W) / tl.steps
+    tot = by.sum(axis=1)
+    out = []
+    for r in np.argsort(-tot).tolist():
+        if r in named or tot[r] < 0.02 * base_step or len(out) >= 8:
+            continue
+        via = int(np.argmax(by[r]))
+        ms = tot[r] / 1e6
+        if via in named:
+            out.append(f"rank {r} is late because it waits on rank {via} ({ms:.1f} ms/step)")
+        else:
+            src = int(np.argmax(by[via])) if by[via].max() > 0 else None
+            tail = f", which waits on rank {src}" if src in named else f", late because of {_names(named)}"
+            out.append(f"rank {r} is late because it waits on rank {via}{tail} ({ms:.1f} ms/step)")
+    return out
+
+
+def _names(named: set) -> str:
+    n = sorted(named)
+    return f"rank {n[0]}" if len(n) == 1 else _span(n)

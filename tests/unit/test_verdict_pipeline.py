@@ -1,0 +1,76 @@
+"""The verdict on tensor x pipeline x data parallel jobs with a known cause.
+
+Sessions come from a discrete-event simulation of a GPipe schedule
+(``bench.synthetic.pipeline_session``) written through the real segment store;
+the planted saving is the same run (same noise) without the fault. The
+simulation is the analysis's own model of dependencies, so these tests pin the
+blame and the what-if arithmetic; the real-eBPF lab runs check the model."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.synthetic import pipeline_session
+from ingero.analysis import analyse
+from ingero.cli import main
+from ingero.store import open_source
+
+
+def _run(tmp_path, layout=(2, 4, 2), nodes=2, **kw):
+    gt = pipeline_session(tmp_path, *layout, nodes=nodes, **kw)
+    return analyse(open_source(tmp_path)), gt
+
+
+@pytest.mark.parametrize("victim", [1, 2, 6])     # stage 0, a middle stage, the last stage
+def test_a_slow_rank_anywhere_in_the_pipeline_is_named_not_its_downstream_victims(tmp_path, victim):
+    rep, gt = _run(tmp_path, fault="slow-rank", victim=victim)
+    s = rep.straggler
+    assert (s.kind, s.rank, s.ranks) == ("rank", victim, [victim]), s
+    assert s.saving_ms_per_step == pytest.approx(gt["planted_saving_ms"], rel=0.15)
+    assert 0 < s.saving_ms_per_step < rep.mean_step_ms
+    assert rep.predicted_step_ms == pytest.approx(rep.mean_step_ms - s.saving_ms_per_step)
+    assert s.propagated and all(f"rank {victim}" in p for p in s.propagated)
+    assert not any(p.startswith(f"rank {victim} ") for p in s.propagated)
+
+
+def test_a_slower_stage_is_named_as_a_stage_with_its_ranks(tmp_path):
+    rep, gt = _run(tmp_path, fault="slow-stage", stage_slow=1)
+    s = rep.straggler
+    assert s.kind == "stage" and s.ranks == gt["stage_ranks"] and s.group.startswith("stage 1 ")
+    assert s.saving_ms_per_step == pytest.approx(gt["planted_saving_ms"], rel=0.15)
+
+
+def test_per_step_load_imbalance_is_spread_not_one_rank(tmp_path):
+    rep, gt = _run(tmp_path, fault="imbalance", imbalance=1.0)
+    s = rep.straggler
+    assert s.kind == "spread" and s.cause == "imbalance" and s.ranks == [], s
+    assert "spread over many ranks" in s.evidence
+    assert s.saving_ms_per_step < rep.mean_step_ms
+
+
+def test_a_clean_pipeline_names_nobody_and_still_gives_the_figures(tmp_path):
+    rep, gt = _run(tmp_path, fault="clean")
+    assert rep.straggler is None
+    assert rep.mean_step_ms == pytest.approx(gt["step_ms"], rel=0.02)
+    assert rep.best_saving_pct < 5.0
+    stages = {r.rank: r.stage for r in rep.ranks}
+    assert stages == gt["layout"]["stage"]
+
+
+def test_a_small_slowdown_below_the_floor_names_nobody(tmp_path):
+    rep, gt = _run(tmp_path, fault="slow-rank", victim=2, slow=1.05)
+    assert 0 < gt["planted_saving_ms"] / gt["step_ms"] < 0.05
+    assert rep.straggler is None and 0 < rep.best_saving_pct < 5.0
+    assert rep.best_candidate == "rank 2"
+
+
+def test_pure_pipeline_without_tensor_or_data_parallel(tmp_path):
+    rep, gt = _run(tmp_path, layout=(1, 4, 1), nodes=2, fault="slow-rank", victim=0)
+    assert (rep.straggler.kind, rep.straggler.rank) == ("rank", 0)
+
+
+def test_report_cli_shows_propagated_blame_and_the_predicted_step(tmp_path, capsys):
+    pipeline_session(tmp_path, 2, 4, 2, nodes=2, fault="slow-rank", victim=2)
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "straggler: rank 2" in out and "waits on rank 2" in out and "predicted" in out
