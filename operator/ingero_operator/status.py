@@ -55,10 +55,10 @@ def ranks_table(rep: Report, rows: int) -> list[dict]:
 
 
 def who(s) -> str:
-    """What the STRAGGLER column shows: "rank 3 (pod)", or the group ("stage 1 (ranks 4-7)")."""
+    """What the STRAGGLER column shows: the rank's pod, or the group ("stage 1 (ranks 4-7)")."""
     if s.kind != "rank" and s.group:
         return s.group
-    return f"rank {s.rank} ({s.pod or s.node})" if (s.pod or s.node) else f"rank {s.rank}"
+    return s.pod or f"rank {s.rank}"
 
 
 def report_status(rep: Report, world: int | None, g: GatherSettings) -> dict:

@@ -187,7 +187,7 @@ def test_slow_rank_names_that_rank_late_with_compute_cause_across_an_operator_re
     # The operator is SIGKILLed 3 s into the job and started again: it carries on from status.
     flow = run_flow(tmp_path, "slow-rank", restart_operator_after_s=3.0)
     s = assert_named(flow, "compute/unknown")
-    assert "arrives" in s["evidence"]
+    assert "own work" in s["evidence"] and "replayed without it" in s["evidence"]
 
 
 def test_io_stall_names_that_rank_with_io_cause(tmp_path):

@@ -43,7 +43,7 @@ def test_straggler_fields_and_slowdown_column_value():
     assert st["straggler"] | {"evidence": None} == {
         "rank": 42, "pod": "w-42", "node": "n5", "score": 0.93, "cause": "network", "evidence": None,
         "savingPct": 23.5, "savingMsPerStep": 12.35, "group": None, "kind": "rank",
-        "who": "rank 42 (w-42)", "ranks": [], "propagated": []}
+        "who": "w-42", "ranks": [], "propagated": []}
     assert st["slowdown"] == "23.5%"
 
 
