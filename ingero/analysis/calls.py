@@ -16,6 +16,7 @@ its dependencies:
 
 from __future__ import annotations
 
+import warnings as warnings_
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,7 +71,9 @@ class Calls:
 def load(con) -> tuple[Calls, list[str]]:
     """The session's collective, p2p and group calls from `con` (any view of the tables)."""
     warnings: list[str] = []
-    tbl = con.sql(_QUERY).to_arrow_table()
+    with warnings_.catch_warnings():     # (DuckDB notes the Arrow copy of a DB-API result)
+        warnings_.simplefilter("ignore", UserWarning)
+        tbl = con.execute(_QUERY).to_arrow_table()
     if tbl.num_rows == 0:
         z = np.zeros(0, np.int64)
         return Calls(z, z, z, z.astype(np.int8), z, z, z, z, z, {}, z.astype(np.uint64), z, z, z, {}), warnings

@@ -4,7 +4,7 @@ be analysed the same whether a job's calls returned 0 or 7.
 
 The agent keeps them (bpf/nccl.c, ingero_agent/tracer.py; see
 tests/bpf/test_nccl_probes.py's non-blocking case) and so does the analysis
-(`ret IN schema.NCCL_OK_RETS` in ingero/analysis.py, analysis_dense.py and the
+(`ret IN schema.NCCL_OK_RETS` in ingero/analysis/calls.py and the
 MCP server's slow-collective query).
 """
 
