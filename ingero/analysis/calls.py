@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ingero.errors import IngeroError
 from ingero.schema import COLLECTIVE_OPS, NCCL_OK_RETS, P2P_OPS
 
 OPS = list(COLLECTIVE_OPS) + list(P2P_OPS)      # op code = index + 1; GROUP_START -1, GROUP_END -2
@@ -91,10 +92,11 @@ def load(con) -> tuple[Calls, list[str]]:
         warnings.append(f"{int((~keep).sum())} calls of processes without a rank were left out")
     rank = col("grank", np.int64, -1)
     t, d = col("t", np.int64), col("d", np.int64)
-    ops = tbl.column("op").to_pylist()
-    lut = {o: i + 1 for i, o in enumerate(OPS)}
-    lut.update(GROUP_START=_GS, GROUP_END=_GE)
-    op = np.fromiter((lut[o] for o in ops), np.int8, len(ops))
+    code = {o: i + 1 for i, o in enumerate(OPS)}
+    code.update(GROUP_START=_GS, GROUP_END=_GE)
+    enc = tbl.column("op").combine_chunks().dictionary_encode()     # a few distinct names
+    lut = np.array([code[o] for o in enc.dictionary.to_pylist()], np.int8)
+    op = lut[enc.indices.to_numpy()]
     comm_h = col("comm", np.uint64)
     seq = col("seq", np.int64)
     crank = col("crank", np.int64, -1)
@@ -128,11 +130,15 @@ def load(con) -> tuple[Calls, list[str]]:
     # collective instances (comm, seq, op)
     coll = (op > 0) & (op != _SEND) & (op != _RECV)
     inst = np.full(len(t), -1, np.int64)
-    ik = np.stack([comm[coll], seq[coll], op[coll].astype(np.int64)])
     if coll.any():
-        u, inv, cnt = np.unique(ik, axis=1, return_inverse=True, return_counts=True)
+        # (comm, op, seq) as one integer: comm < 2^20, op < 2^5, seq < 2^38
+        sq = seq[coll]
+        if sq.min() < 0 or sq.max() >= 1 << 38 or comm.max() >= 1 << 20:
+            raise IngeroError("a collective seq or communicator count out of range for the analysis")
+        ik = (comm[coll] << 43) | (op[coll].astype(np.int64) << 38) | sq
+        u, inv, cnt = np.unique(ik, return_inverse=True, return_counts=True)
         inst[coll] = inv.ravel()
-        inst_comm, inst_seq, inst_op = u
+        inst_comm, inst_op = u >> 43, (u >> 38) & 31
         # one rank calling one instance twice: keep the first call as the instance's
         dup = _dups(inst, rank)
         if dup.any():
