@@ -39,7 +39,8 @@ _QUERY = f"""
     WHERE e.ret IN ({', '.join(map(str, NCCL_OK_RETS))}) AND e.timestamp_ns IS NOT NULL
       AND e.duration_ns IS NOT NULL
       AND ((e.op IN ({', '.join(repr(o) for o in OPS)}) AND e.comm_id_hash <> 0 AND e.seq IS NOT NULL)
-           OR e.op IN ('GROUP_START', 'GROUP_END'))"""
+           OR e.op IN ('GROUP_START', 'GROUP_END'))
+    ORDER BY grank, t, e.event_id"""
 
 
 @dataclass
@@ -102,13 +103,11 @@ def load(con) -> tuple[Calls, list[str]]:
     crank = col("crank", np.int64, -1)
     peer_c = col("peer", np.int64, -1)
     pid = col("pid", np.int64)
-    eid = col("event_id", np.uint64)
-    o = np.lexsort((eid, t, rank))
-    o = o[keep[o]]
-    rank, t, d, op, comm_h, seq, crank, peer_c, pid = (a[o] for a in (rank, t, d, op, comm_h, seq, crank, peer_c, pid))
+    o = np.flatnonzero(keep)           # rows come sorted by (rank, time, event id); NULL ranks last
+    if len(o) < len(keep):
+        rank, t, d, op, comm_h, seq, crank, peer_c, pid = (a[o] for a in (rank, t, d, op, comm_h, seq, crank, peer_c, pid))
     node_of = _where_ranks_are(rank, t, o, tbl)
-    hashes, comm = np.unique(comm_h, return_inverse=True)
-    comm = comm.astype(np.int64)
+    hashes, comm = _codes(comm_h)
     # comm rank -> global rank, per communicator, from the calls themselves
     ismem = (op > 0) & (crank >= 0)
     key = comm[ismem] * (1 << 32) + crank[ismem]
@@ -151,6 +150,19 @@ def load(con) -> tuple[Calls, list[str]]:
     return Calls(rank=rank, t=t, d=d, op=op, comm=comm, seq=seq, inst=inst, peer=peer, pid=pid,
                  node_of=node_of, comm_hash=hashes, inst_comm=np.asarray(inst_comm),
                  inst_op=np.asarray(inst_op), inst_size=np.asarray(cnt), comm_members=members), warnings
+
+
+def _codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct values, code of each value): np.unique(return_inverse=True), through a
+    hash table (Arrow's dictionary encoding) rather than a sort of every value."""
+    import pyarrow as pa
+
+    enc = pa.array(values).dictionary_encode()
+    distinct = enc.dictionary.to_numpy(zero_copy_only=False)
+    order = np.argsort(distinct, kind="stable")
+    rank_of = np.empty(len(order), np.int64)
+    rank_of[order] = np.arange(len(order))
+    return distinct[order], rank_of[enc.indices.to_numpy(zero_copy_only=False)]
 
 
 def _dups(inst: np.ndarray, rank: np.ndarray) -> np.ndarray:

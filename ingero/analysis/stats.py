@@ -8,10 +8,42 @@ from ingero.analysis.calls import OPS, Calls, _RECV, _SEND
 from ingero.analysis.model import RankRow
 
 
+def _packed(keys: np.ndarray, values: np.ndarray):
+    """keys and values packed into one sortable int64 (key in the high bits), when they fit:
+    (packed, value bits, value offset, value scale), else None. Sorting one int64 array is
+    ~6x faster than np.lexsort of two."""
+    if not len(keys) or keys.min() < 0:
+        return None
+    scale = 1
+    if values.dtype.kind == "f":
+        twice = values * 2
+        if not np.isfinite(twice).all() or not (twice == np.round(twice)).all():
+            return None
+        values, scale = twice.astype(np.int64), 2          # medians of ints are x or x.5
+    elif values.dtype.kind not in "iu":
+        return None
+    lo = int(values.min())
+    span = int(values.max()) - lo
+    kbits = max(int(keys.max()).bit_length(), 1)
+    vbits = max(span.bit_length(), 1)
+    if kbits + vbits > 62:
+        return None
+    packed = (keys.astype(np.int64) << vbits) | (values.astype(np.int64) - lo)
+    return packed, vbits, lo, scale
+
+
 def group_sort(keys: np.ndarray, values: np.ndarray):
     """(unique keys, start of each group, its size, values sorted within groups)."""
-    o = np.lexsort((values, keys))
-    k, v = keys[o], values[o]
+    p = _packed(keys, values)
+    if p is not None:
+        packed, vbits, lo, scale = p
+        packed.sort()
+        k = packed >> vbits
+        v = (packed & ((1 << vbits) - 1)) + lo
+        v = v / scale if scale != 1 else v
+    else:
+        o = np.lexsort((values, keys))
+        k, v = keys[o], values[o]
     new = np.r_[True, k[1:] != k[:-1]] if len(k) else np.zeros(0, bool)
     starts = np.flatnonzero(new)
     sizes = np.diff(np.r_[starts, len(k)])
@@ -35,7 +67,10 @@ def median_of_others(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
     out = np.full(n, np.nan)
     if n == 0:
         return out
-    o = np.lexsort((values, keys))
+    p = _packed(keys - keys.min(), values)
+    if p is None:                     # keys too wide to pack: number them densely first
+        p = _packed(np.unique(keys, return_inverse=True)[1].ravel(), values)
+    o = np.argsort(p[0]) if p is not None else np.lexsort((values, keys))
     k, v = keys[o], values[o].astype(np.float64)
     new = np.r_[True, k[1:] != k[:-1]]
     starts = np.flatnonzero(new)

@@ -138,7 +138,10 @@ def timeline(c: Calls, ev: Events, m: Measured) -> Timeline | None:
     inwin &= ~(is_mk & (before == 0))
     stage_of = stages(c)
     role = np.array([stage_of.get(int(r), 0) for r in ev.ranks.tolist()], np.int64)[seg]
-    key = np.where(inwin, (role * (1 << 20) + before) * (1 << 20) + np.minimum(since, (1 << 20) - 1), -1)
+    # one small integer per (role, step, ordinal) inside the window, -1 outside
+    B = int(before[inwin].max()) + 1 if inwin.any() else 1
+    S = int(since[inwin].max()) + 1 if inwin.any() else 1
+    key = np.where(inwin, (role * B + before) * S + since, -1)
     steps = len(marker_inst) - 1
     if steps < 1:
         return None
@@ -175,13 +178,30 @@ def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int) -> tuple[St
 
     replays: dict = {}
 
-    def saving(w=None, x=None) -> float:
+    best_so_far = [0.0]
+
+    def removed(w=None, x=None) -> float:
+        """Work taken out per step: no replay can save more (a path holds each event once)."""
+        tot = 0.0
+        if w is not None:
+            tot += float((m.w - w)[tl.inwin].sum())
+        if x is not None:
+            tot += float((m.x - x)[tl.inwin].sum())
+        return tot / tl.steps
+
+    def saving(w=None, x=None, need: float = 0.0) -> float:
+        """The replayed saving; not replayed (0) when it cannot reach `need` or the best so far."""
+        if best_so_far[0] > 0 or need > 0:
+            if removed(w, x) < max(best_so_far[0], need):
+                replays[len(replays)] = None
+                return 0.0
         r = replay(ev, m.w if w is None else w, m.x if x is None else x)
+        best_so_far[0] = max(best_so_far[0], base_step - tl.step_ns(r.e))
         replays[len(replays)] = (r, m.x if x is None else x)
         return base_step - tl.step_ns(r.e)
 
     def last_replay() -> dict:
-        return {"replay": replays[len(replays) - 1]}
+        return {"replay": replays[len(replays) - 1]}     # None: not replayed
 
     own = own_per_rank(tl, m.w)
     peers_own = {}
@@ -255,7 +275,11 @@ def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int) -> tuple[St
         members = [rank] if single else sorted(r for r, v in rows.items() if v.node == node)
         cands.append(Candidate("network", members, saving(x=x), label, cause="network", why=why,
                                score=score, extra={"node": node, "single": single, **last_replay()}))
-    spread = Candidate("spread", sorted(own), saving(fixed_w), "spread: no single rank", cause="imbalance")
+    best_single = best_so_far[0]
+    best_so_far[0] = 0.0          # "fix everyone" is judged against its own floor
+    spread = Candidate("spread", sorted(own), saving(fixed_w, need=SPREAD_FLOOR_PCT / 100 * base_step),
+                       "spread: no single rank", cause="imbalance")
+    del best_single
     info["spread_ns"] = spread.saving_ns
     specific = sorted(cands, key=lambda k: -k.saving_ns)
     info["candidates"] = [(k.label, k.saving_ns) for k in specific] + [(spread.label, spread.saving_ns)]
