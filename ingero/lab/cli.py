@@ -19,6 +19,7 @@ EPILOG = """examples:
   ingero lab run --scenario clean --seconds 10
   ingero lab run --scenario lossy-link --loss-percent 5 --trace --out out/lab
   ingero lab run --scenario cpu-hog --nodes 2 --ranks-per-node 2 --victim-rank 1
+  ingero lab run --layout tp=2,pp=2,dp=2 --nodes 2 --ranks-per-node 4 --scenario slow-stage --stage 1
   ingero lab cleanup        # remove namespaces/cgroups left by a crashed run
 
 scenarios:
@@ -27,6 +28,8 @@ scenarios:
   cpu-hog     busy loops share the victim rank's CPU
   slow-rank   the victim's compute takes twice as long
   io-stall    the victim writes and fsyncs a checkpoint every step
+  slow-stage  every rank of one pipeline stage computes longer (needs --layout with pp > 1)
+  imbalance   every rank, every step, computes a random factor longer: no single culprit
 """
 
 
@@ -53,6 +56,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--background-load", type=int, default=0, metavar="N",
                    help="N busy processes (CPU spin and system-call churn, unpinned) keep the whole "
                    "machine busy, as on a shared node or in CI; default 0")
+    r.add_argument("--layout", metavar="tp=T,pp=P,dp=D",
+                   help="a tensor x pipeline x data parallel job (Megatron's rank order, communicators split "
+                        "from the world, GPipe microbatches over send/recv); T*P*D = nodes x ranks-per-node; "
+                        "default: the data-parallel job")
+    r.add_argument("--microbatches", type=int, default=4, help="microbatches per step with --layout; default 4")
+    r.add_argument("--stage", type=int, default=1, help="slow-stage: the stage that is slower; default 1")
+    r.add_argument("--slow-factor", type=float, default=None,
+                   help="slow-rank / slow-stage: compute multiplier; default 2 (slow-rank), 1.5 (slow-stage)")
+    r.add_argument("--imbalance", type=float, default=1.0,
+                   help="imbalance: per-step compute factor drawn from [1, 1 + this]; default 1")
     r.add_argument("--ipv6", action="store_true", help="rendezvous and move data over IPv6")
     r.add_argument("--trace", action="store_true", help="run `ingero trace` on every lab node")
     r.add_argument("--out", type=Path, default=Path("out/lab"), help="output directory; default out/lab")
@@ -93,7 +106,14 @@ def _run(args) -> int:
                     seconds=args.seconds, steps=args.steps, loss_percent=args.loss_percent,
                     victim_rank=args.victim_rank, ipv6=args.ipv6, out_dir=args.out,
                     compute_ms=args.compute_ms, fault_after_s=args.fault_after,
-                    background_load=args.background_load)
+                    background_load=args.background_load, layout=args.layout,
+                    microbatches=args.microbatches, stage=args.stage, imbalance=args.imbalance)
+    if args.slow_factor is not None:
+        if not 1.0 < args.slow_factor <= 100:
+            raise IngeroError(f"--slow-factor {args.slow_factor} is out of range: use more than 1, at most 100")
+        cfg.slow_factor = args.slow_factor
+    elif args.scenario == "slow-stage":
+        cfg.slow_factor = 1.5
     if cfg.fault_after_s is not None and cfg.fault_after_s < 0:
         raise IngeroError("--fault-after must be >= 0")
     if cfg.seconds <= 0 and cfg.steps <= 0:
@@ -121,7 +141,14 @@ def _run(args) -> int:
 
 
 def _summary(lab, codes: dict[int, int], trace_db) -> int:
-    print(f"lab {lab.run_id}: scenario {lab.cfg.scenario}, victim rank {lab.victim} ({lab.victim_node.name})")
+    lay = f", layout tp={lab.layout[0]},pp={lab.layout[1]},dp={lab.layout[2]}" if lab.layout else ""
+    if lab.cfg.scenario == "slow-stage":
+        who = f"stage {lab.cfg.stage}"
+    elif lab.cfg.scenario in ("clean", "imbalance"):
+        who = "no single victim"
+    else:
+        who = f"victim rank {lab.victim} ({lab.victim_node.name})"
+    print(f"lab {lab.run_id}: scenario {lab.cfg.scenario}{lay}, {who}")
     means = []
     for rp in lab.ranks:
         s = rp.stats

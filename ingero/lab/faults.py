@@ -17,6 +17,10 @@
 - ``slow-rank``: the victim's GPU-like compute wait is multiplied by
   ``slow_factor``.
 - ``io-stall``: the victim writes and fsyncs ``io_mb`` MB each step.
+- ``slow-stage`` (a job with a pipeline, ``--layout``): every rank of one
+  pipeline stage computes ``slow_factor`` times longer (stage imbalance).
+- ``imbalance``: every rank, every step, computes a factor drawn from
+  [1, 1 + ``imbalance``] longer: a slowdown spread over all ranks, no culprit.
 """
 
 from __future__ import annotations
@@ -29,7 +33,32 @@ from pathlib import Path
 from ingero.errors import IngeroError
 from ingero.lab.netns import in_netns
 
-SCENARIOS = ("clean", "lossy-link", "cpu-hog", "slow-rank", "io-stall")
+SCENARIOS = ("clean", "lossy-link", "cpu-hog", "slow-rank", "io-stall", "slow-stage", "imbalance")
+
+
+def parse_layout(text: str | None, world: int) -> tuple[int, int, int] | None:
+    """"tp=T,pp=P,dp=D" (any order, missing parts 1) -> (T, P, D); None for no layout."""
+    if not text:
+        return None
+    parts = {"tp": 1, "pp": 1, "dp": 1}
+    for item in text.split(","):
+        k, eq, v = item.strip().partition("=")
+        if not eq or k not in parts or not v.isdigit() or int(v) < 1:
+            raise IngeroError(f"--layout {text!r}: write it as tp=T,pp=P,dp=D with positive integers")
+        parts[k] = int(v)
+    t, p, d = parts["tp"], parts["pp"], parts["dp"]
+    if t * p * d != world:
+        raise IngeroError(f"--layout {text!r} has {t * p * d} ranks but the lab has {world} "
+                          "(--nodes x --ranks-per-node): make them equal")
+    return t, p, d
+
+
+def stage_of(rank: int, layout: tuple[int, int, int] | None) -> int | None:
+    """The pipeline stage of a rank in Megatron's order (tensor fastest, then pipeline)."""
+    if layout is None:
+        return None
+    t, p, _ = layout
+    return (rank // t) % p
 NFT_TABLE = "ingero_lab"
 
 
@@ -88,7 +117,8 @@ def cpu_split() -> tuple[str, str]:
 
 
 def plan_ranks(scenario: str, world: int, victim: int, *, compute_ms: float, slow_factor: float,
-               io_mb: int, io_dir: Path, delayed: bool = False) -> dict[int, RankPlan]:
+               io_mb: int, io_dir: Path, delayed: bool = False, layout: tuple | None = None,
+               stage: int = 1, imbalance: float = 1.0) -> dict[int, RankPlan]:
     """Per-rank changes for `scenario` (ranks not listed run unchanged).
 
     `delayed`: the slow-rank and io-stall settings go into the worker's
@@ -97,8 +127,21 @@ def plan_ranks(scenario: str, world: int, victim: int, *, compute_ms: float, slo
         raise IngeroError(f"unknown scenario {scenario!r}: use one of {', '.join(SCENARIOS)}")
     plans = {r: RankPlan() for r in range(world)}
     prefix = "INGERO_LAB_FAULT_" if delayed else "INGERO_LAB_"
+    if scenario == "slow-stage" and (layout is None or layout[1] < 2):
+        raise IngeroError("slow-stage needs a pipeline: give --layout tp=T,pp=P,dp=D with P > 1")
     if scenario == "slow-rank":
         plans[victim].env[prefix + "COMPUTE_MS"] = str(compute_ms * slow_factor)
+    elif scenario == "slow-stage":
+        if not 0 <= stage < layout[1]:
+            raise IngeroError(f"--stage {stage} is out of range: the layout has stages 0 to {layout[1] - 1}")
+        for r in range(world):
+            if stage_of(r, layout) == stage:
+                plans[r].env[prefix + "COMPUTE_MS"] = str(compute_ms * slow_factor)
+    elif scenario == "imbalance":
+        if not 0 < imbalance <= 10:
+            raise IngeroError(f"--imbalance {imbalance} is out of range: use more than 0, at most 10")
+        for r in range(world):
+            plans[r].env["INGERO_LAB_IMBALANCE"] = str(imbalance)
     elif scenario == "io-stall":
         plans[victim].env.update({prefix + "IO_MB": str(io_mb), "INGERO_LAB_IO_DIR": str(io_dir)})
     elif scenario == "cpu-hog":

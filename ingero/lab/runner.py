@@ -56,6 +56,10 @@ class LabConfig:
     hogs: int = 8                  # cpu-hog: busy loops sharing the victim's CPU (3 is too mild on 2 cores: docs/operator.md)
     fault_after_s: float | None = None  # start the fault this long after the ranks start (None: before they start)
     background_load: int = 0       # busy processes keeping the whole machine busy (ingero/lab/load.py)
+    layout: str | None = None      # "tp=T,pp=P,dp=D": a tensor x pipeline x data parallel job (worker.c run_layout)
+    microbatches: int = 4          # per step, with a layout
+    stage: int = 1                 # slow-stage: the pipeline stage that computes slow_factor times longer
+    imbalance: float = 1.0         # imbalance: each rank's per-step compute factor is drawn from [1, 1 + this]
     timeout_s: int = 60            # a rank whose peer stops answering fails after this
     master_port: int = 29500
     progress_every_s: float = 3.0
@@ -92,6 +96,11 @@ class LabRun:
             raise IngeroError(f"--background-load {cfg.background_load} is out of range: use 0 to 64")
         if cfg.ranks_per_node < 1 or cfg.world > 64:
             raise IngeroError("--ranks-per-node must be >= 1 and nodes x ranks-per-node at most 64")
+        self.layout = faults.parse_layout(cfg.layout, cfg.world)
+        if cfg.scenario == "slow-stage" and (self.layout is None or self.layout[1] < 2):
+            raise IngeroError("slow-stage needs a pipeline: give --layout tp=T,pp=P,dp=D with P > 1")
+        if not 1 <= cfg.microbatches <= 64:
+            raise IngeroError(f"--microbatches {cfg.microbatches} is out of range: use 1 to 64")
         self.victim = cfg.world - 1 if cfg.victim_rank is None else cfg.victim_rank
         if not 0 <= self.victim < cfg.world:
             raise IngeroError(f"--victim-rank {self.victim} is out of range: use 0 to {cfg.world - 1}")
@@ -174,7 +183,8 @@ class LabRun:
         delayed = c.fault_after_s is not None
         self.plans = faults.plan_ranks(c.scenario, c.world, self.victim, compute_ms=c.compute_ms,
                                        slow_factor=c.slow_factor, io_mb=c.io_mb, io_dir=self.out / "io",
-                                       delayed=delayed)
+                                       delayed=delayed, layout=self.layout, stage=c.stage,
+                                       imbalance=c.imbalance)
         if not delayed:
             self._fault_now()
 
@@ -221,6 +231,9 @@ class LabRun:
             "INGERO_LAB_TIMEOUT_S": str(c.timeout_s), "POD_NAME": rp.pod.name,
             "POD_NAMESPACE": rp.pod.namespace, "NODE_NAME": rp.node.name,
         })
+        if self.layout is not None:
+            env["INGERO_LAB_LAYOUT"] = ",".join(map(str, self.layout))
+            env["INGERO_LAB_MICROBATCHES"] = str(c.microbatches)
         env.update(self.plans[rp.rank].env)
         if self._fault_from_ns is not None:
             env["INGERO_LAB_FAULT_FROM_NS"] = str(self._fault_from_ns)
@@ -389,11 +402,16 @@ class LabRun:
         c = self.cfg
         return {
             "run_id": self.run_id, "scenario": c.scenario, "victim_rank": self.victim,
+            "layout": None if self.layout is None else dict(zip(("tp", "pp", "dp"), self.layout)),
+            "slow_stage": c.stage if c.scenario == "slow-stage" else None,
+            "stage_ranks": (sorted(r for r in range(c.world) if faults.stage_of(r, self.layout) == c.stage)
+                            if c.scenario == "slow-stage" else None),
             "victim_node": self.victim_node.name, "config": {k: str(v) if isinstance(v, Path) else v
                                                              for k, v in asdict(c).items()},
             "nodes": [dict(n.as_dict(), pods_file=str(self.pods_file(n))) for n in self.nodes],
             **self.times,
             "ranks": [{"rank": rp.rank, "node": rp.node.name, "local_rank": rp.local_rank,
+                       "stage": faults.stage_of(rp.rank, self.layout),
                        "pod": rp.pod.name, "pod_uid": rp.pod.uid, "pid": rp.proc.pid if rp.proc else None,
                        "exit_code": rp.exit_code, "stats": rp.stats} for rp in self.ranks],
             **self.notes,

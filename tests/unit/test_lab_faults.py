@@ -59,3 +59,33 @@ def test_nodes_get_letters_and_per_run_addresses():
     assert [n.ipv4 for n in net.nodes] == [f"10.213.{k}.{i}" for i in (1, 2, 3)]
     assert net.nodes[1].ipv6 == f"fd00:1a6e:{k:x}::2"
     assert net.nodes[0].netns == "ingero-0000ff-lab-node-a" and net.switch == "ingero-0000ff-sw"
+
+
+def test_layout_parses_in_any_order_and_must_match_the_lab():
+    from ingero.lab.faults import parse_layout, stage_of
+
+    assert parse_layout("tp=2,pp=2,dp=2", 8) == (2, 2, 2)
+    assert parse_layout("dp=2, pp=4", 8) == (1, 4, 2)
+    assert parse_layout(None, 4) is None
+    for bad, why in (("tp=2,pp=2", "has 4 ranks but the lab has 8"), ("tp=0,pp=8", "positive integers"),
+                     ("xp=2", "positive integers"), ("tp2", "positive integers")):
+        with pytest.raises(IngeroError, match=why):
+            parse_layout(bad, 8)
+    # Megatron's order: tensor fastest, then pipeline, then data
+    assert [stage_of(r, (2, 2, 2)) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [stage_of(r, (1, 4, 2)) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+
+
+def test_slow_stage_slows_every_rank_of_that_stage_and_imbalance_every_rank(tmp_path):
+    from ingero.lab.faults import plan_ranks
+
+    kw = dict(compute_ms=40.0, slow_factor=1.5, io_mb=8, io_dir=tmp_path)
+    plans = plan_ranks("slow-stage", 8, 7, layout=(2, 2, 2), stage=1, **kw)
+    slow = sorted(r for r, p in plans.items() if p.env.get("INGERO_LAB_COMPUTE_MS") == "60.0")
+    assert slow == [2, 3, 6, 7] and all(not plans[r].env for r in (0, 1, 4, 5))
+    plans = plan_ranks("imbalance", 8, 7, layout=(2, 2, 2), imbalance=0.5, **kw)
+    assert all(p.env == {"INGERO_LAB_IMBALANCE": "0.5"} for p in plans.values())
+    with pytest.raises(IngeroError, match="needs a pipeline"):
+        plan_ranks("slow-stage", 8, 7, layout=(8, 1, 1), **kw)
+    with pytest.raises(IngeroError, match="--stage 2 is out of range"):
+        plan_ranks("slow-stage", 8, 7, layout=(2, 2, 2), stage=2, **kw)

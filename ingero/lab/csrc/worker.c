@@ -1,4 +1,5 @@
-/* worker.c: ingero-lab-worker, a data-parallel "training" rank on the NCCL API.
+/* worker.c: ingero-lab-worker, a data-parallel "training" rank on the NCCL API
+ * (or, with INGERO_LAB_LAYOUT, a tensor x pipeline x data parallel one: run_layout).
  *
  * Reads the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK,
  * LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID).
@@ -189,6 +190,136 @@ static int newer_collectives(ncclComm_t comm, int world, long step) {
   return bad;
 }
 
+/* ---- a tensor x pipeline x data parallel job (INGERO_LAB_LAYOUT="T,P,D") ----
+ *
+ * Ranks in Megatron's order: rank = d*P*T + p*T + t (tensor fastest). The world
+ * communicator first (ncclCommInitRank, or ...Scalable above
+ * TORCH_NCCL_RANKS_PER_ROOT), then ncclCommSplit of it, as PyTorch's new_group
+ * does with split: the tensor group (color d*P+p, key t), the data-parallel
+ * group (color p*T+t, key d) and one pipeline group per (d, t) (color d*T+t,
+ * key p), used only for send/recv between neighbouring stages.
+ * Each step, GPipe: the forward of INGERO_LAB_MICROBATCHES microbatches
+ * (recv activations from stage p-1, compute, tensor all-reduce, send to p+1),
+ * then their backward (recv gradients from p+1, twice the compute, tensor
+ * all-reduce, send to p-1); then the data-parallel gradient reduce-scatter and
+ * all-gather, and a world all-reduce carrying rank 0's stop flag. Compute per
+ * step is INGERO_LAB_COMPUTE_MS split 1:2 over forward and backward (a sleep,
+ * the GPU-like wait), times a per-step factor in [1, 1 + INGERO_LAB_IMBALANCE]
+ * drawn from (rank, step). Every received buffer is checked; wrong data exits 4. */
+
+static double imbalance_factor(double f, int rank, long step) {
+  if (f <= 0) return 1.0;
+  unsigned long long x = (unsigned long long)rank * 0x9E3779B97F4A7C15ULL ^ (unsigned long long)(step + 1) * 0xBF58476D1CE4E5B9ULL;
+  x ^= x >> 31; x *= 0x94D049BB133111EBULL; x ^= x >> 29;
+  return 1.0 + f * (double)(x >> 11) / 9007199254740992.0;
+}
+
+static int check_block(const float *b, size_t n, float want, const char *what, long step) {
+  if (b[0] == want && b[n - 1] == want) return 0;
+  fprintf(stderr, "ingero-lab-worker: rank %d step %ld: wrong %s: %g, want %g\n", g_rank, step, what, b[0], want);
+  return 1;
+}
+
+static int run_layout(const char *spec, int world, int node, int local_rank, const char *run_id,
+                      int timeout_s, long steps_max, double seconds, double cpu_ms, double compute_ms,
+                      long io_mb, const char *io_dir, long long fault_from_ns, double fault_compute_ms,
+                      long fault_io_mb, long every) {
+  int T = 0, P = 0, D = 0;
+  if (sscanf(spec, "%d,%d,%d", &T, &P, &D) != 3 || T < 1 || P < 1 || D < 1 || T * P * D != world)
+    die(2, "INGERO_LAB_LAYOUT must be T,P,D with T*P*D = WORLD_SIZE, got %s%s", spec, "");
+  long M = env_long("INGERO_LAB_MICROBATCHES", 4);
+  double imb = env_double("INGERO_LAB_IMBALANCE", 0.0);
+  if (M < 1) die(2, "INGERO_LAB_MICROBATCHES must be >= 1%s%s", "", "");
+  int t = g_rank % T, p = (g_rank / T) % P, d = g_rank / (T * P);
+  ncclUniqueId id;
+  exchange_id(&id, world, run_id, timeout_s);
+  ncclComm_t W, TP = NULL, DP = NULL, PP = NULL;
+  double t_init = now_s();
+  nccl_check(ncclCommInitRank(&W, world, id, g_rank), "ncclCommInitRank", NULL);
+  nccl_check(ncclCommSplit(W, d * P + p, t, &TP, NULL), "ncclCommSplit(tensor)", W);
+  nccl_check(ncclCommSplit(W, p * T + t, d, &DP, NULL), "ncclCommSplit(data)", W);
+  nccl_check(ncclCommSplit(W, d * T + t, p, &PP, NULL), "ncclCommSplit(pipeline)", W);
+  int rp;
+  ncclCommUserRank(PP, &rp);
+  if (rp != p) die(3, "pipeline group numbers this rank %s, not its stage%s", rp == p ? "" : "wrongly", "");
+  printf("rank %d/%d (node %d, local %d): layout tp=%d pp=%d dp=%d, stage %d, tp %d, dp %d; communicators ready in %.0f ms\n",
+         g_rank, world, node, local_rank, T, P, D, p, t, d, (now_s() - t_init) * 1e3);
+  fflush(stdout);
+  size_t act_n = 16384, tp_n = 8192, dp_n = 65536 - 65536 % (size_t)D;
+  float *act = malloc(act_n * 4), *tpb = malloc(tp_n * 4), *dps = malloc(dp_n * 4);
+  float *dpr = malloc(dp_n / D * 4), *dpg = malloc(dp_n * 4), flag[4];
+  size_t junk_len = 1 << 20;
+  char *junk = malloc(junk_len);
+  memset(junk, 0xab, junk_len);
+  double *times = malloc(sizeof(double) * 1000000), t0 = now_s(), sum = 0;
+  long step = 0;
+  for (;;) {
+    double ts = now_s();
+    int faulty = fault_from_ns > 0 && wall_ns() >= fault_from_ns;
+    double c = (faulty ? fault_compute_ms : compute_ms) * imbalance_factor(imb, g_rank, step);
+    busy_ms(cpu_ms);
+    long mb = faulty ? fault_io_mb : io_mb;
+    if (mb > 0) checkpoint(io_dir, g_rank, mb, junk, junk_len);
+    for (int pass = 0; pass < 2; pass++) {           /* 0: forward, 1: backward */
+      int from = pass == 0 ? p - 1 : p + 1, to = pass == 0 ? p + 1 : p - 1;
+      for (long m = 0; m < M; m++) {
+        float tag = (float)((step % 1000) * 64 + m * 2 + pass);
+        if (from >= 0 && from < P) {
+          nccl_check(ncclRecv(act, act_n, ncclFloat32, from, PP, NULL), "ncclRecv", PP);
+          if (check_block(act, act_n, tag + 0.25f * (float)from, "activations", step)) return 4;
+        }
+        sleep_ms(c * (pass == 0 ? 1.0 : 2.0) / (3.0 * (double)M));
+        if (T > 1) {
+          for (size_t i = 0; i < tp_n; i++) tpb[i] = (float)(t + 1);
+          nccl_check(ncclAllReduce(tpb, tpb, tp_n, ncclFloat32, ncclSum, TP, NULL), "ncclAllReduce(tensor)", TP);
+          if (check_block(tpb, tp_n, (float)(T * (T + 1) / 2), "tensor all-reduce", step)) return 4;
+        }
+        if (to >= 0 && to < P) {
+          for (size_t i = 0; i < act_n; i++) act[i] = tag + 0.25f * (float)p;
+          nccl_check(ncclSend(act, act_n, ncclFloat32, to, PP, NULL), "ncclSend", PP);
+        }
+      }
+    }
+    if (D > 1) {
+      for (size_t i = 0; i < dp_n; i++) dps[i] = (float)(d + 1);
+      nccl_check(ncclReduceScatter(dps, dpr, dp_n / D, ncclFloat32, ncclSum, DP, NULL), "ncclReduceScatter", DP);
+      if (check_block(dpr, dp_n / D, (float)(D * (D + 1) / 2), "data-parallel reduce-scatter", step)) return 4;
+      nccl_check(ncclAllGather(dpr, dpg, dp_n / D, ncclFloat32, DP, NULL), "ncclAllGather", DP);
+      if (check_block(dpg, dp_n, (float)(D * (D + 1) / 2), "data-parallel all-gather", step)) return 4;
+    }
+    int stop = (steps_max > 0 && step + 1 >= steps_max) || (seconds > 0 && now_s() - t0 >= seconds);
+    flag[0] = g_rank == 0 ? (float)stop : 0.0f;
+    flag[1] = flag[2] = flag[3] = 1.0f;
+    nccl_check(ncclAllReduce(flag, flag, 4, ncclFloat32, ncclSum, W, NULL), "ncclAllReduce(world)", W);
+    if (flag[3] != (float)world) {
+      fprintf(stderr, "ingero-lab-worker: rank %d step %ld: wrong world all-reduce\n", g_rank, step);
+      return 4;
+    }
+    stop = flag[0] != 0.0f;
+    double dt = (now_s() - ts) * 1e3;
+    if (step < 1000000) times[step] = dt;
+    sum += dt;
+    step++;
+    if (every > 0 && step % every == 0) {
+      printf("rank %d step %ld step_ms %.1f\n", g_rank, step, dt);
+      fflush(stdout);
+    }
+    if (stop) break;
+  }
+  long kept = step < 1000000 ? step : 1000000;
+  qsort(times, kept, sizeof(double), cmp_double);
+  ncclCommDestroy(PP);
+  ncclCommDestroy(DP);
+  ncclCommDestroy(TP);
+  ncclCommDestroy(W);
+  printf("{\"rank\": %d, \"node\": %d, \"local_rank\": %d, \"world_size\": %d, \"layout\": \"%d,%d,%d\", "
+         "\"stage\": %d, \"steps\": %ld, \"mean_step_ms\": %.3f, \"p50_step_ms\": %.3f, \"max_step_ms\": %.3f, "
+         "\"elapsed_s\": %.3f, \"verified\": true}\n",
+         g_rank, node, local_rank, world, T, P, D, p, step, step ? sum / step : 0.0,
+         kept ? times[kept / 2] : 0.0, kept ? times[kept - 1] : 0.0, now_s() - t0);
+  return 0;
+}
+
 int main(void) {
   g_rank = (int)env_long("RANK", -1);
   int world = (int)env_long("WORLD_SIZE", -1), local_rank = (int)env_long("LOCAL_RANK", 0);
@@ -205,6 +336,10 @@ int main(void) {
   long long fault_from_ns = env_long("INGERO_LAB_FAULT_FROM_NS", 0);
   double fault_compute_ms = env_double("INGERO_LAB_FAULT_COMPUTE_MS", compute_ms);
   long fault_io_mb = env_long("INGERO_LAB_FAULT_IO_MB", io_mb);
+  const char *layout = getenv("INGERO_LAB_LAYOUT");
+  if (layout && *layout)
+    return run_layout(layout, world, node, local_rank, run_id, timeout_s, steps_max, seconds, cpu_ms, compute_ms,
+                      io_mb, io_dir, fault_from_ns, fault_compute_ms, fault_io_mb, every);
   if (elems < world * 4) die(2, "INGERO_LAB_ELEMS must be at least 4 x WORLD_SIZE%s%s", "", "");
   elems -= elems % world;  /* reduce-scatter needs a multiple of the group size */
 

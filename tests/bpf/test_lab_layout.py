@@ -1,0 +1,92 @@
+"""The verdict on a real tensor x pipeline x data parallel lab job, traced with real eBPF.
+
+`ingero lab run --layout`: 8 ranks on 2 lab nodes, communicators split from the
+world as PyTorch does, GPipe microbatches over send/recv between stages (the
+lab's CPU NCCL, worker.c run_layout). Each fault is aimed at a rank or group
+that is not the last rank; the verdict must name it, with a saving under the
+step, and say who is late only because they wait on it."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import background_load, bpf_reason
+
+pytestmark = pytest.mark.bpf
+
+
+def _run(tmp_path, scenario: str, layout: str = "tp=2,pp=2,dp=2", **kw) -> tuple:
+    reason = bpf_reason()
+    if reason:
+        pytest.skip(reason)
+    from ingero.analysis import analyse
+    from ingero.lab import tracers as tr
+    from ingero.lab.runner import LabConfig, LabRun
+    from ingero.store import open_source
+
+    cfg = LabConfig(scenario=scenario, nodes=2, ranks_per_node=4, steps=40, compute_ms=40.0,
+                    layout=layout, out_dir=tmp_path, background_load=background_load(), **kw)
+    if scenario == "slow-stage":
+        cfg.slow_factor = 1.5
+    with LabRun(cfg, log=lambda _m: None) as lab:
+        tracers = tr.start_tracers(lab.out, {n.name: lab.pods_file(n) for n in lab.nodes},
+                                   nccl_lib=lab.binaries.libnccl)
+        lab.on_close.append(lambda: tr.stop_tracers(tracers, timeout_s=10))
+        tr.wait_ready(tracers)
+        lab.start_ranks()
+        codes = lab.wait()
+        stops = tr.stop_tracers(tracers)
+        report = lab.report()
+    assert set(codes.values()) == {0}, f"rank exit codes {codes}; logs in {tmp_path / 'logs'}"
+    assert set(stops.values()) == {0}, f"tracer exit codes {stops}"
+    db = tr.merge(tracers, tmp_path / "trace.duckdb")
+    con = open_source(db)
+    try:
+        rep = analyse(con)
+        pairs = con.execute("""
+            SELECT op, global_rank, peer, count(*) FROM nccl_events
+            WHERE op IN ('SEND', 'RECV') GROUP BY ALL""").fetchall()
+    finally:
+        con.close()
+    return rep, report, pairs
+
+
+def test_the_layout_job_pairs_every_send_with_a_recv_and_knows_each_ranks_stage(tmp_path):
+    rep, lab, pairs = _run(tmp_path, "clean")
+    steps = {r["stats"]["steps"] for r in lab["ranks"]}
+    assert steps == {40} and all(r["stats"]["verified"] for r in lab["ranks"])
+    assert {r.rank: r.stage for r in rep.ranks} == {r["rank"]: r["stage"] for r in lab["ranks"]}
+    # per pipeline: 4 microbatches x 40 steps each way between stage 0 and stage 1
+    assert sorted(n for *_, n in pairs) == [160] * 16, pairs
+    assert rep.straggler is None, rep.straggler
+    assert not any("no matching call" in w for w in rep.warnings), rep.warnings
+
+
+def test_a_slow_rank_in_a_middle_stage_is_named_and_its_pipeline_waits_on_it(tmp_path):
+    # tp=1, pp=4, dp=2: rank 2 is stage 2 of pipeline 0; ranks 3 (downstream) and 0, 1 (upstream) wait
+    rep, lab, _ = _run(tmp_path, "slow-rank", layout="tp=1,pp=4,dp=2", victim_rank=2)
+    s = rep.straggler
+    assert (s.kind, s.rank, s.cause) == ("rank", 2, "compute/unknown"), s
+    assert 5.0 <= s.saving_pct < 100.0 and s.saving_ms_per_step < rep.mean_step_ms
+    assert any(p.startswith("rank 3 ") for p in s.propagated), s.propagated
+    assert all("rank 2" in p for p in s.propagated), s.propagated
+
+
+def test_a_slow_rank_at_stage_zero_is_named_not_the_last_rank(tmp_path):
+    rep, lab, _ = _run(tmp_path, "slow-rank", victim_rank=1)
+    s = rep.straggler
+    assert (s.kind, s.rank) == ("rank", 1), s
+    assert s.saving_ms_per_step < rep.mean_step_ms and rep.predicted_step_ms > 0
+
+
+def test_a_slower_stage_is_named_as_that_stage(tmp_path):
+    rep, lab, _ = _run(tmp_path, "slow-stage", stage=1)
+    s = rep.straggler
+    assert s.kind == "stage" and s.ranks == lab["stage_ranks"] == [2, 3, 6, 7], s
+    assert s.group.startswith("stage 1 ") and 5.0 <= s.saving_pct < 100.0
+
+
+def test_random_per_step_imbalance_is_spread_not_one_rank(tmp_path):
+    rep, lab, _ = _run(tmp_path, "imbalance", imbalance=1.0)
+    s = rep.straggler
+    assert s is not None and s.kind == "spread" and s.cause == "imbalance", s
