@@ -237,6 +237,7 @@ class Demo:
 
     def printer_rows(self) -> str:
         cols = yaml.safe_load(self.cfg.crd.read_text())["spec"]["versions"][0]["additionalPrinterColumns"]
+        cols = [c for c in cols if not c.get("priority")]      # what `kubectl get` shows without -o wide
         return self.kubectl("get", "tracesessions", "-o", custom_columns(cols)).stdout
 
     # ---- tear-down -------------------------------------------------------------------

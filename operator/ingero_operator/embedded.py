@@ -178,6 +178,8 @@ class Emulator(kmock.KubernetesEmulator):
             meta = new.setdefault("metadata", {})
             # A given uid is kept: the demo registers pods whose uid names their cgroup.
             meta.setdefault("uid", str(uuid.uuid4()))
+            if not meta.get("name") and meta.get("generateName"):     # kopf's Events: "kopf-event-"
+                meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
             meta.update(generation=1,
                         creationTimestamp=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
             meta.setdefault("namespace", request.namespace) if request.namespace else None
@@ -270,7 +272,8 @@ class Emulator(kmock.KubernetesEmulator):
             items = [copy.deepcopy(dict(o.raw)) for (res, ns, _), o in self.objects.items()
                      if res == request.resource and not o.deleted
                      and (request.namespace is None or ns == request.namespace)]
-        items = [i for i in items if tables.selector_matches(i, request.params.get("labelSelector", ""))]
+        items = [i for i in items if tables.selector_matches(i, request.params.get("labelSelector", ""))
+                 and tables.fields_match(i, request.params.get("fieldSelector", ""))]
         items.sort(key=lambda i: ((i.get("metadata") or {}).get("namespace") or "", i["metadata"]["name"]))
         kind = self.kinds.get(request.resource, "Object")
         accept = self._accept(request)

@@ -24,8 +24,8 @@ from ingero_operator.agents import AgentClient, AgentUnreachable
 from ingero_operator.gather import LocalSession, build_artifact, fetch_new, ingest_and_analyse
 from ingero_operator.kube import Kube, KubeError
 from ingero_operator.settings import Settings
-from ingero_operator.status import (bounded_warnings, condition, node_row, now_iso, parse_iso,
-                                    report_status)
+from ingero_operator.settings import GROUP, VERSION
+from ingero_operator.status import bounded_warnings, lifecycle, node_row, now_iso, parse_iso, report_status
 
 log = logging.getLogger("ingero.operator")
 ACTIVE = ("running", "starting")
@@ -51,6 +51,7 @@ class Live:
     planned: dict = field(default_factory=dict)    # node -> pod uids the agent last got
     failures: dict = field(default_factory=dict)   # node -> tracer starts that failed
     sticky: list = field(default_factory=list)     # warnings kept until the end
+    announced: str | None = None                   # the live straggler an Event was posted for
     done: bool = False
 
 
@@ -72,6 +73,16 @@ class Controller:
         if self._http is not None:
             await self._http.close()
         await self.kube.close()
+
+    def event(self, ref: Ref, type_: str, reason: str, message: str) -> None:
+        """An Event on the TraceSession (kopf posts it in the background; `kubectl describe`
+        lists it). Outside kopf's handlers (unit tests driving the controller) nothing is posted."""
+        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TraceSession",
+                "metadata": {"namespace": ref.namespace, "name": ref.name, "uid": ref.uid}}
+        try:
+            kopf.event(body, type=type_, reason=reason, message=message[:1000])
+        except LookupError:          # no kopf context: no poster to hand it to
+            log.debug("event %s on %s/%s not posted (no operator context)", reason, ref.namespace, ref.name)
 
     async def patch(self, ref: Ref, status: dict) -> None:
         try:
@@ -111,8 +122,9 @@ class Controller:
             spec = planning.parse_spec(spec_doc)
         except planning.SpecError as e:
             await self.patch(ref, {"phase": "Failed", "message": str(e), "observedGeneration": ref.generation,
-                                   "conditions": condition("Ready", False, "InvalidSpec", str(e), ref.generation,
+                                   "conditions": lifecycle("Failed", "InvalidSpec", str(e), ref.generation,
                                                            status.get("conditions"))})
+            self.event(ref, "Warning", "Failed", str(e))
             raise kopf.PermanentError(str(e)) from e
         live = self._state(ref)
         async with live.lock:
@@ -126,13 +138,16 @@ class Controller:
                     msg = (f"no running pod matched {sel} in namespace {ref.namespace} within "
                            f"durationSeconds ({spec.duration_s}); check the selector")
                     await self.patch(ref, {"phase": "Failed", "message": msg, "observedGeneration": ref.generation,
-                                           "conditions": condition("Ready", False, "NoPods", msg, ref.generation,
+                                           "conditions": lifecycle("Failed", "NoPods", msg, ref.generation,
                                                                    status.get("conditions"))})
+                    self.event(ref, "Warning", "Failed", msg)
                     raise kopf.PermanentError(msg)
                 msg = f"no running pod matches {sel} in namespace {ref.namespace}; waiting for the job"
                 await self.patch(ref, {"phase": "Pending", "message": msg, "sessionId": ref.sid,
                                        "pendingSince": since.isoformat().replace("+00:00", "Z"),
-                                       "observedGeneration": ref.generation})
+                                       "observedGeneration": ref.generation,
+                                       "conditions": lifecycle("Pending", "WaitingForPods", msg, ref.generation,
+                                                               status.get("conditions"))})
                 delay = self.s.timing.pending_retry_s
                 if spec.duration_s:   # look again at the latest when the duration is up
                     delay = max(0.5, min(delay, spec.duration_s - (now - since).total_seconds()))
@@ -143,7 +158,10 @@ class Controller:
             if not any(r["agentReached"] for r in rows):
                 msg = "no ingero agent could be reached: " + "; ".join(warnings)
                 await self.patch(ref, {"phase": "Pending", "message": msg, "nodes": rows,
-                                       "observedGeneration": ref.generation})
+                                       "observedGeneration": ref.generation,
+                                       "conditions": lifecycle("Pending", "AgentUnreachable", msg, ref.generation,
+                                                               status.get("conditions"))})
+                self.event(ref, "Warning", "AgentUnreachable", msg)
                 raise kopf.TemporaryError(msg, delay=self.s.timing.pending_retry_s)
             msg = f"tracing {len(pods)} pods on {len(rows)} nodes ({sel})"
             await self.patch(ref, {
@@ -152,7 +170,8 @@ class Controller:
                 "deadline": deadline.isoformat().replace("+00:00", "Z") if deadline else None,
                 "nodes": rows, "warnings": bounded_warnings(warnings, self.s.gather),
                 "observedGeneration": ref.generation,
-                "conditions": condition("Ready", True, "Tracing", msg, ref.generation, status.get("conditions"))})
+                "conditions": lifecycle("Running", "Tracing", msg, ref.generation, status.get("conditions"))})
+            self.event(ref, "Normal", "Tracing", msg)
             log.info("%s/%s: %s", ref.namespace, ref.name, msg)
 
     async def _reconcile(self, ref: Ref, spec, live: Live, pods: list[dict], deadline) -> tuple[list, list]:
@@ -225,6 +244,14 @@ class Controller:
                                                      self.s.timing.live_full_max_calls)
                 patch.update(report_status(rep, world, self.s.gather))
                 warnings += rep.warnings
+                st = patch.get("straggler")
+                patch["conditions"] = lifecycle("Running", "Tracing", status.get("message") or "tracing",
+                                                ref.generation, status.get("conditions"), straggler=st)
+                who = (st or {}).get("who")
+                if who and who != live.announced:
+                    live.announced = who
+                    self.event(ref, "Warning", "StragglerDetected",
+                               f"{who}: cause {st.get('cause')}, saves {st.get('savingPct')}% of the step (live)")
             except Exception as e:  # live analysis is best effort; the final one decides
                 warnings.append(f"live analysis failed: {type(e).__name__}: {e}")
             patch["warnings"] = bounded_warnings(live.sticky + warnings, self.s.gather)
@@ -255,7 +282,9 @@ class Controller:
         async with live.lock:
             if live.done:
                 return
-            await self.patch(ref, {"phase": "Gathering", "message": f"gathering: {reason}"})
+            await self.patch(ref, {"phase": "Gathering", "message": f"gathering: {reason}",
+                                   "conditions": lifecycle("Gathering", "Gathering", f"gathering: {reason}",
+                                                           ref.generation, status.get("conditions"))})
             t0 = time.monotonic()
             local = self.local(ref)
             nodes = sorted({n["name"] for n in status.get("nodes") or []} | set(live.planned) | set(local.nodes()))
@@ -267,8 +296,9 @@ class Controller:
             except Exception as e:
                 msg = f"merging the segments failed: {type(e).__name__}: {e}"
                 await self.patch(ref, {"phase": "Failed", "message": msg, "endTime": now_iso(), "nodes": rows,
-                                       "conditions": condition("Ready", False, "MergeFailed", msg, ref.generation,
+                                       "conditions": lifecycle("Failed", "MergeFailed", msg, ref.generation,
                                                                status.get("conditions"))})
+                self.event(ref, "Warning", "Failed", msg)
                 live.done = True
                 return
             warnings = bounded_warnings(live.sticky + warnings + rep.warnings, self.s.gather)
@@ -283,11 +313,20 @@ class Controller:
             if spec.retention_h:
                 end = dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=spec.retention_h)
                 artifact["expiresAt"] = end.replace(microsecond=0).isoformat().replace("+00:00", "Z")
+            verdict = report_status(rep, world, self.s.gather)
             await self.patch(ref, {
                 "phase": "Completed", "message": msg, "endTime": now_iso(), "nodes": rows,
-                "warnings": warnings, "artifact": artifact, **report_status(rep, world, self.s.gather),
-                "conditions": condition("Ready", True, "Completed", msg, ref.generation, status.get("conditions"))})
+                "warnings": warnings, "artifact": artifact, **verdict,
+                "conditions": lifecycle("Completed", "Completed", msg, ref.generation, status.get("conditions"),
+                                        straggler=verdict.get("straggler"), verdict=True)})
             live.done = True
+            self.event(ref, "Normal", "Gathered", f"gathered {len(gathered)}/{len(nodes)} nodes; artifact "
+                                                  f"{artifact['path']} ({artifact['bytes']:,} bytes)")
+            st = verdict.get("straggler")
+            if st:
+                self.event(ref, "Warning", "StragglerDetected",
+                           f"{st.get('who')}: cause {st.get('cause')}, saves {st.get('savingPct')}% of the step")
+            self.event(ref, "Normal", "Completed", msg)
             log.info("%s/%s: %s", ref.namespace, ref.name, msg)
             for node in gathered:   # the artifact holds their data now
                 try:

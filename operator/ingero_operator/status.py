@@ -92,15 +92,16 @@ def bounded_warnings(warnings: list[str], g: GatherSettings) -> list[str]:
     return out
 
 
-def condition(ctype: str, ok: bool, reason: str, message: str, generation: int | None,
+def condition(ctype: str, ok: bool | None, reason: str, message: str, generation: int | None,
               old: list[dict] | None = None) -> list[dict]:
-    """Conditions with `ctype` set; lastTransitionTime kept when the status did not change."""
-    status = "True" if ok else "False"
+    """Conditions with `ctype` set (ok None: "Unknown"); lastTransitionTime kept when the
+    status did not change."""
+    status = "Unknown" if ok is None else "True" if ok else "False"
     conds = [c for c in (old or []) if c.get("type") != ctype]
     prev = next((c for c in (old or []) if c.get("type") == ctype), None)
     since = prev.get("lastTransitionTime") if prev and prev.get("status") == status else now_iso()
     conds.append({"type": ctype, "status": status, "reason": reason, "message": cut(message, 300),
-                  "observedGeneration": generation, "lastTransitionTime": since})
+                  "lastTransitionTime": since, **({"observedGeneration": generation} if generation is not None else {})})
     return sorted(conds, key=lambda c: c["type"])
 
 
@@ -114,3 +115,40 @@ def node_row(name: str, reached: bool, state: str | None, pods: int, info: dict 
     if clock:
         row["clockOffsetNs"], row["clockRttNs"] = int(clock[0]), int(clock[1])
     return row
+
+
+CONDITION_TYPES = ("Completed", "Failed", "Ready", "StragglerDetected", "Tracing")
+
+
+def lifecycle(phase: str, reason: str, message: str, generation: int | None, old: list[dict] | None,
+              straggler: dict | None = None, verdict: bool = False) -> list[dict]:
+    """Every condition for a session in `phase` (metav1.Condition-shaped, one per type):
+
+    - Tracing: True while Running (the probes record);
+    - Completed / Failed: True once the session ended that way;
+    - Ready: True only once the final verdict is in (Completed), so that
+      `kubectl wait --for=condition=Ready` returns after the verdict, not before;
+    - StragglerDetected: True when a straggler is named (live or final), False once a
+      verdict names nobody (`verdict`), Unknown before.
+    `reason` is CamelCase (Pending, NoPods, InvalidSpec, Tracing, Gathering, Completed, ...)."""
+    conds = old
+    running = phase == "Running"
+    conds = condition("Tracing", running, "Tracing" if running else reason, message, generation, conds)
+    conds = condition("Completed", phase == "Completed", reason, message, generation, conds)
+    conds = condition("Failed", phase == "Failed", reason if phase == "Failed" else "NotFailed",
+                      message if phase == "Failed" else "", generation, conds)
+    conds = condition("Ready", phase == "Completed", reason, message, generation, conds)
+    if straggler:
+        who = straggler.get("who") or f"rank {straggler.get('rank')}"
+        conds = condition("StragglerDetected", True, "Straggler",
+                          f"{who}: cause {straggler.get('cause')}, saves {straggler.get('savingPct')}% of the step",
+                          generation, conds)
+    elif verdict:
+        conds = condition("StragglerDetected", False, "NoStraggler", "no rank or group slows the job",
+                          generation, conds)
+    elif phase == "Failed":
+        conds = condition("StragglerDetected", None, reason, "no verdict: the session failed", generation, conds)
+    else:
+        conds = condition("StragglerDetected", None, "NoVerdictYet", "not enough steps traced yet",
+                          generation, conds)
+    return conds

@@ -100,3 +100,19 @@ def selector_matches(obj: dict, selector: str) -> bool:
         elif term not in labels:
             return False
     return True
+
+
+def fields_match(obj: dict, selector: str) -> bool:
+    """A field selector of `path=value` / `path==value` / `path!=value` terms, comma-separated
+    (what kubectl describe sends for an object's Events: involvedObject.name=x,...)."""
+    for term in filter(None, (t.strip() for t in (selector or "").split(","))):
+        neg = "!=" in term
+        path, _, want = term.partition("!=" if neg else "=")
+        want = want.lstrip("=")
+        cur = obj
+        for part in path.split("."):
+            cur = cur.get(part) if isinstance(cur, dict) else None
+        got = "" if cur is None else str(cur)
+        if (got == want) == neg:
+            return False
+    return True

@@ -53,6 +53,9 @@ def run_flow(out: Path, scenario: str, before=None, **kw) -> dict:
         got = {"status": res.status, "timings": res.timings, "lab": res.lab, "codes": res.codes,
                "stats": {rp.rank: rp.stats for rp in demo.lab.ranks}, "extra": extra,
                "custom_columns": demo.printer_rows(), "table": demo.kubectl("get", "tracesessions").stdout,
+               "describe": demo.kubectl("describe", "tracesession", "lab-job").stdout,
+               "wait": demo.kubectl("wait", "--for=condition=Completed", "tracesession/lab-job",
+                                    "--timeout=30s").stdout,
                "crd": yaml.safe_load(cfg.crd.read_text())}
     print(f"{scenario}: timings {json.dumps(res.timings)}")
     return got
@@ -162,7 +165,7 @@ def test_lossy_link_straggler_shows_up_in_status_while_the_job_runs(lossy):
 
 def test_printer_columns_evaluated_by_kubectl_on_the_real_status_give_the_expected_row(lossy):
     st = lossy["status"]
-    cols = lossy["crd"]["spec"]["versions"][0]["additionalPrinterColumns"]
+    cols = [c for c in lossy["crd"]["spec"]["versions"][0]["additionalPrinterColumns"] if not c.get("priority")]
     lines = [ln.split() for ln in lossy["custom_columns"].strip().splitlines()]
     assert lines[0] == ["NAME"] + [c["name"].upper() for c in cols]
     row = dict(zip(lines[0], lines[1]))
@@ -174,6 +177,19 @@ def test_printer_columns_evaluated_by_kubectl_on_the_real_status_give_the_expect
     assert table[0] == ["NAME", "PHASE", "RANKS", "STRAGGLER", "CAUSE", "SLOWDOWN", "RETRANSMITS", "AGE"]
     assert table[1][:7] == ["lab-job", "Completed", "4", st["straggler"]["pod"], "network", st["slowdown"],
                             str(st["retransmits"])]
+
+
+def test_conditions_follow_the_lifecycle_and_describe_lists_the_events(lossy):
+    conds = {c["type"]: c for c in lossy["status"]["conditions"]}
+    assert sorted(conds) == ["Completed", "Failed", "Ready", "StragglerDetected", "Tracing"]
+    assert [conds[t]["status"] for t in ("Completed", "Ready", "StragglerDetected", "Tracing", "Failed")] == \
+        ["True", "True", "True", "False", "False"]
+    assert all(c["reason"] and c["lastTransitionTime"] for c in conds.values())
+    assert "condition met" in lossy["wait"], lossy["wait"]
+    d = lossy["describe"]
+    events = d[d.index("Events:"):]
+    for reason in ("Tracing", "StragglerDetected", "Gathered", "Completed"):
+        assert reason in events, events
 
 
 def test_cpu_hog_names_that_rank_with_cpu_contention(tmp_path):
