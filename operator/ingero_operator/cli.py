@@ -43,6 +43,11 @@ def add_parser(sub):
                    "Deployment replicas, which share one spec) draws 1..2^31-1 at start (default 0)")
     r.add_argument("--liveness", default=None, metavar="URL",
                    help="serve kopf's liveness probe here, e.g. http://0.0.0.0:8080/healthz")
+    r.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics at http://0.0.0.0:PORT/metrics (sessions by phase, the "
+                        "straggler and its saving, per-rank lateness, retransmits and off-CPU time, agent "
+                        "reachability, lost events, gather/analysis durations)")
+    r.add_argument("--metrics-address", default="0.0.0.0", metavar="ADDR", help="address of --metrics-port")
     r.add_argument("--verbose", action="store_true")
     p.set_defaults(_op_parser=p)
     return p
@@ -87,6 +92,15 @@ def run(args) -> int:
                 priority = int(args.priority)
             except ValueError:
                 raise IngeroError(f"--priority {args.priority!r} is not an integer or 'random'") from None
+    if args.metrics_port is not None:
+        if not 1 <= args.metrics_port <= 65535:
+            raise IngeroError(f"--metrics-port {args.metrics_port} is out of range: use 1 to 65535")
+        from ingero_operator import metrics
+
+        try:
+            metrics.serve(args.metrics_port, args.metrics_address)
+        except OSError as e:
+            raise IngeroError(f"--metrics-port {args.metrics_port}: {e.strerror}; pick a free port") from None
     kopf.configure(verbose=args.verbose)
     logging.getLogger("ingero.operator").setLevel(logging.INFO)
     from ingero_operator import handlers  # noqa: F401  (registers the handlers with kopf)

@@ -106,8 +106,10 @@ class Demo:
             self._start_agents()
             for rp in self.lab.ranks:
                 self.cluster.create("/api/v1/namespaces/default/pods", objs.rank_pod(self.lab, rp))
+            self.metrics_port = _free_port()
             self._start("operator", [sys.executable, "-m", "ingero", "operator", "run", *self.cfg.operator_args,
-                                     "--namespace", objs.SYSTEM_NS, "--artifacts", str(self.out / "artifacts")])
+                                     "--namespace", objs.SYSTEM_NS, "--artifacts", str(self.out / "artifacts"),
+                                     "--metrics-port", str(self.metrics_port), "--metrics-address", "127.0.0.1"])
         except BaseException:
             self.close()
             raise
@@ -235,6 +237,13 @@ class Demo:
             out.append((c.restart_operator_after_s, lambda: (kill("operator"), restart("operator"))))
         return sorted(out, key=lambda e: e[0])
 
+    def scrape(self) -> str:
+        """The operator's /metrics, as Prometheus would scrape it."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
+            return r.read().decode()
+
     def printer_rows(self) -> str:
         cols = yaml.safe_load(self.cfg.crd.read_text())["spec"]["versions"][0]["additionalPrinterColumns"]
         cols = [c for c in cols if not c.get("priority")]      # what `kubectl get` shows without -o wide
@@ -256,6 +265,14 @@ class Demo:
             self.lab.close()
         if self.cluster is not None:
             self.cluster.stop()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        return sk.getsockname()[1]
 
 
 def add_parser(sub):
@@ -301,6 +318,10 @@ def run(args) -> int:
                 subprocess.run([sys.executable, "-m", "ingero", "report", art], check=False)
             for w in res.status.get("warnings") or []:
                 print(f"warning: {w}")
+            lines = [ln for ln in demo.scrape().splitlines()
+                     if ln.startswith(("ingero_straggler", "ingero_sessions{phase=\"Completed\"}"))]
+            print(f"\n$ curl -s http://127.0.0.1:{demo.metrics_port}/metrics | grep ingero_straggler\n"
+                  + "\n".join(lines))
             t = res.timings
             print(f"\ndemo: tracing ready {t['tracing_ready']:.1f} s, training {t['training']:.1f} s, "
                   f"gather {t['gather']:.1f} s"

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import kopf
 
+from ingero_operator import metrics
 from ingero_operator import plan as planning
 from ingero_operator.agents import AgentClient, AgentUnreachable
 from ingero_operator.gather import LocalSession, build_artifact, fetch_new, ingest_and_analyse
@@ -89,6 +90,7 @@ class Controller:
             await self.kube.patch_status(ref.namespace, ref.name, status)
         except (KubeError, aiohttp.ClientError) as e:
             raise kopf.TemporaryError(f"cannot write status: {e}", delay=2) from e
+        metrics.observe(ref.uid, ref.namespace, ref.name, status)
 
     async def agents(self) -> dict[str, AgentClient]:
         a = self.s.agent
@@ -238,10 +240,12 @@ class Controller:
             warnings += fetched
             patch = {"nodes": rows}
             try:
+                t_live = time.monotonic()
                 rep, world = await asyncio.to_thread(ingest_and_analyse, self.local(ref),
                                                      {n: c[0] for n, c in live.clocks.items()},
                                                      _slow_ms(spec), self.s.timing.live_window_s,
                                                      self.s.timing.live_full_max_calls)
+                metrics.DURATION.labels("live_analysis").observe(time.monotonic() - t_live)
                 patch.update(report_status(rep, world, self.s.gather))
                 warnings += rep.warnings
                 st = patch.get("straggler")
@@ -290,7 +294,9 @@ class Controller:
             nodes = sorted({n["name"] for n in status.get("nodes") or []} | set(live.planned) | set(local.nodes()))
             agents = await self.agents()
             gathered, warnings, rows = await self._gather_nodes(ref, live, agents, nodes)
+            metrics.DURATION.labels("gather").observe(time.monotonic() - t0)
             try:
+                t_merge = time.monotonic()
                 rep, world = await asyncio.to_thread(build_artifact, local,
                                                      {n: c[0] for n, c in live.clocks.items()}, _slow_ms(spec))
             except Exception as e:
@@ -301,6 +307,7 @@ class Controller:
                 self.event(ref, "Warning", "Failed", msg)
                 live.done = True
                 return
+            metrics.DURATION.labels("merge_and_analysis").observe(time.monotonic() - t_merge)
             warnings = bounded_warnings(live.sticky + warnings + rep.warnings, self.s.gather)
             # the report's own warnings are in `warnings` already: they must not replace the
             # operator's (a node unreachable while gathering was lost from report.json)
@@ -386,6 +393,7 @@ class Controller:
         await asyncio.gather(*(one(c) for c in agents.values()))
 
     def forget(self, ref: Ref) -> None:
+        metrics.forget(ref.uid)
         self.live.pop(ref.uid, None)
 
 

@@ -23,6 +23,7 @@ NON_DEFAULT = {
     "operator": {"replicas": 2, "artifacts": {"existingClaim": "ingero-artifacts"}, "verbose": True,
                  "liveWindowSeconds": 0},
     "token": {"value": "0123456789abcdef0123456789abcdef"},
+    "metrics": {"enabled": True},
 }
 NAMESPACED = {"operator": {"watchNamespaces": ["team-a", "team-b"]},
               "token": {"existingSecret": "my-agent-token"},

@@ -54,6 +54,7 @@ def run_flow(out: Path, scenario: str, before=None, **kw) -> dict:
                "stats": {rp.rank: rp.stats for rp in demo.lab.ranks}, "extra": extra,
                "custom_columns": demo.printer_rows(), "table": demo.kubectl("get", "tracesessions").stdout,
                "describe": demo.kubectl("describe", "tracesession", "lab-job").stdout,
+               "metrics": demo.scrape(),
                "wait": demo.kubectl("wait", "--for=condition=Completed", "tracesession/lab-job",
                                     "--timeout=30s").stdout,
                "crd": yaml.safe_load(cfg.crd.read_text())}
@@ -190,6 +191,20 @@ def test_conditions_follow_the_lifecycle_and_describe_lists_the_events(lossy):
     events = d[d.index("Events:"):]
     for reason in ("Tracing", "StragglerDetected", "Gathered", "Completed"):
         assert reason in events, events
+
+
+def test_the_dashboard_and_alert_metrics_exist_in_a_real_scrape_of_the_operator(lossy):
+    from tests.chart.test_chart_metrics import metric_names_used
+
+    lines = [ln for ln in lossy["metrics"].splitlines() if ln.startswith("ingero_")]
+    present = {ln.split("{")[0].split(" ")[0] for ln in lines}
+    assert metric_names_used() <= present, metric_names_used() - present
+    s = lossy["status"]["straggler"]
+    named = [ln for ln in lines if ln.startswith("ingero_straggler{")]
+    assert len(named) == 1 and f'pod="{s["pod"]}"' in named[0] and 'cause="network"' in named[0], named
+    saving = next(ln for ln in lines if ln.startswith("ingero_straggler_saving_percent{"))
+    assert abs(float(saving.rsplit(" ", 1)[1]) - s["savingPct"]) < 0.01
+    assert 'ingero_sessions{phase="Completed"} 1.0' in lines
 
 
 def test_cpu_hog_names_that_rank_with_cpu_contention(tmp_path):
