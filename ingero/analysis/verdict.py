@@ -256,7 +256,6 @@ def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int) -> tuple[St
     if net is not None:
         node, hit, why, score, rank, single = net
         x = m.x.copy()
-        xm = median_of_others(np.where(hit, -2, tl.key), m.x.astype(np.float64))
         clean = m.x[~hit & tl.inwin]
         fallback = float(np.median(clean)) if len(clean) else 0.0
         # a hit event's transfer: the clean median at its position (events without a hit)
@@ -269,7 +268,6 @@ def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int) -> tuple[St
             target = np.where(ok, q[np.minimum(pos, len(uk) - 1)], fallback)
         else:
             target = np.full(int(hit.sum()), fallback)
-        del xm
         x[hit] = np.minimum(m.x[hit], target.astype(np.int64))
         label = f"rank {rank} on {node}" if single else f"node {node}"
         members = [rank] if single else sorted(r for r, v in rows.items() if v.node == node)
