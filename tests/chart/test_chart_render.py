@@ -25,6 +25,17 @@ NON_DEFAULT = {
     "token": {"value": "0123456789abcdef0123456789abcdef"},
     "metrics": {"enabled": True},
 }
+# Escape hatches: a site with a proxy, a custom CA and a Pod Security label, without a fork.
+HATCHES = {"podLabels": {"team": "ml-infra"},
+           "extraEnv": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"},
+                        {"name": "SSL_CERT_FILE", "value": "/etc/site-ca/ca.crt"}],
+           "extraArgs": ["--quiet"],
+           "extraVolumes": [{"name": "site-ca", "configMap": {"name": "site-ca"}}],
+           "extraVolumeMounts": [{"name": "site-ca", "mountPath": "/etc/site-ca", "readOnly": True}]}
+NON_DEFAULT["agent"].update(HATCHES, podSecurityContext={"seLinuxOptions": {"type": "spc_t"}},
+                            updateStrategy={"type": "OnDelete"})
+NON_DEFAULT["operator"].update({k: v for k, v in HATCHES.items() if k != "extraArgs"},
+                               extraArgs=["--verbose"])
 NAMESPACED = {"operator": {"watchNamespaces": ["team-a", "team-b"]},
               "token": {"existingSecret": "my-agent-token"},
               "agent": {"extraCapabilities": ["SYS_ADMIN"], "listenAddress": "[::]"}}
@@ -320,3 +331,27 @@ def test_notes_tell_how_to_check_the_agents_and_warn_about_emptydir_artifacts():
     assert "emptyDir" in notes
     assert "emptyDir" not in render_files(NON_DEFAULT)[f"{RELEASE}/templates/NOTES.txt"]
     assert shlex.split("kubectl apply -f examples/tracesession.yaml")[-1] in notes
+
+
+def test_escape_hatches_reach_both_pods_and_the_schema_guards_them(tmp_path):
+    docs = render(NON_DEFAULT)
+    for kind, name in (("Deployment", "operator"), ("DaemonSet", "agent")):
+        obj = next(d for d in docs if d["kind"] == kind)
+        pod = obj["spec"]["template"]
+        c = container(docs, kind, name)
+        assert pod["metadata"]["labels"]["team"] == "ml-infra"
+        assert pod["metadata"]["labels"]["app.kubernetes.io/component"] == name   # selector labels kept
+        assert {"name": "HTTPS_PROXY", "value": "http://proxy:3128"} in c["env"]
+        assert {"name": "site-ca", "mountPath": "/etc/site-ca", "readOnly": True} in c["volumeMounts"]
+        assert {"name": "site-ca", "configMap": {"name": "site-ca"}} in pod["spec"]["volumes"]
+        assert c["args"][-1] == ("--verbose" if name == "operator" else "--quiet")
+    ds = next(d for d in docs if d["kind"] == "DaemonSet")
+    assert ds["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    assert ds["spec"]["template"]["spec"]["securityContext"] == {"seLinuxOptions": {"type": "spc_t"}}
+    assert next(d for d in render() if d["kind"] == "DaemonSet")["spec"]["updateStrategy"]["type"] == "RollingUpdate"
+    for bad in ({"agent": {"podLabels": {"app.kubernetes.io/component": "x"}}},
+                {"operator": {"extraArgs": ["verbose"]}},
+                {"agent": {"extraVolumeMounts": [{"name": "x", "mountPath": "relative"}]}},
+                {"agent": {"updateStrategy": {"type": "Sometimes"}}}):
+        with pytest.raises(Exception, match="values.schema|schema"):
+            render(bad)
