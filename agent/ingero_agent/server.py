@@ -22,25 +22,26 @@ from __future__ import annotations
 import argparse
 import hmac
 import json
+import logging
 import os
 import re
 import resource
 import signal
 import socket
 import ssl
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-from ingero import __version__, readonly_sql
+from ingero import __version__, logs, readonly_sql
 from ingero.errors import IngeroError
 from ingero.tokens import read_token
 from ingero_agent.api import ApiError, SessionManager, parse_plan
 from ingero_agent.queries import QueryService
 
+log = logging.getLogger("ingero.agent")
 MAX_BODY = 4 << 20   # bytes; a plan for a few thousand pods fits
 ROUTES = [
     ("GET", re.compile(r"^/healthz$"), "healthz"),
@@ -80,7 +81,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def log_message(self, fmt, *args):
         if not self.quiet:
-            sys.stderr.write(f"ingero agent: {self.address_string()} {fmt % args}\n")
+            log.info("%s %s", self.address_string(), fmt % args)
 
     def _send(self, status: int, doc) -> None:
         body = json.dumps(doc).encode()
@@ -275,6 +276,7 @@ def add_parser(sub):
                    "(default: the cgroup2 mount)")
     r.add_argument("--ready-file", type=Path, help="touch this file once listening")
     r.add_argument("--quiet", action="store_true", help="no request log")
+    logs.add_arguments(r)
     p.set_defaults(_agent_parser=p)
     return p
 
@@ -310,6 +312,7 @@ def run(args) -> int:
     if args.cgroup_root is not None and not args.cgroup_root.is_dir():
         raise IngeroError(f"--cgroup-root {args.cgroup_root} is not a folder; pass the cgroup v2 "
                           "folder that holds the pods")
+    logs.setup(args.log_format, args.log_level, "ingero.agent")
     listen = parse_listen(args.listen)
     token = read_token(args.token_file)
     bound_memory(args.max_memory_mb)
@@ -335,10 +338,9 @@ def run(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     scheme = "https" if args.tls_cert else "http"
-    print(f"ingero agent: node {args.node}, {scheme}://{args.listen}"
-          f"{' (client certificates required)' if args.tls_client_ca else ''}, data {manager.data}, "
-          f"{len(manager.sessions)} sessions on disk; queries: {args.query_timeout:g} s, "
-          f"{args.query_max_rows} rows, {args.query_max_bytes} bytes at most", file=sys.stderr, flush=True)
+    log.info("node %s, %s://%s%s, data %s, %d sessions on disk; queries: %g s, %d rows, %d bytes at most",
+             args.node, scheme, args.listen, " (client certificates required)" if args.tls_client_ca else "",
+             manager.data, len(manager.sessions), args.query_timeout, args.query_max_rows, args.query_max_bytes)
     if args.ready_file:
         args.ready_file.touch()
     try:

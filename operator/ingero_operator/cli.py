@@ -48,7 +48,11 @@ def add_parser(sub):
                         "straggler and its saving, per-rank lateness, retransmits and off-CPU time, agent "
                         "reachability, lost events, gather/analysis durations)")
     r.add_argument("--metrics-address", default="0.0.0.0", metavar="ADDR", help="address of --metrics-port")
-    r.add_argument("--verbose", action="store_true")
+    r.add_argument("--verbose", action="store_true", help="kopf's debug logging (same as --log-level debug)")
+    r.add_argument("--log-format", choices=("text", "full", "json"), default="full",
+                   help="kopf's log format: text (message only), full (time, logger, level; default) "
+                        "or json (one JSON object per line)")
+    r.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     p.set_defaults(_op_parser=p)
     return p
 
@@ -101,8 +105,11 @@ def run(args) -> int:
             metrics.serve(args.metrics_port, args.metrics_address)
         except OSError as e:
             raise IngeroError(f"--metrics-port {args.metrics_port}: {e.strerror}; pick a free port") from None
-    kopf.configure(verbose=args.verbose)
-    logging.getLogger("ingero.operator").setLevel(logging.INFO)
+    fmt = {"text": kopf.LogFormat.PLAIN, "full": kopf.LogFormat.FULL, "json": kopf.LogFormat.JSON}[args.log_format]
+    level = "debug" if args.verbose else args.log_level
+    kopf.configure(verbose=level == "debug", quiet=level in ("warning", "error"), log_format=fmt)
+    logging.getLogger().setLevel(getattr(logging, level.upper()))
+    logging.getLogger("ingero.operator").setLevel(getattr(logging, level.upper()))
     from ingero_operator import handlers  # noqa: F401  (registers the handlers with kopf)
 
     if args.peering or priority is not None:

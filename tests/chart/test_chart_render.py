@@ -33,7 +33,8 @@ HATCHES = {"podLabels": {"team": "ml-infra"},
            "extraVolumes": [{"name": "site-ca", "configMap": {"name": "site-ca"}}],
            "extraVolumeMounts": [{"name": "site-ca", "mountPath": "/etc/site-ca", "readOnly": True}]}
 NON_DEFAULT["agent"].update(HATCHES, podSecurityContext={"seLinuxOptions": {"type": "spc_t"}},
-                            updateStrategy={"type": "OnDelete"})
+                            updateStrategy={"type": "OnDelete"}, logFormat="json", logLevel="warning")
+NON_DEFAULT["operator"].update(logFormat="json", logLevel="debug")
 NON_DEFAULT["operator"].update({k: v for k, v in HATCHES.items() if k != "extraArgs"},
                                extraArgs=["--verbose"])
 NAMESPACED = {"operator": {"watchNamespaces": ["team-a", "team-b"]},
