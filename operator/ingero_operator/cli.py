@@ -34,6 +34,9 @@ def add_parser(sub):
                         "starts mid-session is named quickly; 0 judges the whole session only (default 6)")
     r.add_argument("--refresh-interval", type=float, default=None, metavar="S",
                    help="live status refresh period while a session runs, seconds (default 2)")
+    r.add_argument("--final-max-calls", type=int, default=None, metavar="N",
+                   help="a finished session with more NCCL calls than this is judged on its last steps "
+                        "holding N (the analysis needs ~0.5 GB per million calls); default 2500000")
     r.add_argument("--standalone", action="store_true", help="no kopf peering (one operator only)")
     r.add_argument("--peering", default=None, metavar="NAME",
                    help="kopf peering object (ClusterKopfPeering, or KopfPeering per watched namespace): "
@@ -78,6 +81,10 @@ def run(args) -> int:
         if args.refresh_interval <= 0:
             raise IngeroError("--refresh-interval must be > 0 seconds")
         s.timing.refresh_interval_s = args.refresh_interval
+    if args.final_max_calls is not None:
+        if not 10_000 <= args.final_max_calls <= 10**9:
+            raise IngeroError(f"--final-max-calls {args.final_max_calls} is out of range: use 10000 to 1000000000")
+        s.timing.final_max_calls = args.final_max_calls
     s.artifacts_dir = Path(s.artifacts_dir).resolve()
     try:
         s.artifacts_dir.mkdir(parents=True, exist_ok=True)

@@ -230,6 +230,34 @@ def ingest_and_analyse(local: LocalSession, offsets: dict[str, int],
         con.close()
 
 
+def _analyse_bounded(con, slow_collective_ms: float | None, max_calls: int | None) -> Report:
+    """The whole session's report, or, when it holds more than `max_calls` NCCL calls, the
+    report of its last part holding about that many (the analysis keeps every call in
+    memory), with a warning saying which part."""
+    if max_calls is None:
+        return analyse(con, slow_collective_ms)
+    calls, first, last = con.execute(
+        "SELECT count(*), min(timestamp_ns), max(timestamp_ns) FROM nccl_events").fetchone()
+    if calls <= max_calls or first is None or last <= first:
+        return analyse(con, slow_collective_ms)
+    since = int(last - (last - first) * max_calls / calls)
+    db = con.execute("SELECT current_database()").fetchone()[0].replace('"', '""')
+    try:
+        for table in ("nccl_events", "tcp_events", "sched_events"):
+            con.execute(f'CREATE OR REPLACE TEMP VIEW {table} AS SELECT * FROM "{db}".main.{table} '
+                        f"WHERE timestamp_ns >= {since}")
+        rep = analyse(con, slow_collective_ms)
+    finally:
+        for table in ("nccl_events", "tcp_events", "sched_events"):
+            con.execute(f"DROP VIEW IF EXISTS temp.{table}")
+    window_s = (last - since) / 1e9
+    rep.warnings.insert(0, f"the verdict covers the last {window_s:.3g} s of the session ({calls:,} NCCL calls "
+                           f"in all, more than the {max_calls:,} the operator analyses at once: "
+                           "--final-max-calls, chart operator.finalMaxCalls); off-CPU times are the "
+                           "whole session's")
+    return rep
+
+
 def _recent(con, slow_collective_ms: float | None, recent_s: float, span_ns: int,
             step_ms: float | None = None) -> tuple[Report | None, float]:
     """The report of the recent window and its length: `recent_s`, stretched to
@@ -326,7 +354,8 @@ def _event_view(con, table: str, local: LocalSession, offsets: dict[str, int]) -
 
 
 def build_artifact(local: LocalSession, offsets: dict[str, int],
-                   slow_collective_ms: float | None = None) -> tuple[Report, int | None]:
+                   slow_collective_ms: float | None = None,
+                   max_calls: int | None = None) -> tuple[Report, int | None]:
     """Merge every node's segments (clock offsets applied) into trace.duckdb and analyse it.
 
     NCCL calls and scheduler events (nearly all rows) are not copied: in trace.duckdb
@@ -351,7 +380,7 @@ def build_artifact(local: LocalSession, offsets: dict[str, int],
         resolve_split_ranks(con)           # comms (nccl_events is still an empty table here)
         _event_view(con, "nccl_events", local, offsets)
         _event_view(con, "sched_events", local, offsets)
-        result = analyse(con, slow_collective_ms), world_size(con)
+        result = _analyse_bounded(con, slow_collective_ms, max_calls), world_size(con)
     finally:
         con.close()
     os.replace(tmp, local.artifact)

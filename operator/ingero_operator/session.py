@@ -298,7 +298,8 @@ class Controller:
             try:
                 t_merge = time.monotonic()
                 rep, world = await asyncio.to_thread(build_artifact, local,
-                                                     {n: c[0] for n, c in live.clocks.items()}, _slow_ms(spec))
+                                                     {n: c[0] for n, c in live.clocks.items()}, _slow_ms(spec),
+                                                     self.s.timing.final_max_calls)
             except Exception as e:
                 msg = f"merging the segments failed: {type(e).__name__}: {e}"
                 await self.patch(ref, {"phase": "Failed", "message": msg, "endTime": now_iso(), "nodes": rows,

@@ -172,3 +172,20 @@ def test_a_large_live_session_is_judged_on_its_recent_window_only(tmp_path):
     # at or under the limit: the whole session, as before
     same, _ = ingest_and_analyse(local, {}, recent_s=6.0, full_max_calls=calls)
     assert [r.collectives for r in same.ranks] == [r.collectives for r in whole.ranks]
+
+
+def test_a_session_too_large_to_analyse_whole_is_judged_on_its_last_calls_and_says_so(tmp_path):
+    from bench.synthetic import session
+
+    local = LocalSession(tmp_path / "ns" / "big")
+    lay = session(local.work / "nodes", steps=400, fault="slow-rank")     # 3,200 calls
+    whole, _ = build_artifact(local, {})
+    assert not any("the verdict covers" in w for w in whole.warnings)
+    part, _ = build_artifact(local, {}, max_calls=800)
+    assert part.warnings[0].startswith("the verdict covers the last ") and "3,200 NCCL calls" in part.warnings[0]
+    assert 780 <= part.collectives <= 820, part.collectives
+    assert part.straggler.rank == whole.straggler.rank == lay["victim"]
+    # the artifact itself still holds every call
+    con = duckdb.connect(str(local.artifact), read_only=True)
+    con.execute(f"SET file_search_path = '{local.root.resolve()}'")
+    assert con.execute("SELECT count(*) FROM nccl_events").fetchone()[0] == 3200
