@@ -404,7 +404,6 @@ def _straggler(k: Candidate, tl: Timeline, rows: dict, base_step: float, excess:
     else:
         who = max(k.ranks, key=lambda r: excess.get(r, 0.0))
     row = rows.get(who)
-    ev = tl.ev
     named = set(k.ranks) if k.kind != "spread" else set()
     evidence = _evidence(k, tl, rows, excess, base_step)
     prop = _propagated(tl, named, base_step, k.extra.get("replay"), base) if named else []
@@ -414,7 +413,6 @@ def _straggler(k: Candidate, tl: Timeline, rows: dict, base_step: float, excess:
     if kind in ("stage", "node") and len(k.ranks) == 1:    # a stage or node of one rank is that rank
         kind = "rank"
     group = None if kind == "rank" else (k.label if k.kind != "network" else f"node {k.extra['node']}")
-    del ev
     return Straggler(rank=who, node=row.node if row else None, pod=row.pod if row else None,
                      cause=k.cause, score=round(float(k.score), 2), evidence=evidence,
                      saving_ms_per_step=k.saving_ns / 1e6, saving_pct=100.0 * k.saving_ns / base_step,
