@@ -54,25 +54,16 @@ CASES = {
 
 def one(kw: dict, steps: int, load: int, out: Path):
     from ingero.analysis import analyse
-    from ingero.lab import tracers as tr
-    from ingero.lab.runner import LabConfig, LabRun
+    from ingero.lab.runner import LabConfig
+    from ingero.lab.tracers import run_traced
     from ingero.store import open_source
 
-    cfg = LabConfig(steps=steps, compute_ms=40.0, out_dir=out, background_load=load, **kw)
-    with LabRun(cfg, log=lambda _m: None) as lab:
-        tracers = tr.start_tracers(lab.out, {n.name: lab.pods_file(n) for n in lab.nodes},
-                                   nccl_lib=lab.binaries.libnccl)
-        lab.on_close.append(lambda: tr.stop_tracers(tracers, timeout_s=10))
-        tr.wait_ready(tracers)
-        lab.start_ranks()
-        codes = lab.wait()
-        tr.stop_tracers(tracers)
-        report = lab.report()
-    if set(codes.values()) != {0}:
-        raise RuntimeError(f"rank exit codes {codes}")
-    con = open_source(tr.merge(tracers, out / "trace.duckdb"))
+    run = run_traced(LabConfig(steps=steps, compute_ms=40.0, out_dir=out, background_load=load, **kw))
+    if set(run.codes.values()) != {0}:
+        raise RuntimeError(f"rank exit codes {run.codes}")
+    con = open_source(run.db)
     try:
-        return analyse(con), report
+        return analyse(con), run.report
     finally:
         con.close()
 

@@ -111,3 +111,28 @@ def merge(tracers: list[NodeTracer], dest: Path) -> Path:
                           "see the tracer logs in " + str(dest.parent / "nodes"))
     build_duckdb(dirs, dest)
     return dest
+
+
+@dataclass
+class TracedRun:
+    db: Path                   # the merged trace.duckdb
+    report: dict               # the lab's lab.json
+    codes: dict                # rank -> exit code
+    stops: dict                # node -> tracer exit code
+
+
+def run_traced(cfg, log=lambda _m: None) -> TracedRun:
+    """One lab run with a tracer per lab node started before any rank, stopped after the
+    last, and their traces merged (what `ingero lab run --trace` does)."""
+    from ingero.lab.runner import LabRun
+
+    with LabRun(cfg, log=log) as lab:
+        tracers = start_tracers(lab.out, {n.name: lab.pods_file(n) for n in lab.nodes},
+                                nccl_lib=lab.binaries.libnccl)
+        lab.on_close.append(lambda: stop_tracers(tracers, timeout_s=10))
+        wait_ready(tracers)
+        lab.start_ranks()
+        codes = lab.wait()
+        stops = stop_tracers(tracers)
+        report = lab.report()
+    return TracedRun(db=merge(tracers, lab.out / "trace.duckdb"), report=report, codes=codes, stops=stops)

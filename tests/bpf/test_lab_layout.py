@@ -20,26 +20,19 @@ def _run(tmp_path, scenario: str, layout: str = "tp=2,pp=2,dp=2", **kw) -> tuple
     if reason:
         pytest.skip(reason)
     from ingero.analysis import analyse
-    from ingero.lab import tracers as tr
-    from ingero.lab.runner import LabConfig, LabRun
+    from ingero.lab.runner import LabConfig
+    from ingero.lab.tracers import run_traced
     from ingero.store import open_source
 
     cfg = LabConfig(scenario=scenario, nodes=2, ranks_per_node=4, steps=40, compute_ms=40.0,
                     layout=layout, out_dir=tmp_path, background_load=background_load(), **kw)
     if scenario == "slow-stage":
         cfg.slow_factor = 1.5
-    with LabRun(cfg, log=lambda _m: None) as lab:
-        tracers = tr.start_tracers(lab.out, {n.name: lab.pods_file(n) for n in lab.nodes},
-                                   nccl_lib=lab.binaries.libnccl)
-        lab.on_close.append(lambda: tr.stop_tracers(tracers, timeout_s=10))
-        tr.wait_ready(tracers)
-        lab.start_ranks()
-        codes = lab.wait()
-        stops = tr.stop_tracers(tracers)
-        report = lab.report()
-    assert set(codes.values()) == {0}, f"rank exit codes {codes}; logs in {tmp_path / 'logs'}"
-    assert set(stops.values()) == {0}, f"tracer exit codes {stops}"
-    db = tr.merge(tracers, tmp_path / "trace.duckdb")
+    run = run_traced(cfg)
+    report = run.report
+    assert set(run.codes.values()) == {0}, f"rank exit codes {run.codes}; logs in {tmp_path / 'logs'}"
+    assert set(run.stops.values()) == {0}, f"tracer exit codes {run.stops}"
+    db = run.db
     con = open_source(db)
     try:
         rep = analyse(con)

@@ -19,32 +19,23 @@ def scalable(tmp_path_factory):
     reason = bpf_reason()
     if reason:
         pytest.skip(reason)
-    from ingero.lab import tracers as tr
-    from ingero.lab.runner import LabConfig, LabRun
+    from ingero.lab.runner import LabConfig
+    from ingero.lab.tracers import run_traced
     from ingero.store import open_source
 
     out = tmp_path_factory.mktemp("scalable")
     old = os.environ.get("TORCH_NCCL_RANKS_PER_ROOT")
     os.environ["TORCH_NCCL_RANKS_PER_ROOT"] = "2"   # the workers inherit it
     try:
-        cfg = LabConfig(scenario="clean", nodes=2, ranks_per_node=2, seconds=4, out_dir=out)
-        with LabRun(cfg, log=lambda _m: None) as lab:
-            tracers = tr.start_tracers(lab.out, {n.name: lab.pods_file(n) for n in lab.nodes},
-                                       nccl_lib=lab.binaries.libnccl)
-            lab.on_close.append(lambda: tr.stop_tracers(tracers, timeout_s=10))
-            tr.wait_ready(tracers)
-            lab.start_ranks()
-            codes = lab.wait()
-            stops = tr.stop_tracers(tracers)
+        run = run_traced(LabConfig(scenario="clean", nodes=2, ranks_per_node=2, seconds=4, out_dir=out))
     finally:
         if old is None:
             os.environ.pop("TORCH_NCCL_RANKS_PER_ROOT", None)
         else:
             os.environ["TORCH_NCCL_RANKS_PER_ROOT"] = old
-    db = tr.merge(tracers, out / "trace.duckdb")
-    assert set(codes.values()) == {0}, f"rank exit codes {codes}"
-    assert set(stops.values()) == {0}, f"tracer exit codes {stops}; logs in {out / 'nodes'}"
-    con = open_source(db)
+    assert set(run.codes.values()) == {0}, f"rank exit codes {run.codes}"
+    assert set(run.stops.values()) == {0}, f"tracer exit codes {run.stops}; logs in {out / 'nodes'}"
+    con = open_source(run.db)
     yield con
     con.close()
 

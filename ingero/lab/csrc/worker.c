@@ -170,6 +170,38 @@ static int cmp_double(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
+/* Step times of one rank: kept (the first million) for the final p50 and max. */
+struct steps {
+  double *times, sum;
+  long n, every;
+};
+
+static void steps_init(struct steps *s, long every) {
+  s->times = malloc(sizeof(double) * 1000000);
+  s->sum = 0;
+  s->n = 0;
+  s->every = every;
+}
+
+/* One more step of `dt` ms; prints a progress line every `every` steps. */
+static void step_done(struct steps *s, double dt) {
+  if (s->n < 1000000) s->times[s->n] = dt;
+  s->sum += dt;
+  s->n++;
+  if (s->every > 0 && s->n % s->every == 0) {
+    printf("rank %d step %ld step_ms %.1f\n", g_rank, s->n, dt);
+    fflush(stdout);
+  }
+}
+
+/* The final JSON line's step fields: "steps", "mean_step_ms", "p50_step_ms", "max_step_ms". */
+static void print_steps(struct steps *s) {
+  long kept = s->n < 1000000 ? s->n : 1000000;
+  qsort(s->times, kept, sizeof(double), cmp_double);
+  printf("\"steps\": %ld, \"mean_step_ms\": %.3f, \"p50_step_ms\": %.3f, \"max_step_ms\": %.3f", s->n,
+         s->n ? s->sum / s->n : 0.0, kept ? s->times[kept / 2] : 0.0, kept ? s->times[kept - 1] : 0.0);
+}
+
 /* [probes] ncclAlltoAll, ncclGather (root 0), ncclScatter (root world-1) on `comm`,
  * each checked; 0 when every result is right. */
 static int newer_collectives(ncclComm_t comm, int world, long step) {
@@ -251,9 +283,10 @@ static int run_layout(const char *spec, int world, int node, int local_rank, con
   size_t junk_len = 1 << 20;
   char *junk = malloc(junk_len);
   memset(junk, 0xab, junk_len);
-  double *times = malloc(sizeof(double) * 1000000), t0 = now_s(), sum = 0;
-  long step = 0;
-  for (;;) {
+  struct steps st;
+  steps_init(&st, every);
+  double t0 = now_s();
+  for (long step = 0;; step++) {
     double ts = now_s();
     int faulty = fault_from_ns > 0 && wall_ns() >= fault_from_ns;
     double c = (faulty ? fault_compute_ms : compute_ms) * imbalance_factor(imb, g_rank, step);
@@ -296,27 +329,17 @@ static int run_layout(const char *spec, int world, int node, int local_rank, con
       return 4;
     }
     stop = flag[0] != 0.0f;
-    double dt = (now_s() - ts) * 1e3;
-    if (step < 1000000) times[step] = dt;
-    sum += dt;
-    step++;
-    if (every > 0 && step % every == 0) {
-      printf("rank %d step %ld step_ms %.1f\n", g_rank, step, dt);
-      fflush(stdout);
-    }
+    step_done(&st, (now_s() - ts) * 1e3);
     if (stop) break;
   }
-  long kept = step < 1000000 ? step : 1000000;
-  qsort(times, kept, sizeof(double), cmp_double);
   ncclCommDestroy(PP);
   ncclCommDestroy(DP);
   ncclCommDestroy(TP);
   ncclCommDestroy(W);
   printf("{\"rank\": %d, \"node\": %d, \"local_rank\": %d, \"world_size\": %d, \"layout\": \"%d,%d,%d\", "
-         "\"stage\": %d, \"steps\": %ld, \"mean_step_ms\": %.3f, \"p50_step_ms\": %.3f, \"max_step_ms\": %.3f, "
-         "\"elapsed_s\": %.3f, \"verified\": true}\n",
-         g_rank, node, local_rank, world, T, P, D, p, step, step ? sum / step : 0.0,
-         kept ? times[kept / 2] : 0.0, kept ? times[kept - 1] : 0.0, now_s() - t0);
+         "\"stage\": %d, ", g_rank, node, local_rank, world, T, P, D, p);
+  print_steps(&st);
+  printf(", \"elapsed_s\": %.3f, \"verified\": true}\n", now_s() - t0);
   return 0;
 }
 
@@ -383,9 +406,10 @@ int main(void) {
   size_t junk_len = 1 << 20;
   char *junk = malloc(junk_len);
   memset(junk, 0xab, junk_len);
-  double *times = malloc(sizeof(double) * 1000000);
+  struct steps st;
+  steps_init(&st, every);
   long step = 0;
-  double t0 = now_s(), sum = 0;
+  double t0 = now_s();
   int next = (g_rank + 1) % world, prev = (g_rank + world - 1) % world;
   for (;;) {
     double ts = now_s();
@@ -432,25 +456,15 @@ int main(void) {
       return 4;
     }
     if (newer_colls && newer_collectives(A, world, step) != 0) return 4;  /* [probes] */
-    double dt = (now_s() - ts) * 1e3;
-    if (step < 1000000) times[step] = dt;
-    sum += dt;
+    step_done(&st, (now_s() - ts) * 1e3);
     step++;
-    if (every > 0 && step % every == 0) {
-      printf("rank %d step %ld step_ms %.1f\n", g_rank, step, dt);
-      fflush(stdout);
-    }
     if (stop) break;
   }
-  long kept = step < 1000000 ? step : 1000000;
-  qsort(times, kept, sizeof(double), cmp_double);
   ncclCommDestroy(C);
   ncclCommDestroy(B);
   ncclCommDestroy(A);
-  printf("{\"rank\": %d, \"node\": %d, \"local_rank\": %d, \"world_size\": %d, \"steps\": %ld, "
-         "\"mean_step_ms\": %.3f, \"p50_step_ms\": %.3f, \"max_step_ms\": %.3f, \"elapsed_s\": %.3f, "
-         "\"verified\": true}\n",
-         g_rank, node, local_rank, world, step, step ? sum / step : 0.0, kept ? times[kept / 2] : 0.0,
-         kept ? times[kept - 1] : 0.0, now_s() - t0);
+  printf("{\"rank\": %d, \"node\": %d, \"local_rank\": %d, \"world_size\": %d, ", g_rank, node, local_rank, world);
+  print_steps(&st);
+  printf(", \"elapsed_s\": %.3f, \"verified\": true}\n", now_s() - t0);
   return 0;
 }
