@@ -64,6 +64,7 @@ class DemoResult:
     timings: dict = field(default_factory=dict)    # seconds; see Demo.run
     codes: dict = field(default_factory=dict)      # rank -> exit code
     lab: dict = field(default_factory=dict)
+    kubectl_wait: str = ""                         # what `kubectl wait --for=condition=Completed` said
 
 
 class Demo:
@@ -183,9 +184,23 @@ class Demo:
         raise IngeroError(f"timed out after {timeout_s:.0f} s waiting for {what}; status: {json.dumps(st)[:400]}")
 
     def run(self) -> DemoResult:
-        """Apply the session, run the job, wait for the verdict. Timings in seconds."""
+        """Apply the session, run the job, wait for the verdict. Timings in seconds.
+        `kubectl wait --for=condition=Completed` runs from the start beside it; its answer
+        and when it came (timings["kubectl_wait"], from the job's end) are in the result."""
         res, t0 = DemoResult(), time.monotonic()
         self.apply_session()
+        env = dict(os.environ, KUBECONFIG=str(self.cluster.kubeconfig), KUBECACHEDIR=str(self.out / "kube-cache"))
+        waiter = subprocess.Popen(["kubectl", "wait", "--for=condition=Completed", f"tracesession/{self.session_name}",
+                                   f"--timeout={int(self.cfg.timeout_s + self.cfg.seconds + 300)}s"],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            return self._run(res, t0, waiter)
+        finally:
+            if waiter.poll() is None:
+                waiter.kill()
+            waiter.wait()
+
+    def _run(self, res: DemoResult, t0: float, waiter: subprocess.Popen) -> DemoResult:
         nodes = len(self.lab.nodes)
         self.wait_for(lambda s: s.get("phase") in TERMINAL or (
             s.get("phase") == "Running" and sum(n.get("state") == "running" for n in s.get("nodes", [])) == nodes),
@@ -210,6 +225,12 @@ class Demo:
         t_end = time.monotonic()
         res.status = self.wait_for(lambda s: s.get("phase") in TERMINAL, self.cfg.timeout_s, "the session to complete")
         res.timings["gather"] = time.monotonic() - t_end
+        if res.status.get("phase") == "Completed":
+            try:
+                res.kubectl_wait = waiter.communicate(timeout=30)[0].strip()
+                res.timings["kubectl_wait"] = time.monotonic() - t_end
+            except subprocess.TimeoutExpired:
+                res.kubectl_wait = "kubectl wait did not return within 30 s of the Completed status"
         res.timings["total"] = time.monotonic() - t0
         res.lab = {"run_id": self.lab.run_id, "victim_rank": self.lab.victim, "victim_node": self.lab.victim_node.name,
                    "node_tcp": self.lab.notes.get("node_tcp")}
@@ -245,6 +266,7 @@ class Demo:
             return r.read().decode()
 
     def printer_rows(self) -> str:
+        """The default printer columns (priority 0; Message is priority 1, for -o wide)."""
         cols = yaml.safe_load(self.cfg.crd.read_text())["spec"]["versions"][0]["additionalPrinterColumns"]
         cols = [c for c in cols if not c.get("priority")]      # what `kubectl get` shows without -o wide
         return self.kubectl("get", "tracesessions", "-o", custom_columns(cols)).stdout
@@ -311,7 +333,12 @@ def run(args) -> int:
     try:
         with Demo(cfg, log=lambda m: print(m, flush=True)) as demo:
             res = demo.run()
+            print(f"\n$ kubectl wait --for=condition=Completed tracesession/{demo.session_name}  "
+                  f"# started with the session\n{res.kubectl_wait}")
             print(f"\n$ kubectl get tracesessions\n{demo.kubectl('get', 'tracesessions').stdout}")
+            described = demo.kubectl("describe", "tracesession", demo.session_name).stdout
+            print(f"$ kubectl describe tracesession {demo.session_name} | sed -n '/^Events:/,$p'\n"
+                  f"Events:{described.split(chr(10) + 'Events:', 1)[-1]}")
             art = (res.status.get("artifact") or {}).get("path")
             print(f"$ ingero report {art}", flush=True)
             if art:

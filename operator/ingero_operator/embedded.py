@@ -10,8 +10,16 @@ adds what the operator and kubectl rely on from a real API server:
 * admission for TraceSessions: defaults from the CRD's openAPIV3Schema, then
   validation with ``jsonschema``; a bad object gets ``422 Invalid`` naming
   the field, as the real API server answers;
-* list kinds and server-side Table output with the CRD's printer columns,
-  so plain ``kubectl get tracesessions`` shows Phase, Straggler, Cause, ...
+* list kinds and server-side Table output with the CRD's printer columns
+  (each with its priority: kubectl shows priority 1 only with ``-o wide``),
+  so plain ``kubectl get tracesessions`` shows Phase, Straggler, Cause, ...;
+* ``metadata.generateName`` (kopf posts its Events with it) and
+  ``fieldSelector`` on lists and watches (``metadata.name``, as ``kubectl
+  wait`` asks; ``involvedObject.*``, as ``kubectl describe`` asks for Events);
+* watch streams typed ``application/json`` (kubectl's decoder refuses others);
+* status writes validated against the CRD's schema too, as the real API
+  server does;
+* the core group's discovery document says ``groupVersion: v1``.
 """
 
 from __future__ import annotations
@@ -180,6 +188,9 @@ class Emulator(kmock.KubernetesEmulator):
             meta.setdefault("uid", str(uuid.uuid4()))
             if not meta.get("name") and meta.get("generateName"):     # kopf's Events: "kopf-event-"
                 meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+            if not meta.get("name"):
+                raise kmock.KubernetesError(status=422, reason="Invalid",
+                                            message="metadata.name: Required value: name or generateName is required")
             meta.update(generation=1,
                         creationTimestamp=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
             meta.setdefault("namespace", request.namespace) if request.namespace else None
@@ -203,8 +214,9 @@ class Emulator(kmock.KubernetesEmulator):
             base, new = current, copy.deepcopy(new)   # new shares sub-dicts with current
             if new.get("spec") != current.get("spec"):
                 new["metadata"]["generation"] = int(current["metadata"].get("generation") or 1) + 1
-        if request.resource == self.cr and request.subresource is None:
-            apply_defaults(new, self.schema)
+        if request.resource == self.cr:   # status writes are validated too, as the real API server does
+            if request.subresource is None:
+                apply_defaults(new, self.schema)
             errors = sorted(self.validator.iter_errors(new), key=lambda e: list(e.absolute_path))
             if errors:
                 raise self._invalid(new, errors)
@@ -217,6 +229,8 @@ class Emulator(kmock.KubernetesEmulator):
 
     async def _serve_version(self, request):
         doc = await super()._serve_version(request)
+        if str(doc.get("groupVersion", "")).startswith("/"):   # the core group is "v1", not "/v1"
+            doc["groupVersion"] = doc["groupVersion"][1:]
         for r in doc.get("resources", []):
             if "/" in r["name"]:  # subresources carry no short names (kubectl warns otherwise)
                 r["shortNames"], r["categories"] = [], []
@@ -227,12 +241,16 @@ class Emulator(kmock.KubernetesEmulator):
             request = self._admit(request)
         if request.resource is not None and request.resource.plural and request.action == kmock.action.LIST:
             return await self._list(request)
+        if request.resource is not None and request.action == kmock.action.WATCH:
+            # kubectl (client-go) decodes a watch stream only when it is typed as JSON
+            return await rendering.Response(payload=self._serve_watch(request),
+                                            headers={"Content-Type": "application/json"})(request)
         if request.resource == self.cr and request.action == kmock.action.FETCH and not request.subresource \
                 and "as=Table" in self._accept(request):
             obj = self._current(request)
             if obj is None:
                 raise kmock.KubernetesObjectNotFoundError()
-            doc = tables.table([obj], self.version["additionalPrinterColumns"])
+            doc = tables.table([obj], self.version["additionalPrinterColumns"], wide=True)
             return await rendering.Response(payload=doc)(request)
         return await super()._handle(request)
 
@@ -246,13 +264,18 @@ class Emulator(kmock.KubernetesEmulator):
             objs = [copy.deepcopy(dict(o.raw)) for (res, ns, name), o in self.objects.items()
                     if res == request.resource and not o.deleted and self._wanted(request, ns, name)]
         since = int(request.params.get("resourceVersion") or 0)
+
+        def selected(obj: dict) -> bool:   # kubectl wait watches with fieldSelector=metadata.name=x
+            return tables.fields_match(obj, request.params.get("fieldSelector", "")) \
+                and tables.selector_matches(obj, request.params.get("labelSelector", ""))
         try:
             for obj in objs:
-                if int(obj.get("metadata", {}).get("resourceVersion") or 0) > since:
+                if int(obj.get("metadata", {}).get("resourceVersion") or 0) > since and selected(obj):
                     yield {"type": "MODIFIED" if since else "ADDED", "object": obj}
             async for event in bus.stream(since=marker):
-                meta = (event.get("object") or {}).get("metadata") or {}
-                if self._wanted(request, meta.get("namespace"), meta.get("name")):
+                obj = event.get("object") or {}
+                meta = obj.get("metadata") or {}
+                if self._wanted(request, meta.get("namespace"), meta.get("name")) and selected(obj):
                     yield event
         finally:
             await bus.unmark(marker)
@@ -279,7 +302,7 @@ class Emulator(kmock.KubernetesEmulator):
         accept = self._accept(request)
         if "as=Table" in accept:
             cols = self.version["additionalPrinterColumns"] if request.resource == self.cr else []
-            doc = tables.table(items, cols, wide="-o wide" in accept)
+            doc = tables.table(items, cols, wide=True)   # kubectl hides priority > 0 columns unless -o wide
         else:
             doc = {"apiVersion": str(request.resource.version if not request.resource.group
                                      else f"{request.resource.group}/{request.resource.version}"),

@@ -86,3 +86,5 @@ async def expire(status, meta, memo: kopf.Memo, logger, **_):
     shutil.rmtree(root, ignore_errors=True)
     logger.info(f"artifact {root} expired and was deleted")
     await memo.controller.patch(_ref(meta), {"artifact": {"deleted": True}})
+    memo.controller.event(_ref(meta), "Normal", "ArtifactExpired",
+                          f"the merged trace {root} was deleted (retention ended {art['expiresAt']})")

@@ -26,7 +26,8 @@ from ingero_operator.gather import LocalSession, build_artifact, fetch_new, inge
 from ingero_operator.kube import Kube, KubeError
 from ingero_operator.settings import Settings
 from ingero_operator.settings import GROUP, VERSION
-from ingero_operator.status import bounded_warnings, lifecycle, node_row, now_iso, parse_iso, report_status
+from ingero_operator.status import (bounded_warnings, lifecycle, node_row, now_iso, parse_iso, report_status,
+                                    straggler_message)
 
 log = logging.getLogger("ingero.operator")
 ACTIVE = ("running", "starting")
@@ -52,7 +53,9 @@ class Live:
     planned: dict = field(default_factory=dict)    # node -> pod uids the agent last got
     failures: dict = field(default_factory=dict)   # node -> tracer starts that failed
     sticky: list = field(default_factory=list)     # warnings kept until the end
-    announced: str | None = None                   # the live straggler an Event was posted for
+    conditions: list | None = None                 # as last written (None: take the status')
+    unreachable: set = field(default_factory=set)  # nodes whose AgentUnreachable was posted
+    announced: tuple | None = None                 # (who, cause) of the last StragglerDetected Event
     done: bool = False
 
 
@@ -92,6 +95,44 @@ class Controller:
             raise kopf.TemporaryError(f"cannot write status: {e}", delay=2) from e
         metrics.observe(ref.uid, ref.namespace, ref.name, status)
 
+    async def transition(self, ref: Ref, status: dict, phase: str, reason: str | None, message: str,
+                         **fields) -> None:
+        """Write `phase` with its message and every lifecycle condition (status.lifecycle);
+        `fields` go into the same status patch. StragglerDetected follows the straggler the
+        status holds after the patch."""
+        live = self._state(ref)
+        old = live.conditions if live.conditions is not None else (status or {}).get("conditions")
+        straggler = fields["straggler"] if "straggler" in fields else (status or {}).get("straggler")
+        conds = lifecycle(phase, reason, message, ref.generation, old, straggler if phase != "Failed" else None)
+        await self.patch(ref, {"phase": phase, "message": message, "observedGeneration": ref.generation,
+                               **fields, "conditions": conds})
+        live.conditions = conds
+
+    async def fail(self, ref: Ref, status: dict, reason: str, message: str, **fields) -> None:
+        """Phase Failed: conditions Failed=True/Ready=False with `reason`, a Failed warning Event."""
+        await self.transition(ref, status, "Failed", reason, message, endTime=now_iso(), **fields)
+        self.event(ref, "Warning", "Failed", message)
+        log.warning("%s/%s: failed (%s): %s", ref.namespace, ref.name, reason, message)
+
+    def _post_unreachable(self, ref: Ref, live: Live, rows: list[dict], warnings: list[str]) -> None:
+        """One AgentUnreachable warning per node that became unreachable (again), not one per retry."""
+        down = {r["name"] for r in rows if not r["agentReached"]}
+        for node in sorted(down - live.unreachable):
+            why = next((w for w in warnings if w.startswith(f"node {node}:")), f"node {node}: no answer")
+            self.event(ref, "Warning", "AgentUnreachable", why)
+        live.unreachable = down
+
+    def _post_straggler(self, ref: Ref, live: Live, straggler: dict | None, final: bool) -> None:
+        """A StragglerDetected Event when a verdict names a rank or group, or another one or another
+        cause; the final verdict confirming the live one posts nothing new."""
+        if not straggler:
+            return
+        key = (straggler.get("who"), straggler.get("cause"))
+        if key != live.announced:
+            live.announced = key
+            self.event(ref, "Warning", "StragglerDetected",
+                       straggler_message(straggler) + ("" if final else " (live verdict)"))
+
     async def agents(self) -> dict[str, AgentClient]:
         a = self.s.agent
         if self._http is None or self._http.closed:
@@ -123,10 +164,7 @@ class Controller:
         try:
             spec = planning.parse_spec(spec_doc)
         except planning.SpecError as e:
-            await self.patch(ref, {"phase": "Failed", "message": str(e), "observedGeneration": ref.generation,
-                                   "conditions": lifecycle("Failed", "InvalidSpec", str(e), ref.generation,
-                                                           status.get("conditions"))})
-            self.event(ref, "Warning", "Failed", str(e))
+            await self.fail(ref, status, "InvalidSpec", str(e))
             raise kopf.PermanentError(str(e)) from e
         live = self._state(ref)
         async with live.lock:
@@ -139,17 +177,11 @@ class Controller:
                     # a session with a duration ends after it, pods or not
                     msg = (f"no running pod matched {sel} in namespace {ref.namespace} within "
                            f"durationSeconds ({spec.duration_s}); check the selector")
-                    await self.patch(ref, {"phase": "Failed", "message": msg, "observedGeneration": ref.generation,
-                                           "conditions": lifecycle("Failed", "NoPods", msg, ref.generation,
-                                                                   status.get("conditions"))})
-                    self.event(ref, "Warning", "Failed", msg)
+                    await self.fail(ref, status, "NoPods", msg)
                     raise kopf.PermanentError(msg)
                 msg = f"no running pod matches {sel} in namespace {ref.namespace}; waiting for the job"
-                await self.patch(ref, {"phase": "Pending", "message": msg, "sessionId": ref.sid,
-                                       "pendingSince": since.isoformat().replace("+00:00", "Z"),
-                                       "observedGeneration": ref.generation,
-                                       "conditions": lifecycle("Pending", "WaitingForPods", msg, ref.generation,
-                                                               status.get("conditions"))})
+                await self.transition(ref, status, "Pending", "WaitingForPods", msg, sessionId=ref.sid,
+                                      pendingSince=since.isoformat().replace("+00:00", "Z"))
                 delay = self.s.timing.pending_retry_s
                 if spec.duration_s:   # look again at the latest when the duration is up
                     delay = max(0.5, min(delay, spec.duration_s - (now - since).total_seconds()))
@@ -157,22 +189,16 @@ class Controller:
             start = parse_iso(status.get("startTime")) or dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
             deadline = start + dt.timedelta(seconds=spec.duration_s) if spec.duration_s else None
             rows, warnings = await self._reconcile(ref, spec, live, pods, deadline)
+            self._post_unreachable(ref, live, rows, warnings)
             if not any(r["agentReached"] for r in rows):
                 msg = "no ingero agent could be reached: " + "; ".join(warnings)
-                await self.patch(ref, {"phase": "Pending", "message": msg, "nodes": rows,
-                                       "observedGeneration": ref.generation,
-                                       "conditions": lifecycle("Pending", "AgentUnreachable", msg, ref.generation,
-                                                               status.get("conditions"))})
-                self.event(ref, "Warning", "AgentUnreachable", msg)
+                await self.transition(ref, status, "Pending", "AgentUnreachable", msg, nodes=rows)
                 raise kopf.TemporaryError(msg, delay=self.s.timing.pending_retry_s)
             msg = f"tracing {len(pods)} pods on {len(rows)} nodes ({sel})"
-            await self.patch(ref, {
-                "phase": "Running", "sessionId": ref.sid, "message": msg,
-                "startTime": start.isoformat().replace("+00:00", "Z"),
-                "deadline": deadline.isoformat().replace("+00:00", "Z") if deadline else None,
-                "nodes": rows, "warnings": bounded_warnings(warnings, self.s.gather),
-                "observedGeneration": ref.generation,
-                "conditions": lifecycle("Running", "Tracing", msg, ref.generation, status.get("conditions"))})
+            await self.transition(ref, status, "Running", "Tracing", msg, sessionId=ref.sid,
+                                  startTime=start.isoformat().replace("+00:00", "Z"),
+                                  deadline=deadline.isoformat().replace("+00:00", "Z") if deadline else None,
+                                  nodes=rows, warnings=bounded_warnings(warnings, self.s.gather))
             self.event(ref, "Normal", "Tracing", msg)
             log.info("%s/%s: %s", ref.namespace, ref.name, msg)
 
@@ -221,7 +247,16 @@ class Controller:
         live = self._state(ref)
         if live.done:
             return
-        spec = self.parse(ref, spec_doc)
+        try:
+            spec = planning.parse_spec(spec_doc)
+        except planning.SpecError as e:   # the spec was edited into one the operator refuses
+            async with live.lock:
+                if live.done:
+                    return
+                live.done = True
+                await self.stop_everywhere(ref)
+                await self.fail(ref, status, "InvalidSpec", f"the edited spec is refused: {e}")
+            return
         deadline = parse_iso(status.get("deadline"))
         if status.get("phase") == "Gathering":
             return await self.finish(ref, spec, status, "resuming an interrupted gather")
@@ -236,6 +271,7 @@ class Controller:
             if live.done:
                 return
             rows, warnings = await self._reconcile(ref, spec, live, pods, deadline)
+            self._post_unreachable(ref, live, rows, warnings)
             fetched = await self._fetch_all(ref, live, [r["name"] for r in rows if r["agentReached"]])
             warnings += fetched
             patch = {"nodes": rows}
@@ -248,18 +284,11 @@ class Controller:
                 metrics.DURATION.labels("live_analysis").observe(time.monotonic() - t_live)
                 patch.update(report_status(rep, world, self.s.gather))
                 warnings += rep.warnings
-                st = patch.get("straggler")
-                patch["conditions"] = lifecycle("Running", "Tracing", status.get("message") or "tracing",
-                                                ref.generation, status.get("conditions"), straggler=st)
-                who = (st or {}).get("who")
-                if who and who != live.announced:
-                    live.announced = who
-                    self.event(ref, "Warning", "StragglerDetected",
-                               f"{who}: cause {st.get('cause')}, saves {st.get('savingPct')}% of the step (live)")
             except Exception as e:  # live analysis is best effort; the final one decides
                 warnings.append(f"live analysis failed: {type(e).__name__}: {e}")
             patch["warnings"] = bounded_warnings(live.sticky + warnings, self.s.gather)
-            await self.patch(ref, patch)
+            await self.transition(ref, status, "Running", "Tracing", status.get("message") or "tracing", **patch)
+            self._post_straggler(ref, live, patch.get("straggler", status.get("straggler")), final=False)
 
     async def _fetch_all(self, ref: Ref, live: Live, nodes: list[str], since_zero: bool = False) -> list[str]:
         agents = await self.agents()
@@ -286,14 +315,13 @@ class Controller:
         async with live.lock:
             if live.done:
                 return
-            await self.patch(ref, {"phase": "Gathering", "message": f"gathering: {reason}",
-                                   "conditions": lifecycle("Gathering", "Gathering", f"gathering: {reason}",
-                                                           ref.generation, status.get("conditions"))})
+            await self.transition(ref, status, "Gathering", "Gathering", f"gathering: {reason}")
             t0 = time.monotonic()
             local = self.local(ref)
             nodes = sorted({n["name"] for n in status.get("nodes") or []} | set(live.planned) | set(local.nodes()))
             agents = await self.agents()
             gathered, warnings, rows = await self._gather_nodes(ref, live, agents, nodes)
+            self._post_unreachable(ref, live, rows, warnings)
             metrics.DURATION.labels("gather").observe(time.monotonic() - t0)
             try:
                 t_merge = time.monotonic()
@@ -302,10 +330,7 @@ class Controller:
                                                      self.s.timing.final_max_calls)
             except Exception as e:
                 msg = f"merging the segments failed: {type(e).__name__}: {e}"
-                await self.patch(ref, {"phase": "Failed", "message": msg, "endTime": now_iso(), "nodes": rows,
-                                       "conditions": lifecycle("Failed", "MergeFailed", msg, ref.generation,
-                                                               status.get("conditions"))})
-                self.event(ref, "Warning", "Failed", msg)
+                await self.fail(ref, status, "MergeFailed", msg, nodes=rows)
                 live.done = True
                 return
             metrics.DURATION.labels("merge_and_analysis").observe(time.monotonic() - t_merge)
@@ -322,19 +347,16 @@ class Controller:
                 end = dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=spec.retention_h)
                 artifact["expiresAt"] = end.replace(microsecond=0).isoformat().replace("+00:00", "Z")
             verdict = report_status(rep, world, self.s.gather)
-            await self.patch(ref, {
-                "phase": "Completed", "message": msg, "endTime": now_iso(), "nodes": rows,
-                "warnings": warnings, "artifact": artifact, **verdict,
-                "conditions": lifecycle("Completed", "Completed", msg, ref.generation, status.get("conditions"),
-                                        straggler=verdict.get("straggler"), verdict=True)})
+            await self.transition(ref, status, "Completed", "Completed", msg, endTime=now_iso(), nodes=rows,
+                                  warnings=warnings, artifact=artifact, **verdict)
             live.done = True
-            self.event(ref, "Normal", "Gathered", f"gathered {len(gathered)}/{len(nodes)} nodes; artifact "
-                                                  f"{artifact['path']} ({artifact['bytes']:,} bytes)")
+            self.event(ref, "Warning" if len(gathered) < len(nodes) else "Normal", "Gathered",
+                       f"gathered {len(gathered)}/{len(nodes)} nodes; artifact {artifact['path']} "
+                       f"({artifact['bytes']:,} bytes)")
             st = verdict.get("straggler")
-            if st:
-                self.event(ref, "Warning", "StragglerDetected",
-                           f"{st.get('who')}: cause {st.get('cause')}, saves {st.get('savingPct')}% of the step")
-            self.event(ref, "Normal", "Completed", msg)
+            self._post_straggler(ref, live, st, final=True)
+            self.event(ref, "Normal", "Completed", msg + (f"; {straggler_message(st)}" if st else
+                                                          "; no straggler: no rank or group slows the job"))
             log.info("%s/%s: %s", ref.namespace, ref.name, msg)
             for node in gathered:   # the artifact holds their data now
                 try:

@@ -100,7 +100,7 @@ def condition(ctype: str, ok: bool | None, reason: str, message: str, generation
     conds = [c for c in (old or []) if c.get("type") != ctype]
     prev = next((c for c in (old or []) if c.get("type") == ctype), None)
     since = prev.get("lastTransitionTime") if prev and prev.get("status") == status else now_iso()
-    conds.append({"type": ctype, "status": status, "reason": reason, "message": cut(message, 300),
+    conds.append({"type": ctype, "status": status, "reason": reason, "message": cut(message or "", 300),
                   "lastTransitionTime": since, **({"observedGeneration": generation} if generation is not None else {})})
     return sorted(conds, key=lambda c: c["type"])
 
@@ -117,38 +117,78 @@ def node_row(name: str, reached: bool, state: str | None, pods: int, info: dict 
     return row
 
 
+# The lifecycle, as conditions (metav1.Condition-shaped, one per type):
+#   phase      Tracing                 Completed        Failed           Ready
+#   Pending    False WaitingForPods/   False Pending    False Pending    False Pending
+#              AgentUnreachable
+#   Running    True  Tracing           False Tracing    False Tracing    False Tracing
+#   Gathering  False Gathering         False Gathering  False Gathering  False Gathering
+#   Completed  False Finished          True  Completed  False Completed  True  VerdictReady
+#   Failed     False Failed            False Failed     True  <reason>   False <reason>
+# Ready is True only once the final verdict is in, so `kubectl wait --for=condition=Ready`
+# (or Completed) returns after the verdict, not while tracing.
+# StragglerDetected: True (reason from the cause: Network, CpuContention, ...) when the live
+# or final verdict names a rank or group; False (NoStraggler) once the final verdict names
+# none; Unknown before that (NoVerdictYet) or when the session failed (NoVerdict).
 CONDITION_TYPES = ("Completed", "Failed", "Ready", "StragglerDetected", "Tracing")
 
 
-def lifecycle(phase: str, reason: str, message: str, generation: int | None, old: list[dict] | None,
-              straggler: dict | None = None, verdict: bool = False) -> list[dict]:
-    """Every condition for a session in `phase` (metav1.Condition-shaped, one per type):
+def cause_reason(cause: str | None) -> str:
+    """A CamelCase condition reason for a verdict cause ("cpu-contention" -> "CpuContention")."""
+    words = "".join(ch if ch.isalnum() else " " for ch in str(cause or "")).split()
+    return "".join(w[:1].upper() + w[1:] for w in words) or "Unknown"
 
-    - Tracing: True while Running (the probes record);
-    - Completed / Failed: True once the session ended that way;
-    - Ready: True only once the final verdict is in (Completed), so that
-      `kubectl wait --for=condition=Ready` returns after the verdict, not before;
-    - StragglerDetected: True when a straggler is named (live or final), False once a
-      verdict names nobody (`verdict`), Unknown before.
-    `reason` is CamelCase (Pending, NoPods, InvalidSpec, Tracing, Gathering, Completed, ...)."""
-    conds = old
-    running = phase == "Running"
-    conds = condition("Tracing", running, "Tracing" if running else reason, message, generation, conds)
-    conds = condition("Completed", phase == "Completed", reason, message, generation, conds)
-    conds = condition("Failed", phase == "Failed", reason if phase == "Failed" else "NotFailed",
-                      message if phase == "Failed" else "", generation, conds)
-    conds = condition("Ready", phase == "Completed", reason, message, generation, conds)
-    if straggler:
-        who = straggler.get("who") or f"rank {straggler.get('rank')}"
-        conds = condition("StragglerDetected", True, "Straggler",
-                          f"{who}: cause {straggler.get('cause')}, saves {straggler.get('savingPct')}% of the step",
-                          generation, conds)
-    elif verdict:
-        conds = condition("StragglerDetected", False, "NoStraggler", "no rank or group slows the job",
-                          generation, conds)
-    elif phase == "Failed":
-        conds = condition("StragglerDetected", None, reason, "no verdict: the session failed", generation, conds)
+
+def straggler_message(s: dict) -> str:
+    """One line naming the straggler: the rank (pod, node) or the group, the cause, the saving."""
+    if s.get("kind") not in (None, "rank") and s.get("who"):
+        name = str(s["who"])
     else:
-        conds = condition("StragglerDetected", None, "NoVerdictYet", "not enough steps traced yet",
-                          generation, conds)
+        where = ", ".join(x for x in (f"pod {s['pod']}" if s.get("pod") else "",
+                                      f"node {s['node']}" if s.get("node") else "") if x)
+        name = f"rank {s.get('rank')}" + (f" ({where})" if where else "")
+    saving = ""
+    if s.get("savingPct") is not None:
+        saving = f"; saving {s['savingPct']:.1f}% of step time"
+        if s.get("savingMsPerStep") is not None:
+            saving += f" ({s['savingMsPerStep']:.2f} ms/step)"
+    return f"{name} is the straggler: cause {s.get('cause')}{saving}"
+
+
+def lifecycle(phase: str, reason: str | None, message: str, generation: int | None, old: list[dict] | None,
+              straggler: dict | None = None) -> list[dict]:
+    """Every lifecycle condition for `phase` (see the table above). `reason` is the CamelCase
+    reason of what just happened (Failed: why; Pending: WaitingForPods or AgentUnreachable);
+    `straggler` the status' straggler (None: none named; in phase Completed, the final verdict's)."""
+    conds = list(old or [])
+
+    def put(ctype, ok, why, msg=message):
+        nonlocal conds
+        conds = condition(ctype, ok, why, msg, generation, conds)
+
+    if phase in ("Pending", "Running", "Gathering"):
+        put("Tracing", phase == "Running", "Tracing" if phase == "Running" else (
+            reason or "WaitingForPods") if phase == "Pending" else "Gathering")
+        for t in ("Completed", "Failed", "Ready"):
+            put(t, False, "Tracing" if phase == "Running" else phase)
+    elif phase == "Completed":
+        put("Tracing", False, "Finished")
+        put("Completed", True, "Completed")
+        put("Failed", False, "Completed")
+        put("Ready", True, "VerdictReady")
+    elif phase == "Failed":
+        put("Tracing", False, "Failed")
+        put("Completed", False, "Failed")
+        put("Failed", True, reason or "Failed")
+        put("Ready", False, reason or "Failed")
+    else:
+        raise ValueError(f"unknown phase {phase!r}")
+    if straggler:
+        put("StragglerDetected", True, cause_reason(straggler.get("cause")), straggler_message(straggler))
+    elif phase == "Completed":
+        put("StragglerDetected", False, "NoStraggler", "the final verdict names no straggler rank or group")
+    elif phase == "Failed":
+        put("StragglerDetected", None, "NoVerdict", "the session failed before its final verdict")
+    else:
+        put("StragglerDetected", None, "NoVerdictYet", "no rank or group stands out (yet)")
     return conds

@@ -55,8 +55,7 @@ def run_flow(out: Path, scenario: str, before=None, **kw) -> dict:
                "custom_columns": demo.printer_rows(), "table": demo.kubectl("get", "tracesessions").stdout,
                "describe": demo.kubectl("describe", "tracesession", "lab-job").stdout,
                "metrics": demo.scrape(),
-               "wait": demo.kubectl("wait", "--for=condition=Completed", "tracesession/lab-job",
-                                    "--timeout=30s").stdout,
+               "wait": res.kubectl_wait,    # `kubectl wait --for=condition=Completed`, started with the session
                "crd": yaml.safe_load(cfg.crd.read_text())}
     print(f"{scenario}: timings {json.dumps(res.timings)}")
     return got
@@ -186,7 +185,7 @@ def test_conditions_follow_the_lifecycle_and_describe_lists_the_events(lossy):
     assert [conds[t]["status"] for t in ("Completed", "Ready", "StragglerDetected", "Tracing", "Failed")] == \
         ["True", "True", "True", "False", "False"]
     assert all(c["reason"] and c["lastTransitionTime"] for c in conds.values())
-    assert "condition met" in lossy["wait"], lossy["wait"]
+    assert lossy["wait"] == "tracesession.ingero.io/lab-job condition met", lossy["wait"]
     d = lossy["describe"]
     events = d[d.index("Events:"):]
     for reason in ("Tracing", "StragglerDetected", "Gathered", "Completed"):

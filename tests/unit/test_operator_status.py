@@ -98,32 +98,3 @@ def test_equality_label_selectors():
     assert selector_matches(pod, "job-name=j,tier==a") and selector_matches(pod, "tier!=b,job-name")
     assert not selector_matches(pod, "job-name=k") and not selector_matches(pod, "!tier")
     assert selector_matches(pod, "")
-
-
-def test_conditions_follow_the_lifecycle_and_ready_waits_for_the_verdict():
-    from ingero_operator.status import lifecycle
-
-    def by_type(conds):
-        return {c["type"]: (c["status"], c["reason"]) for c in conds}
-
-    pending = lifecycle("Pending", "WaitingForPods", "no pod yet", 1, None)
-    assert by_type(pending) == {"Completed": ("False", "WaitingForPods"), "Failed": ("False", "NotFailed"),
-                                "Ready": ("False", "WaitingForPods"), "StragglerDetected": ("Unknown", "NoVerdictYet"),
-                                "Tracing": ("False", "WaitingForPods")}
-    running = lifecycle("Running", "Tracing", "tracing 4 pods", 1, pending)
-    assert by_type(running)["Tracing"] == ("True", "Tracing") and by_type(running)["Ready"][0] == "False"
-    live = lifecycle("Running", "Tracing", "tracing", 1, running,
-                     straggler={"who": "w-3", "cause": "network", "savingPct": 12.5})
-    assert by_type(live)["StragglerDetected"] == ("True", "Straggler")
-    assert next(c for c in live if c["type"] == "StragglerDetected")["message"].startswith("w-3: cause network")
-    done = lifecycle("Completed", "Completed", "completed", 1, live, verdict=True)
-    b = by_type(done)
-    assert b["Ready"] == b["Completed"] == ("True", "Completed") and b["Tracing"][0] == "False"
-    assert b["StragglerDetected"] == ("False", "NoStraggler")
-    # lastTransitionTime moves only when the status changes
-    t = {c["type"]: c["lastTransitionTime"] for c in running}
-    assert next(c for c in live if c["type"] == "Tracing")["lastTransitionTime"] == t["Tracing"]
-    failed = lifecycle("Failed", "NoPods", "no pod matched", 2, pending)
-    assert by_type(failed)["Failed"] == ("True", "NoPods") and by_type(failed)["Ready"] == ("False", "NoPods")
-    assert all(c["observedGeneration"] == 2 for c in failed)
-    assert all("observedGeneration" not in c for c in lifecycle("Pending", "WaitingForPods", "x", None, None))

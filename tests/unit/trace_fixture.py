@@ -123,13 +123,14 @@ def agent_data(root: Path, node: str, ranks: list[int], sessions=(SESSION,), ske
     return root
 
 
-def serve_agent(root: Path, node: str, limits=None, slots: int = 2, **kw):
-    """The real agent HTTP server (no tracer needed: the sessions are finished) in a thread."""
+def serve_agent(root: Path, node: str, limits=None, slots: int = 2, trace_cmd=None, **kw):
+    """The real agent HTTP server in a thread (no tracer needed when the sessions are
+    finished; else `trace_cmd`, e.g. tests/unit/fake_tracer.py)."""
     from ingero_agent.api import SessionManager
     from ingero_agent.queries import QueryService
     from ingero_agent.server import make_server
 
-    mgr = SessionManager(root, node, trace_cmd=["true"])
+    mgr = SessionManager(root, node, trace_cmd=trace_cmd or ["true"])
     srv = make_server(mgr, ("127.0.0.1", 0), TOKEN.encode(), quiet=True,
                       queries=QueryService(mgr, limits, slots), **kw)
     threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()

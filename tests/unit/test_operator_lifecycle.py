@@ -1,0 +1,324 @@
+"""A TraceSession's whole lifecycle as conditions and Events, with the real operator.
+
+The real kopf operator (`ingero operator run`) against the embedded API server,
+real agent HTTP servers on two nodes (their tracer is tests/unit/fake_tracer.py,
+which writes a job whose rank 3 arrives late at every all-reduce: its own work, so
+the cause is compute/unknown; its retransmits fall after it arrived), a third node whose
+agent does not answer, and the real kubectl for `wait`, `describe` and
+`get -o wide`. No root, no eBPF.
+
+    Pending (WaitingForPods) -> Running (Tracing) -> Gathering -> Completed (+ StragglerDetected)
+    Pending -> Failed (NoPods); Failed at once (InvalidSpec); Pending (AgentUnreachable)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ingero_operator.status import CONDITION_TYPES, lifecycle, now_iso
+from tests.unit.trace_fixture import TOKEN, serve_agent
+
+ROOT = Path(__file__).resolve().parents[2]
+TRS = "/apis/ingero.io/v1alpha1/namespaces/default/tracesessions"
+PODS = "/api/v1/namespaces/default/pods"
+FAKE_TRACER = Path(__file__).with_name("fake_tracer.py")
+REQUIRED = {"type", "status", "reason", "message", "lastTransitionTime", "observedGeneration"}
+
+
+def _skip_reason() -> str | None:
+    if not shutil.which("kubectl"):
+        return "kubectl is not installed (the tests run kubectl wait, describe and get)"
+    for mod in ("kmock", "kopf", "jsonschema"):
+        try:
+            __import__(mod)
+        except ImportError:
+            return f"{mod} is not installed: pip install -e '.[test]'"
+    return None
+
+
+class Flow:
+    def __init__(self, tmp: Path):
+        from ingero_operator import cluster_objects as objs
+        from ingero_operator.embedded import EmbeddedCluster
+
+        self.tmp = tmp
+        self.cluster = EmbeddedCluster(ROOT / "crds" / "tracesession.yaml", tmp / "api").start()
+        self.env = {"KUBECONFIG": str(self.cluster.kubeconfig), "PATH": "/usr/bin:/bin", "HOME": str(tmp),
+                    "KUBECACHEDIR": str(tmp / "kube-cache")}
+        self.cluster.create(f"/api/v1/namespaces/{objs.SYSTEM_NS}/secrets", objs.token_secret(TOKEN))
+        self.agents = []
+        for node, ranks in (("node-a", "0,1"), ("node-b", "2,3")):
+            srv, _ = serve_agent(tmp / node, node, trace_cmd=[sys.executable, str(FAKE_TRACER), "--ranks", ranks])
+            self.agents.append(srv)
+            self.cluster.create(f"/api/v1/namespaces/{objs.SYSTEM_NS}/pods",
+                                objs.agent_pod(node, srv.server_address[1]))
+        # node-c's agent Pod exists, but nothing answers at its address
+        self.cluster.create(f"/api/v1/namespaces/{objs.SYSTEM_NS}/pods", objs.agent_pod("node-c", objs.free_port()))
+        self.log = open(tmp / "operator.log", "wb")
+        self.operator = subprocess.Popen(
+            [sys.executable, "-m", "ingero", "operator", "run", "--standalone", "--namespace", objs.SYSTEM_NS,
+             "--artifacts", str(tmp / "artifacts"), "--refresh-interval", "0.5"],
+            cwd=ROOT, env=dict(os.environ, KUBECONFIG=str(self.cluster.kubeconfig)),
+            stdout=self.log, stderr=subprocess.STDOUT)
+
+    def close(self):
+        self.operator.terminate()
+        try:
+            self.operator.wait(15)
+        except subprocess.TimeoutExpired:
+            self.operator.kill()
+        self.log.close()
+        for srv in self.agents:
+            srv.shutdown()
+            srv.server_close()
+        self.cluster.stop()
+
+    def operator_log(self) -> str:
+        return (self.tmp / "operator.log").read_text(errors="replace")[-4000:]
+
+    def kubectl(self, *args, check=True) -> subprocess.CompletedProcess:
+        out = subprocess.run(["kubectl", *args], env=self.env, capture_output=True, text=True, timeout=60)
+        if check:
+            assert out.returncode == 0, out.stderr
+        return out
+
+    def apply(self, name: str, **spec):
+        path = self.tmp / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({"apiVersion": "ingero.io/v1alpha1", "kind": "TraceSession",
+                                        "metadata": {"name": name, "namespace": "default"}, "spec": spec}))
+        self.kubectl("apply", "--validate=false", "-f", str(path))
+
+    def status(self, name: str) -> dict:
+        return (self.cluster.get(f"{TRS}/{name}") or {}).get("status") or {}
+
+    def wait_for(self, name: str, what, timeout: float = 60.0, every=None) -> dict:
+        """Poll the status until what(status) holds; `every(status)` is checked on each poll."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = self.status(name)
+            if every is not None:
+                every(st)
+            if what(st):
+                return st
+            assert self.operator.poll() is None, f"the operator exited:\n{self.operator_log()}"
+            time.sleep(0.1)
+        raise AssertionError(f"{name}: timed out; status {json.dumps(self.status(name))[-2500:]}\n"
+                             f"{self.operator_log()}")
+
+    def events(self, name: str) -> list[dict]:
+        _, doc = self.cluster.request("GET", f"/api/v1/namespaces/default/events?fieldSelector="
+                                             f"involvedObject.name%3D{name}")
+        return sorted(doc.get("items") or [], key=lambda e: int(e["metadata"]["resourceVersion"]))
+
+    def wait_events(self, name: str, reasons: set, timeout: float = 20.0) -> list[dict]:
+        """kopf posts Events in the background, shortly after the handler queued them."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            evs = self.events(name)
+            if reasons <= {e["reason"] for e in evs}:
+                return evs
+            time.sleep(0.2)
+        raise AssertionError(f"{name}: events {[(e['reason'], e['message']) for e in self.events(name)]} "
+                             f"lack {reasons}")
+
+    def rank_pod(self, job: str, rank: int, node: str) -> dict:
+        return self.cluster.create(PODS, {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": f"{job}-rank-{rank}", "namespace": "default", "labels": {"job-name": job}},
+            "spec": {"nodeName": node, "containers": [{"name": "trainer", "image": "trainer"}]},
+            "status": {"phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}],
+                       "containerStatuses": [{"name": "trainer", "ready": True,
+                                              "containerID": f"containerd://{job}{rank:060d}"}]}})
+
+
+@pytest.fixture(scope="module")
+def flow(tmp_path_factory):
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    f = Flow(tmp_path_factory.mktemp("lifecycle"))
+    yield f
+    f.close()
+
+
+def conds(st: dict) -> dict[str, dict]:
+    return {c["type"]: c for c in st.get("conditions") or []}
+
+
+def shape_ok(st: dict, generation: int = 1) -> dict[str, dict]:
+    """Every lifecycle condition present, metav1.Condition-shaped."""
+    cs = conds(st)
+    assert sorted(cs) == sorted(CONDITION_TYPES), cs
+    for c in cs.values():
+        assert REQUIRED <= c.keys() and c["status"] in ("True", "False", "Unknown") and c["reason"].isalnum(), c
+        assert c["observedGeneration"] == generation and c["lastTransitionTime"].endswith("Z")
+    return cs
+
+
+def test_conditions_follow_the_lifecycle_with_frozen_transition_times(monkeypatch):
+    """Unit: status.lifecycle alone, with the clock stepped at each transition."""
+    import ingero_operator.status as status_mod
+    clock = iter(f"2030-01-01T00:00:{s:02d}Z" for s in range(60))
+    monkeypatch.setattr(status_mod, "now_iso", lambda: next(clock))
+    pend = lifecycle("Pending", "WaitingForPods", "no pod", 1, None)
+    run = lifecycle("Running", "Tracing", "tracing", 1, pend)
+    strag = {"rank": 3, "pod": "w-3", "node": "n1", "cause": "cpu-contention", "savingPct": 12.25,
+             "savingMsPerStep": 4.5}
+    run2 = lifecycle("Running", "Tracing", "tracing", 1, run, strag)
+    gat = lifecycle("Gathering", "Gathering", "gathering", 1, run2, strag)
+    done = lifecycle("Completed", "Completed", "completed", 1, gat, strag)
+    p, r, r2, g, d = (conds({"conditions": x}) for x in (pend, run, run2, gat, done))
+    assert [x["Tracing"]["status"] for x in (p, r, r2, g, d)] == ["False", "True", "True", "False", "False"]
+    assert p["Tracing"]["reason"] == "WaitingForPods" and d["Tracing"]["reason"] == "Finished"
+    assert [x["Ready"]["status"] for x in (p, r, r2, g, d)] == ["False"] * 4 + ["True"]
+    assert [x["Completed"]["status"] for x in (p, r, r2, g, d)] == ["False"] * 4 + ["True"]
+    # a time changes only with the status: Failed stayed False from Pending on
+    assert d["Failed"]["lastTransitionTime"] == p["Failed"]["lastTransitionTime"]
+    assert r2["Tracing"]["lastTransitionTime"] == r["Tracing"]["lastTransitionTime"] != p["Tracing"]["lastTransitionTime"]
+    assert g["Tracing"]["lastTransitionTime"] == d["Tracing"]["lastTransitionTime"] != r["Tracing"]["lastTransitionTime"]
+    assert r["StragglerDetected"]["status"] == "Unknown" and r2["StragglerDetected"]["status"] == "True"
+    assert d["StragglerDetected"]["lastTransitionTime"] == r2["StragglerDetected"]["lastTransitionTime"]
+    assert d["StragglerDetected"]["reason"] == "CpuContention"
+    assert d["StragglerDetected"]["message"] == ("rank 3 (pod w-3, node n1) is the straggler: cause cpu-contention; "
+                                                 "saving 12.2% of step time (4.50 ms/step)")
+    clean = conds({"conditions": lifecycle("Completed", "Completed", "done", 2, gat)})
+    assert clean["StragglerDetected"]["status"] == "False" and clean["StragglerDetected"]["reason"] == "NoStraggler"
+    assert clean["Tracing"]["observedGeneration"] == 2
+    failed = conds({"conditions": lifecycle("Failed", "MergeFailed", "merging failed", 1, gat, strag)})
+    assert (failed["Failed"]["status"], failed["Failed"]["reason"]) == ("True", "MergeFailed")
+    assert (failed["Ready"]["status"], failed["Completed"]["status"]) == ("False", "False")
+    with pytest.raises(ValueError):
+        lifecycle("Exploded", None, "", 1, None)
+    assert now_iso().endswith("Z")
+
+
+def test_bad_sessions_fail_with_their_reason_in_conditions_events_and_the_wide_columns(flow):
+    # refused by the operator (the CRD schema lets it through): Failed at once
+    flow.apply("bad-lib", selector={"matchLabels": {"job-name": "none"}}, ncclLibPath="lib/libnccl.so")
+    st = flow.wait_for("bad-lib", lambda s: s.get("phase") == "Failed")
+    cs = shape_ok(st)
+    assert (cs["Failed"]["status"], cs["Failed"]["reason"]) == ("True", "InvalidSpec")
+    assert (cs["Ready"]["status"], cs["Completed"]["status"], cs["Tracing"]["status"]) == ("False", "False", "False")
+    assert "spec.ncclLibPath must be an absolute path" in cs["Failed"]["message"] == st["message"]
+    ev = [e for e in flow.wait_events("bad-lib", {"Failed"}) if e["reason"] == "Failed"]
+    assert ev[0]["type"] == "Warning" and "ncclLibPath" in ev[0]["message"]
+    wide = flow.kubectl("get", "tracesession", "bad-lib", "-o", "wide").stdout.splitlines()
+    assert wide[0].split()[-1] == "MESSAGE" and wide[1].split()[1] == "Failed"
+    assert wide[1].endswith(st["message"])
+
+    # no pod within durationSeconds: Pending (WaitingForPods), then Failed (NoPods)
+    flow.apply("no-pods", selector={"matchLabels": {"job-name": "nobody"}}, durationSeconds=2)
+    pend = shape_ok(flow.wait_for("no-pods", lambda s: s.get("phase") == "Pending"))
+    assert (pend["Tracing"]["status"], pend["Tracing"]["reason"]) == ("False", "WaitingForPods")
+    assert pend["StragglerDetected"]["status"] == "Unknown" and pend["Ready"]["status"] == "False"
+    st = flow.wait_for("no-pods", lambda s: s.get("phase") == "Failed", timeout=30)
+    cs = shape_ok(st)
+    assert (cs["Failed"]["status"], cs["Failed"]["reason"]) == ("True", "NoPods")
+    assert cs["Failed"]["lastTransitionTime"] >= pend["Failed"]["lastTransitionTime"]
+    assert cs["Tracing"]["lastTransitionTime"] == pend["Tracing"]["lastTransitionTime"]   # False all along
+    assert "within durationSeconds (2)" in st["message"]
+    flow.wait_events("no-pods", {"Failed"})
+
+
+def test_an_unreachable_agent_keeps_the_session_pending_with_a_warning(flow):
+    flow.rank_pod("job-c", 0, "node-c")
+    flow.apply("unreach", selector={"matchLabels": {"job-name": "job-c"}})
+    st = flow.wait_for("unreach", lambda s: conds(s).get("Tracing", {}).get("reason") == "AgentUnreachable")
+    cs = shape_ok(st)
+    assert st["phase"] == "Pending" and cs["Tracing"]["status"] == "False" and cs["Ready"]["status"] == "False"
+    ev = [e for e in flow.wait_events("unreach", {"AgentUnreachable"}) if e["reason"] == "AgentUnreachable"]
+    assert ev[0]["type"] == "Warning" and ev[0]["message"].startswith("node node-c:")
+    time.sleep(6)   # the operator retries (5 s): the same node still down posts no second warning
+    assert len([e for e in flow.events("unreach") if e["reason"] == "AgentUnreachable"]) == 1
+
+
+def test_a_session_goes_pending_tracing_completed_and_kubectl_wait_returns_with_the_verdict(flow):
+    flow.apply("job-trace", selector={"matchLabels": {"job-name": "job1"}})
+    pend = shape_ok(flow.wait_for("job-trace", lambda s: s.get("phase") == "Pending"))
+    assert (pend["Tracing"]["status"], pend["Tracing"]["reason"]) == ("False", "WaitingForPods")
+    waiter = subprocess.Popen(["kubectl", "wait", "--for=condition=Completed", "tracesession/job-trace",
+                               "--timeout=120s"], env=flow.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        pods = [flow.rank_pod("job1", r, "node-a" if r < 2 else "node-b") for r in range(4)]
+
+        def never_ready_while_tracing(s):
+            c = conds(s)
+            if s.get("phase") in ("Pending", "Running", "Gathering"):
+                assert c.get("Ready", {}).get("status") != "True" and c.get("Completed", {}).get("status") != "True"
+
+        run = flow.wait_for("job-trace", lambda s: s.get("phase") == "Running", every=never_ready_while_tracing)
+        cs = shape_ok(run)
+        assert (cs["Tracing"]["status"], cs["Tracing"]["reason"]) == ("True", "Tracing")
+        assert cs["Failed"]["lastTransitionTime"] == pend["Failed"]["lastTransitionTime"]
+        live = flow.wait_for("job-trace", lambda s: conds(s)["StragglerDetected"]["status"] == "True",
+                             every=never_ready_while_tracing)
+        assert live["phase"] == "Running" and live["straggler"]["rank"] == 3
+        assert waiter.poll() is None, "kubectl wait returned while the session was tracing"
+        for p in pods:    # the job ends
+            flow.cluster.patch(f"{PODS}/{p['metadata']['name']}/status", {"status": {"phase": "Succeeded"}})
+        out, err = waiter.communicate(timeout=90)
+    finally:
+        waiter.kill()
+    assert waiter.returncode == 0, err
+    assert out.strip() == "tracesession.ingero.io/job-trace condition met"
+    st = flow.status("job-trace")          # what kubectl wait saw: the verdict is in
+    cs = shape_ok(st)
+    assert st["phase"] == "Completed" and st["straggler"]["rank"] == 3 and st["straggler"]["cause"] == "compute/unknown"
+    assert (cs["Completed"]["status"], cs["Ready"]["status"], cs["Ready"]["reason"]) == ("True", "True", "VerdictReady")
+    assert (cs["Tracing"]["status"], cs["Tracing"]["reason"], cs["Failed"]["status"]) == ("False", "Finished", "False")
+    assert (cs["StragglerDetected"]["status"], cs["StragglerDetected"]["reason"]) == ("True", "ComputeUnknown")
+    # the pod as the trace names it (fake_tracer writes trace_fixture's job: job-rank-<r>)
+    assert cs["StragglerDetected"]["message"].startswith("rank 3 (pod job-rank-3, node node-b) is the straggler")
+    assert cs["StragglerDetected"]["lastTransitionTime"] == conds(live)["StragglerDetected"]["lastTransitionTime"]
+    assert cs["Failed"]["lastTransitionTime"] == pend["Failed"]["lastTransitionTime"]
+
+    evs = flow.wait_events("job-trace", {"Tracing", "StragglerDetected", "Gathered", "Completed"})
+    order = [e["reason"] for e in evs]
+    assert order.index("Tracing") < order.index("StragglerDetected") < order.index("Gathered") \
+        < order.index("Completed"), order
+    types = {e["reason"]: e["type"] for e in evs}
+    assert types == {"Tracing": "Normal", "StragglerDetected": "Warning", "Gathered": "Normal",
+                     "Completed": "Normal"}, [(e["type"], e["reason"], e["message"]) for e in evs]
+    assert order.count("Tracing") == 1 and order.count("StragglerDetected") == 1   # no repeats per refresh
+    strag = next(e for e in evs if e["reason"] == "StragglerDetected")["message"]
+    assert "rank 3" in strag and "cause compute/unknown" in strag and "% of step time" in strag
+    assert "gathered 2/2 nodes" in next(e for e in evs if e["reason"] == "Gathered")["message"]
+    assert all(e["involvedObject"]["uid"] == flow.cluster.get(f"{TRS}/job-trace")["metadata"]["uid"] for e in evs)
+
+    described = flow.kubectl("describe", "tracesession", "job-trace").stdout
+    events = described.split("\nEvents:", 1)[1]
+    for reason in ("Normal   Tracing", "Warning  StragglerDetected", "Normal   Gathered", "Normal   Completed"):
+        assert reason in events, described
+    assert "Failed" not in events
+    assert flow.operator.poll() is None, "the operator stopped"
+
+
+def test_a_running_session_whose_spec_is_edited_into_a_refused_one_fails_and_stops_tracing(flow):
+    flow.rank_pod("job2", 0, "node-a")
+    flow.apply("edited", selector={"matchLabels": {"job-name": "job2"}})
+    run = flow.wait_for("edited", lambda s: s.get("phase") == "Running", timeout=30)
+    flow.kubectl("patch", "tracesession", "edited", "--type=merge", "-p", '{"spec": {"ncclLibPath": "lib/x.so"}}')
+    st = flow.wait_for("edited", lambda s: s.get("phase") == "Failed", timeout=30)
+    cs = shape_ok(st, generation=2)
+    assert (cs["Failed"]["status"], cs["Failed"]["reason"]) == ("True", "InvalidSpec")
+    assert (cs["Tracing"]["status"], cs["Tracing"]["reason"]) == ("False", "Failed")
+    assert cs["Tracing"]["lastTransitionTime"] >= conds(run)["Tracing"]["lastTransitionTime"]
+    assert "spec.ncclLibPath must be an absolute path" in st["message"]
+    assert [e["type"] for e in flow.wait_events("edited", {"Failed"}) if e["reason"] == "Failed"] == ["Warning"]
+    agent = flow.agents[0]   # node-a's agent was told to stop
+    sid = st["sessionId"]
+    req = urllib.request.Request(f"http://127.0.0.1:{agent.server_address[1]}/v1/sessions/{sid}",
+                                 headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert json.loads(resp.read())["state"] == "stopped"
