@@ -1,7 +1,14 @@
-"""Gather + merge + analysis at scale: 1,024 ranks x 100,000 collectives along the operator's path.
+"""Gather + merge + analysis at scale: 1,024 ranks along the operator's path.
 
-    python -m bench.analysis_scale [--ranks 1024] [--collectives 100000] [--nodes 128]
+    python -m bench.analysis_scale [--layout tp=8,pp=8,dp=16] [--collectives 100000] [--nodes 128]
                                    [--faults slow-rank,lossy-link] [--repeat 3] [--quick]
+
+With ``--layout`` (the issue's target): a tensor x pipeline x data parallel job
+(``bench.synthetic.pipeline_session``, GPipe, Megatron rank order) with as many
+steps as make ``--collectives`` collective instances (tp all-reduces of 8
+ranks, dp all-reduces of 16, a world all-reduce per step) plus the pipeline's
+send/recv pairs; one stage-0 rank in the middle of the world is 1.5x slower
+(fault slow-rank only). Without it, the data-parallel session below.
 
 A synthetic session (``bench.synthetic.scale_session``: every rank calls every
 collective, ~102 M nccl_events rows, retransmits on one node, sched totals,
@@ -42,28 +49,48 @@ TARGET_S, TARGET_GIB = 10.0, 2.0
 FORMAT = 3
 
 
-def _data_dir(base: Path, ranks: int, collectives: int, nodes: int, segs: int, fault: str) -> Path:
+def parse_layout(text: str) -> tuple[int, int, int]:
+    parts = dict(kv.split("=", 1) for kv in text.split(","))
+    return int(parts["tp"]), int(parts["pp"]), int(parts["dp"])
+
+
+def _data_dir(base: Path, ranks: int, collectives: int, nodes: int, segs: int, fault: str, layout: str) -> Path:
+    if layout:
+        return base / f"{layout.replace(',', '-').replace('=', '')}-c{collectives}-n{nodes}-{fault}-f{FORMAT}"
     return base / f"r{ranks}-c{collectives}-n{nodes}-s{segs}-{fault}-f{FORMAT}"
 
 
-def ensure_session(base: Path, ranks: int, collectives: int, nodes: int, segs: int, fault: str) -> Path:
+def ensure_session(base: Path, ranks: int, collectives: int, nodes: int, segs: int, fault: str,
+                   layout: str = "") -> Path:
     """Write the session unless a complete copy is already there."""
     import shutil
 
-    from bench.synthetic import scale_session
+    from bench.synthetic import pipeline_instances_per_step, pipeline_layout, pipeline_session, scale_session
 
-    root = _data_dir(base, ranks, collectives, nodes, segs, fault)
+    root = _data_dir(base, ranks, collectives, nodes, segs, fault, layout)
     done = root / "written.json"
     if done.exists():
         return root
     shutil.rmtree(root, ignore_errors=True)
     t = time.perf_counter()
-    print(f"  writing {ranks} ranks x {collectives:,} collectives on {nodes} nodes ({fault}) to {root} ...",
-          flush=True)
-    scale_session(root / "work" / "nodes", ranks=ranks, collectives=collectives, nodes=nodes,
-                  fault=fault, segments_per_node=segs)
+    truth: dict = {}
+    if layout:
+        tp, pp, dp = parse_layout(layout)
+        steps = max(3, -(-collectives // pipeline_instances_per_step(tp, pp, dp)))
+        victim = pipeline_layout(tp, pp, dp)["rank"](dp // 2, 0, tp // 2 - 1)   # stage 0, mid-world
+        print(f"  writing {layout}: {steps} steps (>= {collectives:,} collective instances) on {nodes} nodes, "
+              f"rank {victim} slow, to {root} ...", flush=True)
+        gt = pipeline_session(root / "work" / "nodes", tp, pp, dp, nodes=nodes, steps=steps,
+                              fault="slow-rank", victim=victim)
+        truth = {"victim": victim, "steps": steps, "step_ms": gt["step_ms"],
+                 "planted_saving_ms": gt["planted_saving_ms"]}
+    else:
+        print(f"  writing {ranks} ranks x {collectives:,} collectives on {nodes} nodes ({fault}) to {root} ...",
+              flush=True)
+        scale_session(root / "work" / "nodes", ranks=ranks, collectives=collectives, nodes=nodes,
+                      fault=fault, segments_per_node=segs)
     size = sum(f.stat().st_size for f in (root / "work").rglob("*.parquet"))
-    done.write_text(json.dumps({"seconds": time.perf_counter() - t, "bytes": size}))
+    done.write_text(json.dumps({"seconds": time.perf_counter() - t, "bytes": size, **truth}))
     print(f"  written in {time.perf_counter() - t:.0f} s, {size / 1e9:.2f} GB", flush=True)
     return root
 
@@ -83,7 +110,7 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def child(root: Path, ranks: int, collectives: int, nodes: int, fault: str, path: str) -> dict:
+def child(root: Path, ranks: int, collectives: int, nodes: int, fault: str, path: str, layout: str = "") -> dict:
     sys.path.insert(0, str(REPO / "operator"))
     import duckdb
 
@@ -93,7 +120,11 @@ def child(root: Path, ranks: int, collectives: int, nodes: int, fault: str, path
     from ingero.comms import resolve_split_ranks
     from ingero_operator import gather
 
-    lay = scale_layout(ranks, collectives, nodes, fault)
+    if layout:   # one clock; the victim as written
+        truth = json.loads((root / "written.json").read_text())
+        lay = {"offsets": {}, "victim": truth["victim"], "victim_node": None}
+    else:
+        lay = scale_layout(ranks, collectives, nodes, fault)
     local = gather.LocalSession(root)
     local.artifact.unlink(missing_ok=True)
     peak = [0]
@@ -134,7 +165,10 @@ def child(root: Path, ranks: int, collectives: int, nodes: int, fault: str, path
         ok = s is not None and s.node == lay["victim_node"] and s.cause == "network"
     else:
         ok = s is None
-    return {"path": path, "fault": fault, "seconds": secs, "cpu_seconds": cpu, "peak_rss_mib": peak[0] / 1024,
+    with duckdb.connect() as con:   # after the measurement: the NCCL rows the session holds
+        rows = int(con.execute("SELECT count(*) FROM read_parquet(?)",
+                               [str(root / "work" / "nodes" / "*" / "nccl_events" / "*.parquet")]).fetchone()[0])
+    return {"path": path, "fault": fault, "seconds": secs, "rows": rows, "cpu_seconds": cpu, "peak_rss_mib": peak[0] / 1024,
             "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "rss_before_mib": rss0 / 1024, "load_before": load0, "collectives": rep.collectives,
             "verdict_ok": ok, "expected": {"rank": lay["victim"], "node": lay["victim_node"]},
@@ -143,10 +177,11 @@ def child(root: Path, ranks: int, collectives: int, nodes: int, fault: str, path
             "report": rep.to_dict()}
 
 
-def run_child(root: Path, ranks: int, collectives: int, nodes: int, fault: str, path: str) -> dict:
+def run_child(root: Path, ranks: int, collectives: int, nodes: int, fault: str, path: str,
+              layout: str = "") -> dict:
     out = subprocess.run([sys.executable, "-m", "bench.analysis_scale", "--child", str(root), "--ranks",
                           str(ranks), "--collectives", str(collectives), "--nodes", str(nodes),
-                          "--faults", fault, "--path", path],
+                          "--faults", fault, "--path", path, "--layout", layout],
                          cwd=REPO, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"child failed:\n{out.stderr[-3000:]}")
@@ -157,6 +192,7 @@ def run_child(root: Path, ranks: int, collectives: int, nodes: int, fault: str, 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layout", default="", help="tp=T,pp=P,dp=D: a 3D job (slow-rank only); --ranks is T*P*D")
     ap.add_argument("--ranks", type=int, default=1024)
     # 10,000: the dependency-aware engine holds every call in memory (~0.5 GB per M rows);
     # 100,000 (102 M rows) no longer fits in 24 GiB (docs/benchmarks.md)
@@ -173,20 +209,31 @@ def main(argv=None) -> dict:
     ap.add_argument("--path", default="operator", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
-        print(json.dumps(child(a.child, a.ranks, a.collectives, a.nodes, a.faults, a.path), default=str))
+        print(json.dumps(child(a.child, a.ranks, a.collectives, a.nodes, a.faults, a.path, a.layout),
+                         default=str))
         return {}
     if a.quick:
         a.ranks, a.collectives, a.nodes, a.repeat, a.compare_collectives = 64, 2_000, 8, 1, 2_000
     faults = [f for f in a.faults.split(",") if f]
+    if a.layout:
+        tp, pp, dp = parse_layout(a.layout)
+        a.ranks, faults, a.compare_collectives = tp * pp * dp, ["slow-rank"], 0
     rows = a.ranks * a.collectives
     results: dict = {"ranks": a.ranks, "collectives": a.collectives, "nodes": a.nodes, "rows": rows,
                      "segments_per_node": a.segments_per_node, "cpus": os.cpu_count(), "runs": {},
                      "target": {"seconds": TARGET_S, "gib": TARGET_GIB}}
-    print(f"analysis_scale: {a.ranks} ranks x {a.collectives:,} collectives = {rows:,} NCCL rows on "
-          f"{a.nodes} nodes, {a.segments_per_node} segments per node; {os.cpu_count()} CPUs")
+    if a.layout:
+        print(f"analysis_scale: {a.layout} ({a.ranks} ranks), >= {a.collectives:,} collective instances plus "
+              f"the pipeline's send/recv, on {a.nodes} nodes; {os.cpu_count()} CPUs")
+    else:
+        print(f"analysis_scale: {a.ranks} ranks x {a.collectives:,} collectives = {rows:,} NCCL rows on "
+              f"{a.nodes} nodes, {a.segments_per_node} segments per node; {os.cpu_count()} CPUs")
     for fault in faults:
-        root = ensure_session(a.data, a.ranks, a.collectives, a.nodes, a.segments_per_node, fault)
-        runs = [run_child(root, a.ranks, a.collectives, a.nodes, fault, "operator") for _ in range(a.repeat)]
+        root = ensure_session(a.data, a.ranks, a.collectives, a.nodes, a.segments_per_node, fault, a.layout)
+        runs = [run_child(root, a.ranks, a.collectives, a.nodes, fault, "operator", a.layout)
+                for _ in range(a.repeat)]
+        if a.layout:
+            results["rows"] = runs[0]["rows"]
         secs = [r["seconds"] for r in runs]
         peak = max(r["peak_rss_mib"] for r in runs)
         r0 = runs[0]
@@ -198,7 +245,7 @@ def main(argv=None) -> dict:
                "load_before": [round(r["load_before"], 2) for r in runs],
                "written": json.loads((root / "written.json").read_text())}
         results["runs"][fault] = res
-        print(f"  {fault}: gather+merge+analysis {res['seconds_median']:.2f} s median "
+        print(f"  {fault}: {runs[0]['rows']:,} NCCL rows; gather+merge+analysis {res['seconds_median']:.2f} s median "
               f"(min {res['seconds_min']:.2f}, max {res['seconds_max']:.2f}, {len(runs)} runs; "
               f"{res['cpu_seconds_median']:.1f} CPU-s median), "
               f"peak RSS {peak:,.0f} MiB; verdict {'as planted' if res['verdict_ok'] else 'WRONG'}: "

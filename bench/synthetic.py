@@ -475,11 +475,6 @@ def simulate_pipeline(tp: int, pp: int, dp: int, steps: int, micro: int = 4, fwd
                 progressed = True
         if not progressed:
             raise RuntimeError("the simulated schedule deadlocked")
-    ends = [c[4] + c[5] for r in range(world) for c in calls[r] if c[1] == "world"]
-    per = sorted(set(round(e) for e in ends))
-    marks = [max(c[4] + c[5] for r in range(world) for c in calls[r] if c[1] == "world" and i == j)
-             for j in range(steps) for i in [j]] if False else None
-    del marks, per
     wend = {}
     for r in range(world):
         k = 0
@@ -489,6 +484,12 @@ def simulate_pipeline(tp: int, pp: int, dp: int, steps: int, micro: int = 4, fwd
                 k += 1
     step_ns = (wend[steps - 1] - wend[0]) / (steps - 1)
     return {"calls": calls, "step_ns": step_ns, "layout": lay}
+
+
+def pipeline_instances_per_step(tp: int, pp: int, dp: int, micro: int = 4) -> int:
+    """Collective instances per simulated step: a tp all-reduce per microbatch forward and
+    backward in every tp group, a dp all-reduce per dp group, one world all-reduce."""
+    return (2 * micro * pp * dp if tp > 1 else 0) + (tp * pp if dp > 1 else 0) + 1
 
 
 def pipeline_session(seg_dir, tp: int, pp: int, dp: int, nodes: int, steps: int = 12,
@@ -521,7 +522,7 @@ def pipeline_session(seg_dir, tp: int, pp: int, dp: int, nodes: int, steps: int 
     hashes = {k: [0x7000_0000_0000_0000 + (ki << 16) + i for i in range(len(gs))]
               for ki, (k, gs) in enumerate(lay["groups"].items())}
     rpn = world // nodes
-    names = [f"node-{chr(97 + i)}" for i in range(nodes)]
+    names = [f"node-{chr(97 + i)}" for i in range(nodes)] if nodes <= 26 else [_scale_node(i) for i in range(nodes)]
     t0 = 1_750_000_000_000_000_000
     for ni, node in enumerate(names):
         w = SegmentWriter(Path(seg_dir) / node, node=node, session_id="pipeline")
