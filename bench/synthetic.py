@@ -384,14 +384,17 @@ def pipeline_layout(tp: int, pp: int, dp: int) -> dict:
 
 def simulate_pipeline(tp: int, pp: int, dp: int, steps: int, micro: int = 4, fwd_ms: float = 4.0,
                       bwd_ms: float = 8.0, x_ms: float = 0.3, jitter: float = 0.03, seed: int = 5,
-                      factor=None) -> dict:
+                      factor=None, extra=None) -> dict:
     """Run a GPipe schedule per step (forward of every microbatch, then backward) as a
     discrete-event simulation: compute is own work (fwd_ms / bwd_ms per microbatch, times
     ``factor(rank, step)`` and a jitter), sends are eager, a recv returns when its send
     was posted, a collective when its last member arrived, each plus a transfer of x_ms.
     Then the data-parallel all-reduce and a world all-reduce ending the step.
+    ``extra(members)`` adds nanoseconds to the transfer of an instance among `members`
+    (global ranks; a send/recv pair is [src, dst]): a lossy link.
     Returns {"calls": per rank list of (op, group kind, group index, peer global rank or -1,
-    t, d)}, "step_ns": mean step}."""
+    t, d)}, "step_ns": mean step, "slowed": [(transfer start, end, members)] of every
+    instance `extra` slowed}."""
     lay = pipeline_layout(tp, pp, dp)
     world, stage = lay["world"], lay["stage"]
     gi = {k: {r: i for i, g in enumerate(gs) for r in g} for k, gs in lay["groups"].items()}
@@ -424,6 +427,8 @@ def simulate_pipeline(tp: int, pp: int, dp: int, steps: int, micro: int = 4, fwd
             prog[r].append(("work", 0.5))
             prog[r].append(("ALL_REDUCE", "world", None))
     x = x_ms * 1e6
+    extra = extra or (lambda members: 0.0)
+    slowed = []
     t = {r: 0.0 for r in range(world)}
     ptr = {r: 0 for r in range(world)}
     calls = {r: [] for r in range(world)}
@@ -431,6 +436,7 @@ def simulate_pipeline(tp: int, pp: int, dp: int, steps: int, micro: int = 4, fwd
     got: dict = {}                        # (src, dst) -> recvs done
     coll_n = {}                           # (rank, kind) -> collectives called
     arrivals: dict = {}                   # (kind, group, seq) -> {rank: t}
+    ends: dict = {}                       # (kind, group, seq) -> end of the transfer
     waiting: dict = {}
     done = 0
     total = sum(len(p) for p in prog.values())
@@ -452,7 +458,10 @@ def simulate_pipeline(tp: int, pp: int, dp: int, steps: int, micro: int = 4, fwd
                     if len(sent.get(key, [])) <= k:
                         break
                     a = waiting.pop((r, "recv"), t[r])
-                    end = max(a, sent[key][k]) + x
+                    more = extra([op[2], r])
+                    end = max(a, sent[key][k]) + x + more
+                    if more:
+                        slowed.append((max(a, sent[key][k]), end, [op[2], r]))
                     got[key] = k + 1
                     calls[r].append(("RECV", "pp", gi["pp"][r], op[2], a, end - a))
                     t[r] = end
@@ -466,7 +475,12 @@ def simulate_pipeline(tp: int, pp: int, dp: int, steps: int, micro: int = 4, fwd
                     mem = members[kind][g]
                     if len(inst) < len(mem):
                         break
-                    end = max(inst.values()) + x
+                    if (kind, g, seq) not in ends:        # once per instance (extra may draw)
+                        more = extra(mem)
+                        ends[(kind, g, seq)] = max(inst.values()) + x + more
+                        if more:
+                            slowed.append((max(inst.values()), ends[(kind, g, seq)], list(mem)))
+                    end = ends[(kind, g, seq)]
                     calls[r].append((op[0], kind, g, -1, inst[r], end - inst[r]))
                     coll_n[(r, kind)] = seq + 1
                     t[r] = end
@@ -483,7 +497,7 @@ def simulate_pipeline(tp: int, pp: int, dp: int, steps: int, micro: int = 4, fwd
                 wend[k] = max(wend.get(k, 0), c[4] + c[5])
                 k += 1
     step_ns = (wend[steps - 1] - wend[0]) / (steps - 1)
-    return {"calls": calls, "step_ns": step_ns, "layout": lay}
+    return {"calls": calls, "step_ns": step_ns, "layout": lay, "slowed": slowed}
 
 
 def pipeline_instances_per_step(tp: int, pp: int, dp: int, micro: int = 4) -> int:
@@ -492,37 +506,74 @@ def pipeline_instances_per_step(tp: int, pp: int, dp: int, micro: int = 4) -> in
     return (2 * micro * pp * dp if tp > 1 else 0) + (tp * pp if dp > 1 else 0) + 1
 
 
+OFFCPU_REASON = {"cpu-contention": "runqueue", "io": "io"}
+
+
 def pipeline_session(seg_dir, tp: int, pp: int, dp: int, nodes: int, steps: int = 12,
                      fault: str = "clean", victim: int | None = None, stage_slow: int = 1,
-                     slow: float = 1.5, imbalance: float = 1.0, seed: int = 5, **kw) -> dict:
+                     slow: float = 1.5, imbalance: float = 1.0, seed: int = 5, lossy_node: int = 0,
+                     loss_ms: float = 2.0, skew_ns=None, **kw) -> dict:
     """Write a simulated tp x pp x dp session below `seg_dir` (one folder per node, ranks
     in order over nodes) and return the ground truth: the planted saving per step (the
-    same run without the fault, same noise), the victim or stage."""
+    same run without the fault, same noise), the victim, stage or lossy node.
+
+    Faults: clean, slow-rank (`victim`'s own work x `slow`), cpu-contention and io (the same,
+    and the victim's off-CPU time of that reason accounts for its extra work, as the sched
+    probe records it), slow-stage, imbalance (every rank's work x U(1, 1 + imbalance) per
+    step), slow-node (every rank of node `lossy_node` x `slow`), network (every transfer
+    between `lossy_node` and another node takes ~`loss_ms` longer, with retransmits on the
+    lossy node's connections inside those transfers).
+    `skew_ns[i]`: node i's clock is off by that much (the timestamps it writes)."""
     from pathlib import Path
 
     from ingero.store import SegmentWriter
 
     lay = pipeline_layout(tp, pp, dp)
     world = lay["world"]
+    rpn = world // nodes
     frng = np.random.default_rng([seed, 99])
     draws = frng.uniform(1.0, 1.0 + imbalance, (world, steps))
-    if fault == "slow-rank":
+    if fault in ("slow-rank", "cpu-contention", "io"):
         fac = lambda r, s: slow if r == victim else 1.0
     elif fault == "slow-stage":
         fac = lambda r, s: slow if lay["stage"][r] == stage_slow else 1.0
+    elif fault == "slow-node":
+        fac = lambda r, s: slow if r // rpn == lossy_node else 1.0
     elif fault == "imbalance":
         fac = lambda r, s: float(draws[r, s])
     else:
         fac = None
-    run = simulate_pipeline(tp, pp, dp, steps, seed=seed, factor=fac, **kw)
+    extra = None
+    if fault == "network":
+        lrng = np.random.default_rng([seed, 7])
+
+        def extra(members):   # only transfers that cross the lossy node's link
+            on = {m // rpn == lossy_node for m in members}
+            return float(lrng.uniform(0.5, 1.5) * loss_ms * 1e6) if on == {True, False} else 0.0
+    run = simulate_pipeline(tp, pp, dp, steps, seed=seed, factor=fac, extra=extra, **kw)
     fixed = simulate_pipeline(tp, pp, dp, steps, seed=seed, **kw)
-    if fault == "imbalance":   # every rank at the median draw: the imbalance removed
+    if fault == "imbalance":
+        # every rank at the median draw, without the jitter: the engine's "fix everyone" caps
+        # each rank's work at its position's median, which removes the jitter above it too
         med = float(np.median(draws))
-        fixed = simulate_pipeline(tp, pp, dp, steps, seed=seed, factor=lambda r, s: med, **kw)
+        fixed = simulate_pipeline(tp, pp, dp, steps, seed=seed, factor=lambda r, s: med,
+                                  **{**kw, "jitter": 0.0})
     hashes = {k: [0x7000_0000_0000_0000 + (ki << 16) + i for i in range(len(gs))]
               for ki, (k, gs) in enumerate(lay["groups"].items())}
-    rpn = world // nodes
     names = [f"node-{chr(97 + i)}" for i in range(nodes)] if nodes <= 26 else [_scale_node(i) for i in range(nodes)]
+    skew = [int(x) for x in (skew_ns or [0] * nodes)]
+    # off-CPU time per rank and reason, as sched_totals has it: a little for everyone, and for a
+    # starved victim what its extra work took
+    off = {r: {"runqueue": 1.0 + 0.1 * (r % 3)} for r in range(world)}
+    if fault in OFFCPU_REASON and victim is not None:   # 90% of the victim's extra work was off-CPU
+        extra_ms = steps * (slow - 1.0) * kw.get("micro", 4) * (kw.get("fwd_ms", 4.0) + kw.get("bwd_ms", 8.0))
+        reason = OFFCPU_REASON[fault]
+        off[victim][reason] = off[victim].get(reason, 0.0) + 0.9 * extra_ms
+    retx = []       # (timestamp on the true clock, owner global rank)
+    if fault == "network":
+        for a, e, members in run["slowed"]:
+            owner = min(m for m in members if m // rpn == lossy_node)
+            retx.append((a + 0.3 * (e - a), owner))
     t0 = 1_750_000_000_000_000_000
     for ni, node in enumerate(names):
         w = SegmentWriter(Path(seg_dir) / node, node=node, session_id="pipeline")
@@ -535,7 +586,7 @@ def pipeline_session(seg_dir, tp: int, pp: int, dp: int, nodes: int, steps: int 
                 mem = lay["groups"][kind][g]
                 h = hashes[kind][g]
                 seqs[h] = seqs.get(h, 0) + 1
-                cols["timestamp_ns"].append(t0 + int(a))
+                cols["timestamp_ns"].append(t0 + int(a) + skew[ni])
                 cols["duration_ns"].append(int(d))
                 cols["op"].append(op)
                 cols["rank"].append(mem.index(r))
@@ -550,12 +601,23 @@ def pipeline_session(seg_dir, tp: int, pp: int, dp: int, nodes: int, steps: int 
                                      (np.asarray(v) if k != "op" else v) for k, v in cols.items()})
             ranks_rows.append({"pid": 1000 + r, "rank": r, "local_rank": r % rpn, "world_size": world,
                                "pod": f"train-{r}", "namespace": "default"})
-            totals.append({"pid": 1000 + r, "rank": r, "reason": "runqueue", "total_ns": 1_000_000,
-                           "intervals": steps})
+            totals += [{"pid": 1000 + r, "rank": r, "reason": reason, "total_ns": int(ms * 1e6),
+                        "intervals": steps} for reason, ms in sorted(off[r].items())]
+        mine = [(ts, o) for ts, o in retx if o // rpn == ni]
+        if mine:
+            w.append("tcp_events", {
+                "timestamp_ns": [t0 + int(ts) + skew[ni] for ts, _ in mine],
+                "event": ["tcp_retransmit_skb"] * len(mine), "pid": [1000 + o for _, o in mine],
+                "rank": [o for _, o in mine], "saddr": [f"10.0.0.{ni + 1}"] * len(mine),
+                "daddr": ["10.0.0.250"] * len(mine), "sport": [40000] * len(mine), "dport": [29500] * len(mine),
+                "owner_source": ["socket"] * len(mine)})
         w.put_rows("ranks", ranks_rows)
         w.put_rows("sched_totals", totals)
         w.close()
     step = run["step_ns"]
     return {"step_ms": step / 1e6, "planted_saving_ms": (step - fixed["step_ns"]) / 1e6,
             "victim": victim, "stage": stage_slow, "nodes": names, "layout": lay,
+            "lossy_node": names[lossy_node] if fault in ("network", "slow-node") else None,
+            "node_ranks": list(range(lossy_node * rpn, (lossy_node + 1) * rpn)),
+            "offsets": {names[i]: skew[i] for i in range(nodes)},
             "stage_ranks": sorted(r for r, s in lay["stage"].items() if s == stage_slow)}

@@ -61,6 +61,19 @@ def group_quantile(keys: np.ndarray, values: np.ndarray, q: float):
     return uk, vl + (vh - vl) * f
 
 
+def quantile_at(keys: np.ndarray, values: np.ndarray, q: float, at: np.ndarray) -> np.ndarray:
+    """quantile_cont(q) of the group (by key) of `values`, looked up for each key in `at`
+    (NaN where `at` holds a key with no values)."""
+    out = np.full(len(at), np.nan)
+    if len(keys) == 0 or len(at) == 0:
+        return out
+    uk, qv = group_quantile(keys, values, q)
+    pos = np.minimum(np.searchsorted(uk, at), len(uk) - 1)
+    hit = uk[pos] == at
+    out[hit] = qv[pos[hit]]
+    return out
+
+
 def median_of_others(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
     """For each element, the median of the other elements with the same key (NaN alone)."""
     n = len(values)

@@ -19,7 +19,7 @@ import numpy as np
 from ingero.analysis.calls import Calls, Events, _RECV, _SEND
 from ingero.analysis.model import Straggler
 from ingero.analysis.replay import Measured, replay
-from ingero.analysis.stats import median_of_others, robust_z
+from ingero.analysis.stats import median_of_others, quantile_at, robust_z
 
 SAVING_FLOOR_PCT = 5.0        # fixing the named rank (or group) must save >= 5% of the step
 SPREAD_FLOOR_PCT = 12.0       # "spread" needs more: a busy machine's jitter alone removes ~5-8%
@@ -33,6 +33,9 @@ OFFCPU_Z = 3.5                # off-CPU time (of one reason) an outlier among th
 OFFCPU_FLOOR_MS = 50.0
 OFFCPU_EXPLAINS = 0.3         # ... covering >= 30% of the rank's excess own work
 CANDIDATE_RANKS = 3           # ranks with the largest excess own work that are replayed
+CANDIDATE_NODES = 2           # slow nodes replayed (the slowest first)
+NODE_SLOW = 1.05              # a node is slow when each of its ranks works >= 1.05x its reference
+NODE_ALIKE = 0.7              # ... and the least slow has >= 70% of the slowest one's excess
 
 
 @dataclass
@@ -59,6 +62,8 @@ class Timeline:
     marker_inst: np.ndarray   # the marker instances, in order
     steps: int                # whole steps in the window
     stage_of: dict            # rank -> stage (pipelines only)
+    since: np.ndarray | None = None   # per event: its ordinal since the rank's last marker
+    slots: int = 1                    # ordinals per step (bound)
 
     def step_ns(self, E: np.ndarray) -> float:
         """(end of the last marker instance - end of the first) / steps, for event ends E."""
@@ -146,7 +151,7 @@ def timeline(c: Calls, ev: Events, m: Measured) -> Timeline | None:
     if steps < 1:
         return None
     return Timeline(ev=ev, m=m, role=role, key=key, inwin=inwin, marker_inst=marker_inst,
-                    steps=steps, stage_of=stage_of)
+                    steps=steps, stage_of=stage_of, since=since, slots=S)
 
 
 def own_per_rank(tl: Timeline, w: np.ndarray) -> dict:
@@ -175,6 +180,15 @@ def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int) -> tuple[St
     med = median_of_others(tl.key, m.w.astype(np.float64))
     med = np.where(np.isnan(med) | (tl.key < 0), m.w, med)
     fixed_w = np.minimum(m.w, med).astype(np.int64)
+    # "fix everyone": each event's own work at most its slot's median (the same ordinal
+    # after the step marker, over every rank of its stage and every step), itself included:
+    # a stage slow on one step and fast on the next is imbalance too, which the peers of
+    # one step cannot show; and the median of the *others* would set a pair of peers both
+    # to the smaller one
+    ok = tl.key >= 0
+    slot = np.where(ok, tl.role * tl.slots + tl.since, -1)
+    cap = quantile_at(slot[ok], m.w[ok].astype(np.float64), 0.5, slot)
+    all_w = np.where(np.isnan(cap), m.w, np.minimum(m.w, cap)).astype(np.int64)
 
     replays: dict = {}
 
@@ -239,19 +253,30 @@ def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int) -> tuple[St
             members = sorted(r for r, k in tl.stage_of.items() if k == s)
             inst = np.isin(ev.rank, members) & tl.inwin
             w = np.where(inst, (m.w * f).astype(np.int64), m.w)
-            cands.append(Candidate("stage", members, saving(w), f"stage {s} ({_span(members)})",
-                                   score=round(st_med[s] / others, 2), extra=last_replay(),
-                                   why=f"its ranks' own work is {st_med[s] / 1e6:.1f} ms/step vs "
-                                       f"{others / 1e6:.1f} ms for the other stages' median"))
-    # the node of the worst rank, when several of its ranks are slow
-    if cands and cands[0].kind == "rank":
-        top = cands[0].ranks[0]
-        node = rows[top].node if top in rows else None
-        members = sorted(r for r, x in rows.items() if x.node == node)
-        slow = [r for r in members if excess.get(r, 0) > 0.5 * excess[top]]
-        if len(members) > 1 and len(slow) > 1:
-            w = np.where(np.isin(ev.rank, members), fixed_w, m.w)
-            cands.append(Candidate("node", members, saving(w), f"node {node}", extra=last_replay()))
+            why = (f"its ranks' own work is {st_med[s] / 1e6:.1f} ms/step vs "
+                   f"{others / 1e6:.1f} ms for the other stages' median")
+            if len(members) == 1:      # a stage of one rank (pure pipeline) is that rank
+                r = members[0]
+                cause, why2 = _offcpu_cause(rows, r, (st_med[s] - others) * tl.steps, traced_ns)
+                cands.append(Candidate("rank", members, saving(w), f"rank {r}", cause=cause, why=why2,
+                                       score=round(st_med[s] / others, 2),
+                                       extra={"own_ms": st_med[s] / 1e6, "peers_ms": others / 1e6,
+                                              "excess_ms": (st_med[s] - others) / 1e6, **last_replay()}))
+            else:
+                cands.append(Candidate("stage", members, saving(w), f"stage {s} ({_span(members)})",
+                                       score=round(st_med[s] / others, 2), extra=last_replay(), why=why))
+    # a node whose every rank works more than the ranks of the same role elsewhere (or, for
+    # a role the node holds whole, than the ranks of other roles): a slow machine
+    for node, members, ratio in _slow_nodes(rows, own, tl.stage_of)[:CANDIDATE_NODES]:
+        f = np.ones(int(ev.ranks.max()) + 1 if len(ev.ranks) else 1)
+        for r, q in ratio.items():
+            f[r] = 1.0 / q
+        inst = np.isin(ev.rank, members) & tl.inwin
+        w = np.where(inst, (m.w * f[ev.rank]).astype(np.int64), m.w)
+        cands.append(Candidate("node", members, saving(w), f"node {node}", extra=last_replay(),
+                               score=round(min(ratio.values()), 2),
+                               why=f"every one of its ranks works {min(ratio.values()):.2f}x or more what the "
+                                   "same role does elsewhere"))
     net = _network(c, tl, rows, retx)
     if net is not None:
         node, hit, why, score, rank, single = net
@@ -259,15 +284,8 @@ def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int) -> tuple[St
         clean = m.x[~hit & tl.inwin]
         fallback = float(np.median(clean)) if len(clean) else 0.0
         # a hit event's transfer: the clean median at its position (events without a hit)
-        ck, cv = tl.key[~hit & tl.inwin], m.x[~hit & tl.inwin]
-        if len(ck):
-            from ingero.analysis.stats import group_quantile
-            uk, q = group_quantile(ck, cv, 0.5)
-            pos = np.searchsorted(uk, tl.key[hit])
-            ok = (pos < len(uk)) & (uk[np.minimum(pos, len(uk) - 1)] == tl.key[hit])
-            target = np.where(ok, q[np.minimum(pos, len(uk) - 1)], fallback)
-        else:
-            target = np.full(int(hit.sum()), fallback)
+        target = quantile_at(tl.key[~hit & tl.inwin], m.x[~hit & tl.inwin].astype(np.float64), 0.5, tl.key[hit])
+        target = np.where(np.isnan(target), fallback, target)
         x[hit] = np.minimum(m.x[hit], target.astype(np.int64))
         label = f"rank {rank} on {node}" if single else f"node {node}"
         members = [rank] if single else sorted(r for r, v in rows.items() if v.node == node)
@@ -275,7 +293,7 @@ def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int) -> tuple[St
                                score=score, extra={"node": node, "single": single, **last_replay()}))
     best_single = best_so_far[0]
     best_so_far[0] = 0.0          # "fix everyone" is judged against its own floor
-    spread = Candidate("spread", sorted(own), saving(fixed_w, need=SPREAD_FLOOR_PCT / 100 * base_step),
+    spread = Candidate("spread", sorted(own), saving(all_w, need=SPREAD_FLOOR_PCT / 100 * base_step),
                        "spread: no single rank", cause="imbalance")
     del best_single
     info["spread_ns"] = spread.saving_ns
@@ -322,6 +340,38 @@ def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int) -> tuple[St
         return None, info
     info["named"] = best
     return _straggler(best, tl, rows, base_step, excess, base), info
+
+
+def _slow_nodes(rows: dict, own: dict, stage_of: dict) -> list:
+    """[(node, ranks, {rank: own work / reference})] for nodes of several ranks that all work
+    at least NODE_SLOW x their reference (the median of the same role's ranks on other nodes;
+    for a role the node holds whole, of the other nodes' ranks), alike (NODE_ALIKE), slowest
+    first."""
+    node_of = {r: rows[r].node for r in own if r in rows and rows[r].node is not None}
+    ranks = np.array(sorted(node_of), np.int64)
+    if len(ranks) < 3:
+        return []
+    vals = np.array([own[r] for r in ranks.tolist()])
+    nodes = np.array([node_of[r] for r in ranks.tolist()], object)
+    roles = np.array([stage_of.get(r, 0) for r in ranks.tolist()])
+    out = []
+    for node in sorted(set(nodes.tolist())):
+        mine = nodes == node
+        if mine.sum() < 2 or mine.all():
+            continue
+        ratio = {}
+        for role in np.unique(roles[mine]).tolist():
+            ref = vals[~mine & (roles == role)]
+            if not len(ref):
+                ref = vals[~mine]
+            ref_v = float(np.median(ref))
+            for r, v in zip(ranks[mine & (roles == role)].tolist(), vals[mine & (roles == role)].tolist()):
+                ratio[r] = v / ref_v if ref_v > 0 else 0.0
+        lo, hi = min(ratio.values()), max(ratio.values())
+        # a slow machine slows its ranks alike; two slow ranks of unequal excess are two ranks
+        if lo >= NODE_SLOW and lo - 1 >= NODE_ALIKE * (hi - 1):
+            out.append((node, sorted(ratio), ratio))
+    return sorted(out, key=lambda t: -min(t[2].values()))
 
 
 def _span(members: list) -> str:

@@ -1,0 +1,95 @@
+"""A ground-truth matrix for the verdict: planted causes over tensor x pipeline x data layouts.
+
+Every case is a simulated job (``bench.synthetic.pipeline_session``: GPipe, Megatron rank
+order, 3% jitter on every piece of work) written through the real segment store with
+each node's clock off by up to 5 ms, then merged and judged along the operator's own
+path (``gather.build_artifact`` with clock offsets that are off by up to 50 us, as the
+measured ones are). The planted saving is the same run, same noise, without the fault.
+
+Asserted per case: the rank, group or node named; the cause; and the saving within
++-25% of the planted one (never above the step). The floors and shares in
+``ingero.analysis.verdict`` are justified by this matrix (plus the real lab runs in
+tests/bpf and bench/verdict_lab), not by one lab run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bench.synthetic import pipeline_layout, pipeline_session
+from ingero.analysis.verdict import SAVING_FLOOR_PCT, SPREAD_FLOOR_PCT
+
+# (tp, pp, dp, nodes)
+LAYOUTS = [(2, 2, 2, 2), (1, 4, 2, 2), (2, 4, 1, 2), (4, 2, 2, 4), (1, 2, 4, 2), (2, 3, 2, 3), (1, 8, 1, 2),
+           (2, 2, 4, 4), (4, 1, 2, 2)]
+FAULTS = ["clean", "slow-rank", "cpu-contention", "io", "slow-stage", "slow-node", "imbalance", "network"]
+CAUSE = {"slow-rank": "compute/unknown", "cpu-contention": "cpu-contention", "io": "io"}
+
+
+def _cases():
+    rng = np.random.default_rng(2026)
+    out = []
+    for tp, pp, dp, nodes in LAYOUTS:
+        world = tp * pp * dp
+        for fault in FAULTS:
+            kw = {"fault": fault, "seed": int(rng.integers(1, 10_000)),
+                  "skew_ns": [int(x) for x in rng.integers(-5_000_000, 5_000_000, nodes)]}
+            if fault in CAUSE:
+                kw.update(victim=int(rng.integers(0, world)), slow=round(float(rng.uniform(1.4, 2.0)), 2))
+            elif fault == "slow-stage":
+                kw.update(stage_slow=int(rng.integers(0, pp)), slow=round(float(rng.uniform(1.3, 1.6)), 2))
+            elif fault == "network":
+                kw.update(lossy_node=int(rng.integers(0, nodes)), loss_ms=round(float(rng.uniform(1.5, 4.0)), 1))
+            elif fault == "slow-node":
+                kw.update(lossy_node=int(rng.integers(0, nodes)), slow=round(float(rng.uniform(1.3, 1.6)), 2))
+            if fault == "slow-stage" and pp == 1:
+                continue
+            out.append(pytest.param((tp, pp, dp, nodes), kw, id=f"tp{tp}pp{pp}dp{dp}-{fault}"))
+    return out
+
+
+CASES = _cases()
+
+
+def test_the_matrix_has_at_least_40_cases_over_every_fault():
+    assert len(CASES) >= 40
+    assert {c.values[1]["fault"] for c in CASES} == set(FAULTS)
+
+
+@pytest.mark.parametrize("layout,kw", CASES)
+def test_the_verdict_names_the_planted_cause(tmp_path, layout, kw):
+    from ingero_operator import gather
+
+    tp, pp, dp, nodes = layout
+    gt = pipeline_session(tmp_path / "work" / "nodes", tp, pp, dp, nodes=nodes, steps=12, **kw)
+    err = np.random.default_rng(kw["seed"]).integers(-50_000, 50_000, nodes)   # the offsets' own error
+    offsets = {n: o + int(e) for (n, o), e in zip(sorted(gt["offsets"].items()), err)}
+    rep, _ = gather.build_artifact(gather.LocalSession(tmp_path), offsets)
+    s, fault = rep.straggler, kw["fault"]
+    planted_pct = 100 * gt["planted_saving_ms"] / gt["step_ms"]
+    where = (f"{fault}: {s}; best {rep.best_candidate} {rep.best_saving_pct}%; planted "
+             f"{gt['planted_saving_ms']:.2f} ms ({planted_pct:.1f}%)")
+    floor = SPREAD_FLOOR_PCT if fault == "imbalance" else SAVING_FLOOR_PCT
+    if fault == "clean" or planted_pct < 0.8 * floor:   # below the floor: nobody, with the figure
+        assert s is None and rep.best_saving_pct < floor, where
+        return
+    assert s is not None, where
+    if fault in CAUSE:
+        assert (s.kind, s.rank, s.cause) == ("rank", kw["victim"], CAUSE[fault]), where
+    elif fault == "slow-stage":
+        stage_ranks = sorted(r for r, st in pipeline_layout(tp, pp, dp)["stage"].items() if st == kw["stage_slow"])
+        if len(stage_ranks) == 1:     # a stage of one rank is that rank
+            assert (s.kind, s.ranks) == ("rank", stage_ranks), where
+        else:
+            assert s.kind == "stage" and s.ranks == stage_ranks, where
+    elif fault == "slow-node":   # or the stage it is, when it holds exactly one stage
+        st = pipeline_layout(tp, pp, dp)["stage"]
+        same_stage = sorted(r for r in st if st[r] == st[gt["node_ranks"][0]])
+        assert s.ranks in (gt["node_ranks"], same_stage) and s.kind in ("node", "stage"), where
+    elif fault == "imbalance":
+        assert (s.kind, s.cause) == ("spread", "imbalance"), where
+    elif fault == "network":
+        assert (s.cause, s.node) == ("network", gt["lossy_node"]), where
+    assert 0 < s.saving_ms_per_step < rep.mean_step_ms, where
+    assert s.saving_ms_per_step == pytest.approx(gt["planted_saving_ms"], rel=0.25), where
