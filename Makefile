@@ -8,6 +8,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 DEB_PACKAGES := python3-bpfcc python3-venv linux-headers-amd64 nftables iproute2 ethtool gcc make libc6-dev kmod procps
 SCENARIO ?= lossy-link
+DEMO_ARGS ?=
 
 .PHONY: setup system venv test test-unit test-bpf demo demo-trace bench clean chart-lint e2e
 
@@ -37,7 +38,7 @@ test-bpf: setup
 # the operator, one agent per lab node, a lab training job with a fault, a
 # TraceSession applied with kubectl, and the verdict it writes into status.
 demo: setup
-	$(VENV)/bin/ingero demo --scenario $(SCENARIO)
+	$(VENV)/bin/ingero demo --scenario $(SCENARIO) $(DEMO_ARGS)
 
 # The node tracer alone on a lab job (no operator): trace, query, report.
 demo-trace: setup

@@ -44,7 +44,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--scenario", choices=SCENARIOS, default="clean")
     r.add_argument("--nodes", type=int, default=2, help="lab nodes (network namespaces); default 2")
-    r.add_argument("--ranks-per-node", type=int, default=2, help="default 2")
+    r.add_argument("--ranks-per-node", type=int, default=None, help="default 2, or what --layout needs")
     r.add_argument("--seconds", type=float, default=20.0, help="training time; default 20")
     r.add_argument("--steps", type=int, default=0, help="stop after this many steps instead of --seconds")
     r.add_argument("--loss-percent", type=float, default=5.0, help="lossy-link drop rate; default 5")
@@ -56,16 +56,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--background-load", type=int, default=0, metavar="N",
                    help="N busy processes (CPU spin and system-call churn, unpinned) keep the whole "
                    "machine busy, as on a shared node or in CI; default 0")
-    r.add_argument("--layout", metavar="tp=T,pp=P,dp=D",
-                   help="a tensor x pipeline x data parallel job (Megatron's rank order, communicators split "
-                        "from the world, GPipe microbatches over send/recv); T*P*D = nodes x ranks-per-node; "
-                        "default: the data-parallel job")
-    r.add_argument("--microbatches", type=int, default=4, help="microbatches per step with --layout; default 4")
-    r.add_argument("--stage", type=int, default=1, help="slow-stage: the stage that is slower; default 1")
-    r.add_argument("--slow-factor", type=float, default=None,
-                   help="slow-rank / slow-stage: compute multiplier; default 2 (slow-rank), 1.5 (slow-stage)")
-    r.add_argument("--imbalance", type=float, default=1.0,
-                   help="imbalance: per-step compute factor drawn from [1, 1 + this]; default 1")
+    add_job_shape_args(r)
     r.add_argument("--ipv6", action="store_true", help="rendezvous and move data over IPv6")
     r.add_argument("--trace", action="store_true", help="run `ingero trace` on every lab node")
     r.add_argument("--out", type=Path, default=Path("out/lab"), help="output directory; default out/lab")
@@ -94,6 +85,47 @@ def run(args) -> int:
     return 2
 
 
+def add_job_shape_args(r) -> None:
+    """The job's shape and its shape-specific faults (`ingero lab run` and `ingero demo`)."""
+    r.add_argument("--layout", metavar="tp=T,pp=P,dp=D",
+                   help="a tensor x pipeline x data parallel job (Megatron's rank order, communicators split "
+                        "from the world, GPipe microbatches over send/recv); T*P*D = nodes x ranks-per-node; "
+                        "default: the data-parallel job")
+    r.add_argument("--microbatches", type=int, default=4, help="microbatches per step with --layout; default 4")
+    r.add_argument("--stage", type=int, default=1, help="slow-stage: the stage that is slower; default 1")
+    r.add_argument("--slow-factor", type=float, default=None,
+                   help="slow-rank / slow-stage: compute multiplier; default 2 (slow-rank), 1.5 (slow-stage)")
+    r.add_argument("--imbalance", type=float, default=1.0,
+                   help="imbalance: per-step compute factor drawn from [1, 1 + this]; default 1")
+
+
+def ranks_per_node(args) -> int:
+    """--ranks-per-node, or with --layout and without it, the layout's world over the nodes."""
+    if args.ranks_per_node is not None or not args.layout:
+        return 2 if args.ranks_per_node is None else args.ranks_per_node
+    from ingero.lab.faults import parse_layout
+
+    t, p_, d = parse_layout(args.layout, None)
+    if (t * p_ * d) % max(args.nodes, 1):
+        raise IngeroError(f"--layout {args.layout} has {t * p_ * d} ranks, which {args.nodes} nodes cannot share "
+                          "evenly; give --nodes or --ranks-per-node")
+    return t * p_ * d // max(args.nodes, 1)
+
+
+def job_shape(args) -> dict:
+    """LabConfig fields from add_job_shape_args' flags (the slow factor checked, its default
+    per scenario)."""
+    out = {"layout": args.layout, "microbatches": args.microbatches, "stage": args.stage,
+           "imbalance": args.imbalance}
+    if args.slow_factor is not None:
+        if not 1.0 < args.slow_factor <= 100:
+            raise IngeroError(f"--slow-factor {args.slow_factor} is out of range: use more than 1, at most 100")
+        out["slow_factor"] = args.slow_factor
+    elif args.scenario == "slow-stage":
+        out["slow_factor"] = 1.5
+    return out
+
+
 def _log(msg: str) -> None:
     print(msg, flush=True)
 
@@ -102,18 +134,11 @@ def _run(args) -> int:
     from ingero.lab import tracers as tr
     from ingero.lab.runner import LabConfig, LabRun
 
-    cfg = LabConfig(scenario=args.scenario, nodes=args.nodes, ranks_per_node=args.ranks_per_node,
+    cfg = LabConfig(scenario=args.scenario, nodes=args.nodes, ranks_per_node=ranks_per_node(args),
                     seconds=args.seconds, steps=args.steps, loss_percent=args.loss_percent,
                     victim_rank=args.victim_rank, ipv6=args.ipv6, out_dir=args.out,
                     compute_ms=args.compute_ms, fault_after_s=args.fault_after,
-                    background_load=args.background_load, layout=args.layout,
-                    microbatches=args.microbatches, stage=args.stage, imbalance=args.imbalance)
-    if args.slow_factor is not None:
-        if not 1.0 < args.slow_factor <= 100:
-            raise IngeroError(f"--slow-factor {args.slow_factor} is out of range: use more than 1, at most 100")
-        cfg.slow_factor = args.slow_factor
-    elif args.scenario == "slow-stage":
-        cfg.slow_factor = 1.5
+                    background_load=args.background_load, **job_shape(args))
     if cfg.fault_after_s is not None and cfg.fault_after_s < 0:
         raise IngeroError("--fault-after must be >= 0")
     if cfg.seconds <= 0 and cfg.steps <= 0:

@@ -36,8 +36,9 @@ from ingero.lab.netns import in_netns
 SCENARIOS = ("clean", "lossy-link", "cpu-hog", "slow-rank", "io-stall", "slow-stage", "imbalance")
 
 
-def parse_layout(text: str | None, world: int) -> tuple[int, int, int] | None:
-    """"tp=T,pp=P,dp=D" (any order, missing parts 1) -> (T, P, D); None for no layout."""
+def parse_layout(text: str | None, world: int | None) -> tuple[int, int, int] | None:
+    """"tp=T,pp=P,dp=D" (any order, missing parts 1) -> (T, P, D); None for no layout.
+    `world` None: not checked against the lab's size."""
     if not text:
         return None
     parts = {"tp": 1, "pp": 1, "dp": 1}
@@ -47,7 +48,7 @@ def parse_layout(text: str | None, world: int) -> tuple[int, int, int] | None:
             raise IngeroError(f"--layout {text!r}: write it as tp=T,pp=P,dp=D with positive integers")
         parts[k] = int(v)
     t, p, d = parts["tp"], parts["pp"], parts["dp"]
-    if t * p * d != world:
+    if world is not None and t * p * d != world:
         raise IngeroError(f"--layout {text!r} has {t * p * d} ranks but the lab has {world} "
                           "(--nodes x --ranks-per-node): make them equal")
     return t, p, d

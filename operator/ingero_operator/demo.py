@@ -46,6 +46,7 @@ class DemoConfig:
     victim_rank: int | None = None
     hogs: int = 8                          # cpu-hog: busy loops sharing the victim's CPU
     background_load: int = 0               # busy processes keeping the whole machine busy (lab --background-load)
+    shape: dict = field(default_factory=dict)   # LabConfig's layout, microbatches, stage, imbalance, slow_factor
     fault_after_s: float | None = None     # the fault starts this long after the ranks (None: before)
     kill_agent_node: str | None = None     # tests: SIGKILL this node's agent ...
     kill_agent_after_s: float = 5.0        # ... this long after the ranks started
@@ -102,7 +103,8 @@ class Demo:
                                 ranks_per_node=self.cfg.ranks_per_node, seconds=self.cfg.seconds,
                                 loss_percent=self.cfg.loss_percent, victim_rank=self.cfg.victim_rank,
                                 hogs=self.cfg.hogs, fault_after_s=self.cfg.fault_after_s,
-                                background_load=self.cfg.background_load, out_dir=self.out / "lab")
+                                background_load=self.cfg.background_load, out_dir=self.out / "lab",
+                                **self.cfg.shape)
             self.lab = LabRun(lab_cfg, log=self.log).__enter__()
             self._start_agents()
             for rp in self.lab.ranks:
@@ -298,6 +300,7 @@ def _free_port() -> int:
 
 
 def add_parser(sub):
+    from ingero.lab.cli import add_job_shape_args
     from ingero.lab.faults import SCENARIOS
 
     p = sub.add_parser("demo", help="the whole flow on this machine: API server, operator, agents, lab job",
@@ -305,12 +308,13 @@ def add_parser(sub):
     p.add_argument("--scenario", choices=SCENARIOS, default="lossy-link")
     p.add_argument("--seconds", type=float, default=20.0, help="training time; default 20")
     p.add_argument("--nodes", type=int, default=2, help="lab nodes; default 2")
-    p.add_argument("--ranks-per-node", type=int, default=2, help="default 2")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="default 2, or what --layout needs")
     p.add_argument("--loss-percent", type=float, default=5.0, help="lossy-link drop rate; default 5")
     p.add_argument("--victim-rank", type=int, default=None, help="default: the last rank")
     p.add_argument("--hogs", type=int, default=8, help="cpu-hog: busy loops on the victim's CPU; default 8")
     p.add_argument("--background-load", type=int, default=0, metavar="N",
                    help="N busy processes keep the whole machine busy (as on a shared node); default 0")
+    add_job_shape_args(p)
     p.add_argument("--out", type=Path, default=Path("out/demo"), help="default out/demo")
     p.add_argument("--keep-running", action="store_true",
                    help="keep the API server, operator and agents up afterwards (Ctrl-C ends)")
@@ -322,13 +326,16 @@ def _interrupt(*_):
 
 
 def run(args) -> int:
+    from ingero.lab.cli import job_shape, ranks_per_node
+
     if args.seconds <= 0:
         raise IngeroError("--seconds must be > 0")
     if args.nodes < 1:
         raise IngeroError("--nodes must be >= 1")
     cfg = DemoConfig(scenario=args.scenario, seconds=args.seconds, nodes=args.nodes,
-                     ranks_per_node=args.ranks_per_node, out=args.out, loss_percent=args.loss_percent,
-                     victim_rank=args.victim_rank, hogs=args.hogs, background_load=args.background_load)
+                     ranks_per_node=ranks_per_node(args), out=args.out, loss_percent=args.loss_percent,
+                     victim_rank=args.victim_rank, hogs=args.hogs, background_load=args.background_load,
+                     shape=job_shape(args))
     old = signal.signal(signal.SIGTERM, _interrupt)
     try:
         with Demo(cfg, log=lambda m: print(m, flush=True)) as demo:

@@ -179,6 +179,20 @@ def test_printer_columns_evaluated_by_kubectl_on_the_real_status_give_the_expect
                             str(st["retransmits"])]
 
 
+def test_a_3d_job_with_a_slower_stage_is_named_as_that_stage_in_kubectl_get(tmp_path):
+    """`ingero demo --layout tp=2,pp=2,dp=2 --scenario slow-stage`: a group verdict in the columns."""
+    flow = run_flow(tmp_path, "slow-stage", seconds=12.0, ranks_per_node=4,
+                    shape={"layout": "tp=2,pp=2,dp=2", "stage": 1, "slow_factor": 1.5})
+    st = verdict.check_completed(flow["status"], 8)
+    s = st["straggler"]
+    assert s is not None, f"nobody named; best {st.get('bestSavingPct')}%: {json.dumps(st.get('ranksTable'))[:1500]}"
+    assert (s["kind"], s["ranks"], s["who"]) == ("stage", [2, 3, 6, 7], "stage 1 (ranks 2, 3, 6, 7)"), s
+    assert 0 < s["savingPct"] < 100 and st["predictedStepMs"] < st["meanStepMs"]
+    rows = flow["table"].strip().splitlines()
+    assert rows[0].split()[:4] == ["NAME", "PHASE", "RANKS", "STRAGGLER"]
+    assert rows[1].split()[:3] == ["lab-job", "Completed", "8"] and "stage 1 (ranks 2, 3, 6, 7)" in rows[1], rows
+
+
 def test_conditions_follow_the_lifecycle_and_describe_lists_the_events(lossy):
     conds = {c["type"]: c for c in lossy["status"]["conditions"]}
     assert sorted(conds) == ["Completed", "Failed", "Ready", "StragglerDetected", "Tracing"]
