@@ -1,4 +1,6 @@
 """`ingero export perfetto SOURCE -o trace.json`: the trace as a timeline for ui.perfetto.dev.
+`ingero export step SOURCE -o step.svg`: one step as the verdict sees it (own work, waits,
+transfers per rank), measured and replayed without the straggler.
 
 One process per node, one thread track per rank (ordered by rank): NCCL
 calls as slices (op, bytes, comm, seq, lateness in args), off-CPU intervals
@@ -40,6 +42,14 @@ def add_parser(sub):
     e.add_argument("--start", help="keep events from this long after the first event (e.g. 30s, 250ms)")
     e.add_argument("--end", help="... until this long after the first event")
     e.add_argument("--max-events", type=int, help="sample whole collectives down to about N events")
+    st = s.add_parser("step", help="one step as an SVG picture: own work, waits and transfers per rank, "
+                      "measured and replayed without the straggler",
+                      epilog="example:\n  ingero export step out/demo/artifacts/default/lab-job-<uid>/ -o step.svg",
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    st.add_argument("source", type=Path, help="trace .duckdb file, artifact folder or segment directory")
+    st.add_argument("--session", metavar="ID", help="the session to read when a segment folder holds several")
+    st.add_argument("-o", "--out", type=Path, required=True, help="the SVG file to write")
+    st.add_argument("--step", type=int, help="which whole step (0 = the first); default: the middle one")
     p.set_defaults(_export_parser=p)
     return p
 
@@ -48,7 +58,10 @@ def run(args) -> int:
     from ingero.perfetto import build, write
     from ingero.store import open_source
 
-    if getattr(args, "export_format", None) != "perfetto":
+    fmt = getattr(args, "export_format", None)
+    if fmt == "step":
+        return _step(args)
+    if fmt != "perfetto":
         args._export_parser.print_help()
         return 2
     start = parse_seconds(args.start, "--start", allow_zero=True) if args.start else None
@@ -72,4 +85,25 @@ def run(args) -> int:
           f"{summ.instants} tcp instants, {summ.flows} arrival arrows"
           + (f"; sampled every {summ.sampled_stride}th collective" if summ.sampled_stride > 1 else "")
           + "; open it at https://ui.perfetto.dev", file=sys.stderr)
+    return 0
+
+
+def _step(args) -> int:
+    from ingero.analysis import analyse_with_replays
+    from ingero.analysis.picture import step_svg
+    from ingero.store import open_source
+
+    if not args.out.parent.is_dir():
+        raise IngeroError(f"-o {args.out}: folder {args.out.parent} does not exist")
+    con = open_source(args.source, session=args.session)
+    try:
+        report, ctx = analyse_with_replays(con)
+    finally:
+        con.close()
+    try:
+        svg, summary = step_svg(report, ctx, args.step)
+    except ValueError as e:
+        raise IngeroError(f"{args.source}: {e}") from None
+    args.out.write_text(svg)
+    print(f"wrote {args.out}: {summary}", file=sys.stderr)
     return 0

@@ -38,6 +38,13 @@ def analyse(con, slow_collective_ms: float | None = None) -> Report:
 
     `slow_collective_ms` (a TraceSession's thresholds.slowCollectiveMs): also count, per
     rank, the collectives that took longer than this."""
+    return analyse_with_replays(con, slow_collective_ms)[0]
+
+
+def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[Report, dict]:
+    """analyse, and what the verdict worked on: {"timeline", "base" (the measured step
+    replayed), "named" (the named or best candidate, its replay in extra["replay"])};
+    empty when there was no step to judge."""
     c, warnings = load(con)
     rows, w2 = rank_rows(c, slow_collective_ms)
     warnings += w2
@@ -62,7 +69,7 @@ def analyse(con, slow_collective_ms: float | None = None) -> Report:
     if tl is None or len(rows) < 2:
         if len(rows) >= 2:
             warnings.append("no collective recurs on all ranks: no step to judge, no verdict")
-        return report
+        return report, {}
     for r, v in own_per_rank(tl, m.w).items():
         if r in rows:
             rows[r].own_ms = v / 1e6
@@ -87,7 +94,7 @@ def analyse(con, slow_collective_ms: float | None = None) -> Report:
     elif best is not None:
         report.predicted_step_ms = (base - best.saving_ns) / 1e6
     log.debug("candidates: %s", info.get("candidates"))
-    return report
+    return report, {"timeline": tl, "base": info.get("base_replay"), "named": info.get("named") or best}
 
 
 def _median_gap_ms(tl) -> float:

@@ -174,7 +174,7 @@ def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int) -> tuple[St
     ev, m = tl.ev, tl.m
     base = replay(ev, m.w, m.x)
     base_step = tl.step_ns(base.e)
-    info = {"base_step_ns": base_step, "stuck_rounds": base.stuck_rounds}
+    info = {"base_step_ns": base_step, "stuck_rounds": base.stuck_rounds, "base_replay": base}
     if base_step <= 0:
         return None, info
     med = median_of_others(tl.key, m.w.astype(np.float64))
@@ -294,7 +294,7 @@ def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int) -> tuple[St
     best_single = best_so_far[0]
     best_so_far[0] = 0.0          # "fix everyone" is judged against its own floor
     spread = Candidate("spread", sorted(own), saving(all_w, need=SPREAD_FLOOR_PCT / 100 * base_step),
-                       "spread: no single rank", cause="imbalance")
+                       "spread: no single rank", cause="imbalance", extra=last_replay())
     del best_single
     info["spread_ns"] = spread.saving_ns
     specific = sorted(cands, key=lambda k: -k.saving_ns)

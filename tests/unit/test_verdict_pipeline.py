@@ -74,3 +74,22 @@ def test_report_cli_shows_propagated_blame_and_the_predicted_step(tmp_path, caps
     assert main(["report", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "straggler: rank 2" in out and "waits on rank 2" in out and "predicted" in out
+
+
+def test_export_step_draws_the_step_measured_and_replayed_without_the_straggler(tmp_path, capsys):
+    import re
+
+    pipeline_session(tmp_path / "t", 2, 4, 2, nodes=2, fault="slow-rank", victim=2)
+    out = tmp_path / "step.svg"
+    assert main(["export", "step", str(tmp_path / "t"), "-o", str(out), "--step", "3"]) == 0
+    svg = out.read_text()
+    assert svg.startswith("<svg") and svg.rstrip().endswith("</svg>")
+    took = [float(x) for x in re.findall(r"step 3 takes ([\d.]+) ms", svg)]
+    assert len(took) == 2 and took[1] < took[0], took        # measured, then replayed without rank 2
+    assert "replayed without rank 2's excess" in svg
+    assert re.search(r'fill="#c0392b" font-weight="bold">rank 2 \(stage 1\)<', svg)
+    rows = re.findall(r'<text x="4" y="\d+"(?: fill="#c0392b" font-weight="bold")?>rank (\d+)', svg)
+    assert rows == [str(r) for r in range(16)] * 2
+    assert "step 3 of" in capsys.readouterr().err
+    assert main(["export", "step", str(tmp_path / "t"), "-o", str(out), "--step", "99"]) == 2
+    assert "step 99 is out of range" in capsys.readouterr().err
