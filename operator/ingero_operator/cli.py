@@ -29,6 +29,9 @@ def add_parser(sub):
                    help="serve TraceSessions of this namespace only (repeatable; default: all)")
     r.add_argument("--artifacts", type=Path, default=None,
                    help="where merged traces go (default $INGERO_ARTIFACTS_DIR or /var/lib/ingero/artifacts)")
+    r.add_argument("--artifacts-max-bytes", type=int, default=None, metavar="N",
+                   help="keep the artifact folder under N bytes: when a session completes, the oldest "
+                        "merged traces are deleted (ArtifactExpired on their sessions); default no cap")
     r.add_argument("--live-window", type=float, default=None, metavar="S",
                    help="while a session runs, also judge the last S seconds alone so a fault that "
                         "starts mid-session is named quickly; 0 judges the whole session only (default 6)")
@@ -73,6 +76,10 @@ def run(args) -> int:
         s.namespace = args.namespace
     if args.artifacts:
         s.artifacts_dir = args.artifacts
+    if args.artifacts_max_bytes is not None:
+        if args.artifacts_max_bytes < 1:
+            raise IngeroError("--artifacts-max-bytes must be a positive number of bytes")
+        s.artifacts_max_bytes = args.artifacts_max_bytes
     if args.live_window is not None:
         if args.live_window < 0:
             raise IngeroError("--live-window must be >= 0 seconds (0: judge the whole session only)")

@@ -29,6 +29,11 @@ def _running(status, **_) -> bool:
     return (status or {}).get("phase") in ("Running", "Gathering")
 
 
+def _finished_with_ttl(spec, status, **_) -> bool:
+    return (status or {}).get("phase") in ("Completed", "Failed") and \
+        (spec or {}).get("ttlSecondsAfterFinished") is not None
+
+
 def _expiring(status, **_) -> bool:
     art = (status or {}).get("artifact") or {}
     return (status or {}).get("phase") == "Completed" and bool(art.get("expiresAt")) and not art.get("deleted")
@@ -75,6 +80,11 @@ async def stop(spec, status, meta, memo: kopf.Memo, logger, **_):
     if (status or {}).get("phase") not in ("Completed", "Failed"):
         await ctl.stop_everywhere(ref)
     ctl.forget(ref)
+
+
+@kopf.timer(*RES, interval=max(1.0, 5 * SETTINGS.timing.refresh_interval_s), when=_finished_with_ttl)
+async def ttl_after_finished(spec, status, meta, memo: kopf.Memo, **_):
+    await memo.controller.delete_after_ttl(_ref(meta), dict(spec), dict(status))
 
 
 @kopf.timer(*RES, interval=300, when=_expiring)

@@ -108,6 +108,18 @@ class Kube:
             raise KubeError(404, f"secret {namespace}/{name} has no key {key!r}")
         return base64.b64decode(raw).decode().strip()
 
+    async def delete_session(self, namespace: str, name: str, uid: str) -> None:
+        """Delete a TraceSession, only the one with this uid (a precondition: a new session
+        reusing the name is left alone); already gone is fine."""
+        path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}"
+        body = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid},
+                "propagationPolicy": "Background"}
+        try:
+            await self._call("DELETE", path, data=json.dumps(body), headers={"Content-Type": "application/json"})
+        except KubeError as e:
+            if e.status not in (404, 409):
+                raise
+
     async def patch_status(self, namespace: str, name: str, status: dict) -> dict:
         path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}/status"
         return await self._call("PATCH", path, data=json.dumps({"status": status}),

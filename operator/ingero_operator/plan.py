@@ -31,6 +31,7 @@ class SessionSpec:
     sched_min_us: float | None = None
     nccl_lib: str | None = None
     retention_h: int | None = None
+    ttl_s: int | None = None
 
 
 # The largest value of each number in a spec; the CRD's schema has the same `maximum`s
@@ -41,6 +42,7 @@ MAXIMUM = {
     "spec.thresholds.slowCollectiveMs": 3_600_000,    # an hour
     "spec.thresholds.schedMinMicros": 60_000_000,     # a minute
     "spec.artifact.retentionHours": 24 * 366,         # a year
+    "spec.ttlSecondsAfterFinished": 366 * 24 * 3600,  # a year
 }
 
 
@@ -89,6 +91,7 @@ def parse_spec(spec) -> SessionSpec:
         nccl_lib=lib,
         retention_h=_number(art.get("retentionHours") if isinstance(art, dict) else None,
                             "spec.artifact.retentionHours", 1, integer=True),
+        ttl_s=_number(spec.get("ttlSecondsAfterFinished"), "spec.ttlSecondsAfterFinished", 0, integer=True),
     )
 
 

@@ -13,8 +13,10 @@ import asyncio
 import datetime as dt
 import json
 import logging
+import shutil
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 import kopf
@@ -340,6 +342,8 @@ class Controller:
             full = {**rep.to_dict(), "sessionId": ref.sid, "reason": reason, "nodes": rows,
                     "warnings": warnings, "worldSize": world}
             local.report.write_text(json.dumps(full, indent=2, default=str) + "\n")
+            (local.root / "owner.json").write_text(json.dumps(
+                {"namespace": ref.namespace, "name": ref.name, "uid": ref.uid}) + "\n")
             msg = f"completed ({reason}); gathered {len(gathered)}/{len(nodes)} nodes in {time.monotonic() - t0:.1f} s"
             artifact = {"path": str(local.artifact), "report": str(local.report),
                         "bytes": local.artifact.stat().st_size}
@@ -357,6 +361,15 @@ class Controller:
             self._post_straggler(ref, live, st, final=True)
             self.event(ref, "Normal", "Completed", msg + (f"; {straggler_message(st)}" if st else
                                                           "; no straggler: no rank or group slows the job"))
+            for who in self.cap_artifacts(keep=local.root):
+                other = Ref(who.get("namespace", ""), who.get("name", ""), who.get("uid"), None)
+                try:
+                    await self.kube.patch_status(other.namespace, other.name, {"artifact": {"deleted": True}})
+                except (KubeError, aiohttp.ClientError):
+                    pass        # the session itself is gone: nothing to mark
+                self.event(other, "Normal", "ArtifactExpired",
+                           f"the merged trace ({who['bytes']:,} bytes) was deleted, the oldest, to keep the "
+                           f"artifact folder under --artifacts-max-bytes {self.s.artifacts_max_bytes:,}")
             log.info("%s/%s: %s", ref.namespace, ref.name, msg)
             for node in gathered:   # the artifact holds their data now
                 try:
@@ -414,6 +427,60 @@ class Controller:
                 pass
 
         await asyncio.gather(*(one(c) for c in agents.values()))
+
+    # ---- retention -----------------------------------------------------------------
+    async def delete_after_ttl(self, ref: Ref, spec_doc: dict, status: dict) -> None:
+        """spec.ttlSecondsAfterFinished: once it has passed since endTime, delete the merged
+        trace and the TraceSession (this uid only), as a Job's TTL controller does."""
+        try:
+            ttl = planning.parse_spec(spec_doc).ttl_s
+        except planning.SpecError:
+            ttl = spec_doc.get("ttlSecondsAfterFinished") if isinstance(spec_doc, dict) else None
+            ttl = ttl if isinstance(ttl, int) and not isinstance(ttl, bool) and 0 <= ttl <= \
+                planning.MAXIMUM["spec.ttlSecondsAfterFinished"] else None
+        end = parse_iso(status.get("endTime"))
+        if ttl is None or end is None or dt.datetime.now(dt.timezone.utc) < end + dt.timedelta(seconds=ttl):
+            return
+        self.event(ref, "Normal", "Deleted", f"ttlSecondsAfterFinished ({ttl}) passed since {status.get('endTime')}: "
+                                             "deleting the session and its merged trace")
+        log.info("%s/%s: ttlSecondsAfterFinished (%s s) passed; deleting it", ref.namespace, ref.name, ttl)
+        shutil.rmtree(self.local(ref).root, ignore_errors=True)
+        try:
+            await self.kube.delete_session(ref.namespace, ref.name, ref.uid)
+        except (KubeError, aiohttp.ClientError) as e:
+            raise kopf.TemporaryError(f"cannot delete after ttlSecondsAfterFinished: {e}", delay=10) from e
+
+    def cap_artifacts(self, keep: Path) -> list[dict]:
+        """--artifacts-max-bytes: delete the oldest merged traces (never `keep`, the one just
+        written) until the folder holds at most that many bytes. Returns the owners of the
+        deleted ones ({namespace, name, uid, bytes})."""
+        cap = self.s.artifacts_max_bytes
+        if not cap:
+            return []
+        folders = []
+        for owner in self.s.artifacts_dir.glob("*/*/owner.json"):
+            root = owner.parent
+            try:
+                who = json.loads(owner.read_text())
+                size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+                when = owner.stat().st_mtime
+            except (OSError, ValueError):
+                continue
+            folders.append((when, root, size, who))
+        total = sum(f[2] for f in folders)
+        gone = []
+        for when, root, size, who in sorted(folders, key=lambda f: f[0]):
+            if total <= cap:
+                break
+            if root == keep:
+                continue
+            shutil.rmtree(root, ignore_errors=True)
+            total -= size
+            gone.append({**who, "bytes": size})
+        if total > cap:
+            log.warning("the artifact folder holds %d bytes, over --artifacts-max-bytes %d: the newest merged "
+                        "trace alone is larger", total, cap)
+        return gone
 
     def forget(self, ref: Ref) -> None:
         metrics.forget(ref.uid)

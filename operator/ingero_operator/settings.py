@@ -69,6 +69,7 @@ class GatherSettings:
 @dataclass
 class Settings:
     artifacts_dir: Path = Path("/var/lib/ingero/artifacts")  # <dir>/<namespace>/<name>-<uid8>/trace.duckdb
+    artifacts_max_bytes: int | None = None  # the oldest merged traces are deleted beyond this
     namespace: str = "ingero-system"       # where the agent token Secret lives
     agent: AgentSettings = field(default_factory=AgentSettings)
     timing: TimingSettings = field(default_factory=TimingSettings)
@@ -88,6 +89,8 @@ class Settings:
         s.agent.client_cert_file = env.get("INGERO_AGENT_CLIENT_CERT") or s.agent.client_cert_file
         s.agent.client_key_file = env.get("INGERO_AGENT_CLIENT_KEY") or s.agent.client_key_file
         s.agent.token_secret = env.get("INGERO_AGENT_TOKEN_SECRET") or s.agent.token_secret
+        if env.get("INGERO_ARTIFACTS_MAX_BYTES"):
+            s.artifacts_max_bytes = int(env["INGERO_ARTIFACTS_MAX_BYTES"])
         if env.get("INGERO_REFRESH_INTERVAL_S"):
             s.timing.refresh_interval_s = float(env["INGERO_REFRESH_INTERVAL_S"])
         return s

@@ -158,17 +158,19 @@ def recorded(request, tmp_path_factory):
                 demo.cluster.create("/apis/kopf.dev/v1/clusterkopfpeerings", d)
             elif d["kind"] == "KopfPeering":
                 demo.cluster.create(f"/apis/kopf.dev/v1/namespaces/{d['metadata']['namespace']}/kopfpeerings", d)
-        # A session only the operator can refuse: the failure path of the handlers.
+        # A session only the operator can refuse: the failure path of the handlers; its
+        # ttlSecondsAfterFinished 0 has the operator delete it once it has failed.
         bad = out / "bad.yaml"
         bad.write_text(yaml.safe_dump({"apiVersion": "ingero.io/v1alpha1", "kind": "TraceSession",
                                        "metadata": {"name": "relative-lib", "namespace": "default"},
-                                       "spec": {"selector": {"matchLabels": {"a": "b"}}, "ncclLibPath": "lib/x.so"}}))
+                                       "spec": {"selector": {"matchLabels": {"a": "b"}}, "ncclLibPath": "lib/x.so",
+                                                "ttlSecondsAfterFinished": 0}}))
         demo.kubectl("apply", "--validate=false", "-f", str(bad))
         res = demo.run()
         with urllib.request.urlopen(liveness, timeout=5) as resp:   # what the kubelet's probes ask
             health = resp.status
         for name in ("relative-lib", demo.session_name):
-            demo.kubectl("delete", "tracesession", name, "-n", "default", "--wait=false")
+            demo.kubectl("delete", "tracesession", name, "-n", "default", "--wait=false", "--ignore-not-found")
         # Wait for kopf to release a finalizer (a JSON patch removing it), at most 8 s. The
         # failed session's is released at once; on this embedded server the completed one's
         # was not within seconds (kopf logs its deletion as processed), and releasing it would

@@ -67,7 +67,8 @@ class Flow:
         self.log = open(tmp / "operator.log", "wb")
         self.operator = subprocess.Popen(
             [sys.executable, "-m", "ingero", "operator", "run", "--standalone", "--namespace", objs.SYSTEM_NS,
-             "--artifacts", str(tmp / "artifacts"), "--refresh-interval", "0.5"],
+             "--artifacts", str(tmp / "artifacts"), "--refresh-interval", "0.5",
+             "--artifacts-max-bytes", "1"],   # every completion deletes the older merged traces
             cwd=ROOT, env=dict(os.environ, KUBECONFIG=str(self.cluster.kubeconfig)),
             stdout=self.log, stderr=subprocess.STDOUT)
 
@@ -322,3 +323,60 @@ def test_a_running_session_whose_spec_is_edited_into_a_refused_one_fails_and_sto
                                  headers={"Authorization": f"Bearer {TOKEN}"})
     with urllib.request.urlopen(req, timeout=10) as resp:
         assert json.loads(resp.read())["state"] == "stopped"
+
+
+def _complete(flow, name: str, job: str, **spec) -> tuple[dict, str]:
+    """Run a session of a 2-pod job on node-a to completion: (its status, its uid)."""
+    pods = [flow.rank_pod(job, r, "node-a") for r in (0, 1)]
+    flow.apply(name, selector={"matchLabels": {"job-name": job}}, **spec)
+    uid = flow.cluster.get(f"{TRS}/{name}")["metadata"]["uid"]
+    flow.wait_for(name, lambda s: s.get("phase") == "Running", timeout=30)
+    for p in pods:
+        flow.cluster.patch(f"{PODS}/{p['metadata']['name']}/status", {"status": {"phase": "Succeeded"}})
+    return flow.wait_for(name, lambda s: s.get("phase") == "Completed", timeout=60), uid
+
+
+def test_retention_the_artifact_cap_deletes_the_oldest_trace_and_the_ttl_deletes_the_session(flow):
+    first, _ = _complete(flow, "keep-a", "job-ka")
+    old = Path(first["artifact"]["path"]).parent
+    assert (old / "trace.duckdb").is_file() and (old / "owner.json").is_file()
+    second, uid_b = _complete(flow, "ttl-b", "job-tb", ttlSecondsAfterFinished=1)
+    new = Path(second["artifact"]["path"]).parent
+    # --artifacts-max-bytes 1: the newer completion deleted the older trace and said so
+    st = flow.wait_for("keep-a", lambda s: (s.get("artifact") or {}).get("deleted") is True, timeout=20)
+    assert st["phase"] == "Completed" and not old.exists()
+    ev = [e for e in flow.wait_events("keep-a", {"ArtifactExpired"}) if e["reason"] == "ArtifactExpired"]
+    assert "--artifacts-max-bytes" in ev[0]["message"] and "oldest" in ev[0]["message"]
+    # ttlSecondsAfterFinished 1: the session and its trace are gone within a few timer periods
+    deadline = time.monotonic() + 20
+    while flow.cluster.get(f"{TRS}/ttl-b") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not flow.cluster.get(f"{TRS}/ttl-b"), f"ttl-b still exists\n{flow.operator_log()}"
+    assert not new.exists()
+    deleted = [e for e in flow.events("ttl-b") if e["reason"] == "Deleted"]
+    assert deleted and "ttlSecondsAfterFinished (1)" in deleted[0]["message"], flow.events("ttl-b")
+    assert deleted[0]["involvedObject"]["uid"] == uid_b
+    assert flow.cluster.get(f"{TRS}/keep-a"), "a session without a TTL stays"
+    assert flow.operator.poll() is None
+
+
+def test_the_artifact_cap_deletes_oldest_first_and_never_the_newest(tmp_path):
+    from ingero_operator.session import Controller
+    from ingero_operator.settings import Settings
+
+    s = Settings(artifacts_dir=tmp_path, artifacts_max_bytes=2500)
+    folders = []
+    for i, name in enumerate(("a", "b", "c", "d")):
+        root = tmp_path / "ns" / f"{name}-0000000{i}"
+        root.mkdir(parents=True)
+        (root / "trace.duckdb").write_bytes(b"x" * 1000)
+        (root / "owner.json").write_text(json.dumps({"namespace": "ns", "name": name, "uid": f"u{i}"}))
+        os.utime(root / "owner.json", (1_700_000_000 + i, 1_700_000_000 + i))
+        folders.append(root)
+    (tmp_path / "ns" / "stray").mkdir()         # no owner.json: not the operator's, never touched
+    ctl = Controller(s, kube=None)
+    gone = ctl.cap_artifacts(keep=folders[0])    # the "newest" here is the oldest by time: kept anyway
+    assert [g["name"] for g in gone] == ["b", "c"] and all(g["bytes"] > 1000 for g in gone)
+    assert [f.exists() for f in folders] == [True, False, False, True]
+    assert (tmp_path / "ns" / "stray").is_dir()
+    assert Controller(Settings(artifacts_dir=tmp_path), kube=None).cap_artifacts(keep=folders[3]) == []
