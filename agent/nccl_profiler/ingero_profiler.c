@@ -29,15 +29,18 @@
  * handed us the GPU timestamp g. The proxy sees a timestamp only after the
  * GPU wrote it, so h - g = offset + latency, latency >= 0: the lower envelope
  * of h - g over many pairs is the offset. Pairs fall into buckets of host time
- * (INGERO_PROFILER_CLOCK_WINDOW_MS, default 500); each bucket keeps its lowest
- * pair; the last 8 buckets give the fit
+ * (a window, INGERO_PROFILER_CLOCK_WINDOW_MS, default 500; the first four
+ * buckets last 1/16, 1/8, 1/4 and 1/2 of it, so the drift is known early);
+ * each bucket keeps its lowest pair; the last 8 buckets give the fit
  *     host = g + a + b * (g - g_ref)
- * b: the drift, the median of the slopes between consecutive bucket minima
- *    (a bucket where the proxy starved, or a jump of the GPU clock, spoils
- *    one or two of the seven slopes, not the median), clamped to +-1000 ppm;
- *    g_ref: the newest bucket's lowest pair;
- * a: the offset, the lowest (d - b * (g - g_ref)) over the newest two bucket
- *    minima (a jump of the GPU clock is forgotten within two windows).
+ * b: the drift, the median of the slopes between consecutive minima of the
+ *    closed buckets (a bucket where the proxy starved, or a jump of the GPU
+ *    clock, spoils one or two of the six slopes, not the median), clamped to
+ *    +-1000 ppm; 0 until two buckets are closed;
+ * g_ref: the open bucket's lowest pair;
+ * a: the offset, the lower of d - b * (g - g_ref) of the open bucket's and
+ *    the last closed bucket's lowest pairs (a jump of the GPU clock is
+ *    forgotten within two windows).
  * The error is the best proxy latency in the newest windows (microseconds
  * when the proxy polls freely) plus drift error; the raw GPU stamps are in
  * the record too, for a later refit. The fit is per communicator: one GPU.
@@ -84,12 +87,14 @@ _Static_assert(sizeof(struct ingero_nccl_prof_op) == 152, "record layout changed
 #define DEFAULT_WINDOW_MS 500
 #define CLK_BUCKETS 8
 #define CLK_MAX_DRIFT 1e-3              /* |b| above this is a bad fit, not a clock */
+#define CLK_WARMUP 4                    /* the first buckets last 1/16, 1/8, 1/4, 1/2 of a window */
 
 struct clock_fit {
     atomic_flag busy;                   /* the writer's flag: a second writer skips its pair */
     int64_t window_ns;                  /* host time covered by one bucket */
     int64_t bucket_h0;                  /* host time the newest bucket began */
     int cur, used;
+    uint32_t buckets;                   /* begun so far: the first ones are short (warm-up) */
     struct { int64_t g, d; } pt[CLK_BUCKETS];   /* per bucket: lowest d = h - g, and its g */
     uint32_t pairs;
     /* the published fit; `seq` odd while it is being written */
@@ -157,6 +162,7 @@ static double median(double *v, int n)
     return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
+/* Called when the open bucket got a lower pair (so it has one: index 0 below). */
 static void clock_refit(struct clock_fit *c)
 {
     int64_t g[CLK_BUCKETS], d[CLK_BUCKETS];
@@ -171,11 +177,13 @@ static void clock_refit(struct clock_fit *c)
     }
     if (n == 0)
         return;
-    for (int i = 0; i + 1 < n; i++)
+    /* drift from closed buckets only: the open one's lowest pair may still be a poor one */
+    for (int i = 1; i + 1 < n; i++)
         if (g[i] != g[i + 1])
             slopes[ns++] = (double)(d[i] - d[i + 1]) / (double)(g[i] - g[i + 1]);
     double b = ns ? median(slopes, ns) : 0.0;
     b = fmax(-CLK_MAX_DRIFT, fmin(CLK_MAX_DRIFT, b));
+    /* offset: the lower of the open bucket's pair and the last closed one's, carried by b */
     int64_t a = INT64_MAX;
     for (int i = 0; i < n && i < 2; i++) {
         int64_t v = d[i] - llround(b * (double)(g[i] - g[0]));
@@ -196,12 +204,15 @@ static void clock_pair(struct clock_fit *c, uint64_t h, uint64_t g)
 {
     if (g == 0 || g > INT64_MAX || atomic_flag_test_and_set_explicit(&c->busy, memory_order_acquire))
         return;
-    if (c->used == 0 || (int64_t)h - c->bucket_h0 >= c->window_ns) {
+    /* the open bucket is number `buckets` (from 1) */
+    int64_t len = c->window_ns >> (c->buckets <= CLK_WARMUP ? CLK_WARMUP + 1 - c->buckets : 0);
+    if (c->used == 0 || (int64_t)h - c->bucket_h0 >= len) {
         c->cur = (c->cur + 1) % CLK_BUCKETS;
         c->pt[c->cur].d = INT64_MAX;
         c->bucket_h0 = (int64_t)h;
         if (c->used < CLK_BUCKETS)
             c->used++;
+        c->buckets++;
     }
     int64_t d = (int64_t)h - (int64_t)g;
     c->pairs++;

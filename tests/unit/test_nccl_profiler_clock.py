@@ -94,7 +94,7 @@ def errors(res, after_s: float = 0.0) -> list[int]:
 
 def test_a_constant_offset_is_recovered_to_the_best_latency(driver):
     err = errors(run(driver, Device()))
-    assert max(err) <= 400        # the best latency in the first window is <= 400 ns
+    assert max(err) <= 1_000      # the best latencies are 100-400 ns; the rest is the drift estimate's noise
 
 
 def test_drift_is_fitted_so_conversions_stay_within_microseconds(driver):
@@ -106,6 +106,15 @@ def test_drift_is_fitted_so_conversions_stay_within_microseconds(driver):
                          + "s 0\n").stdout
     # host = g + a + b (g - g_ref): b = 1 / (1 + drift) - 1
     assert float(out) == pytest.approx(1 / (1 + 200e-6) - 1, rel=1e-3)
+
+
+def test_the_first_buckets_are_short_so_a_new_communicator_converts_well_from_the_start(driver):
+    # a slow GPU clock: each window's lowest (host - GPU) pair is its oldest, and a fit
+    # without drift would be off by 200 ppm x 0.5 s = 100 us by the end of the first window
+    # until the first two buckets (1/16 and 1/8 of a window) are closed there is no drift term
+    err = errors(run(driver, Device(drift=-200e-6), seconds=2))
+    assert max(err) <= 200e-6 * WINDOW_NS * 3 / 16 + 1_000
+    assert max(errors(run(driver, Device(drift=-200e-6), seconds=2), after_s=0.2)) <= 2_000
 
 
 def test_a_window_where_the_proxy_starves_does_not_tilt_the_fit(driver):
