@@ -32,8 +32,7 @@ from ingero_operator.agents import AgentClient, AgentUnreachable
 
 log = logging.getLogger("ingero.operator.gather")
 
-SHIFTED = {"nccl_events": ("timestamp_ns",), "tcp_events": ("timestamp_ns",),
-           "sched_events": ("timestamp_ns",), "comms": ("timestamp_ns",)}
+SHIFTED = schema.CLOCK_COLUMNS
 LIST_OVERLAP_NS = 2_000_000_000   # file mtimes tick coarsely: re-list this far back, skip known files
 
 
