@@ -1,10 +1,13 @@
-"""The profiler plugin's GPU-to-host clock conversion (agent/nccl_profiler/ingero_profiler.c).
+"""The profiler plugin's inner parts (agent/nccl_profiler/ingero_profiler.c), no root needed.
 
-A small C driver includes the plugin's source and feeds its clock fit
+Clock: a small C driver includes the plugin's source and feeds its clock fit
 (host, device) pairs as NCCL's proxy thread would hand them over: the host
 time comes after the GPU time by a latency that is never negative and mostly
 tens of microseconds, now and then a fraction of one. The device clock has a
 known offset and rate (drift); every conversion is checked against the truth.
+
+Slots and settings: another driver starts operations through the v5 entry
+points until the preallocated slots run out.
 """
 
 from __future__ import annotations
@@ -38,24 +41,72 @@ int main(int argc, char **argv)
     return 0;
 }
 """
+SLOTS_DRIVER = r"""
+#include "ingero_profiler.c"
+static void *start(void *ctx, uint64_t type, void *parent)
+{
+    ncclProfilerEventDescr_v5_t d;
+    memset(&d, 0, sizeof(d));
+    d.type = type;
+    d.parentObj = parent;
+    d.coll.func = "AllReduce";
+    d.coll.nChannels = 1;
+    d.kernelCh.pTimer = 0;
+    void *h = NULL;
+    start_event_v5(ctx, &h, &d);
+    return h;
+}
+int main(int argc, char **argv)
+{
+    void *ctx, *h[64];
+    int mask, n = atoi(argv[1]), got = 0;
+    ncclResult_t r = init_v5(&ctx, 7, &mask, "c", 1, 2, 0, NULL);
+    if (r != ncclSuccess) {
+        printf("init %d\n", (int)r);
+        return 0;
+    }
+    for (int i = 0; i < n; i++)
+        got += (h[i] = start(ctx, ncclProfileColl, NULL)) != NULL;
+    struct ctx *c = ctx;
+    printf("started %d dropped %llu\n", got, (unsigned long long)c->dropped);
+    /* op 0 finishes (host stop, its one channel starts and stops): its slot is free again */
+    stop_event(h[0]);
+    void *k = start(ctx, ncclProfileKernelCh, h[0]);
+    stop_event(k);
+    void *again = start(ctx, ncclProfileColl, NULL);
+    int clash = 0;
+    for (int i = 1; i < got; i++)
+        clash |= again == h[i];
+    printf("again %d clash %d\n", again != NULL, clash);
+    finalize(ctx);
+    return 0;
+}
+"""
 G0 = 1_750_000_000_000_000_000     # a globaltimer reading (Unix-epoch-like ns)
 H0 = 5_000_000_000                  # host CLOCK_MONOTONIC at the start
 WINDOW_NS = 500_000_000
 
 
-@pytest.fixture(scope="module")
-def driver(tmp_path_factory) -> Path:
+def build(d: Path, name: str, text: str) -> Path:
     if shutil.which("gcc") is None:
-        pytest.skip("gcc is not installed: cannot compile the clock driver")
-    d = tmp_path_factory.mktemp("clock")
-    (d / "driver.c").write_text(DRIVER)
-    exe = d / "driver"
+        pytest.skip("gcc is not installed: cannot compile the plugin's drivers")
+    (d / f"{name}.c").write_text(text)
     proc = subprocess.run(["gcc", "-O2", "-Wall", f"-I{ROOT / 'bpf'}", f"-I{ROOT / 'agent' / 'nccl_profiler'}",
-                           "-o", str(exe), str(d / "driver.c"), "-lm"], capture_output=True, text=True)
+                           "-o", str(d / name), str(d / f"{name}.c"), "-lm"], capture_output=True, text=True)
     if proc.returncode and "sys/sdt.h" in proc.stderr:
         pytest.skip("sys/sdt.h is missing: apt-get install systemtap-sdt-dev")
     assert proc.returncode == 0, proc.stderr
-    return exe
+    return d / name
+
+
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory) -> Path:
+    return build(tmp_path_factory.mktemp("clock"), "driver", DRIVER)
+
+
+@pytest.fixture(scope="module")
+def slots_driver(tmp_path_factory) -> Path:
+    return build(tmp_path_factory.mktemp("slots"), "slots", SLOTS_DRIVER)
 
 
 class Device:
@@ -132,3 +183,20 @@ def test_nothing_is_converted_before_the_first_pair(driver):
     out = subprocess.run([str(driver), str(WINDOW_NS)], input=f"q {G0}\n", capture_output=True, text=True,
                          check=True).stdout
     assert out.split() == ["0"]
+
+
+def slots(driver: Path, n: int, value: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(driver), str(n)], capture_output=True, text=True, check=True,
+                          env={"INGERO_PROFILER_SLOTS": value})
+
+
+def test_operations_beyond_the_slots_are_dropped_and_counted_never_taking_an_open_ones_slot(slots_driver):
+    out = slots(slots_driver, 20, "16").stdout.splitlines()
+    assert out == ["started 16 dropped 4", "again 1 clash 0"]
+
+
+def test_a_bad_setting_turns_the_plugin_off_with_one_line(slots_driver):
+    got = slots(slots_driver, 1, "lots")
+    assert got.stdout.splitlines() == ["init 4"]          # ncclInvalidArgument: NCCL runs on without it
+    assert got.stderr.splitlines() == ["Ingero profiler: INGERO_PROFILER_SLOTS=lots is not a whole number "
+                                       "from 16 to 1048576; the plugin is off"]
