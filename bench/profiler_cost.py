@@ -25,11 +25,9 @@ import argparse
 import os
 import statistics
 import tempfile
-import threading
 from pathlib import Path
 
-from bench.common import compile_c, need_root
-from bench.uprobe_cost import _loop
+from bench.common import compile_c, need_root, run_loop, run_loop_traced
 
 ROOT = Path(__file__).resolve().parents[1]
 # The loop finishes an operation every ~1.3 us traced, 770,000 records (210 MB) a
@@ -45,26 +43,9 @@ def _traced(loop: Path, lib: Path, ops: int) -> tuple[float, int, int]:
     p = Probes(ProbeConfig(families=("nccl",), ringbuf_pages=RING_PAGES, self_tgid=os.getpid()))
     st = lib.stat()
     p.attach_profiler(lib, (st.st_dev, st.st_ino))
-    got, stop = [0], threading.Event()
-
-    def drain():
-        while not stop.wait(DRAIN_S):
-            got[0] += len(p.rings["nccl_profiler"].read())
-
-    t = threading.Thread(target=drain, daemon=True)
-
-    def go(pid):
-        p.set_targets(set(), {pid}, set())
-        t.start()
-
-        def done():
-            stop.set()
-            t.join()
-            got[0] += len(p.rings["nccl_profiler"].read())
-        return done
-
     try:
-        return _loop(loop, lib, ops, go), got[0], p.lost()["nccl_profiler"]
+        ns, got = run_loop_traced(loop, lib, ops, p, "nccl_profiler", DRAIN_S)
+        return ns, got, p.lost()["nccl_profiler"]
     finally:
         p.close()
 
@@ -84,8 +65,8 @@ def main(argv=None) -> dict:
         loop = compile_c(Path(d) / "profiler_loop", ["profiler_loop.c"], libs=("-ldl",),
                          includes=(ROOT / "agent" / "nccl_profiler",))
         for _ in range(a.rounds):
-            res["none"].append(_loop(loop, Path("none"), a.ops))
-            res["plugin"].append(_loop(loop, lib, a.ops))
+            res["none"].append(run_loop(loop, Path("none"), a.ops))
+            res["plugin"].append(run_loop(loop, lib, a.ops))
             ns, ev, lo = _traced(loop, lib, a.ops)
             res["traced"].append(ns)
             events += ev
