@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -15,10 +16,53 @@ def need_root(what: str) -> None:
         sys.exit(f"{what}: needs root (eBPF); run as root")
 
 
-def compile_c(out: Path, sources: list[str], shared: bool = False, libs: tuple[str, ...] = ()) -> Path:
+def compile_c(out: Path, sources: list[str], shared: bool = False, libs: tuple[str, ...] = (),
+              includes: tuple[Path, ...] = ()) -> Path:
     """gcc -O2 the given files of bench/csrc into `out`."""
-    cmd = ["gcc", "-O2", "-g", "-o", str(out)] + [str(CSRC / s) for s in sources]
+    cmd = ["gcc", "-O2", "-g", *(f"-I{d}" for d in includes), "-o", str(out)] + [str(CSRC / s) for s in sources]
     if shared:
         cmd[1:1] = ["-shared", "-fPIC"]
     subprocess.run(cmd + list(libs), check=True)
     return out
+
+
+def run_loop(loop: Path, lib: Path, n: int, before_go=None) -> float:
+    """Run a bench/csrc loop (`loop LIB N`: prints "ready", waits for a line, prints ns
+    per iteration); `before_go(pid)` runs once it is ready and may return a callable
+    run after it ends."""
+    p = subprocess.Popen([str(loop), str(lib), str(n)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    after = before_go(p.pid) if before_go else None
+    p.stdin.write("go\n")
+    p.stdin.flush()
+    ns = float(p.stdout.readline())
+    p.wait()
+    if after:
+        after()
+    return ns
+
+
+def run_loop_traced(loop: Path, lib: Path, n: int, probes, ring: str, drain_s: float) -> tuple[float, int]:
+    """run_loop with the loop's process as the probes' only target and `ring` drained
+    every `drain_s` by a thread of this process (as the agent would, in its own).
+    Returns (ns per iteration, records read)."""
+    got, stop = [0], threading.Event()
+
+    def drain():
+        while not stop.wait(drain_s):
+            got[0] += len(probes.rings[ring].read())
+
+    t = threading.Thread(target=drain, daemon=True)
+
+    def go(pid):
+        probes.set_targets(set(), {pid}, set())
+        t.start()
+
+        def done():
+            stop.set()
+            t.join()
+            got[0] += len(probes.rings[ring].read())
+        return done
+
+    return run_loop(loop, lib, n, go), got[0]

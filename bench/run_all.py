@@ -24,8 +24,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     ap.add_argument("--out", type=Path, default=Path("bench/results.json"))
     a = ap.parse_args(argv)
-    from bench import (analysis_scale, duration_encoding, ingest, live_refresh, sqlite_vs_duckdb, step_overhead, storage,
-                       time_to_straggler, uprobe_cost)
+    from bench import (analysis_scale, duration_encoding, ingest, live_refresh, profiler_cost, sqlite_vs_duckdb,
+                       step_overhead, storage, time_to_straggler, uprobe_cost)
 
     q = a.quick
     plan = [
@@ -38,6 +38,7 @@ def main(argv=None) -> int:
     ]
     root = [
         ("uprobe_cost", uprobe_cost.main, ["--rounds", "3"] if q else []),
+        ("profiler_cost", profiler_cost.main, ["--rounds", "3", "--ops", "100000"] if q else []),
         ("ingest", ingest.main, ["--rates", "1000000", "--seconds", "2"] if q else []),
         ("step_overhead", step_overhead.main, ["--rounds", "1", "--seconds", "4"] if q else []),
         ("time_to_straggler", time_to_straggler.main,

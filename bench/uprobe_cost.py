@@ -28,31 +28,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import tempfile
-import threading
 from pathlib import Path
 
-from bench.common import compile_c, need_root
+from bench.common import compile_c, need_root, run_loop, run_loop_traced
 
 BARE = r"""
 int on_entry(void *ctx) { return 0; }
 int on_return(void *ctx) { return 0; }
 """
-
-
-def _loop(loop: Path, lib: Path, calls: int, before_go=None) -> float:
-    p = subprocess.Popen([str(loop), str(lib), str(calls)], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
-    assert p.stdout.readline().strip() == "ready"
-    after = before_go(p.pid) if before_go else None
-    p.stdin.write("go\n")
-    p.stdin.flush()
-    ns = float(p.stdout.readline())
-    p.wait()
-    if after:
-        after()
-    return ns
 
 
 STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
@@ -76,7 +60,7 @@ def _bare(loop, lib, calls) -> float:
     b.attach_uprobe(name=str(lib), sym="ncclAllReduce", fn_name="on_entry")
     b.attach_uretprobe(name=str(lib), sym="ncclAllReduce", fn_name="on_return")
     try:
-        ns = _loop(loop, lib, calls)
+        ns = run_loop(loop, lib, calls)
         _prog_ns("bare entry", b.funcs[b"on_entry"].fd)
         _prog_ns("bare return", b.funcs[b"on_return"].fd)
         return ns
@@ -91,29 +75,11 @@ def _ingero(loop, lib, calls) -> tuple[float, int, int]:
     p = Probes(ProbeConfig(families=("nccl",), self_tgid=os.getpid()))
     st = lib.stat()
     p.attach_library(lib, (st.st_dev, st.st_ino), nccl_symbols(lib))
-    got, stop = [0], threading.Event()
-
-    def drain():
-        while not stop.wait(0.02):
-            got[0] += len(p.rings["nccl"].read())
-
-    t = threading.Thread(target=drain, daemon=True)
-
-    def go(pid):
-        p.set_targets(set(), {pid}, set())
-        t.start()
-
-        def done():
-            stop.set()
-            t.join()
-            got[0] += len(p.rings["nccl"].read())
-        return done
-
     try:
-        ns = _loop(loop, lib, calls, go)
+        ns, got = run_loop_traced(loop, lib, calls, p, "nccl", 0.02)
         _prog_ns("ingero entry", p.bpf.funcs[b"nccl_enter_ncclAllReduce"].fd)
         _prog_ns("ingero return", p.bpf.funcs[b"nccl_return"].fd)
-        return ns, got[0], p.lost()["nccl"]
+        return ns, got, p.lost()["nccl"]
     finally:
         p.close()
 
@@ -143,7 +109,7 @@ def _main(a) -> dict:
         lib = compile_c(Path(d) / "libnccl.so.2", ["nccl_noop.c"], shared=True)
         loop = compile_c(Path(d) / "callloop", ["callloop.c"], libs=("-ldl",))
         for _ in range(a.rounds):
-            res["none"].append(_loop(loop, lib, a.calls))
+            res["none"].append(run_loop(loop, lib, a.calls))
             res["bare"].append(_bare(loop, lib, a.calls))
             ns, ev, lo = _ingero(loop, lib, a.calls)
             res["ingero"].append(ns)

@@ -93,6 +93,73 @@ struct ingero_nccl_event {
     __u8  flags;         /* NCCL_F_* */
 };
 
+/* ---- NCCL profiler plugin (agent/nccl_profiler) ------------------------
+ *
+ * Ingero's NCCL profiler plugin fills one `struct ingero_nccl_prof_op` per
+ * finished collective or point-to-point operation, in its own memory, and
+ * fires the USDT probe `ingero:nccl_op_v<INGERO_NCCL_PROF_VERSION>` with its
+ * address as the only argument; bpf/nccl_profiler.c copies it into a
+ * `struct ingero_nccl_prof_event`. The plugin includes this header for the
+ * layout (it is built with -I bpf/). A new layout gets a new version number,
+ * so an agent and a plugin of different versions do not meet: the agent looks
+ * for the probe name of its own version. */
+#define INGERO_NCCL_PROF_VERSION 1
+
+#define NCCL_PROF_COLL 1          /* ingero_nccl_prof_op.kind */
+#define NCCL_PROF_P2P  2
+
+/* ingero_nccl_prof_op.flags */
+#define NCCL_PROF_F_UNFINISHED 1  /* recorded at finalize: not every kernel channel reported stop */
+
+/* Times are CLOCK_MONOTONIC ns (the clock of bpf_ktime_get_ns); *_raw are the
+ * GPU's globaltimer ns as NCCL's kernel wrote them. 152 bytes. */
+struct ingero_nccl_prof_op {
+    __u32 size;            /* sizeof(struct ingero_nccl_prof_op) */
+    __u16 version;         /* INGERO_NCCL_PROF_VERSION */
+    __u8  kind;            /* NCCL_PROF_COLL / NCCL_PROF_P2P */
+    __u8  api;             /* profiler API version NCCL loaded: 4, 5 or 6 */
+    __u64 comm_hash;       /* NCCL's commHash (the init's commHash / commId argument) */
+    __u64 seq;             /* collectives: NCCL's seqNumber (per communicator and
+                              function); p2p: order among this rank's sends to (or
+                              receives from) the same peer on this communicator */
+    __u64 host_start_ns;   /* NCCL started the op's event (plan launch) */
+    __u64 host_stop_ns;    /* NCCL stopped it (enqueued); 0 if it never did */
+    __u64 dev_start_ns;    /* first kernel channel started, on the host clock; 0: no device timing */
+    __u64 dev_stop_ns;     /* last kernel channel stopped, on the host clock */
+    __u64 dev_start_raw;   /* the same two, GPU globaltimer ns */
+    __u64 dev_stop_raw;
+    __u64 count;           /* elements */
+    __u64 func;            /* const char *: NCCL's name ("AllReduce", "Send", ...) */
+    __u64 datatype;        /* const char * ("ncclFloat32", ...) */
+    __u64 algo;            /* const char * ("RING", ...), 0 for p2p */
+    __u64 proto;           /* const char * ("SIMPLE", ...), 0 for p2p */
+    __u64 comm_name;       /* const char *: the plugin's copy of commName, 0 if none */
+    __u64 dropped;         /* ops of this communicator not recorded so far (slots full) */
+    __s32 rank;            /* rank in the communicator */
+    __s32 nranks;
+    __s32 nnodes;
+    __s32 peer;            /* p2p: peer; collectives: root */
+    __u32 clock_samples;   /* (host, device) time pairs the conversion was fitted on */
+    __u8  nchannels;       /* kernel channels NCCL announced */
+    __u8  channels;        /* kernel channels that reported */
+    __u8  flags;           /* NCCL_PROF_F_* */
+    __u8  _pad;
+};
+
+/* One record per finished NCCL operation seen by the profiler plugin. 272 bytes. */
+struct ingero_nccl_prof_event {
+    __u64 ts_ns;           /* when the probe fired */
+    __u64 cgroup_id;
+    __u32 pid;
+    __u32 tid;             /* the thread that finished it (NCCL's proxy thread, usually) */
+    char  func[16];        /* the strings the op points to, read by the probe */
+    char  datatype[16];
+    char  algo[16];
+    char  proto[16];
+    char  comm_name[32];
+    struct ingero_nccl_prof_op op;
+};
+
 /* ---- TCP -------------------------------------------------------------- */
 #define TCP_EV_RETRANSMIT     1  /* tcp:tcp_retransmit_skb */
 #define TCP_EV_SEND_RESET     2  /* tcp:tcp_send_reset */
@@ -146,6 +213,7 @@ struct ingero_sched_event {
 #define LOST_NCCL  0
 #define LOST_TCP   1
 #define LOST_SCHED 2
+#define LOST_NCCL_PROFILER 3
 #define LOST_SLOTS 4
 
 /* ---- Shared maps and the target filter (kernel side only) ---------------

@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, str] = {
     "query": "ingero.query_cli",
     "report": "ingero.report_cli",
     "lab": "ingero.lab.cli",
+    "profiler": "ingero_agent.profiler_build",
     "agent": "ingero_agent.server",
     "operator": "ingero_operator.cli",
     "demo": "ingero_operator.demo",

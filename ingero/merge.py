@@ -33,18 +33,19 @@ from ingero.comms import resolve_split_ranks
 from ingero.errors import IngeroError
 
 # Shifted by a node's clock offset, as in the operator's gather.
-SHIFTED = {"nccl_events": "timestamp_ns", "tcp_events": "timestamp_ns", "sched_events": "timestamp_ns",
-           "comms": "timestamp_ns"}
+SHIFTED = schema.CLOCK_COLUMNS
 # table -> (key columns, preference among copies of one key: the first row wins)
 KEYS = {
     "nccl_events": (("node", "session_id", "event_id"), "rank DESC NULLS LAST, nranks DESC NULLS LAST"),
     "tcp_events": (("node", "session_id", "event_id"), "rank DESC NULLS LAST"),
     "sched_events": (("node", "session_id", "event_id"), "rank DESC NULLS LAST"),
+    "nccl_profiler_events": (("node", "session_id", "event_id"), "rank DESC NULLS LAST"),
     "comms": (("node", "session_id", "pid", "comm", "comm_id_hash", "op"), "rank DESC NULLS LAST"),
     "ranks": (("node", "session_id", "pid"), "first_seen_ns NULLS LAST"),
     "sched_totals": (("node", "session_id", "pid", "reason"), "total_ns DESC NULLS LAST"),
     "nodes": (("node", "session_id"), "ended_ns DESC NULLS LAST, "
-              "coalesce(events_nccl, 0) + coalesce(events_tcp, 0) + coalesce(events_sched, 0) DESC"),
+              "coalesce(events_nccl, 0) + coalesce(events_tcp, 0) + coalesce(events_sched, 0) "
+              "+ coalesce(events_nccl_profiler, 0) DESC"),
     "sessions": (("node", "session_id"), "ended_ns DESC NULLS LAST"),
 }
 
@@ -69,7 +70,7 @@ def _select(table: str, have: set[str], shift_by: str | None = None) -> str:
     out = []
     for c, ty in schema.TABLES[table].columns:
         expr = f"t.{_qi(c)}::{ty}" if c in have else f"NULL::{ty}"
-        if shift_by and c == SHIFTED.get(table) and c in have:
+        if shift_by and c in SHIFTED.get(table, ()) and c in have:
             expr = f"({expr} + {shift_by})"
         out.append(f"{expr} AS {_qi(c)}")
     return ", ".join(out)
@@ -221,8 +222,8 @@ class Merger:
         schema.create_all(self.con)
         for table, (keys, pref) in KEYS.items():
             cols = schema.TABLES[table].column_names
-            shift = SHIFTED.get(table)
-            sel = ", ".join(f"s.{_qi(c)} - coalesce(o.off, 0)" if c == shift else f"s.{_qi(c)}" for c in cols)
+            shift = SHIFTED.get(table, ())
+            sel = ", ".join(f"s.{_qi(c)} - coalesce(o.off, 0)" if c in shift else f"s.{_qi(c)}" for c in cols)
             part = ", ".join(f"s.{_qi(k)}" for k in keys)
             self.con.execute(f"""
                 INSERT INTO {table} SELECT {sel} FROM stage.{table} s

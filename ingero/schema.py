@@ -73,6 +73,15 @@ NCCL_DATATYPES: dict[int, tuple[str, int]] = {
     11: ("float8e5m2", 1),
 }
 
+# The function names NCCL's profiler events carry (ncclFuncToString, NCCL 2.30):
+# as nccl_events names them; any other name is written in the same style.
+NCCL_PROFILER_FUNCS: dict[str, str] = {
+    "AllReduce": "ALL_REDUCE", "AllGather": "ALL_GATHER", "ReduceScatter": "REDUCE_SCATTER",
+    "Broadcast": "BROADCAST", "Reduce": "REDUCE", "Send": "SEND", "Recv": "RECV",
+    "AlltoAll": "ALL_TO_ALL", "Gather": "GATHER", "Scatter": "SCATTER",
+}
+ROOTED_OPS = ("BROADCAST", "REDUCE", "GATHER", "SCATTER")
+
 # ncclRedOp_t
 NCCL_REDOPS: dict[int, str] = {0: "sum", 1: "prod", 2: "max", 3: "min", 4: "avg"}
 
@@ -147,6 +156,43 @@ NCCL_EVENTS = Table(
         ("global_rank", "INTEGER"),
     ) + _IDENTITY,
     "One row per NCCL API call (collectives, point-to-point, groups, communicator lifecycle).",
+)
+
+NCCL_PROFILER_EVENTS = Table(
+    "nccl_profiler_events",
+    (
+        ("event_id", "UBIGINT"),
+        ("timestamp_ns", "BIGINT"),
+        ("op", "VARCHAR"),
+        ("nranks", "INTEGER"),
+        ("nnodes", "INTEGER"),
+        ("comm_hash", "UBIGINT"),
+        ("comm_name", "VARCHAR"),
+        ("seq", "BIGINT"),
+        ("count", "BIGINT"),
+        ("bytes", "BIGINT"),
+        ("datatype", "VARCHAR"),
+        ("peer", "INTEGER"),
+        ("algo", "VARCHAR"),
+        ("proto", "VARCHAR"),
+        ("host_duration_ns", "BIGINT"),
+        ("device_start_ns", "BIGINT"),
+        ("device_end_ns", "BIGINT"),
+        ("device_duration_ns", "BIGINT"),
+        ("device_start_raw", "UBIGINT"),
+        ("device_end_raw", "UBIGINT"),
+        ("nchannels", "INTEGER"),
+        ("channels", "INTEGER"),
+        ("clock_samples", "BIGINT"),
+        ("unfinished", "BOOLEAN"),
+        ("dropped", "BIGINT"),
+        ("profiler_api", "INTEGER"),
+        ("ts_mono_ns", "BIGINT"),
+        ("global_rank", "INTEGER"),
+    ) + _IDENTITY,
+    "One row per NCCL collective or point-to-point operation as Ingero's NCCL profiler plugin saw it: "
+    "timestamp_ns when NCCL launched it on the host, device_start_ns/device_end_ns when the GPU ran it "
+    "(wall clock, converted from the GPU timer in the plugin), NCCL's own comm_hash and seq.",
 )
 
 TCP_EVENTS_TABLE = Table(
@@ -257,9 +303,11 @@ NODES = Table(
         ("lost_nccl", "BIGINT"),
         ("lost_tcp", "BIGINT"),
         ("lost_sched", "BIGINT"),
+        ("lost_nccl_profiler", "BIGINT"),
         ("events_nccl", "BIGINT"),
         ("events_tcp", "BIGINT"),
         ("events_sched", "BIGINT"),
+        ("events_nccl_profiler", "BIGINT"),
         ("started_ns", "BIGINT"),
         ("ended_ns", "BIGINT"),
     ),
@@ -282,9 +330,16 @@ SESSIONS = Table(
 
 TABLES: dict[str, Table] = {
     t.name: t
-    for t in (NCCL_EVENTS, TCP_EVENTS_TABLE, SCHED_EVENTS, SCHED_TOTALS, RANKS, COMMS, NODES, SESSIONS)
+    for t in (NCCL_EVENTS, NCCL_PROFILER_EVENTS, TCP_EVENTS_TABLE, SCHED_EVENTS, SCHED_TOTALS, RANKS, COMMS,
+              NODES, SESSIONS)
 }
-EVENT_TABLES = ("nccl_events", "tcp_events", "sched_events")
+EVENT_TABLES = ("nccl_events", "nccl_profiler_events", "tcp_events", "sched_events")
+# Wall-clock columns per table: what a node's clock offset shifts (gather, merge).
+CLOCK_COLUMNS: dict[str, tuple[str, ...]] = {
+    "nccl_events": ("timestamp_ns",), "tcp_events": ("timestamp_ns",), "sched_events": ("timestamp_ns",),
+    "comms": ("timestamp_ns",),
+    "nccl_profiler_events": ("timestamp_ns", "device_start_ns", "device_end_ns"),
+}
 
 
 def node_prefix(node: str) -> int:

@@ -375,7 +375,8 @@ class SessionManager:
                 events[table] += self._rows(f, st)
             elif table == "nodes":
                 try:
-                    row = pq.read_table(f, columns=["lost_nccl", "lost_tcp", "lost_sched"]).to_pylist()
+                    cols = [c for c in pq.read_schema(f).names if c.startswith("lost_")]   # one per ring
+                    row = pq.read_table(f, columns=cols).to_pylist()
                     lost += sum(v or 0 for r in row for v in r.values())
                 except (OSError, ValueError):
                     pass

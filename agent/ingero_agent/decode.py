@@ -11,6 +11,7 @@ pid or address in a batch, never once per row.
 from __future__ import annotations
 
 import ipaddress
+import re
 import time
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ import numpy as np
 
 from ingero import schema
 from ingero.store import dict_column
-from ingero_agent.records import NCCL_F_IN_GROUP, OWNER_SOURCES
+from ingero_agent.records import NCCL_F_IN_GROUP, NCCL_PROF_F_UNFINISHED, OWNER_SOURCES
 
 OP_COMM_SPLIT = 12
 OP_COMM_SHRINK = 17
@@ -149,6 +150,80 @@ def nccl_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
     }
 
 
+def _strings(raw: np.ndarray, name=lambda s: s or None) -> tuple[np.ndarray, list[str | None]]:
+    """(codes, names) of a column of fixed-size C strings, each distinct one decoded once
+    and passed through `name` ('' -> None by default)."""
+    uniq, inv = np.unique(raw, return_inverse=True)
+    return inv.reshape(-1), [name(u.decode(errors="replace")) for u in uniq.tolist()]
+
+
+def _op_name(func: str) -> str | None:
+    """NCCL's function name as nccl_events names ops: AllReduce -> ALL_REDUCE."""
+    if not func:
+        return None
+    return schema.NCCL_PROFILER_FUNCS.get(func) or re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", func).upper()
+
+
+def _dtype_name(name: str) -> str | None:
+    """ncclFloat32 -> float32, as nccl_events names datatypes."""
+    return (name[4:].lower() if name.startswith("nccl") else name.lower()) or None
+
+
+_DT_BY_NAME = {n: size for n, size in schema.NCCL_DATATYPES.values()}
+U64_MAX = np.uint64(2**64 - 1)
+
+
+def nccl_profiler_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
+    o = a["op"]
+    op_codes, op_names = _strings(a["func"], _op_name)
+    dt_codes, dt_names = _strings(a["datatype"], _dtype_name)
+    size = np.array([_DT_BY_NAME.get(n, 0) for n in dt_names], dtype=np.int64)[dt_codes]
+    count = o["count"].astype(np.int64)
+    p2p = o["kind"] == 2
+    rooted = np.array([n in schema.ROOTED_OPS for n in op_names], dtype=bool)[op_codes]
+    host0, host1 = o["host_start_ns"].astype(np.int64), o["host_stop_ns"].astype(np.int64)
+    d0, d1 = o["dev_start_ns"].astype(np.int64), o["dev_stop_ns"].astype(np.int64)
+    r0, r1 = o["dev_start_raw"], o["dev_stop_raw"]
+    both = (r0 != 0) & (r1 != 0)
+    codes = unique_pids(a["pid"])
+    ident = _identity_columns(a["pid"], {p: reg.lookup_pid(p) for p in codes[0].tolist()}, codes)
+    return {
+        "timestamp_ns": host0 + offset_ns,
+        "ts_mono_ns": host0,
+        "op": dict_column(op_codes, op_names),
+        "rank": o["rank"],                      # rank in the communicator
+        "global_rank": ident["rank"],           # the process's torchrun RANK
+        "nranks": o["nranks"],
+        "nnodes": o["nnodes"],
+        "comm_hash": o["comm_hash"],
+        "comm_name": dict_column(*_strings(a["comm_name"])),
+        "seq": _masked(o["seq"].astype(np.int64), o["seq"] == U64_MAX),
+        "count": count,
+        "bytes": _masked(count * size, size == 0),
+        "datatype": dict_column(dt_codes, dt_names),
+        "peer": _masked(o["peer"], ~(p2p | rooted)),   # p2p peer, BROADCAST/REDUCE/... root
+        "algo": dict_column(*_strings(a["algo"])),
+        "proto": dict_column(*_strings(a["proto"])),
+        "host_duration_ns": _masked(host1 - host0, host1 == 0),
+        "device_start_ns": _masked(d0 + offset_ns, d0 == 0),
+        "device_end_ns": _masked(d1 + offset_ns, d1 == 0),
+        "device_duration_ns": _masked((r1 - r0).astype(np.int64), ~both | (r1 < r0)),
+        "device_start_raw": _masked(r0, r0 == 0),
+        "device_end_raw": _masked(r1, r1 == 0),
+        "nchannels": o["nchannels"].astype(np.int32),
+        "channels": o["channels"].astype(np.int32),
+        "clock_samples": o["clock_samples"].astype(np.int64),
+        "unfinished": (o["flags"] & NCCL_PROF_F_UNFINISHED) != 0,
+        "dropped": o["dropped"].astype(np.int64),
+        "profiler_api": o["api"].astype(np.int32),
+        "pid": a["pid"].astype(np.int32),
+        "tid": a["tid"].astype(np.int32),
+        "cgroup_id": a["cgroup_id"],
+        "pod": ident["pod"],
+        "namespace": ident["namespace"],
+    }
+
+
 def format_addresses(addr: np.ndarray, family: np.ndarray) -> tuple[np.ndarray, list[str | None]]:
     """(codes, names) of the addresses in rows of 16 bytes, formatted once per distinct one."""
     keyed = np.concatenate([addr, family.astype(np.uint8)[:, None]], axis=1)
@@ -237,5 +312,7 @@ def sched_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
     }
 
 
-COLUMNS = {"nccl": nccl_columns, "tcp": tcp_columns, "sched": sched_columns}
-TABLES = {"nccl": "nccl_events", "tcp": "tcp_events", "sched": "sched_events"}
+COLUMNS = {"nccl": nccl_columns, "tcp": tcp_columns, "sched": sched_columns,
+           "nccl_profiler": nccl_profiler_columns}
+TABLES = {"nccl": "nccl_events", "tcp": "tcp_events", "sched": "sched_events",
+          "nccl_profiler": "nccl_profiler_events"}

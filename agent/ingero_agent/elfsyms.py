@@ -30,6 +30,7 @@ NCCL_SYMBOLS = (
     "ncclAlltoAll", "ncclGather", "ncclScatter",
 )
 MARKER = "ncclAllReduce"   # a file that defines this one is an NCCL library
+PROFILER_MARKER = "ingero_nccl_profiler_version"   # ... and this one Ingero's NCCL profiler plugin
 
 _SHDR = np.dtype([("name", "<u4"), ("type", "<u4"), ("flags", "<u8"), ("addr", "<u8"),
                   ("offset", "<u8"), ("size", "<u8"), ("link", "<u4"), ("info", "<u4"),
@@ -122,3 +123,11 @@ def nccl_symbols(path: str | os.PathLike) -> dict[str, int]:
     except (OSError, NotElf):
         return {}
     return syms if MARKER in syms else {}
+
+
+def is_profiler_plugin(path: str | os.PathLike) -> bool:
+    """Whether `path` is Ingero's NCCL profiler plugin (exports PROFILER_MARKER)."""
+    try:
+        return PROFILER_MARKER in defined_symbols(path, (PROFILER_MARKER,))
+    except (OSError, NotElf):
+        return False

@@ -1,15 +1,19 @@
 """Compile, load and attach the BPF probes; fill the filter maps; read counters.
 
-The BPF program is bpf/ingero.h plus one file per selected family
-(bpf/nccl.c, tcp.c, sched.c), compiled together by bcc so the families share
-the filter maps and the lost counters. bcc only rewrites map calls in the
+The BPF program is bpf/ingero.h plus one file per ring of the selected
+families (bpf/nccl.c and nccl_profiler.c for `nccl`, tcp.c, sched.c),
+compiled together by bcc so the families share the filter maps and the lost
+counters. bcc only rewrites map calls in the
 text it compiles as its main file, so the files are inlined (with #line
 markers, so compiler messages name the real file and line) rather than
 #included. Every setting reaches the C as a -D flag.
 
 Uprobes attach per library *file* (dev, inode), for every process that maps
 it; the in-kernel filter decides whose calls are recorded. Libraries found
-in new target processes attach when the tracer's next scan sees them.
+in new target processes attach when the tracer's next scan sees them. So
+does the USDT probe of Ingero's NCCL profiler plugin: bcc's USDT support
+reads the plugin's .note.stapsdt (probe address, argument register) and the
+probe is a uprobe at that address running the program for that register.
 """
 
 from __future__ import annotations
@@ -24,10 +28,13 @@ import numpy as np
 from ingero.errors import IngeroError
 from ingero_agent import abi
 from ingero_agent.elfsyms import NCCL_SYMBOLS
-from ingero_agent.records import FAMILIES, ringbuf_dtype
+from ingero_agent.records import FAMILIES, FAMILY_RINGS, ringbuf_dtype
 from ingero_agent.ringbuf import PAGE_SIZE, MappedRing, RingWaiter, open_ring
 
 ALL_FAMILIES = ("nccl", "tcp", "sched")
+PROFILER_PROBE = "nccl_op_v1"   # ingero:nccl_op_v<INGERO_NCCL_PROF_VERSION> (bpf/ingero.h)
+PROFILER_REGS = ("ax", "bx", "cx", "dx", "si", "di", "bp", "r8", "r9", "r10", "r11", "r12", "r13", "r14",
+                 "r15")     # the ncclprof_<reg> programs of bpf/nccl_profiler.c
 EXEC_TRACEPOINT = "sched/sched_process_exec"   # exec notes (ingero.h); optional
 WAKE_FRACTION = 4   # a ring wakes the agent once a 1/WAKE_FRACTION of it is unread
 TRACEFS_EVENTS = (Path("/sys/kernel/tracing/events"), Path("/sys/kernel/debug/tracing/events"))
@@ -124,7 +131,8 @@ def build_program(cfg: ProbeConfig, src: Path | None = None) -> tuple[str, list[
     """(C text, cflags, notes) for the selected families."""
     src = src or bpf_dir()
     parts = []
-    for name in ("ingero.h",) + tuple(f"{f}.c" for f in ALL_FAMILIES if f in cfg.families):
+    rings = tuple(r for f in ALL_FAMILIES if f in cfg.families for r in FAMILY_RINGS[f])
+    for name in ("ingero.h",) + tuple(f"{r}.c" for r in rings):
         path = src / name
         parts.append(f'#line 1 "{path}"\n{path.read_text()}\n')
     flags, notes = feature_flags(cfg)
@@ -140,6 +148,7 @@ def build_program(cfg: ProbeConfig, src: Path | None = None) -> tuple[str, list[
     ] + flags
     if "nccl" in cfg.families:
         cflags += abi.cflags()     # where each NCCL argument is on this machine
+        cflags.append(f"-DINGERO_NCCLPROF_REGS={int(abi.machine().name == 'x86_64')}")
     return "".join(parts), cflags, notes
 
 
@@ -170,10 +179,10 @@ class Probes:
         self.rings = {}
         size = cfg.ringbuf_pages * PAGE_SIZE
         self.wake_records: dict[str, int] = {}
-        for fam in cfg.families:
-            _, dtype, table, _ = FAMILIES[fam]
-            self.rings[fam] = open_ring(self.bpf, table, size, dtype)
-            self.wake_records[fam] = max(1, size // ringbuf_dtype(dtype).itemsize // WAKE_FRACTION)
+        for ring in (r for f in cfg.families for r in FAMILY_RINGS[f]):
+            _, dtype, table, _ = FAMILIES[ring]
+            self.rings[ring] = open_ring(self.bpf, table, size, dtype)
+            self.wake_records[ring] = max(1, size // ringbuf_dtype(dtype).itemsize // WAKE_FRACTION)
         # Exec notes of target processes (8-byte tgids), when the kernel has the tracepoint.
         self.exec_notes = None
         if "-DINGERO_EXEC_NOTIFY=1" in self.cflags:
@@ -222,6 +231,48 @@ class Probes:
         self.attached[key] = (path, done)
         return done
 
+    def attach_profiler(self, path: Path, key: tuple[int, int]) -> int:
+        """Attach the profiler plugin's USDT probe (every location of it) in `path`.
+
+        Returns the number of locations attached (0: done before). Raises
+        IngeroError, in one line, when the file has no probe this agent reads.
+        """
+        if "nccl" not in self.cfg.families or key in self.attached:
+            return 0
+        if "-DINGERO_NCCLPROF_REGS=1" not in self.cflags:
+            raise IngeroError(f"the NCCL profiler probe is read on x86-64 only; {path} is not traced")
+        from bcc import USDT
+        from bcc.libbcc import BCC_USDT_ARGUMENT_FLAGS as F
+        try:
+            usdt = USDT(path=os.fsdecode(path))   # kept alive while its probes are read
+            probes = usdt.enumerate_probes()
+        except Exception as e:   # bcc raises USDTException / bare Exception
+            raise IngeroError(f"reading the USDT notes of {path} failed ({e})") from e
+        names = {(p.provider.decode(), p.name.decode()): p for p in probes}
+        probe = names.get(("ingero", PROFILER_PROBE))
+        if probe is None:
+            theirs = sorted(n for prov, n in names if prov == "ingero")
+            raise IngeroError(f"{path} has no USDT probe ingero:{PROFILER_PROBE}"
+                              + (f" (it has {', '.join(theirs)}: a plugin of another version); rebuild it "
+                                 "with `ingero profiler build`" if theirs else ""))
+        done = 0
+        for i in range(probe.num_locations):
+            loc = probe.get_location(i)
+            arg = loc.get_argument(0)
+            reg = getattr(arg, "base_register_name", b"").decode()
+            if arg.valid & F.DEREF_OFFSET or reg not in PROFILER_REGS:
+                raise IngeroError(f"the probe ingero:{PROFILER_PROBE} in {path} passes its record as {arg}, "
+                                  "not in a register; rebuild the plugin with `ingero profiler build`")
+            try:
+                self.bpf.attach_uprobe(name=os.fsencode(path), addr=loc.address,
+                                       fn_name=f"ncclprof_{reg}".encode())
+            except Exception as e:
+                raise IngeroError(f"attaching the USDT probe in {path} failed ({e}); check that uprobes "
+                                  "are enabled (CONFIG_UPROBE_EVENTS)") from e
+            done += 1
+        self.attached[key] = (path, [PROFILER_PROBE])
+        return done
+
     # ---- filter maps -------------------------------------------------------
     def _sync(self, table: str, want: set, make_key) -> None:
         t = self.bpf[table.encode()]
@@ -268,8 +319,8 @@ class Probes:
     def lost(self) -> dict[str, int]:
         t = self.bpf[b"lost"]
         out = {}
-        for fam, (_, _, _, slot) in FAMILIES.items():
-            out[fam] = int(sum(t[t.Key(slot)])) if fam in self.cfg.families else 0
+        for ring, (_, _, _, slot) in FAMILIES.items():
+            out[ring] = int(sum(t[t.Key(slot)])) if ring in self.rings else 0
         return out
 
     def sched_totals(self) -> list[tuple[int, int, int, int]]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ingero.errors import IngeroError
-from ingero_agent.elfsyms import nccl_symbols
+from ingero_agent.elfsyms import is_profiler_plugin, nccl_symbols
 
 PROC = Path("/proc")
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -83,11 +83,13 @@ def host_path(pid: int, path: str, proc: Path = PROC) -> Path:
 
 
 class LibraryFinder:
-    """Finds the NCCL library a process maps; remembers verdicts per file identity."""
+    """Finds the NCCL library (and Ingero's NCCL profiler plugin) a process maps;
+    remembers verdicts per file identity."""
 
     def __init__(self, proc: Path = PROC):
         self.proc = proc
         self._verdict: dict[tuple[int, int], dict[str, int]] = {}
+        self._plugin: dict[tuple[int, int], bool] = {}
 
     def check(self, path: Path) -> tuple[tuple[int, int], dict[str, int]] | None:
         """((dev, inode), NCCL symbols) of a file, or None if unreadable."""
@@ -113,21 +115,43 @@ class LibraryFinder:
         also counts). A process may map two copies (a libnccl.so.2 and one
         linked into another library): each is attached.
         """
-        try:
-            maps = parse_maps((self.proc / str(pid) / "maps").read_text())
-        except OSError:
-            return []
-        libs = [m for m in maps if is_shared_object(m.path)]
+        libs = self._shared_objects(pid)
         libs.sort(key=lambda m: not os.path.basename(m.path).startswith("libnccl"))
-        out, seen = [], set()
+        out = []
         for m in libs:
-            if m.path in seen:
-                continue
-            seen.add(m.path)
             hp = host_path(pid, m.path, self.proc)
             got = self.check(hp)
             if got and got[1] and got[0] not in {k for _, k, _ in out}:
                 out.append((hp, got[0], got[1]))
+        return out
+
+    def find_profilers(self, pid: int) -> list[tuple[Path, tuple[int, int]]]:
+        """(host path, (dev, inode)) of every copy of Ingero's NCCL profiler plugin `pid` maps."""
+        out = []
+        for m in self._shared_objects(pid):
+            hp = host_path(pid, m.path, self.proc)
+            try:
+                st = os.stat(hp)
+            except OSError:
+                continue
+            key = (st.st_dev, st.st_ino)
+            if key not in self._plugin:
+                self._plugin[key] = is_profiler_plugin(hp)
+            if self._plugin[key] and key not in {k for _, k in out}:
+                out.append((hp, key))
+        return out
+
+    def _shared_objects(self, pid: int) -> list[Mapping]:
+        """The shared objects `pid` maps, one per path."""
+        try:
+            maps = parse_maps((self.proc / str(pid) / "maps").read_text())
+        except OSError:
+            return []
+        out, seen = [], set()
+        for m in maps:
+            if is_shared_object(m.path) and m.path not in seen:
+                seen.add(m.path)
+                out.append(m)
         return out
 
 

@@ -77,17 +77,73 @@ SCHED_EVENT = _dtype([
     ("_pad", "(7,)u1", 41),
 ], 48)
 
-# family name -> (C struct name, dtype, ring buffer map name, lost-counter slot)
+# The record Ingero's NCCL profiler plugin hands to its USDT probe; the probe
+# copies it into NCCL_PROF_EVENT's `op`.
+NCCL_PROF_OP = _dtype([
+    ("size", "<u4", 0),
+    ("version", "<u2", 4),
+    ("kind", "u1", 6),
+    ("api", "u1", 7),
+    ("comm_hash", "<u8", 8),
+    ("seq", "<u8", 16),
+    ("host_start_ns", "<u8", 24),
+    ("host_stop_ns", "<u8", 32),
+    ("dev_start_ns", "<u8", 40),
+    ("dev_stop_ns", "<u8", 48),
+    ("dev_start_raw", "<u8", 56),
+    ("dev_stop_raw", "<u8", 64),
+    ("count", "<u8", 72),
+    ("func", "<u8", 80),
+    ("datatype", "<u8", 88),
+    ("algo", "<u8", 96),
+    ("proto", "<u8", 104),
+    ("comm_name", "<u8", 112),
+    ("dropped", "<u8", 120),
+    ("rank", "<i4", 128),
+    ("nranks", "<i4", 132),
+    ("nnodes", "<i4", 136),
+    ("peer", "<i4", 140),
+    ("clock_samples", "<u4", 144),
+    ("nchannels", "u1", 148),
+    ("channels", "u1", 149),
+    ("flags", "u1", 150),
+    ("_pad", "u1", 151),
+], 152)
+
+NCCL_PROF_EVENT = _dtype([
+    ("ts_ns", "<u8", 0),
+    ("cgroup_id", "<u8", 8),
+    ("pid", "<u4", 16),
+    ("tid", "<u4", 20),
+    ("func", "S16", 24),
+    ("datatype", "S16", 40),
+    ("algo", "S16", 56),
+    ("proto", "S16", 72),
+    ("comm_name", "S32", 88),
+    ("op", NCCL_PROF_OP, 120),
+], 272)
+
+# ring name -> (C struct name, dtype, ring buffer map name, lost-counter slot)
 FAMILIES: dict[str, tuple[str, np.dtype, str, int]] = {
     "nccl": ("ingero_nccl_event", NCCL_EVENT, "nccl_events", 0),
     "tcp": ("ingero_tcp_event", TCP_EVENT, "tcp_events", 1),
     "sched": ("ingero_sched_event", SCHED_EVENT, "sched_events", 2),
+    "nccl_profiler": ("ingero_nccl_prof_event", NCCL_PROF_EVENT, "nccl_profiler_events", 3),
 }
+# probe family (--probes) -> its rings: the nccl family also reads the profiler plugin
+FAMILY_RINGS: dict[str, tuple[str, ...]] = {
+    "nccl": ("nccl", "nccl_profiler"),
+    "tcp": ("tcp",),
+    "sched": ("sched",),
+}
+# Nested structs of the records, checked field by field like the records.
+NESTED: dict[str, np.dtype] = {"ingero_nccl_prof_op": NCCL_PROF_OP}
 
 # NCCL_F_* flags and OWNER_* values (bpf/ingero.h)
 NCCL_F_IN_GROUP = 1
 NCCL_F_COMM_UNKNOWN = 2
 NCCL_F_BCAST_ALIAS = 4
+NCCL_PROF_F_UNFINISHED = 1
 OWNER_SOURCES = {0: "none", 1: "socket", 2: "current", 3: "address"}
 
 RINGBUF_BUSY_BIT = 1 << 31

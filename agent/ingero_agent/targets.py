@@ -3,7 +3,9 @@
 ``TargetSet.scan()`` is called at start and about once a second: it finds pod
 and container cgroups that appeared, lists their processes, reads each new
 process's torchrun variables and looks for an NCCL library it maps (again on
-later scans while none is found: libraries load after the process starts).
+later scans while none is found: libraries load after the process starts),
+and, in processes that have NCCL, for Ingero's NCCL profiler plugin (NCCL
+loads it when the first communicator is created).
 Quick scans in between (``scan(quick=True)``) skip the pod search; the
 snapshot says whether anything was new (processes, libraries, young
 processes still without a library), which keeps the tracer's quick scans
@@ -132,6 +134,7 @@ class Process:
     nccl_path: Path | None = None
     nccl_key: tuple[int, int] | None = None
     nccl_symbols: dict[str, int] = field(default_factory=dict)
+    profiler_key: tuple[int, int] | None = None   # Ingero's NCCL profiler plugin, once mapped
     last_lib_check: float = 0.0
     alive: bool = True
 
@@ -146,6 +149,7 @@ class Snapshot:
     tgids: set[int]
     ips: set[tuple[int, bytes]]
     new_libraries: list[tuple[Path, tuple[int, int], dict[str, int]]]
+    new_profilers: list[tuple[Path, tuple[int, int]]] = field(default_factory=list)
     new_processes: int = 0
     awaiting_library: int = 0   # young live processes in which no NCCL library was found yet
     notes: list[str] = field(default_factory=list)   # for the log: e.g. a library path a pod lacks
@@ -173,7 +177,7 @@ class TargetSet:
         self.self_pid = self_pid if self_pid is not None else os.getpid()
         self.processes: dict[int, Process] = {}
         self.pod_dirs: dict[str, list[Path]] = {}   # pod uid -> its cgroup folders
-        self._libraries: set[tuple[int, int]] = set()
+        self._libraries: set[tuple[int, int]] = set()   # NCCL libraries and profiler plugins
         # NCCL library paths as the pods' containers see them (--nccl-lib, a TraceSession's
         # ncclLibPath): looked up through /proc/<pid>/root of each new target process, so
         # the library is attached before the process loads it, whatever its host path
@@ -300,8 +304,9 @@ class TargetSet:
         for p in fresh_procs:
             new_libs += self._libs_in_root(p, notes)
         awaiting = 0
+        new_plugins: list[tuple[Path, tuple[int, int]]] = []
         for p in self.processes.values():
-            if not p.alive or p.nccl_key is not None:
+            if not p.alive or (p.nccl_key is not None and p.profiler_key is not None):
                 continue
             young = boot_now - p.started_boot_s < LIB_RECHECK_FAST_S
             if quick and not young and p.last_lib_check:
@@ -309,18 +314,26 @@ class TargetSet:
             if p.last_lib_check and not young and now - p.last_lib_check < LIB_RECHECK_SLOW_S:
                 continue
             p.last_lib_check = now
-            found = self.finder.find_all(p.pid)
-            if found:
-                p.nccl_path, p.nccl_key, p.nccl_symbols = found[0]
-                for got in found:   # every copy the process maps is attached
-                    if got[1] not in self._libraries:
-                        self._libraries.add(got[1])
-                        new_libs.append(got)
-            elif young:
-                awaiting += 1
+            if p.nccl_key is None:
+                found = self.finder.find_all(p.pid)
+                if found:
+                    p.nccl_path, p.nccl_key, p.nccl_symbols = found[0]
+                    for got in found:   # every copy the process maps is attached
+                        if got[1] not in self._libraries:
+                            self._libraries.add(got[1])
+                            new_libs.append(got)
+                elif young:
+                    awaiting += 1
+            if p.nccl_key is not None:
+                for path, key in self.finder.find_profilers(p.pid):
+                    p.profiler_key = key
+                    if key not in self._libraries:
+                        self._libraries.add(key)
+                        new_plugins.append((path, key))
         ips = {ip_key(ip) for pod in self.pods for ip in pod.ips}
         return Snapshot(cgroup_ids=ids, tgids=set(self.pids), ips=ips, new_libraries=new_libs,
-                        new_processes=fresh, awaiting_library=awaiting, notes=notes)
+                        new_profilers=new_plugins, new_processes=fresh, awaiting_library=awaiting,
+                        notes=notes)
 
     def learn(self, pids) -> int:
         """Add processes the kernel reported as targets before a scan listed them.
@@ -384,5 +397,5 @@ class TargetSet:
         return out
 
     def mark_library_attached(self, key: tuple[int, int]) -> None:
-        """A library attached up front (--nccl-lib) is not reported as new again."""
+        """A library attached up front (--nccl-lib, --profiler-lib) is not reported as new again."""
         self._libraries.add(key)

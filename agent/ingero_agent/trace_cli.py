@@ -86,6 +86,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="attach to this NCCL library now, before target processes load it; with "
                    "--pods, also the file at this path in each target's own file system "
                    "(/proc/<pid>/root), as soon as the process appears")
+    p.add_argument("--profiler-lib", type=Path, action="append", default=[], metavar="PATH",
+                   help="attach to this copy of Ingero's NCCL profiler plugin now (libnccl-profiler-ingero.so, "
+                   "see `ingero profiler build`); copies that target processes map are found anyway")
     p.add_argument("--node", help="node name (default: the pods file's node, the config file's "
                    "`node` (/etc/ingero/agent.yaml or $INGERO_CONFIG), NODE_NAME, hostname)")
     p.add_argument("--sched-min-us", type=float, default=1000.0, metavar="US",
@@ -116,6 +119,18 @@ def _check_nccl_lib(path: Path, where: str = "--nccl-lib"):
         raise IngeroError(f"{where} {path} defines no NCCL functions (ncclAllReduce); pass the "
                           "libnccl.so.2 (or the library NCCL is linked into) the job loads")
     return path.resolve(), got[0], got[1]
+
+
+def _check_profiler_lib(path: Path):
+    from ingero_agent.elfsyms import is_profiler_plugin
+    if not path.is_file():
+        raise IngeroError(f"--profiler-lib {path} does not exist; pass the libnccl-profiler-ingero.so "
+                          "the job loads (NCCL_PROFILER_PLUGIN)")
+    if not is_profiler_plugin(path):
+        raise IngeroError(f"--profiler-lib {path} is not Ingero's NCCL profiler plugin; build it with "
+                          "`ingero profiler build`")
+    st = path.resolve().stat()
+    return path.resolve(), (st.st_dev, st.st_ino)
 
 
 def _segments_dir(args) -> tuple[Path | None, Path]:
@@ -170,6 +185,7 @@ def run(args) -> int:
         libs.append(_check_nccl_lib(p))
     if pods:
         libs += [_check_nccl_lib(p, f"nccl_libs in {args.pods}:") for p in pods.nccl_libs]
+    plugins = [_check_profiler_lib(p) for p in args.profiler_lib]
     require_privileges()
     headers.ensure_kernel_build_dir()
     headers.ensure_tracefs()
@@ -177,6 +193,7 @@ def run(args) -> int:
     session = args.session_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     opts = TraceOptions(segments=seg, node=node, session_id=session, probe_config=cfg, out=out,
                         duration_s=duration, nccl_libs=libs, ready_file=args.ready_file, done_file=args.done_file,
+                        profiler_libs=plugins,
                         pods_file=args.pods, roll_s=args.segment_seconds,
                         quiet=args.quiet)
     return Tracer(opts, targets).run()

@@ -35,6 +35,7 @@ from ingero.store import SegmentWriter, build_duckdb
 from ingero_agent.decode import COLUMNS, TABLES, Identity, Registry, mono_to_wall
 from ingero_agent.probes import ProbeConfig, Probes
 from ingero_agent.procinfo import int_or_none
+from ingero_agent.records import FAMILIES, FAMILY_RINGS
 from ingero_agent.targets import TargetSet, load_pods
 
 INIT_OPS = {10: "COMM_INIT_RANK", 11: "COMM_INIT_ALL", 12: "COMM_SPLIT", 15: "COMM_INIT_RANK_CONFIG",
@@ -52,6 +53,7 @@ class TraceOptions:
     out: Path | None = None
     duration_s: float | None = None
     nccl_libs: list[tuple[Path, tuple[int, int], dict[str, int]]] = field(default_factory=list)
+    profiler_libs: list[tuple[Path, tuple[int, int]]] = field(default_factory=list)   # attached up front
     ready_file: Path | None = None
     pods_file: Path | None = None   # re-read on SIGHUP (the agent's re-plan); without it SIGHUP stops
     done_file: Path | None = None   # touched when the last segments are written
@@ -71,7 +73,7 @@ class Tracer:
         self.opts = opts
         self.targets = targets
         self.log = log or (lambda msg: print(f"ingero: {msg}", file=sys.stderr, flush=True))
-        self.events = {f: 0 for f in ("nccl", "tcp", "sched")}
+        self.events = {r: 0 for r in FAMILIES}   # per ring
         self.registry = Registry()
         self.comm_rows: list[dict] = []
         self.init_rank: dict[int, tuple[int, int]] = {}   # pid -> (nranks, rank) of its widest comm
@@ -115,6 +117,9 @@ class Tracer:
                                         roll_seconds=self.opts.roll_s)
             for path, key, syms in self.opts.nccl_libs:
                 self._attach(path, key, syms)
+                self.targets.mark_library_attached(key)
+            for path, key in self.opts.profiler_libs:
+                self._attach_profiler(path, key)
                 self.targets.mark_library_attached(key)
             self.offset_ns, self.clock_rtt_ns = mono_to_wall()
             self._scan()
@@ -252,6 +257,14 @@ class Tracer:
             self.log(f"attached {len(names)} NCCL functions in {path}"
                      + (f" (aliases skipped: {','.join(missing)})" if missing else ""))
 
+    def _attach_profiler(self, path, key) -> None:
+        """The profiler plugin's probe; a plugin this agent cannot read is noted, not fatal."""
+        try:
+            if self.probes.attach_profiler(path, key):
+                self.log(f"attached the NCCL profiler probe in {path}")
+        except IngeroError as e:
+            self.log(f"note: {e}")
+
     def _drain(self) -> int:
         got = 0
         self.drains += 1
@@ -274,6 +287,8 @@ class Tracer:
             self._update_registry()
         if fam == "nccl":
             self._note_comms(arr)
+        elif fam == "nccl_profiler":
+            self.nccl_pids.update(np.unique(arr["pid"]).tolist())
         cols = COLUMNS[fam](arr, self.offset_ns, self.registry)
         self.writer.append(TABLES[fam], cols)
         self.events[fam] += len(arr)
@@ -311,6 +326,8 @@ class Tracer:
             self.log(f"note: {note}")
         for path, key, syms in snap.new_libraries:
             self._attach(path, key, syms)
+        for path, key in snap.new_profilers:
+            self._attach_profiler(path, key)
         if quick:
             if snap.new_processes:
                 self._update_registry()
@@ -389,14 +406,17 @@ class Tracer:
 
     def _progress(self, elapsed: float) -> None:
         lost = self.probes.lost()
-        ev = " ".join(f"{f} {self.events[f]}" for f in self.opts.probe_config.families)
-        ls = "/".join(str(lost[f]) for f in self.opts.probe_config.families)
+        ev = " ".join(f"{r} {self.events[r]}" for r in self._rings())
+        ls = "/".join(str(lost[r]) for r in self._rings())
         live = sum(1 for p in self.targets.processes.values() if p.alive)
         self.log(f"{elapsed:5.0f}s events: {ev}; lost {ls}; {live} target processes")
 
+    def _rings(self) -> list[str]:
+        return [r for f in self.opts.probe_config.families for r in FAMILY_RINGS[f]]
+
     def _summary(self) -> None:
-        ev = ", ".join(f"{self.events[f]} {f}" for f in self.opts.probe_config.families)
-        lost = ", ".join(f"{self.lost[f]} {f}" for f in self.opts.probe_config.families)
+        ev = ", ".join(f"{self.events[r]} {r}" for r in self._rings())
+        lost = ", ".join(f"{self.lost[r]} {r}" for r in self._rings())
         self.log(f"{self.status}: recorded {ev} events; lost {lost}; "
                  f"{len(self.comm_rows)} communicators, {self.writer.segments_written} segment files")
         if self.loop_cpu_s is not None and self.loop_wall_s:

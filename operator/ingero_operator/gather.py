@@ -32,8 +32,7 @@ from ingero_operator.agents import AgentClient, AgentUnreachable
 
 log = logging.getLogger("ingero.operator.gather")
 
-SHIFTED = {"nccl_events": ("timestamp_ns",), "tcp_events": ("timestamp_ns",),
-           "sched_events": ("timestamp_ns",), "comms": ("timestamp_ns",)}
+SHIFTED = schema.CLOCK_COLUMNS
 LIST_OVERLAP_NS = 2_000_000_000   # file mtimes tick coarsely: re-list this far back, skip known files
 
 
@@ -358,8 +357,9 @@ def build_artifact(local: LocalSession, offsets: dict[str, int],
                    max_calls: int | None = None) -> tuple[Report, int | None]:
     """Merge every node's segments (clock offsets applied) into trace.duckdb and analyse it.
 
-    NCCL calls and scheduler events (nearly all rows) are not copied: in trace.duckdb
-    ``nccl_events`` and ``sched_events`` are views over the node segments kept beside it
+    NCCL calls and operations and scheduler events (nearly all rows) are not copied: in
+    trace.duckdb ``nccl_events``, ``nccl_profiler_events`` and ``sched_events`` are views
+    over the node segments kept beside it
     in ``work/nodes/``, by paths relative to the session folder, so the folder is the
     artifact and can be moved or copied whole. Readers resolve them by setting DuckDB's
     ``file_search_path`` to the folder (``ingero.store.open_source`` does; the duckdb
@@ -378,8 +378,8 @@ def build_artifact(local: LocalSession, offsets: dict[str, int],
         _insert(con, "tcp_events", _sources(local, "tcp_events", offsets))
         _load_state(con, local, offsets)
         resolve_split_ranks(con)           # comms (nccl_events is still an empty table here)
-        _event_view(con, "nccl_events", local, offsets)
-        _event_view(con, "sched_events", local, offsets)
+        for table in ("nccl_events", "nccl_profiler_events", "sched_events"):
+            _event_view(con, table, local, offsets)
         result = _analyse_bounded(con, slow_collective_ms, max_calls), world_size(con)
     finally:
         con.close()

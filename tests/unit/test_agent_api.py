@@ -210,6 +210,14 @@ def test_segments_are_listed_since_a_cursor_counted_from_metadata_and_downloaded
     assert w.counts["nccl_events"] == 5
 
 
+def test_a_session_counts_the_lost_events_of_every_ring_the_profiler_plugin_s_too(agent):
+    _, mgr = agent
+    w = _write_session(mgr, "s1")
+    w.put_rows("nodes", [{"lost_nccl": 1, "lost_tcp": 0, "lost_sched": 2, "lost_nccl_profiler": 4}])
+    w.flush()
+    assert mgr.info(mgr.get("s1"))["lost"] == 7
+
+
 def test_delete_removes_the_session_folder_and_nothing_else(agent, tmp_path):
     srv, mgr = agent
     _write_session(mgr, "s1")

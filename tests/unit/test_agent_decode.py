@@ -11,9 +11,9 @@ import pyarrow as pa
 
 from ingero.store import to_arrow
 from ingero.store import dict_column
-from ingero_agent.decode import (Identity, Registry, mono_to_wall, nccl_columns,
+from ingero_agent.decode import (Identity, Registry, mono_to_wall, nccl_columns, nccl_profiler_columns,
                                  sched_columns, tcp_columns)
-from ingero_agent.records import NCCL_EVENT, SCHED_EVENT, TCP_EVENT
+from ingero_agent.records import NCCL_EVENT, NCCL_PROF_EVENT, SCHED_EVENT, TCP_EVENT
 
 
 def _col(table: str, cols: dict, name: str) -> list:
@@ -51,6 +51,42 @@ def test_nccl_columns_compute_bytes_and_null_out_fields_that_do_not_apply():
     assert _col(t, cols, "rank") == [2, 2, 2]            # the communicator rank from the kernel
     assert _col(t, cols, "global_rank") == [9, 9, 9]     # the process's torchrun RANK
     assert _col(t, cols, "pod") == ["w-2"] * 3
+
+
+def test_profiler_columns_name_ops_and_types_like_nccl_events_and_null_what_the_device_did_not_say():
+    a = np.zeros(4, dtype=NCCL_PROF_EVENT)
+    a["func"] = [b"AllReduce", b"Recv", b"Broadcast", b"PutSignal"]
+    a["datatype"] = [b"ncclFloat32", b"ncclBfloat16", b"ncclInt8", b"Unknown"]
+    a["comm_name"] = [b"dp", b"dp", b"", b"dp"]
+    a["algo"] = [b"RING", b"", b"TREE", b""]
+    a["pid"] = 50
+    o = a["op"]
+    o["kind"] = [1, 2, 1, 1]
+    o["count"] = [1000, 10, 33, 5]
+    o["peer"] = [0, 3, 2, 0]                       # AllReduce's root means nothing
+    o["seq"] = [7, 2, 8, 2**64 - 1]
+    o["host_start_ns"] = 1000
+    o["host_stop_ns"] = [1500, 1200, 0, 1100]
+    o["dev_start_ns"] = [4000, 3000, 0, 2000]
+    o["dev_stop_ns"] = [9000, 3500, 0, 0]
+    o["dev_start_raw"] = [10**18, 10**18 + 7, 0, 5]
+    o["dev_stop_raw"] = [10**18 + 5000, 10**18 + 507, 0, 0]
+    o["flags"] = [0, 0, 0, 1]
+    cols = nccl_profiler_columns(a, offset_ns=100, reg=Registry())
+    t = "nccl_profiler_events"
+    assert _col(t, cols, "op") == ["ALL_REDUCE", "RECV", "BROADCAST", "PUT_SIGNAL"]
+    assert _col(t, cols, "datatype") == ["float32", "bfloat16", "int8", "unknown"]
+    assert _col(t, cols, "bytes") == [4000, 20, 33, None]
+    assert _col(t, cols, "peer") == [None, 3, 2, None]
+    assert _col(t, cols, "seq") == [7, 2, 8, None]
+    assert _col(t, cols, "comm_name") == ["dp", "dp", None, "dp"]
+    assert _col(t, cols, "algo") == ["RING", None, "TREE", None]
+    assert _col(t, cols, "timestamp_ns") == [1100] * 4 and _col(t, cols, "ts_mono_ns") == [1000] * 4
+    assert _col(t, cols, "host_duration_ns") == [500, 200, None, 100]
+    assert _col(t, cols, "device_start_ns") == [4100, 3100, None, 2100]
+    assert _col(t, cols, "device_end_ns") == [9100, 3600, None, None]
+    assert _col(t, cols, "device_duration_ns") == [5000, 500, None, None]   # in GPU ns, from the raw stamps
+    assert _col(t, cols, "unfinished") == [False, False, False, True]
 
 
 def _tcp(n: int) -> np.ndarray:

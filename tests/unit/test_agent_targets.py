@@ -96,3 +96,27 @@ def test_scan_drops_processes_that_left_and_keeps_explicit_pids(tmp_path):
     (cg / "cgroup.procs").write_text("")
     ts.scan()
     assert not ts.processes[11].alive and ts.processes[12].alive
+
+
+def test_the_profiler_plugin_is_looked_for_in_nccl_processes_and_reported_once(tmp_path):
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is not installed: cannot build the fixture libraries")
+    croot = tmp_path / "rootfs"
+    (croot / "lib").mkdir(parents=True)
+    for name, body in (("libnccl.so.2", "int ncclAllReduce(void){return 0;}"),
+                       ("libnccl-profiler-ingero.so", "unsigned ingero_nccl_profiler_version(void){return 1;}"),
+                       ("libnccl-profiler-other.so", "int ncclProfiler_v5;")):
+        (croot / "lib" / "x.c").write_text(body + "\n")
+        subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(croot / "lib" / name), str(croot / "lib" / "x.c")],
+                       check=True)
+    nccl = "7f0000000000-7f0000001000 r-xp 00000000 fd:01 77 /lib/libnccl.so.2\n"
+    plugins = ("7f0000002000-7f0000003000 r-xp 00000000 fd:01 78 /lib/libnccl-profiler-other.so\n"
+               "7f0000004000-7f0000005000 r-xp 00000000 fd:01 79 /lib/libnccl-profiler-ingero.so\n")
+    _proc(tmp_path, 4242, b"", nccl, croot)
+    ts = TargetSet(pids=[4242], proc=tmp_path / "proc", self_pid=1)
+    assert ts.scan().new_profilers == []             # NCCL loads it with the first communicator
+    (tmp_path / "proc" / "4242" / "maps").write_text(nccl + plugins)
+    ts.processes[4242].last_lib_check = 0.0           # due for another look
+    assert [p.name for p, _ in ts.scan().new_profilers] == ["libnccl-profiler-ingero.so"]
+    ts.processes[4242].last_lib_check = 0.0
+    assert ts.scan().new_profilers == []             # reported once per file

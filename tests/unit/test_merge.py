@@ -187,3 +187,23 @@ def test_two_sessions_of_one_node_keep_their_own_event_ids(tmp_path):
     res = merge([tmp_path / "s1", tmp_path / "s2"], tmp_path / "m.duckdb")
     assert res.rows["nccl_events"] == 2 * 3 * 3 * 2 and res.rows["nodes"] == 2
     assert q(tmp_path / "m.duckdb", "SELECT min(timestamp_ns) FROM nccl_events")[0][0] >= T0
+
+
+def test_device_times_of_profiler_rows_are_shifted_by_the_node_offset_like_timestamps(tmp_path):
+    from ingero.store import SegmentWriter
+    from ingero_operator.gather import LocalSession, build_artifact
+
+    seg = tmp_path / "seg" / "node-b"
+    w = SegmentWriter(seg, "node-b", SESSION)
+    w.append("nccl_profiler_events", {"timestamp_ns": [T0], "device_start_ns": [T0 + 500],
+                                      "device_end_ns": [T0 + 900], "op": ["ALL_REDUCE"], "pid": [7]})
+    w.put_rows("nodes", [{"hostname": "node-b"}])
+    w.close()
+    cols = "timestamp_ns, device_start_ns, device_end_ns"
+    merge([seg], tmp_path / "m.duckdb", offsets={"node-b": SKEW})
+    want = [(T0 - SKEW, T0 + 500 - SKEW, T0 + 900 - SKEW)]
+    assert q(tmp_path / "m.duckdb", f"SELECT {cols} FROM nccl_profiler_events") == want
+    local = LocalSession(tmp_path / "art")
+    shutil.copytree(seg, local.node_dir("node-b"))
+    build_artifact(local, {"node-b": SKEW})
+    assert q(local.artifact, f"SELECT {cols} FROM nccl_profiler_events") == want

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ingero_agent.records import FAMILIES, ringbuf_dtype
+from ingero_agent.records import FAMILIES, NESTED, ringbuf_dtype
 
 HEADER = Path(__file__).resolve().parents[2] / "bpf" / "ingero.h"
 
@@ -32,7 +32,7 @@ def c_layout(tmp_path_factory):
     if shutil.which("gcc") is None:
         pytest.skip("gcc is not installed: cannot compile bpf/ingero.h to read its layout")
     lines = []
-    for struct, _, _, _ in FAMILIES.values():
+    for struct in [f[0] for f in FAMILIES.values()] + list(NESTED):
         lines.append(f'printf("{struct} SIZE %zu 0\\n", sizeof(struct {struct}));')
         for f in struct_fields(struct):
             lines.append(f'printf("{struct} {f} %zu %zu\\n", offsetof(struct {struct}, {f}), '
@@ -50,9 +50,8 @@ def c_layout(tmp_path_factory):
     return layout
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_dtype_has_every_header_field_at_the_same_offset_and_size(c_layout, family):
-    struct, dtype, _, _ = FAMILIES[family]
+@pytest.mark.parametrize("struct,dtype", [(f[0], f[1]) for f in FAMILIES.values()] + list(NESTED.items()))
+def test_dtype_has_every_header_field_at_the_same_offset_and_size(c_layout, struct, dtype):
     c = c_layout[struct]
     assert dtype.itemsize == c["SIZE"][0]
     c_fields = {k: v for k, v in c.items() if k != "SIZE"}

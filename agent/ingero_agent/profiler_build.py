@@ -1,0 +1,87 @@
+"""Build Ingero's NCCL profiler plugin, ``libnccl-profiler-ingero.so``.
+
+    ingero profiler build --out DIR
+
+The plugin (agent/nccl_profiler/) is C loaded by NCCL inside the training
+process; it includes the record layout from bpf/ingero.h, shared with the
+probe that reads it, and <sys/sdt.h> (Debian: systemtap-sdt-dev). The build is
+cached like the lab's (``ingero.cbuild``). With ``--out`` the library is copied
+into DIR (replaced atomically), where a job points NCCL at it:
+``NCCL_PROFILER_PLUGIN=DIR/libnccl-profiler-ingero.so``, or
+``NCCL_PROFILER_PLUGIN=ingero`` with DIR on the loader path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from ingero.cbuild import CFLAGS, cached_build, compile_c, digest, find_gcc
+from ingero.errors import IngeroError
+from ingero_agent.probes import bpf_dir
+
+LIB_NAME = "libnccl-profiler-ingero.so"
+SOURCE = "ingero_profiler.c"
+HEADER = "nccl_profiler_abi.h"
+FLAGS = CFLAGS + ("-fvisibility=hidden", "-shared")
+HINTS = {"sys/sdt.h": "install the USDT header: apt-get install systemtap-sdt-dev"}
+
+
+def source_dir() -> Path:
+    """The plugin's C sources: $INGERO_PROFILER_SRC or the repository's agent/nccl_profiler."""
+    env = os.environ.get("INGERO_PROFILER_SRC")
+    d = Path(env) if env else Path(__file__).resolve().parents[1] / "nccl_profiler"
+    if not (d / SOURCE).is_file():
+        raise IngeroError(f"cannot find the profiler plugin's source {d / SOURCE}: set INGERO_PROFILER_SRC "
+                          "to the repository's agent/nccl_profiler folder")
+    return d.resolve()
+
+
+def build_profiler(out_dir: Path | None = None, cache_dir: Path | None = None) -> Path:
+    """Build (or reuse) the plugin; returns its path (in `out_dir` when given)."""
+    gcc = find_gcc("the NCCL profiler plugin is C")
+    src, bpf = source_dir(), bpf_dir()
+    key = digest(gcc, [src / SOURCE, src / HEADER, bpf / "ingero.h"], FLAGS,
+                 "point INGERO_PROFILER_SRC and INGERO_BPF_DIR at the repository's folders")
+
+    def build(tmp: Path) -> None:
+        compile_c(gcc, [*FLAGS, f"-I{bpf}", f"-I{src}", "-o", str(tmp / LIB_NAME), str(src / SOURCE), "-lm"],
+                  "the NCCL profiler plugin", HINTS)
+
+    lib = cached_build("nccl-profiler", key, (LIB_NAME,), build, cache_dir) / LIB_NAME
+    if out_dir is None:
+        return lib
+    out_dir = Path(out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{LIB_NAME}.", dir=out_dir)
+        os.close(fd)
+        shutil.copyfile(lib, tmp)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, out_dir / LIB_NAME)
+    except OSError as e:
+        raise IngeroError(f"cannot write {out_dir / LIB_NAME}: {e.strerror}; pass a writable --out") from e
+    return out_dir / LIB_NAME
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "profiler", help="build the NCCL profiler plugin (device times of NCCL operations)",
+        description="Ingero's NCCL profiler plugin records, for every collective and point-to-point "
+        "operation, when the GPU ran it, and hands it to `ingero trace` through a USDT probe.",
+        epilog="example:\n  ingero profiler build --out /opt/ingero/lib\n"
+        "  NCCL_PROFILER_PLUGIN=/opt/ingero/lib/libnccl-profiler-ingero.so torchrun ...",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    b = sub.add_parser("build", help=f"compile {LIB_NAME}")
+    b.add_argument("--out", type=Path, help="copy the library into this folder (default: print the "
+                   "cached build's path)")
+    return p
+
+
+def run(args) -> int:
+    print(build_profiler(args.out))
+    return 0

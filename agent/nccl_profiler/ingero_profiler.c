@@ -1,0 +1,573 @@
+/* ingero_profiler.c: Ingero's NCCL profiler plugin (libnccl-profiler-ingero.so).
+ *
+ * Loaded by NCCL inside the training process (NCCL_PROFILER_PLUGIN=<path> or
+ * =ingero with the library on the loader path). It asks NCCL for collective,
+ * point-to-point and kernel-channel events, and for every finished operation
+ * fires one USDT probe, `ingero:nccl_op_v1`, whose only argument is the
+ * address of a `struct ingero_nccl_prof_op` (bpf/ingero.h): communicator
+ * (commHash, rank, size, name), NCCL's sequence number, op, count, datatype,
+ * algorithm, the host time NCCL launched and enqueued it, and when the GPU
+ * ran it. The agent's eBPF side (bpf/nccl_profiler.c) reads the record; with
+ * no tracer attached the probe is a single nop and nothing leaves the process.
+ *
+ * Events (NVIDIA's ABI: nccl_profiler_abi.h, profiler API v4, v5 and v6):
+ *   Coll / P2p   start: NCCL launches the op's plan (host); stop: enqueued.
+ *   KernelCh     one per channel the op's kernel runs on, started and stopped
+ *                by NCCL's proxy thread when it sees the kernel's per-channel
+ *                counters move; the start descriptor and the KernelChStop
+ *                state carry the GPU's globaltimer (`pTimer`, ns) of the
+ *                kernel's own start and stop on that channel.
+ * An op is finished when NCCL stopped its host event and every channel it
+ * announced (`nChannels`) reported stop. Device start = first channel start,
+ * device stop = last channel stop. Ops without channels (nChannels 0) finish
+ * at their host stop, without device times; ops still open when the
+ * communicator is finalized are recorded then, flagged NCCL_PROF_F_UNFINISHED.
+ *
+ * GPU time to host time. The GPU's globaltimer and the host's CLOCK_MONOTONIC
+ * run apart (offset) and at slightly different rates (drift). Each kernel-
+ * channel callback is a pair (h, g): the host time h when the proxy thread
+ * handed us the GPU timestamp g. The proxy sees a timestamp only after the
+ * GPU wrote it, so h - g = offset + latency, latency >= 0: the lower envelope
+ * of h - g over many pairs is the offset. Pairs fall into buckets of host time
+ * (a window, INGERO_PROFILER_CLOCK_WINDOW_MS, default 500; the first four
+ * buckets last 1/16, 1/8, 1/4 and 1/2 of it, so the drift is known early);
+ * each bucket keeps its lowest pair; the last 8 buckets give the fit
+ *     host = g + a + b * (g - g_ref)
+ * b: the drift, the median of the slopes between consecutive minima of the
+ *    closed buckets (a bucket where the proxy starved, or a jump of the GPU
+ *    clock, spoils one or two of the six slopes, not the median), clamped to
+ *    +-1000 ppm; 0 until two buckets are closed;
+ * g_ref: the open bucket's lowest pair;
+ * a: the offset, the lower of d - b * (g - g_ref) of the open bucket's and
+ *    the last closed bucket's lowest pairs (a jump of the GPU clock is
+ *    forgotten within two windows).
+ * The error is the best proxy latency in the newest windows (microseconds
+ * when the proxy polls freely) plus drift error; the raw GPU stamps are in
+ * the record too, for a later refit. The fit is per communicator: one GPU.
+ *
+ * Cost: operations live in a per-communicator array of slots preallocated at
+ * init (INGERO_PROFILER_SLOTS, default 1024), taken by an atomic counter and a
+ * compare-and-swap; nothing is allocated or locked per event. A full array
+ * drops the op and counts it (`dropped`, in every later record). The clock
+ * fit is updated by one thread at a time (a busy flag another thread skips,
+ * never waits on) and read lock-free (sequence counter).
+ *
+ * Bad settings (INGERO_PROFILER_SLOTS, INGERO_PROFILER_CLOCK_WINDOW_MS): init
+ * logs one line and fails, and NCCL runs on without the plugin.
+ */
+#include <limits.h>
+#include <math.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <linux/types.h>
+
+/* The record's address goes to the probe in a register (not a stack slot):
+ * the agent's BPF program reads it from the register the note names. */
+#define STAP_SDT_ARG_CONSTRAINT r
+#include <sys/sdt.h>
+
+#include "ingero.h"
+#include "nccl_profiler_abi.h"
+
+#define EXPORT __attribute__((visibility("default")))
+
+_Static_assert(INGERO_NCCL_PROF_VERSION == 1, "rename the probe nccl_op_v1 with the record version");
+_Static_assert(sizeof(struct ingero_nccl_prof_op) == 152, "record layout changed: bump its version");
+
+#define TAG_OP  0x504f4f5245474e49ULL   /* "INGEROOP": first word of an op handle */
+#define TAG_KCH 0x434b4f5245474e49ULL   /* "INGEROKC": handle of an op's kernel-channel events */
+#define SLOT_FREE 0u
+#define SLOT_BUSY 1u
+#define ALLOC_TRIES 8                   /* busy slots passed over before an op is dropped */
+#define DEFAULT_SLOTS 1024
+#define DEFAULT_WINDOW_MS 500
+#define CLK_BUCKETS 8
+#define CLK_MAX_DRIFT 1e-3              /* |b| above this is a bad fit, not a clock */
+#define CLK_WARMUP 4                    /* the first buckets last 1/16, 1/8, 1/4, 1/2 of a window */
+
+struct clock_fit {
+    atomic_flag busy;                   /* the writer's flag: a second writer skips its pair */
+    int64_t window_ns;                  /* host time covered by one bucket */
+    int64_t bucket_h0;                  /* host time the newest bucket began */
+    int cur, used;
+    uint32_t buckets;                   /* begun so far: the first ones are short (warm-up) */
+    struct { int64_t g, d; } pt[CLK_BUCKETS];   /* per bucket: lowest d = h - g, and its g */
+    uint32_t pairs;
+    /* the published fit; `seq` odd while it is being written */
+    _Atomic uint32_t seq;
+    _Atomic int64_t a, g_ref;
+    _Atomic double b;
+    _Atomic uint32_t samples;
+};
+
+struct ctx;
+
+struct op {
+    uint64_t tag;                       /* TAG_OP */
+    uint64_t kch_tag;                   /* TAG_KCH; its address is the kernel-channel handle */
+    struct ctx *ctx;
+    _Atomic uint32_t state;             /* SLOT_FREE / SLOT_BUSY */
+    _Atomic int32_t refs;               /* host stop + one per announced channel */
+    _Atomic int32_t started;            /* kernel channels started */
+    _Atomic int32_t reported;           /* kernel channels that reported stop */
+    _Atomic uint64_t dev_start;         /* earliest channel start (GPU ns) */
+    _Atomic uint64_t dev_stop;          /* latest channel stop (GPU ns) */
+    struct ingero_nccl_prof_op rec;
+};
+
+struct ctx {
+    uint64_t comm_hash;
+    int rank, nranks, nnodes;
+    uint8_t api;
+    uint32_t nslots;
+    struct op *slots;
+    _Atomic uint64_t next;
+    _Atomic uint64_t dropped;
+    _Atomic uint64_t *p2p_seq;          /* [2 * nranks]: sends to, receives from each peer */
+    ncclDebugLogger_t log;
+    struct clock_fit clk;
+    char name[64];
+};
+
+/* What startEvent needs from a descriptor; the same field names in v4, v5, v6. */
+struct ev {
+    uint64_t type;
+    void *parent;
+    uint64_t seq, count, ptimer;
+    const char *func, *datatype, *algo, *proto;
+    int peer, nch;
+};
+
+static inline uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* ---- clock fit --------------------------------------------------------- */
+
+static double median(double *v, int n)
+{
+    for (int i = 1; i < n; i++)
+        for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
+            double t = v[j];
+            v[j] = v[j - 1];
+            v[j - 1] = t;
+        }
+    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+/* Called when the open bucket got a lower pair (so it has one: index 0 below). */
+static void clock_refit(struct clock_fit *c)
+{
+    int64_t g[CLK_BUCKETS], d[CLK_BUCKETS];
+    double slopes[CLK_BUCKETS];
+    int n = 0, ns = 0;
+    for (int i = 0; i < c->used; i++) {         /* newest first */
+        int k = (c->cur - i + CLK_BUCKETS) % CLK_BUCKETS;
+        if (c->pt[k].d == INT64_MAX)
+            continue;
+        g[n] = c->pt[k].g;
+        d[n++] = c->pt[k].d;
+    }
+    if (n == 0)
+        return;
+    /* drift from closed buckets only: the open one's lowest pair may still be a poor one */
+    for (int i = 1; i + 1 < n; i++)
+        if (g[i] != g[i + 1])
+            slopes[ns++] = (double)(d[i] - d[i + 1]) / (double)(g[i] - g[i + 1]);
+    double b = ns ? median(slopes, ns) : 0.0;
+    b = fmax(-CLK_MAX_DRIFT, fmin(CLK_MAX_DRIFT, b));
+    /* offset: the lower of the open bucket's pair and the last closed one's, carried by b */
+    int64_t a = INT64_MAX;
+    for (int i = 0; i < n && i < 2; i++) {
+        int64_t v = d[i] - llround(b * (double)(g[i] - g[0]));
+        if (v < a)
+            a = v;
+    }
+    uint32_t s = atomic_load_explicit(&c->seq, memory_order_relaxed);
+    atomic_store_explicit(&c->seq, s + 1, memory_order_relaxed);
+    atomic_thread_fence(memory_order_release);
+    atomic_store_explicit(&c->a, a, memory_order_relaxed);
+    atomic_store_explicit(&c->g_ref, g[0], memory_order_relaxed);
+    atomic_store_explicit(&c->b, b, memory_order_relaxed);
+    atomic_store_explicit(&c->seq, s + 2, memory_order_release);
+}
+
+/* A pair: host time h at which the GPU timestamp g was handed to us. */
+static void clock_pair(struct clock_fit *c, uint64_t h, uint64_t g)
+{
+    if (g == 0 || g > INT64_MAX || atomic_flag_test_and_set_explicit(&c->busy, memory_order_acquire))
+        return;
+    /* the open bucket is number `buckets` (from 1) */
+    int64_t len = c->window_ns >> (c->buckets <= CLK_WARMUP ? CLK_WARMUP + 1 - c->buckets : 0);
+    if (c->used == 0 || (int64_t)h - c->bucket_h0 >= len) {
+        c->cur = (c->cur + 1) % CLK_BUCKETS;
+        c->pt[c->cur].d = INT64_MAX;
+        c->bucket_h0 = (int64_t)h;
+        if (c->used < CLK_BUCKETS)
+            c->used++;
+        c->buckets++;
+    }
+    int64_t d = (int64_t)h - (int64_t)g;
+    c->pairs++;
+    if (d < c->pt[c->cur].d) {
+        c->pt[c->cur].d = d;
+        c->pt[c->cur].g = (int64_t)g;
+        clock_refit(c);
+    }
+    atomic_store_explicit(&c->samples, c->pairs, memory_order_relaxed);
+    atomic_flag_clear_explicit(&c->busy, memory_order_release);
+}
+
+/* GPU time g on the host clock; 0 before the first pair. */
+static uint64_t clock_host(struct clock_fit *c, uint64_t g)
+{
+    uint32_t s;
+    int64_t a, g_ref;
+    double b;
+    do {
+        s = atomic_load_explicit(&c->seq, memory_order_acquire);
+        a = atomic_load_explicit(&c->a, memory_order_relaxed);
+        g_ref = atomic_load_explicit(&c->g_ref, memory_order_relaxed);
+        b = atomic_load_explicit(&c->b, memory_order_relaxed);
+        atomic_thread_fence(memory_order_acquire);
+    } while ((s & 1) || s != atomic_load_explicit(&c->seq, memory_order_relaxed));
+    if (s == 0 || g == 0 || g > INT64_MAX)
+        return 0;
+    int64_t h = (int64_t)g + a + llround(b * (double)((int64_t)g - g_ref));
+    return h > 0 ? (uint64_t)h : 0;
+}
+
+/* ---- operations -------------------------------------------------------- */
+
+static struct op *op_of_kch(void *handle)
+{
+    return (struct op *)((char *)handle - offsetof(struct op, kch_tag));
+}
+
+static struct op *op_alloc(struct ctx *c)
+{
+    for (int i = 0; i < ALLOC_TRIES; i++) {
+        uint64_t n = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed);
+        struct op *o = &c->slots[n % c->nslots];
+        uint32_t want = SLOT_FREE;
+        if (atomic_compare_exchange_strong_explicit(&o->state, &want, SLOT_BUSY, memory_order_acquire,
+                                                    memory_order_relaxed))
+            return o;
+    }
+    atomic_fetch_add_explicit(&c->dropped, 1, memory_order_relaxed);
+    return NULL;
+}
+
+static void atomic_min_u64(_Atomic uint64_t *p, uint64_t v)
+{
+    uint64_t cur = atomic_load_explicit(p, memory_order_relaxed);
+    while (v < cur && !atomic_compare_exchange_weak_explicit(p, &cur, v, memory_order_relaxed,
+                                                             memory_order_relaxed))
+        ;
+}
+
+static void atomic_max_u64(_Atomic uint64_t *p, uint64_t v)
+{
+    uint64_t cur = atomic_load_explicit(p, memory_order_relaxed);
+    while (v > cur && !atomic_compare_exchange_weak_explicit(p, &cur, v, memory_order_relaxed,
+                                                             memory_order_relaxed))
+        ;
+}
+
+static void op_finish(struct op *o, uint8_t flags)
+{
+    struct ctx *c = o->ctx;
+    struct ingero_nccl_prof_op *r = &o->rec;
+    uint64_t s = atomic_load_explicit(&o->dev_start, memory_order_relaxed);
+    uint64_t e = atomic_load_explicit(&o->dev_stop, memory_order_relaxed);
+    if (s != UINT64_MAX) {
+        r->dev_start_raw = s;
+        r->dev_start_ns = clock_host(&c->clk, s);
+    }
+    if (e != 0) {
+        r->dev_stop_raw = e;
+        r->dev_stop_ns = clock_host(&c->clk, e);
+    }
+    r->clock_samples = atomic_load_explicit(&c->clk.samples, memory_order_relaxed);
+    r->channels = (uint8_t)atomic_load_explicit(&o->reported, memory_order_relaxed);
+    r->flags |= flags;
+    r->dropped = atomic_load_explicit(&c->dropped, memory_order_relaxed);
+    DTRACE_PROBE1(ingero, nccl_op_v1, r);
+    atomic_store_explicit(&o->state, SLOT_FREE, memory_order_release);
+}
+
+static void op_release(struct op *o)
+{
+    if (atomic_fetch_sub_explicit(&o->refs, 1, memory_order_acq_rel) == 1)
+        op_finish(o, 0);
+}
+
+static void op_begin(struct ctx *c, struct op *o, const struct ev *e)
+{
+    struct ingero_nccl_prof_op *r = &o->rec;
+    memset(r, 0, sizeof(*r));
+    r->size = sizeof(*r);
+    r->version = INGERO_NCCL_PROF_VERSION;
+    r->kind = e->type == ncclProfileColl ? NCCL_PROF_COLL : NCCL_PROF_P2P;
+    r->api = c->api;
+    r->comm_hash = c->comm_hash;
+    r->seq = e->seq;
+    r->count = e->count;
+    r->func = (uintptr_t)e->func;
+    r->datatype = (uintptr_t)e->datatype;
+    r->algo = (uintptr_t)e->algo;
+    r->proto = (uintptr_t)e->proto;
+    r->comm_name = c->name[0] ? (uintptr_t)c->name : 0;
+    r->rank = c->rank;
+    r->nranks = c->nranks;
+    r->nnodes = c->nnodes;
+    r->peer = e->peer;
+    r->nchannels = (uint8_t)e->nch;
+    atomic_store_explicit(&o->started, 0, memory_order_relaxed);
+    atomic_store_explicit(&o->reported, 0, memory_order_relaxed);
+    atomic_store_explicit(&o->dev_start, UINT64_MAX, memory_order_relaxed);
+    atomic_store_explicit(&o->dev_stop, 0, memory_order_relaxed);
+    atomic_store_explicit(&o->refs, 1 + e->nch, memory_order_relaxed);
+    r->host_start_ns = now_ns();
+}
+
+/* Pairing key of a p2p op: its order among this rank's sends to (receives
+ * from) the same peer; NCCL gives p2p events no sequence number. */
+static uint64_t p2p_seq(struct ctx *c, const struct ev *e)
+{
+    if (!c->p2p_seq || e->peer < 0 || e->peer >= c->nranks || !e->func)
+        return UINT64_MAX;
+    int recv = strcmp(e->func, "Recv") == 0;
+    return atomic_fetch_add_explicit(&c->p2p_seq[recv * c->nranks + e->peer], 1, memory_order_relaxed);
+}
+
+static ncclResult_t start_event(void *context, void **handle, struct ev *e)
+{
+    struct ctx *c = context;
+    *handle = NULL;
+    if (!c)
+        return ncclSuccess;
+    if (e->type == ncclProfileColl || e->type == ncclProfileP2p) {
+        struct op *o = op_alloc(c);
+        if (!o)
+            return ncclSuccess;
+        if (e->type == ncclProfileP2p)
+            e->seq = p2p_seq(c, e);
+        op_begin(c, o, e);
+        *handle = o;
+    } else if (e->type == ncclProfileKernelCh) {
+        struct op *o = e->parent;
+        uint64_t h = now_ns();
+        if (!o || o->tag != TAG_OP)
+            return ncclSuccess;
+        /* more channels than announced would free the slot under NCCL's feet */
+        if (atomic_fetch_add_explicit(&o->started, 1, memory_order_relaxed) >= o->rec.nchannels)
+            return ncclSuccess;
+        clock_pair(&c->clk, h, e->ptimer);
+        if (e->ptimer)
+            atomic_min_u64(&o->dev_start, e->ptimer);
+        *handle = &o->kch_tag;
+    }
+    return ncclSuccess;
+}
+
+static ncclResult_t stop_event(void *handle)
+{
+    if (!handle)
+        return ncclSuccess;
+    uint64_t tag = *(uint64_t *)handle;
+    if (tag == TAG_OP) {
+        struct op *o = handle;
+        o->rec.host_stop_ns = now_ns();
+        op_release(o);
+    } else if (tag == TAG_KCH) {
+        op_release(op_of_kch(handle));
+    }
+    return ncclSuccess;
+}
+
+static ncclResult_t record_state(void *handle, ncclProfilerEventState_t state, uint64_t ptimer)
+{
+    if (!handle || state != ncclProfilerKernelChStop || *(uint64_t *)handle != TAG_KCH)
+        return ncclSuccess;
+    struct op *o = op_of_kch(handle);
+    clock_pair(&o->ctx->clk, now_ns(), ptimer);
+    if (ptimer)
+        atomic_max_u64(&o->dev_stop, ptimer);
+    atomic_fetch_add_explicit(&o->reported, 1, memory_order_relaxed);
+    return ncclSuccess;
+}
+
+/* ---- init / finalize --------------------------------------------------- */
+
+static void say(ncclDebugLogger_t log, ncclDebugLogLevel level, const char *msg)
+{
+    if (log)
+        log(level, NCCL_PROFILE | NCCL_INIT, __FILE__, __LINE__, "%s", msg);
+    else if (level == NCCL_LOG_WARN)
+        fprintf(stderr, "%s\n", msg);
+}
+
+/* A whole number from the environment in [lo, hi], else `dflt`; 0 on success. */
+static int env_number(const char *name, long dflt, long lo, long hi, long *out, ncclDebugLogger_t log)
+{
+    const char *s = getenv(name);
+    *out = dflt;
+    if (!s || !*s)
+        return 0;
+    char *end;
+    long v = strtol(s, &end, 10);
+    if (*end || v < lo || v > hi) {
+        char msg[256];
+        snprintf(msg, sizeof(msg), "Ingero profiler: %s=%.40s is not a whole number from %ld to %ld; "
+                 "the plugin is off", name, s, lo, hi);
+        say(log, NCCL_LOG_WARN, msg);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static void ctx_free(struct ctx *c)
+{
+    if (!c)
+        return;
+    free(c->slots);
+    free((void *)c->p2p_seq);
+    free(c);
+}
+
+static ncclResult_t init_common(void **context, int *mask, const char *name, uint64_t hash, int nnodes,
+                                int nranks, int rank, ncclDebugLogger_t log, uint8_t api)
+{
+    long slots, window_ms;
+    *context = NULL;
+    if (env_number("INGERO_PROFILER_SLOTS", DEFAULT_SLOTS, 16, 1L << 20, &slots, log) ||
+        env_number("INGERO_PROFILER_CLOCK_WINDOW_MS", DEFAULT_WINDOW_MS, 1, 600000, &window_ms, log))
+        return ncclInvalidArgument;
+    struct ctx *c = calloc(1, sizeof(*c));
+    if (c) {
+        c->slots = calloc((size_t)slots, sizeof(struct op));
+        if (nranks > 0 && nranks <= (1 << 24))
+            c->p2p_seq = calloc(2 * (size_t)nranks, sizeof(uint64_t));
+    }
+    if (!c || !c->slots || (nranks > 0 && !c->p2p_seq)) {
+        say(log, NCCL_LOG_WARN, "Ingero profiler: out of memory for the operation slots; the plugin is off");
+        ctx_free(c);
+        return ncclSystemError;
+    }
+    c->comm_hash = hash;
+    c->rank = rank;
+    c->nranks = nranks;
+    c->nnodes = nnodes;
+    c->api = api;
+    c->log = log;
+    c->nslots = (uint32_t)slots;
+    for (uint32_t i = 0; i < c->nslots; i++) {
+        c->slots[i].tag = TAG_OP;
+        c->slots[i].kch_tag = TAG_KCH;
+        c->slots[i].ctx = c;
+    }
+    atomic_flag_clear(&c->clk.busy);
+    c->clk.window_ns = window_ms * 1000000L;
+    if (name && *name)
+        snprintf(c->name, sizeof(c->name), "%s", name);
+    *mask = ncclProfileColl | ncclProfileP2p | ncclProfileKernelCh;
+    char msg[256];
+    snprintf(msg, sizeof(msg), "Ingero profiler: comm %s hash 0x%llx rank %d of %d on %d nodes, profiler "
+             "API v%d, %ld slots", c->name[0] ? c->name : "-", (unsigned long long)hash, rank, nranks, nnodes,
+             api, slots);
+    say(log, NCCL_LOG_INFO, msg);
+    *context = c;
+    return ncclSuccess;
+}
+
+static ncclResult_t finalize(void *context)
+{
+    struct ctx *c = context;
+    if (!c)
+        return ncclSuccess;
+    /* NCCL sends no more events for this communicator: what is open never finished */
+    for (uint32_t i = 0; i < c->nslots; i++)
+        if (atomic_load_explicit(&c->slots[i].state, memory_order_acquire) == SLOT_BUSY)
+            op_finish(&c->slots[i], NCCL_PROF_F_UNFINISHED);
+    ctx_free(c);
+    return ncclSuccess;
+}
+
+/* ---- the versioned entry points --------------------------------------- */
+
+#define INGERO_START_EVENT(V)                                                                  \
+    static ncclResult_t start_event_##V(void *context, void **handle,                          \
+                                        ncclProfilerEventDescr_##V##_t *d)                     \
+    {                                                                                          \
+        struct ev e = {.type = d->type, .parent = d->parentObj, .peer = -1};                   \
+        if (e.type == ncclProfileColl) {                                                       \
+            e.seq = d->coll.seqNumber;                                                         \
+            e.func = d->coll.func;                                                             \
+            e.count = d->coll.count;                                                           \
+            e.peer = d->coll.root;                                                             \
+            e.datatype = d->coll.datatype;                                                     \
+            e.nch = d->coll.nChannels;                                                         \
+            e.algo = d->coll.algo;                                                             \
+            e.proto = d->coll.proto;                                                           \
+        } else if (e.type == ncclProfileP2p) {                                                 \
+            e.func = d->p2p.func;                                                              \
+            e.count = d->p2p.count;                                                            \
+            e.peer = d->p2p.peer;                                                              \
+            e.datatype = d->p2p.datatype;                                                      \
+            e.nch = d->p2p.nChannels;                                                          \
+        } else if (e.type == ncclProfileKernelCh) {                                            \
+            e.ptimer = d->kernelCh.pTimer;                                                     \
+        }                                                                                      \
+        return start_event(context, handle, &e);                                               \
+    }                                                                                          \
+    static ncclResult_t record_state_##V(void *handle, ncclProfilerEventState_##V##_t state,   \
+                                         ncclProfilerEventStateArgs_##V##_t *args)             \
+    {                                                                                          \
+        return record_state(handle, state, args ? args->kernelCh.pTimer : 0);                  \
+    }
+
+INGERO_START_EVENT(v4)
+INGERO_START_EVENT(v5)
+INGERO_START_EVENT(v6)
+
+static ncclResult_t init_v4(void **context, int *mask, const char *name, uint64_t hash, int nnodes, int nranks,
+                            int rank, ncclDebugLogger_t log)
+{
+    return init_common(context, mask, name, hash, nnodes, nranks, rank, log, 4);
+}
+
+static ncclResult_t init_v5(void **context, uint64_t hash, int *mask, const char *name, int nnodes, int nranks,
+                            int rank, ncclDebugLogger_t log)
+{
+    return init_common(context, mask, name, hash, nnodes, nranks, rank, log, 5);
+}
+
+static ncclResult_t init_v6(void **context, uint64_t hash, int *mask, const char *name, int nnodes, int nranks,
+                            int rank, ncclDebugLogger_t log)
+{
+    return init_common(context, mask, name, hash, nnodes, nranks, rank, log, 6);
+}
+
+/* NCCL takes the newest it knows: v6 from NCCL 2.29, v5 in 2.28, v4 in 2.27. */
+EXPORT ncclProfiler_v6_t ncclProfiler_v6 = {"Ingero", init_v6, start_event_v6, stop_event, record_state_v6,
+                                            finalize};
+EXPORT ncclProfiler_v5_t ncclProfiler_v5 = {"Ingero", init_v5, start_event_v5, stop_event, record_state_v5,
+                                            finalize};
+EXPORT ncclProfiler_v4_t ncclProfiler_v4 = {"Ingero", init_v4, start_event_v4, stop_event, record_state_v4,
+                                            finalize};
+
+/* Marks this library for the agent (ingero_agent.elfsyms), which attaches the
+ * probe of the record version it returns. */
+EXPORT unsigned ingero_nccl_profiler_version(void)
+{
+    return INGERO_NCCL_PROF_VERSION;
+}

@@ -1,0 +1,202 @@
+"""The profiler plugin's inner parts (agent/nccl_profiler/ingero_profiler.c), no root needed.
+
+Clock: a small C driver includes the plugin's source and feeds its clock fit
+(host, device) pairs as NCCL's proxy thread would hand them over: the host
+time comes after the GPU time by a latency that is never negative and mostly
+tens of microseconds, now and then a fraction of one. The device clock has a
+known offset and rate (drift); every conversion is checked against the truth.
+
+Slots and settings: another driver starts operations through the v5 entry
+points until the preallocated slots run out.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = r"""
+#include "ingero_profiler.c"
+int main(int argc, char **argv)
+{
+    struct clock_fit c;
+    memset(&c, 0, sizeof(c));
+    atomic_flag_clear(&c.busy);
+    c.window_ns = atoll(argv[1]);
+    char op;
+    unsigned long long a, b;
+    while (scanf(" %c %llu", &op, &a) == 2) {
+        if (op == 'p' && scanf("%llu", &b) == 1)
+            clock_pair(&c, a, b);
+        else if (op == 'q')
+            printf("%llu\n", (unsigned long long)clock_host(&c, a));
+        else if (op == 's')
+            printf("%.9f\n", atomic_load(&c.b));
+    }
+    return 0;
+}
+"""
+SLOTS_DRIVER = r"""
+#include "ingero_profiler.c"
+static void *start(void *ctx, uint64_t type, void *parent)
+{
+    ncclProfilerEventDescr_v5_t d;
+    memset(&d, 0, sizeof(d));
+    d.type = type;
+    d.parentObj = parent;
+    d.coll.func = "AllReduce";
+    d.coll.nChannels = 1;
+    d.kernelCh.pTimer = 0;
+    void *h = NULL;
+    start_event_v5(ctx, &h, &d);
+    return h;
+}
+int main(int argc, char **argv)
+{
+    void *ctx, *h[64];
+    int mask, n = atoi(argv[1]), got = 0;
+    ncclResult_t r = init_v5(&ctx, 7, &mask, "c", 1, 2, 0, NULL);
+    if (r != ncclSuccess) {
+        printf("init %d\n", (int)r);
+        return 0;
+    }
+    for (int i = 0; i < n; i++)
+        got += (h[i] = start(ctx, ncclProfileColl, NULL)) != NULL;
+    struct ctx *c = ctx;
+    printf("started %d dropped %llu\n", got, (unsigned long long)c->dropped);
+    /* op 0 finishes (host stop, its one channel starts and stops): its slot is free again */
+    stop_event(h[0]);
+    void *k = start(ctx, ncclProfileKernelCh, h[0]);
+    stop_event(k);
+    void *again = start(ctx, ncclProfileColl, NULL);
+    int clash = 0;
+    for (int i = 1; i < got; i++)
+        clash |= again == h[i];
+    printf("again %d clash %d\n", again != NULL, clash);
+    finalize(ctx);
+    return 0;
+}
+"""
+G0 = 1_750_000_000_000_000_000     # a globaltimer reading (Unix-epoch-like ns)
+H0 = 5_000_000_000                  # host CLOCK_MONOTONIC at the start
+WINDOW_NS = 500_000_000
+
+
+def build(d: Path, name: str, text: str) -> Path:
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is not installed: cannot compile the plugin's drivers")
+    (d / f"{name}.c").write_text(text)
+    proc = subprocess.run(["gcc", "-O2", "-Wall", f"-I{ROOT / 'bpf'}", f"-I{ROOT / 'agent' / 'nccl_profiler'}",
+                           "-o", str(d / name), str(d / f"{name}.c"), "-lm"], capture_output=True, text=True)
+    if proc.returncode and "sys/sdt.h" in proc.stderr:
+        pytest.skip("sys/sdt.h is missing: apt-get install systemtap-sdt-dev")
+    assert proc.returncode == 0, proc.stderr
+    return d / name
+
+
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory) -> Path:
+    return build(tmp_path_factory.mktemp("clock"), "driver", DRIVER)
+
+
+@pytest.fixture(scope="module")
+def slots_driver(tmp_path_factory) -> Path:
+    return build(tmp_path_factory.mktemp("slots"), "slots", SLOTS_DRIVER)
+
+
+class Device:
+    """GPU clock: g = G0 + (h - H0) * (1 + drift) + jump (after `jump_at`)."""
+
+    def __init__(self, drift: float = 0.0, jump_ns: int = 0, jump_at: int = 1 << 62):
+        self.drift, self.jump_ns, self.jump_at = drift, jump_ns, jump_at
+
+    def g(self, h: int) -> int:
+        return G0 + round((h - H0) * (1 + self.drift)) + (self.jump_ns if h >= self.jump_at else 0)
+
+
+def run(driver: Path, dev: Device, seconds: float = 3.0, starved: tuple[float, float] | None = None,
+        seed: int = 1) -> list[tuple[int, int]]:
+    """A pair every millisecond; after each, the device time of an op that ran 300 us
+    earlier is converted. Returns (host truth, converted) per query."""
+    rnd = random.Random(seed)
+    lines, truth = [], []
+    for i in range(int(seconds * 1000)):
+        h = H0 + i * 1_000_000
+        lat = 100 + rnd.randrange(300) if i % 10 == 0 else rnd.randrange(5_000, 60_000)
+        if starved and starved[0] <= (h - H0) / 1e9 < starved[1]:
+            lat = rnd.randrange(2_000_000, 4_000_000)     # the proxy thread got no CPU
+        lines.append(f"p {h} {dev.g(h - lat)}")
+        past = h - 300_000
+        lines.append(f"q {dev.g(past)}")
+        truth.append(past)
+    out = subprocess.run([str(driver), str(WINDOW_NS)], input="\n".join(lines) + "\n", capture_output=True,
+                         text=True, check=True).stdout.split()
+    return list(zip(truth, map(int, out)))
+
+
+def errors(res, after_s: float = 0.0) -> list[int]:
+    return [abs(got - want) for want, got in res if (want - H0) / 1e9 >= after_s]
+
+
+def test_a_constant_offset_is_recovered_to_the_best_latency(driver):
+    err = errors(run(driver, Device()))
+    assert max(err) <= 1_000      # the best latencies are 100-400 ns; the rest is the drift estimate's noise
+
+
+def test_drift_is_fitted_so_conversions_stay_within_microseconds(driver):
+    dev = Device(drift=200e-6)    # 200 ppm: 0.2 ms per second apart
+    err = errors(run(driver, dev, seconds=6), after_s=1.0)
+    assert max(err) <= 2_000
+    out = subprocess.run([str(driver), str(WINDOW_NS)], text=True, capture_output=True, check=True,
+                         input="".join(f"p {H0 + i * 10**6} {dev.g(H0 + i * 10**6)}\n" for i in range(3000))
+                         + "s 0\n").stdout
+    # host = g + a + b (g - g_ref): b = 1 / (1 + drift) - 1
+    assert float(out) == pytest.approx(1 / (1 + 200e-6) - 1, rel=1e-3)
+
+
+def test_the_first_buckets_are_short_so_a_new_communicator_converts_well_from_the_start(driver):
+    # a slow GPU clock: each window's lowest (host - GPU) pair is its oldest, and a fit
+    # without drift would be off by 200 ppm x 0.5 s = 100 us by the end of the first window
+    # until the first two buckets (1/16 and 1/8 of a window) are closed there is no drift term
+    err = errors(run(driver, Device(drift=-200e-6), seconds=2))
+    assert max(err) <= 200e-6 * WINDOW_NS * 3 / 16 + 1_000
+    assert max(errors(run(driver, Device(drift=-200e-6), seconds=2), after_s=0.2)) <= 2_000
+
+
+def test_a_window_where_the_proxy_starves_does_not_tilt_the_fit(driver):
+    err = errors(run(driver, Device(drift=50e-6), seconds=6, starved=(2.0, 2.6)), after_s=2.7)
+    assert max(err) <= 2_000
+
+
+def test_a_jump_of_the_gpu_clock_is_forgotten_within_two_windows(driver):
+    jump_at = H0 + 3 * 10**9
+    res = run(driver, Device(jump_ns=-3_000_000, jump_at=jump_at), seconds=6)
+    assert max(errors(res, after_s=3.0 + 2 * WINDOW_NS / 1e9 + 0.01)) <= 2_000
+
+
+def test_nothing_is_converted_before_the_first_pair(driver):
+    out = subprocess.run([str(driver), str(WINDOW_NS)], input=f"q {G0}\n", capture_output=True, text=True,
+                         check=True).stdout
+    assert out.split() == ["0"]
+
+
+def slots(driver: Path, n: int, value: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(driver), str(n)], capture_output=True, text=True, check=True,
+                          env={"INGERO_PROFILER_SLOTS": value})
+
+
+def test_operations_beyond_the_slots_are_dropped_and_counted_never_taking_an_open_ones_slot(slots_driver):
+    out = slots(slots_driver, 20, "16").stdout.splitlines()
+    assert out == ["started 16 dropped 4", "again 1 clash 0"]
+
+
+def test_a_bad_setting_turns_the_plugin_off_with_one_line(slots_driver):
+    got = slots(slots_driver, 1, "lots")
+    assert got.stdout.splitlines() == ["init 4"]          # ncclInvalidArgument: NCCL runs on without it
+    assert got.stderr.splitlines() == ["Ingero profiler: INGERO_PROFILER_SLOTS=lots is not a whole number "
+                                       "from 16 to 1048576; the plugin is off"]
