@@ -215,7 +215,8 @@ def test_proxy_errors_are_the_api_servers(cluster, echo):
     code, body, _ = proxied(cluster, "echo", "/")            # the ports are named: a name is required
     assert (code, json.loads(body)["reason"]) == (503, "ServiceUnavailable")
     assert json.loads(body)["message"] == 'no endpoints available for service "echo"'
-    assert json.loads(proxied(cluster, "echo:8080", "/")[1])["message"] == 'no service port 8080 found for service "echo"'
+    code, body, _ = proxied(cluster, "echo:8080", "/")
+    assert (code, json.loads(body)["message"]) == (503, 'no service port 8080 found for service "echo"')
     assert proxied(cluster, "ftp:echo:web", "/")[0] == 400
 
 
