@@ -269,13 +269,15 @@ def download(k: Kubectl, obj: dict, dest: Path) -> list[str]:
     return names
 
 
-def fresh_folder(path: Path) -> Path:
+def fresh_folder(path: Path) -> bool:
+    """Make `path` (or take it empty); True when it was made here."""
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise IngeroError(f"-o {path} exists and is not an empty folder; pick a new folder")
     if not path.parent.is_dir():
         raise IngeroError(f"-o {path}: folder {path.parent} does not exist")
+    made = not path.exists()
     path.mkdir(exist_ok=True)
-    return path
+    return made
 
 
 def report(args) -> int:
@@ -304,11 +306,16 @@ def get_artifact(args) -> int:
     k = kubectl_of(args)
     obj = get_session(k, args.session)
     artifact_url(obj, "artifact.tar")          # a session without an artifact fails before -o is made
-    dest = fresh_folder(args.out or Path(obj["metadata"]["name"]))
+    dest = args.out or Path(obj["metadata"]["name"])
+    made = fresh_folder(dest)
     try:
         names = download(k, obj, dest)
     except BaseException:
-        shutil.rmtree(dest, ignore_errors=True)
+        if made:
+            shutil.rmtree(dest, ignore_errors=True)
+        else:                       # the user's empty folder: emptied again
+            for p in dest.iterdir():
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
         raise
     size = sum((dest / n).stat().st_size for n in names)
     segments = sum(n.endswith(".parquet") for n in names)
