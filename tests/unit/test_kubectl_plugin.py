@@ -186,6 +186,11 @@ def test_a_lost_expired_or_misdirected_artifact_is_named_as_such(flow, plugin):
     shutil.rmtree(Path(flow.status("gone")["artifact"]["path"]).parent)
     assert "(NotFound): no artifact of TraceSession default/gone with this key" in \
         (msg := one_line_error(plugin("report", "gone"))) and "operator.artifacts.existingClaim" in msg
+    (flow.tmp / "mine").mkdir()                  # a failed download leaves the user's folder as it was ...
+    assert "no artifact of TraceSession" in one_line_error(plugin("get-artifact", "gone", "-o", "mine"))
+    assert (flow.tmp / "mine").is_dir() and not any((flow.tmp / "mine").iterdir())
+    one_line_error(plugin("get-artifact", "gone", "-o", "new"))
+    assert not (flow.tmp / "new").exists()       # ... and makes none
     flow.cluster.patch(f"{TRS}/expired/status", {"status": {"artifact": {"deleted": True,
                                                                          "expiresAt": "2030-01-01T00:00:00Z"}}})
     assert "expired at 2030-01-01T00:00:00Z (spec.artifact.retentionHours) and was deleted" in \
