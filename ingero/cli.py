@@ -84,13 +84,18 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
+    return guarded(args._run, args)
+
+
+def guarded(run, args, prog: str = "ingero") -> int:
+    """run(args), with what a user can cause printed as one line `<prog>: ...`, no traceback."""
     try:
-        return int(args._run(args) or 0)
+        return int(run(args) or 0)
     except IngeroError as e:
-        print(f"ingero: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
-        print("ingero: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
     except BrokenPipeError:
         return 0
@@ -98,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         if type(e).__module__.split(".")[0] not in ("duckdb", "_duckdb"):
             raise
         # a trace DuckDB cannot read (damaged, crafted, of another version): one line, not a traceback
-        print(f"ingero: cannot read the trace: {str(e).splitlines()[0]}", file=sys.stderr)
+        print(f"{prog}: cannot read the trace: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
 
 

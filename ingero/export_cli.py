@@ -55,37 +55,45 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from ingero.perfetto import build, write
-    from ingero.store import open_source
-
     fmt = getattr(args, "export_format", None)
     if fmt == "step":
         return _step(args)
     if fmt != "perfetto":
         args._export_parser.print_help()
         return 2
-    start = parse_seconds(args.start, "--start", allow_zero=True) if args.start else None
-    end = parse_seconds(args.end, "--end") if args.end else None
-    if start is not None and end is not None and end <= start:
-        raise IngeroError(f"--end {args.end} is not after --start {args.start}")
-    if args.max_events is not None and args.max_events < 100:
+    perfetto(args.source, args.out, args.start, args.end, args.max_events, args.session)
+    return 0
+
+
+def perfetto(source: Path, out: Path, start: str | None = None, end: str | None = None,
+             max_events: int | None = None, session: str | None = None, label: str | None = None) -> None:
+    """Write the Perfetto timeline of the trace at `source` to `out` and say what it holds
+    (on stderr). `label` names the trace in that line and in the file (default: `source`)."""
+    from ingero.perfetto import build, write
+    from ingero.store import open_source
+
+    t0 = parse_seconds(start, "--start", allow_zero=True) if start else None
+    t1 = parse_seconds(end, "--end") if end else None
+    if t0 is not None and t1 is not None and t1 <= t0:
+        raise IngeroError(f"--end {end} is not after --start {start}")
+    if max_events is not None and max_events < 100:
         raise IngeroError("--max-events must be at least 100")
-    if not args.out.parent.is_dir():
-        raise IngeroError(f"-o {args.out}: folder {args.out.parent} does not exist")
-    con = open_source(args.source, session=args.session)
+    if not out.parent.is_dir():
+        raise IngeroError(f"-o {out}: folder {out.parent} does not exist")
+    label = label or str(source)
+    con = open_source(source, session=session)
     try:
-        doc, summ = build(con, start, end, args.max_events, source=str(args.source))
+        doc, summ = build(con, t0, t1, max_events, source=label)
     finally:
         con.close()
     if summ.t0_ns is None:
-        raise IngeroError(f"{args.source} holds no NCCL, off-CPU or TCP events to put on a timeline")
-    size = write(doc, args.out)
+        raise IngeroError(f"{label} holds no NCCL, off-CPU or TCP events to put on a timeline")
+    size = write(doc, out)
     kinds = ", ".join(f"{n} {c}" for c, n in sorted(summ.slices.items()))
-    print(f"wrote {args.out} ({size / 1e6:.1f} MB): {summ.nodes} nodes, {summ.tracks} tracks, slices: {kinds}; "
+    print(f"wrote {out} ({size / 1e6:.1f} MB): {summ.nodes} nodes, {summ.tracks} tracks, slices: {kinds}; "
           f"{summ.instants} tcp instants, {summ.flows} arrival arrows"
           + (f"; sampled every {summ.sampled_stride}th collective" if summ.sampled_stride > 1 else "")
           + "; open it at https://ui.perfetto.dev", file=sys.stderr)
-    return 0
 
 
 def _step(args) -> int:

@@ -12,13 +12,11 @@ authentication a kubeconfig can hold works as it does for kubectl).
 from __future__ import annotations
 
 import base64
-import json
-import shutil
-import subprocess
 from dataclasses import dataclass
 from urllib.parse import quote
 
 from ingero.errors import IngeroError
+from ingero.kubectl import Kubectl as BaseKubectl
 
 AGENT_SELECTOR = "app.kubernetes.io/name=ingero,app.kubernetes.io/component=agent"
 TOKEN_SECRET, TOKEN_KEY = "ingero-agent-token", "token"
@@ -78,35 +76,12 @@ def agent_endpoints(agent_pods: list[dict], port_name: str = "api") -> dict[str,
     return out
 
 
-class Kubectl:
+class Kubectl(BaseKubectl):
     """The few reads `ingero fleet` makes, through kubectl."""
 
     def __init__(self, kubeconfig: str | None = None, context: str | None = None, timeout_s: float = 20.0):
-        self.base = ["kubectl"]
-        if kubeconfig:
-            self.base += ["--kubeconfig", kubeconfig]
-        if context:
-            self.base += ["--context", context]
-        self.timeout_s = timeout_s
-
-    def get(self, path: str) -> dict:
-        """GET an API path through kubectl (raw: no discovery needed, the kubeconfig's auth as-is)."""
-        if shutil.which("kubectl") is None:
-            raise IngeroError("kubectl is not installed: install it, or name every agent as "
-                              "--nodes NAME=HOST:PORT with --token-file")
-        argv = [*self.base, "get", "--raw", path]
-        try:
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=self.timeout_s)
-        except subprocess.TimeoutExpired:
-            raise IngeroError(f"kubectl get {path} took over {self.timeout_s:g} s; "
-                              "check the kubeconfig's cluster is reachable") from None
-        if proc.returncode != 0:
-            msg = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise IngeroError(f"kubectl get {path} failed: {msg}; check --kubeconfig/--context")
-        try:
-            return json.loads(proc.stdout)
-        except ValueError:
-            raise IngeroError(f"kubectl get {path} did not print JSON") from None
+        super().__init__(kubeconfig, context, timeout_s=timeout_s,
+                         missing_fix="install it, or name every agent as --nodes NAME=HOST:PORT with --token-file")
 
     def pods(self, namespace: str | None, selector: str) -> list[dict]:
         """Pods matching a label selector (equality terms are checked here too)."""

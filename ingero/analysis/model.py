@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass
@@ -58,3 +58,19 @@ class Report:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Report":
+        """The report `to_dict` wrote (e.g. the operator's report.json; keys it does not know
+        are ignored). Raises ValueError when a required field is missing."""
+        try:
+            s = d.get("straggler")
+            return cls(**{**_known(cls, d), "ranks": [RankRow(**_known(RankRow, r)) for r in d["ranks"]],
+                          "straggler": Straggler(**_known(Straggler, s)) if s else None})
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"not a report: {e}") from None
+
+
+def _known(cls, d: dict) -> dict:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in d.items() if k in names}

@@ -2,6 +2,7 @@
 
     ingero operator run --namespace ingero-system --artifacts /var/lib/ingero/artifacts
     KUBECONFIG=out/demo/kubeconfig ingero operator run --standalone --artifacts out/demo/artifacts
+    ingero operator run --artifact-port 8082 --artifact-service ingero-operator:artifacts
 
 Credentials: the in-cluster service account, else $KUBECONFIG (~/.kube/config).
 """
@@ -11,10 +12,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import secrets
 from pathlib import Path
 
 from ingero.errors import IngeroError
+
+SERVICE = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?(:[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?)?")
 
 
 def add_parser(sub):
@@ -54,6 +58,15 @@ def add_parser(sub):
                         "straggler and its saving, per-rank lateness, retransmits and off-CPU time, agent "
                         "reachability, lost events, gather/analysis durations)")
     r.add_argument("--metrics-address", default="0.0.0.0", metavar="ADDR", help="address of --metrics-port")
+    r.add_argument("--artifact-port", type=int, default=None, metavar="PORT",
+                   help="serve finished artifacts (report.json, trace.duckdb, the whole folder as a tar) at "
+                        "http://ADDR:PORT/v1/artifacts/<namespace>/<name>/<file>?key=<status.artifact.readKey>, "
+                        "for `kubectl ingero` through the API server's service proxy")
+    r.add_argument("--artifact-address", default="0.0.0.0", metavar="ADDR", help="address of --artifact-port")
+    r.add_argument("--artifact-service", default=None, metavar="NAME[:PORT]",
+                   help="the Service in --namespace that fronts --artifact-port (port name default "
+                        "'artifacts'): sessions then carry their artifact's API server path in "
+                        "status.artifact.proxy")
     r.add_argument("--verbose", action="store_true", help="kopf's debug logging (same as --log-level debug)")
     r.add_argument("--log-format", choices=("text", "full", "json"), default="full",
                    help="kopf's log format: text (message only), full (time, logger, level; default) "
@@ -61,6 +74,16 @@ def add_parser(sub):
     r.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     p.set_defaults(_op_parser=p)
     return p
+
+
+def _serve(flag: str, port: int, start) -> None:
+    """Start a server on `port` now, so that a bad or taken port fails the start naming `flag`."""
+    if not 1 <= port <= 65535:
+        raise IngeroError(f"{flag} {port} is out of range: use 1 to 65535")
+    try:
+        start()
+    except OSError as e:
+        raise IngeroError(f"{flag} {port}: {os.strerror(e.errno) if e.errno else e}; pick a free port") from None
 
 
 def run(args) -> int:
@@ -111,14 +134,20 @@ def run(args) -> int:
             except ValueError:
                 raise IngeroError(f"--priority {args.priority!r} is not an integer or 'random'") from None
     if args.metrics_port is not None:
-        if not 1 <= args.metrics_port <= 65535:
-            raise IngeroError(f"--metrics-port {args.metrics_port} is out of range: use 1 to 65535")
         from ingero_operator import metrics
 
-        try:
-            metrics.serve(args.metrics_port, args.metrics_address)
-        except OSError as e:
-            raise IngeroError(f"--metrics-port {args.metrics_port}: {e.strerror}; pick a free port") from None
+        _serve("--metrics-port", args.metrics_port, lambda: metrics.serve(args.metrics_port, args.metrics_address))
+    if args.artifact_service:
+        if not SERVICE.fullmatch(args.artifact_service):
+            raise IngeroError(f"--artifact-service {args.artifact_service!r} is not NAME or NAME:PORT "
+                              "(a Service name, and a port name or number)")
+        s.artifact_service = args.artifact_service if ":" in args.artifact_service \
+            else f"{args.artifact_service}:artifacts"
+    if args.artifact_port is not None:
+        from ingero_operator import artifact_server
+
+        _serve("--artifact-port", args.artifact_port,
+               lambda: artifact_server.serve(s.artifacts_dir, args.artifact_port, args.artifact_address))
     fmt = {"text": kopf.LogFormat.PLAIN, "full": kopf.LogFormat.FULL, "json": kopf.LogFormat.JSON}[args.log_format]
     level = "debug" if args.verbose else args.log_level
     kopf.configure(verbose=level == "debug", quiet=level in ("warning", "error"), log_format=fmt)

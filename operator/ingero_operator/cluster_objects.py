@@ -67,3 +67,28 @@ def rank_pod(lab, rp) -> dict:
                    "containerStatuses": [{"name": "trainer", "ready": True,
                                           "containerID": f"containerd://{pod.container_id}"}]},
     }
+
+
+OPERATOR_LABELS = {"app.kubernetes.io/name": "ingero", "app.kubernetes.io/component": "operator"}
+OPERATOR_SERVICE = "ingero-operator"
+
+
+def operator_pod(artifact_port: int, ip: str = "127.0.0.1") -> dict:
+    """The operator's Pod as the chart's Deployment makes it: its artifact server's port named."""
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "ingero-operator-0", "namespace": SYSTEM_NS, "labels": dict(OPERATOR_LABELS)},
+        "spec": {"containers": [{"name": "operator", "image": "ingero-operator",
+                                 "ports": [{"name": "artifacts", "containerPort": artifact_port}]}]},
+        "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]},
+    }
+
+
+def operator_service(port: int = 8082) -> dict:
+    """The chart's operator Service: port `artifacts` to the pods' container port of that name."""
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": OPERATOR_SERVICE, "namespace": SYSTEM_NS, "labels": dict(OPERATOR_LABELS)},
+        "spec": {"selector": dict(OPERATOR_LABELS),
+                 "ports": [{"name": "artifacts", "port": port, "targetPort": "artifacts", "protocol": "TCP"}]},
+    }

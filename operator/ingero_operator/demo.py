@@ -8,7 +8,8 @@ lab node registered as an agent Pod, the lab's ranks registered as Pods, the
 operator (`ingero operator run`, a kopf process with only a kubeconfig), then
 `kubectl apply -f examples/tracesession.yaml`. When the ranks exit their
 Pods are marked Succeeded, the operator gathers, and the demo prints
-`kubectl get tracesessions` and `ingero report` of the merged trace.
+`kubectl get tracesessions` and `kubectl ingero report` of the merged trace
+(fetched from the operator through the API server's service proxy).
 """
 
 from __future__ import annotations
@@ -109,10 +110,16 @@ class Demo:
             self._start_agents()
             for rp in self.lab.ranks:
                 self.cluster.create("/api/v1/namespaces/default/pods", objs.rank_pod(self.lab, rp))
-            self.metrics_port = _free_port()
+            self.metrics_port, artifact_port = _free_port(), _free_port()
+            # the operator's Pod and Service as the chart makes them: `kubectl ingero` reaches
+            # its artifact server through the API server's service proxy
+            self.cluster.create(f"/api/v1/namespaces/{objs.SYSTEM_NS}/pods", objs.operator_pod(artifact_port))
+            self.cluster.create(f"/api/v1/namespaces/{objs.SYSTEM_NS}/services", objs.operator_service())
             self._start("operator", [sys.executable, "-m", "ingero", "operator", "run", *self.cfg.operator_args,
                                      "--namespace", objs.SYSTEM_NS, "--artifacts", str(self.out / "artifacts"),
-                                     "--metrics-port", str(self.metrics_port), "--metrics-address", "127.0.0.1"])
+                                     "--metrics-port", str(self.metrics_port), "--metrics-address", "127.0.0.1",
+                                     "--artifact-port", str(artifact_port), "--artifact-address", "127.0.0.1",
+                                     "--artifact-service", f"{objs.OPERATOR_SERVICE}:artifacts"])
         except BaseException:
             self.close()
             raise
@@ -153,7 +160,9 @@ class Demo:
 
     # ---- the flow --------------------------------------------------------------------
     def kubectl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        env = dict(os.environ, KUBECONFIG=str(self.cluster.kubeconfig), KUBECACHEDIR=str(self.out / "kube-cache"))
+        """kubectl ARGS; `ingero ...` runs the kubectl-ingero plugin installed beside this Python."""
+        env = dict(os.environ, KUBECONFIG=str(self.cluster.kubeconfig), KUBECACHEDIR=str(self.out / "kube-cache"),
+                   PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
         proc = subprocess.run(["kubectl", *args], env=env, capture_output=True, text=True, timeout=60)
         if check and proc.returncode:
             raise IngeroError(f"kubectl {' '.join(args)} failed: {proc.stderr.strip() or proc.stdout.strip()}")
@@ -346,12 +355,14 @@ def run(args) -> int:
             described = demo.kubectl("describe", "tracesession", demo.session_name).stdout
             print(f"$ kubectl describe tracesession {demo.session_name} | sed -n '/^Events:/,$p'\n"
                   f"Events:{described.split(chr(10) + 'Events:', 1)[-1]}")
-            art = (res.status.get("artifact") or {}).get("path")
-            print(f"$ ingero report {art}", flush=True)
-            if art:
-                subprocess.run([sys.executable, "-m", "ingero", "report", art], check=False)
-            for w in res.status.get("warnings") or []:
-                print(f"warning: {w}")
+            print(f"$ kubectl ingero report {demo.session_name}   # report.json through the API server", flush=True)
+            if shutil.which("kubectl-ingero", path=str(Path(sys.executable).parent)):
+                shown = demo.kubectl("ingero", "report", demo.session_name, check=False)
+                print(shown.stdout + shown.stderr, end="", flush=True)
+            else:      # report.json's warnings are the status' ones: shown here without the plugin
+                print("(kubectl-ingero is not installed beside this Python: pip install -e . installs it)")
+                for w in res.status.get("warnings") or []:
+                    print(f"warning: {w}")
             lines = [ln for ln in demo.scrape().splitlines()
                      if ln.startswith(("ingero_straggler", "ingero_sessions{phase=\"Completed\"}"))]
             print(f"\n$ curl -s http://127.0.0.1:{demo.metrics_port}/metrics | grep ingero_straggler\n"

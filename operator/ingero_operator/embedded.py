@@ -19,7 +19,13 @@ adds what the operator and kubectl rely on from a real API server:
 * watch streams typed ``application/json`` (kubectl's decoder refuses others);
 * status writes validated against the CRD's schema too, as the real API
   server does;
-* the core group's discovery document says ``groupVersion: v1``.
+* the core group's discovery document says ``groupVersion: v1``; a missing object is
+  ``404 NotFound``, a second one of a name ``409 AlreadyExists``, in the API server's
+  words (``pods "x" not found``);
+* the service proxy, ``/api/v1/namespaces/<ns>/services/[https:]<name>[:<port>]/proxy/<path>``
+  (embedded_proxy.py): the Service's port, then its Endpoints object or, when it has
+  none (no endpoints controller runs here), the Running pods its selector matches,
+  and the request forwarded with the response streamed back.
 """
 
 from __future__ import annotations
@@ -40,14 +46,15 @@ import jsonschema
 import kmock
 import yaml
 from kmock._internal import rendering
+from kmock._internal.k8s import KubernetesObjectConflictError   # not exported by kmock
 
 from ingero.errors import IngeroError
-from ingero_operator import tables
+from ingero_operator import embedded_proxy, tables
 
 # Namespaces are discovered (kopf waits for them) but hold no objects: the emulator reads
 # /api/v1/namespaces/<x> as a namespace prefix, so a cluster-wide operator is used.
 CORE = {"pods": "Pod", "secrets": "Secret", "events": "Event", "configmaps": "ConfigMap",
-        "namespaces": "Namespace"}
+        "namespaces": "Namespace", "services": "Service", "endpoints": "Endpoints"}
 CRD_RES = "apiextensions.k8s.io/v1/customresourcedefinitions"
 
 
@@ -237,6 +244,9 @@ class Emulator(kmock.KubernetesEmulator):
         return doc
 
     async def _handle(self, request: rendering.Request):
+        proxied = embedded_proxy.PROXY.fullmatch(request.url.raw_path)
+        if proxied:
+            return await embedded_proxy.forward(self, request, *proxied.groups())
         if request.resource is not None and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
             request = self._admit(request)
         if request.resource is not None and request.resource.plural and request.action == kmock.action.LIST:
@@ -249,10 +259,28 @@ class Emulator(kmock.KubernetesEmulator):
                 and "as=Table" in self._accept(request):
             obj = self._current(request)
             if obj is None:
-                raise kmock.KubernetesObjectNotFoundError()
+                raise self._not_found(request)
             doc = tables.table([obj], self.version["additionalPrinterColumns"], wide=True)
             return await rendering.Response(payload=doc)(request)
-        return await super()._handle(request)
+        try:
+            return await super()._handle(request)
+        except kmock.KubernetesObjectNotFoundError:
+            raise self._not_found(request) from None
+        except KubernetesObjectConflictError:
+            name = ((request.data or {}).get("metadata") or {}).get("name")
+            raise self._status_error(request, 409, "AlreadyExists", name, "already exists") from None
+
+    @classmethod
+    def _not_found(cls, request) -> kmock.KubernetesError:
+        return cls._status_error(request, 404, "NotFound", request.name, "not found")
+
+    @staticmethod
+    def _status_error(request, code: int, reason: str, name: str | None, what: str) -> kmock.KubernetesError:
+        """An error as the API server words it: kubectl prints `... (NotFound): pods "x" not found`."""
+        res = request.resource
+        kind = f"{res.plural}.{res.group}" if res.group else res.plural
+        return kmock.KubernetesError(status=code, reason=reason, message=f'{kind} "{name}" {what}',
+                                     details={"name": name, "group": res.group, "kind": res.plural})
 
     async def _serve_watch(self, request):
         """Watch from a resourceVersion without gaps: the bus position is marked under the

@@ -368,6 +368,7 @@ def build_artifact(local: LocalSession, offsets: dict[str, int],
     cores; the other tables are small and are copied. See docs/benchmarks.md, "Gather,
     merge and analysis at scale".
     """
+    local.root.mkdir(parents=True, exist_ok=True)    # no node gave a segment: an empty artifact, not an error
     tmp = local.artifact.with_name(f".{local.artifact.name}.tmp-{os.getpid()}")
     tmp.unlink(missing_ok=True)
     con = duckdb.connect(str(tmp))

@@ -21,7 +21,7 @@ from pathlib import Path
 import aiohttp
 import kopf
 
-from ingero_operator import metrics
+from ingero_operator import artifact_server, metrics
 from ingero_operator import plan as planning
 from ingero_operator.agents import AgentClient, AgentUnreachable
 from ingero_operator.gather import LocalSession, build_artifact, fetch_new, ingest_and_analyse
@@ -346,7 +346,10 @@ class Controller:
                 {"namespace": ref.namespace, "name": ref.name, "uid": ref.uid}) + "\n")
             msg = f"completed ({reason}); gathered {len(gathered)}/{len(nodes)} nodes in {time.monotonic() - t0:.1f} s"
             artifact = {"path": str(local.artifact), "report": str(local.report),
-                        "bytes": local.artifact.stat().st_size}
+                        "bytes": local.artifact.stat().st_size, "readKey": artifact_server.write_key(local.root)}
+            if self.s.artifact_service:
+                artifact["proxy"] = artifact_server.proxy_path(self.s.namespace, self.s.artifact_service,
+                                                               ref.namespace, ref.name)
             if spec.retention_h:
                 end = dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=spec.retention_h)
                 artifact["expiresAt"] = end.replace(microsecond=0).isoformat().replace("+00:00", "Z")

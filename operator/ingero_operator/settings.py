@@ -71,6 +71,9 @@ class Settings:
     artifacts_dir: Path = Path("/var/lib/ingero/artifacts")  # <dir>/<namespace>/<name>-<uid8>/trace.duckdb
     artifacts_max_bytes: int | None = None  # the oldest merged traces are deleted beyond this
     namespace: str = "ingero-system"       # where the agent token Secret lives
+    artifact_service: str | None = None    # NAME:PORT of the operator's Service in `namespace` that
+                                           # fronts the artifact server (--artifact-service); written
+                                           # into status.artifact.proxy; None: no proxy path written
     agent: AgentSettings = field(default_factory=AgentSettings)
     timing: TimingSettings = field(default_factory=TimingSettings)
     gather: GatherSettings = field(default_factory=GatherSettings)

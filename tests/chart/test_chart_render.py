@@ -57,7 +57,8 @@ def test_default_values_install_crds_operator_agent_rbac_secret_service_and_peer
         ("ServiceAccount", "ingero-agent"), ("Service", "ingero-agent"), ("ClusterKopfPeering", "ingero"),
         ("ClusterRole", "ingero-operator"), ("ClusterRoleBinding", "ingero-operator"),
         ("Role", "ingero-operator-agents"), ("RoleBinding", "ingero-operator-agents"),
-        ("Deployment", "ingero-operator"), ("DaemonSet", "ingero-agent")])
+        ("Deployment", "ingero-operator"), ("DaemonSet", "ingero-agent"),
+        ("Service", "ingero-operator"), ("ClusterRole", "ingero-artifact-reader")])
     assert sorted(d["metadata"]["name"] for d in crd_docs()) == [
         "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev", "tracesessions.ingero.io"]
 
@@ -164,7 +165,7 @@ def test_namespaced_mode_grants_roles_and_peering_only_in_the_watched_namespaces
     assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering")]
     roles = {(d["metadata"]["namespace"], d["metadata"]["name"]) for d in docs if d["kind"] == "Role"}
     assert roles == {("team-a", "ingero-operator"), ("team-b", "ingero-operator"),
-                     (NAMESPACE, "ingero-operator-agents")}
+                     (NAMESPACE, "ingero-operator-agents"), (NAMESPACE, "ingero-artifact-reader")}
     assert {d["metadata"]["namespace"] for d in docs if d["kind"] == "KopfPeering"} == {"team-a", "team-b"}
     args = args_of(container(docs, "Deployment", "operator"))
     assert args["--watch-namespace"] == ["team-a", "team-b"]

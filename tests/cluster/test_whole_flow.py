@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -55,6 +57,8 @@ def run_flow(out: Path, scenario: str, before=None, **kw) -> dict:
                "custom_columns": demo.printer_rows(), "table": demo.kubectl("get", "tracesessions").stdout,
                "describe": demo.kubectl("describe", "tracesession", "lab-job").stdout,
                "metrics": demo.scrape(),
+               # what `make demo` prints: report.json through the service proxy (kubectl-ingero on PATH)
+               "plugin_report": demo.kubectl("ingero", "report", "lab-job", check=False),
                "wait": res.kubectl_wait,    # `kubectl wait --for=condition=Completed`, started with the session
                "crd": yaml.safe_load(cfg.crd.read_text())}
     print(f"{scenario}: timings {json.dumps(res.timings)}")
@@ -191,6 +195,18 @@ def test_a_3d_job_with_a_slower_stage_is_named_as_that_stage_in_kubectl_get(tmp_
     rows = flow["table"].strip().splitlines()
     assert rows[0].split()[:4] == ["NAME", "PHASE", "RANKS", "STRAGGLER"]
     assert rows[1].split()[:3] == ["lab-job", "Completed", "8"] and "stage 1 (ranks 2, 3, 6, 7)" in rows[1], rows
+
+
+def test_kubectl_ingero_report_through_the_service_proxy_is_the_local_report_of_the_artifact(lossy):
+    got = lossy["plugin_report"]
+    assert got.returncode == 0, got.stderr
+    art = Path(lossy["status"]["artifact"]["path"]).parent
+    local = subprocess.run([sys.executable, "-m", "ingero", "report", str(art)], capture_output=True, text=True,
+                           timeout=120)
+
+    def verdict(text):     # report.json holds the operator's warnings (bounded), not a local run's
+        return [ln for ln in text.splitlines() if not ln.startswith("warning: ")]
+    assert verdict(got.stdout) == verdict(local.stdout) and "straggler: rank" in got.stdout
 
 
 def test_conditions_follow_the_lifecycle_and_describe_lists_the_events(lossy):

@@ -189,3 +189,11 @@ def test_a_session_too_large_to_analyse_whole_is_judged_on_its_last_calls_and_sa
     con = duckdb.connect(str(local.artifact), read_only=True)
     con.execute(f"SET file_search_path = '{local.root.resolve()}'")
     assert con.execute("SELECT count(*) FROM nccl_events").fetchone()[0] == 3200
+
+
+def test_a_session_that_gathered_no_segment_builds_an_empty_artifact(tmp_path):
+    """A session stopped before any tracer wrote a segment has no folder yet; its merge
+    once failed on that (MergeFailed: cannot open .trace.duckdb.tmp)."""
+    local = LocalSession(tmp_path / "default" / "quick-0123abcd")
+    rep, world = build_artifact(local, {})
+    assert local.artifact.is_file() and rep.ranks == [] and rep.straggler is None and world is None

@@ -1,9 +1,17 @@
-"""The embedded API server: admission by the CRD schema, metadata, status subresource, lists."""
+"""The embedded API server: admission by the CRD schema, metadata, status subresource, lists,
+and the service proxy."""
 
 from __future__ import annotations
 
+import http.server
+import json
 import shutil
+import socket
+import ssl
 import subprocess
+import threading
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -106,3 +114,125 @@ def test_merge_diff_turns_one_object_into_another():
     old = {"a": 1, "b": {"c": 2, "d": 3}, "l": [1, 2]}
     new = {"a": 1, "b": {"c": 5}, "l": [2], "e": "x"}
     assert merge_apply(old, merge_diff(old, new)) == new
+
+
+# ---- the service proxy ------------------------------------------------------------------------
+
+class Echo(http.server.BaseHTTPRequestHandler):
+    """A backend that says what it got (path, whether credentials came along), or streams 4 MiB."""
+
+    def do_GET(self):
+        if self.path.startswith("/big"):
+            body = bytes(range(256)) * (4 << 12)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            for i in range(0, len(body), 1 << 16):
+                self.wfile.write(body[i:i + (1 << 16)])
+            return
+        body = json.dumps({"path": self.path, "authorization": self.headers.get("Authorization"),
+                           "tls": isinstance(self.connection, ssl.SSLSocket)}).encode()
+        self.send_response(404 if self.path.startswith("/missing") else 200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_):
+        pass
+
+
+def backend(tls_dir: Path | None = None) -> http.server.ThreadingHTTPServer:
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Echo)
+    if tls_dir is not None:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(tls_dir / "tls.crt", tls_dir / "tls.key")
+        srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+def proxied(cluster, ident: str, path: str, ns: str = "default") -> tuple[int, bytes, dict]:
+    req = urllib.request.Request(f"{cluster.url}/api/v1/namespaces/{ns}/services/{ident}/proxy{path}",
+                                 headers={"Authorization": "Bearer the-users-token"})
+    try:
+        with urllib.request.urlopen(req, timeout=15) as resp:
+            return resp.status, resp.read(), dict(resp.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, e.read(), dict(e.headers)
+
+
+@pytest.fixture(scope="module")
+def echo(cluster, tmp_path_factory):
+    """Service `echo` in default: port `web` (80) to the pod's container port `http`, port `tls`
+    (443) to a TLS backend by number, both on the Running pod its selector matches."""
+    if not shutil.which("openssl"):
+        pytest.skip("openssl is not installed (makes the TLS backend's certificate)")
+    d = tmp_path_factory.mktemp("echo-tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=echo",
+                    "-keyout", "tls.key", "-out", "tls.crt"], cwd=d, check=True, capture_output=True)
+    plain, tls = backend(), backend(d)
+    cluster.create("/api/v1/namespaces/default/services", {
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "echo"},
+        "spec": {"selector": {"app": "echo"}, "ports": [
+            {"name": "web", "port": 80, "targetPort": "http"},
+            {"name": "tls", "port": 443, "targetPort": tls.server_address[1]}]}})
+    for name, phase in (("echo-0", "Running"), ("echo-old", "Succeeded")):
+        cluster.create("/api/v1/namespaces/default/pods", {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": "echo"}},
+            "spec": {"containers": [{"name": "echo", "ports": [{"name": "http",
+                                                                "containerPort": plain.server_address[1]}]}]},
+            "status": {"phase": phase, "podIP": "127.0.0.1"}})
+    yield plain, tls
+    for srv in (plain, tls):
+        srv.shutdown()
+        srv.server_close()
+
+
+@pytest.mark.parametrize("ident", ["echo:web", "echo:80", "http:echo:web"])
+def test_the_service_proxy_reaches_the_port_by_name_or_number_without_the_callers_credentials(cluster, echo, ident):
+    code, body, _ = proxied(cluster, ident, "/a/b%2Fc?x=1&y=%2F")
+    assert code == 200 and json.loads(body) == {"path": "/a/b%2Fc?x=1&y=%2F", "authorization": None, "tls": False}
+
+
+def test_an_https_prefix_reaches_a_tls_backend_unverified_as_kube_apiserver_does(cluster, echo):
+    code, body, _ = proxied(cluster, "https:echo:tls", "/x")
+    assert code == 200 and json.loads(body)["tls"] is True
+    assert proxied(cluster, "https:echo:443", "/y")[0] == 200
+
+
+def test_the_backends_status_headers_and_a_large_body_come_back_as_they_are(cluster, echo):
+    code, body, headers = proxied(cluster, "echo:web", "/missing")
+    assert code == 404 and headers["Content-Type"] == "application/json" and json.loads(body)["path"] == "/missing"
+    code, body, _ = proxied(cluster, "echo:web", "/big")
+    assert code == 200 and body == bytes(range(256)) * (4 << 12)
+
+
+def test_proxy_errors_are_the_api_servers(cluster, echo):
+    code, body, _ = proxied(cluster, "nope:web", "/")
+    assert (code, json.loads(body)["message"]) == (404, 'services "nope" not found')
+    code, body, _ = proxied(cluster, "echo", "/")            # the ports are named: a name is required
+    assert (code, json.loads(body)["reason"]) == (503, "ServiceUnavailable")
+    assert json.loads(body)["message"] == 'no endpoints available for service "echo"'
+    code, body, _ = proxied(cluster, "echo:8080", "/")
+    assert (code, json.loads(body)["message"]) == (503, 'no service port 8080 found for service "echo"')
+    assert proxied(cluster, "ftp:echo:web", "/")[0] == 400
+
+
+def test_an_endpoints_object_is_used_instead_of_the_selector(cluster, echo):
+    plain, _ = echo
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))           # bound, never listening: connection refused
+    try:
+        cluster.create("/api/v1/namespaces/default/endpoints", {
+            "apiVersion": "v1", "kind": "Endpoints", "metadata": {"name": "echo"},
+            "subsets": [{"addresses": [{"ip": "127.0.0.1"}],
+                         "ports": [{"name": "web", "port": dead.getsockname()[1]}]}]})
+        code, body, _ = proxied(cluster, "echo:web", "/")
+        assert code == 503 and json.loads(body)["message"].startswith(
+            f"error trying to reach service: dial tcp 127.0.0.1:{dead.getsockname()[1]}: ")
+    finally:
+        cluster.request("DELETE", "/api/v1/namespaces/default/endpoints/echo")
+        dead.close()
+    assert proxied(cluster, "echo:web", "/")[0] == 200       # the selector again
