@@ -92,3 +92,22 @@ def test_tls_files_that_cannot_be_loaded_are_one_line_naming_them(tmp_path):
         Tls(ca_file=str(tmp_path / "ca.pem")).context()
     assert "ca.pem" in str(e.value) and "\n" not in str(e.value)
 
+
+def test_the_api_server_unreachable_is_a_kube_error_of_one_line():
+    pytest.importorskip("kopf", reason="the operator's dependencies are not installed")
+    import kopf
+
+    from ingero_operator.kube import Kube, KubeError
+
+    port = closed_port()
+
+    async def main():
+        kube = Kube(kopf.ConnectionInfo(server=f"http://127.0.0.1:{port}"))
+        try:
+            await kube.list_pods("default", {"app": "x"})
+        finally:
+            await kube.close()
+
+    with pytest.raises(KubeError) as e:
+        asyncio.run(main())
+    assert e.value.status == 0 and "Connection refused" in str(e.value) and "\n" not in str(e.value)
