@@ -196,22 +196,21 @@ class AgentServer:
         return json_body(*await self._blocking(encoded))
 
     async def _body(self, request: web.Request) -> bytes:
-        """The request body; 413 past MAX_BODY, 408 when the client stalls sending it."""
+        """The request body; 413 past MAX_BODY, 408 unless all of it arrives within the idle
+        timeout (a client trickling a byte at a time must not hold its slot for long)."""
         if (request.content_length or 0) > MAX_BODY:
             raise ApiError(413, f"body larger than {MAX_BODY} bytes")
         chunks, size = [], 0
-        while True:
-            try:
-                async with asyncio.timeout(self.idle_timeout_s):
-                    chunk = await request.content.readany()
-            except TimeoutError:
-                raise ApiError(408, f"the body stalled: nothing arrived for {self.idle_timeout_s:g} s") from None
-            if not chunk:
-                return b"".join(chunks)
-            size += len(chunk)
-            if size > MAX_BODY:
-                raise ApiError(413, f"body larger than {MAX_BODY} bytes")
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(self.idle_timeout_s):
+                while chunk := await request.content.readany():
+                    size += len(chunk)
+                    if size > MAX_BODY:
+                        raise ApiError(413, f"body larger than {MAX_BODY} bytes")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise ApiError(408, f"the body did not arrive within {self.idle_timeout_s:g} s") from None
+        return b"".join(chunks)
 
     @asynccontextmanager
     async def _query_slot(self):
