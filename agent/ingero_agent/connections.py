@@ -64,6 +64,7 @@ class Connection(RequestHandler):
         self._raw: asyncio.BaseTransport | None = None
         self._first: asyncio.TimerHandle | None = None
         self._stall: asyncio.TimerHandle | None = None
+        self._handshaking: asyncio.Task | None = None
 
     # ---- accept, TLS, close ---------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -77,7 +78,7 @@ class Connection(RequestHandler):
             super().connection_made(transport)
             return
         transport.pause_reading()               # no byte reaches the parser before the handshake
-        self._loop.create_task(self._handshake(transport))
+        self._handshaking = self._loop.create_task(self._handshake(transport))
 
     async def _handshake(self, raw: asyncio.BaseTransport) -> None:
         try:
