@@ -33,6 +33,7 @@ import aiohttp
 
 from bench.common import need_root
 from bench.synthetic import session
+from ingero.http_client import new_session
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "bpf" / "fixtures"
@@ -87,10 +88,7 @@ async def _clients(base: str, n: int, seconds: float, agent_pid: int) -> dict:
     probe = {"ok": 0, "failed": 0, "worst_ms": 0.0}
     peak = [0.0]
     deadline = time.monotonic() + seconds
-    timeout = aiohttp.ClientTimeout(total=30)
-
-    async with aiohttp.ClientSession(timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=n + 4)) as http:
+    async with new_session(timeout_s=30, limit=n + 4) as http:
         async def client(i: int):
             k = i
             while time.monotonic() < deadline:
@@ -111,7 +109,7 @@ async def _clients(base: str, n: int, seconds: float, agent_pid: int) -> dict:
             while time.monotonic() < deadline:
                 t0 = time.perf_counter()
                 try:
-                    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as own:
+                    async with new_session(timeout_s=5) as own:     # a new connection each time
                         async with own.get(base + "/healthz") as r:
                             ok = r.status == 200
                 except (aiohttp.ClientError, asyncio.TimeoutError):

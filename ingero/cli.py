@@ -61,8 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Third-party packages of the optional extras in pyproject.toml.
-_EXTRA_OF = {"kopf": "operator", "kmock": "operator", "aiohttp": "operator", "jsonschema": "operator",
-             "yaml": "operator", "mcp": "mcp"}
+_EXTRA_OF = {"kopf": "operator", "kmock": "operator", "jsonschema": "operator", "yaml": "operator", "mcp": "mcp"}
 
 
 def _missing(name: str, module: str, missing: str):

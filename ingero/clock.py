@@ -6,15 +6,15 @@ and the error is at most half the round trip, so of several samples the one
 with the lowest round trip wins. A node timestamp ts is then ``ts - offset``
 on our clock.
 
-Shared by the operator (``ingero_operator.agents``, async HTTP) and
-``ingero fleet`` (plain HTTP); both measure against the agent's ``/v1/time``.
+Shared by the operator and ``ingero fleet``; both measure against the agent's
+``/v1/time`` through ``ingero.http_client.Agent.clock_offset``.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Awaitable, Callable
 
 
 @dataclass(frozen=True)
@@ -41,11 +41,11 @@ def estimate_offset(samples: list[ClockSample]) -> tuple[int, int]:
     return best.offset_ns, best.rtt_ns
 
 
-def measure_offset(agent_wall_ns: Callable[[], int], samples: int = 8) -> tuple[int, int]:
-    """Sample a synchronous `agent_wall_ns()` call `samples` times; (offset_ns, rtt_ns)."""
+async def measure_offset(agent_wall_ns: Callable[[], Awaitable[int]], samples: int = 8) -> tuple[int, int]:
+    """Await `agent_wall_ns()` `samples` times, one after the other; (offset_ns, rtt_ns)."""
     got = []
     for _ in range(max(1, samples)):
         t0 = time.time_ns()
-        a = agent_wall_ns()
+        a = await agent_wall_ns()
         got.append(ClockSample(t0, int(a), time.time_ns()))
     return estimate_offset(got)

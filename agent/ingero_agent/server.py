@@ -14,201 +14,281 @@ Every endpoint but /healthz needs ``Authorization: Bearer <token>`` (the
 content of --token-file, compared in constant time). TLS when --tls-cert
 and --tls-key are given; with --tls-client-ca every client must also present
 a certificate signed by that CA (checked in the handshake). Errors are JSON
-``{"error": "..."}``.
+``{"error": "..."}`` with a one-line reason, malformed requests included.
+
+aiohttp serves it on one asyncio event loop. /healthz and /v1/time answer on the
+loop itself, so a clock sample never queues behind other work; everything that
+blocks (DuckDB queries, starting and stopping tracers, reading segments and their
+metadata, JSON of large bodies) runs in a pool of WORKERS threads, and at most
+QueryService.slots queries run at once (a query waits QUERY_SLOT_WAIT_S for a slot,
+then gets 429). A segment is streamed from its file in CHUNK pieces. At most
+MAX_CONNECTIONS connections are open (more are closed at once), and a connection
+idle for IDLE_TIMEOUT_S (no request, a stalled handshake or body, a peer that does
+not read the answer) is closed: ``ingero_agent.connections``.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hmac
 import json
 import logging
 import os
-import re
 import resource
 import signal
 import socket
 import ssl
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
+from typing import Callable
+
+from aiohttp import web
 
 from ingero import __version__, logs, readonly_sql
 from ingero.errors import IngeroError
 from ingero.tokens import read_token
 from ingero_agent.api import ApiError, SessionManager, parse_plan
+from ingero_agent.connections import Connection, Slots
 from ingero_agent.queries import QueryService
 
 log = logging.getLogger("ingero.agent")
-MAX_BODY = 4 << 20   # bytes; a plan for a few thousand pods fits
-ROUTES = [
-    ("GET", re.compile(r"^/healthz$"), "healthz"),
-    ("GET", re.compile(r"^/v1/time$"), "time"),
-    ("POST", re.compile(r"^/v1/sessions$"), "start"),
-    ("GET", re.compile(r"^/v1/sessions/([^/]+)$"), "get"),
-    ("POST", re.compile(r"^/v1/sessions/([^/]+)/stop$"), "stop"),
-    ("GET", re.compile(r"^/v1/sessions/([^/]+)/segments$"), "segments"),
-    ("GET", re.compile(r"^/v1/sessions/([^/]+)/segments/([^/]+)/([^/]+)$"), "download"),
-    ("DELETE", re.compile(r"^/v1/sessions/([^/]+)$"), "delete"),
-    ("POST", re.compile(r"^/v1/query$"), "query"),
-]
+MAX_BODY = 4 << 20          # bytes; a plan for a few thousand pods fits
+IDLE_TIMEOUT_S = 10.0       # (with no bound, 1,500 half-open connections once held 1,503 threads
+MAX_CONNECTIONS = 64        # of the threaded server for good)
+WORKERS = 8                 # threads for blocking work (each reserves a stack under --max-memory-mb)
+QUERY_SLOT_WAIT_S = 1.0
+CHUNK = 256 << 10           # bytes of a segment read and sent at a time
+SERVER = f"ingero-agent/{__version__}"
+ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tf'
 
 
-# Connections: a client that connects and sends nothing (or stalls mid-request, or idles on a
-# keep-alive connection) is dropped after IDLE_TIMEOUT_S, and at most MAX_CONNECTIONS are
-# served at once; more are closed at once. Before, 1,500 half-open connections without a
-# token held 1,503 threads for good.
-IDLE_TIMEOUT_S = 10.0
-MAX_CONNECTIONS = 64
+def json_body(status: int, body: bytes) -> web.Response:
+    return web.Response(status=status, body=body, content_type="application/json", headers={"Server": SERVER})
 
 
-class Handler(BaseHTTPRequestHandler):
-    server_version = f"ingero-agent/{__version__}"
-    protocol_version = "HTTP/1.1"
-    timeout = IDLE_TIMEOUT_S   # socket timeout of every read and write (StreamRequestHandler)
-    # Headers and body leave in two writes: without TCP_NODELAY the body waits for the
-    # client's (delayed) ACK, which adds milliseconds to every round trip of a keep-alive
-    # connection and skews the NTP-style clock samples taken on it.
-    disable_nagle_algorithm = True
+def answer(status: int, doc) -> web.Response:
+    return json_body(status, json.dumps(doc).encode())
 
-    # set by make_server
-    manager = None
-    queries = None
-    token: bytes = b""
-    quiet = False
 
-    def log_message(self, fmt, *args):
-        if not self.quiet:
-            log.info("%s %s", self.address_string(), fmt % args)
+def error_answer(status: int, message: str) -> web.Response:
+    return answer(status, {"error": message})
 
-    def _send(self, status: int, doc) -> None:
-        body = json.dumps(doc).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
-    def _authorized(self) -> bool:
-        got = self.headers.get("Authorization", "")
-        scheme, _, value = got.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), self.token)
+def _loads(raw: bytes):
+    try:
+        return json.loads(raw or b"{}")
+    except RecursionError:
+        raise ApiError(400, "body nests too deeply to be a plan or a query") from None
+    except ValueError:
+        raise ApiError(400, "body is not JSON") from None
 
-    def _body(self):
-        text = (self.headers.get("Content-Length") or "0").strip()
-        if not text.isdigit():
-            self.close_connection = True     # the body's end is unknown: this connection is done
-            raise ApiError(400, f"Content-Length {text[:40]!r} is not a byte count")
-        n = int(text)
-        if n > MAX_BODY:
-            self.close_connection = True
-            raise ApiError(413, f"body larger than {MAX_BODY} bytes")
-        raw = self.rfile.read(n) if n else b""
+
+class AgentServer:
+    """The API on its listening socket. serve_forever() runs it on an event loop of its
+    own in the calling thread until shutdown() (from another thread) or stop_soon() (from
+    a signal handler); server_close() releases the socket."""
+
+    def __init__(self, manager: SessionManager, queries: QueryService, sock: socket.socket, token: bytes,
+                 tls: ssl.SSLContext | None = None, quiet: bool = False,
+                 max_connections: int = MAX_CONNECTIONS, idle_timeout_s: float = IDLE_TIMEOUT_S):
+        self.manager, self.queries, self.socket, self.token, self.tls = manager, queries, sock, token, tls
+        self.quiet, self.idle_timeout_s = quiet, idle_timeout_s
+        self.slots = Slots(max_connections)
+        self.pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="agent-work")
+        self.loop = asyncio.new_event_loop()
+        self._stop = self.loop.create_future()
+        self._started, self._done = threading.Event(), threading.Event()
+        self.wall_ns = time.time_ns          # the clock /v1/time reports
+
+    @property
+    def server_address(self):
+        return self.socket.getsockname()
+
+    # ---- running -------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        self._started.set()
         try:
-            return json.loads(raw or b"{}")
-        except RecursionError:
-            raise ApiError(400, "body nests too deeply to be a plan or a query") from None
-        except ValueError:
-            raise ApiError(400, "body is not JSON") from None
+            self.loop.run_until_complete(self._serve())
+        finally:
+            self.loop.close()
+            self._done.set()
 
-    def _dispatch(self, method: str) -> None:
-        url = urlsplit(self.path)
-        for m, pattern, name in ROUTES:
-            match = pattern.match(url.path)
-            if match and m == method:
-                break
-        else:
-            known = any(p.match(url.path) for _, p, _ in ROUTES)
-            self._send(405 if known else 404, {"error": f"no {method} {url.path}"})
-            return
-        if name != "healthz" and not self._authorized():
-            self._send(401, {"error": "missing or wrong bearer token"})
-            return
+    async def _serve(self) -> None:
+        app = web.Application(middlewares=[self._guard], client_max_size=MAX_BODY)
+        app.add_routes([
+            web.get("/healthz", self.healthz, name="healthz", allow_head=False),
+            web.get("/v1/time", self.time, allow_head=False),
+            web.post("/v1/sessions", self.start),
+            web.get("/v1/sessions/{sid}", self.get, allow_head=False),
+            web.post("/v1/sessions/{sid}/stop", self.stop),
+            web.get("/v1/sessions/{sid}/segments", self.segments, allow_head=False),
+            web.get("/v1/sessions/{sid}/segments/{table}/{name}", self.download, allow_head=False),
+            web.delete("/v1/sessions/{sid}", self.delete),
+            web.post("/v1/query", self.query),
+        ])
+        runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=2.0)
+        await runner.setup()
+        self._query_slots = asyncio.Semaphore(self.queries.slots)
+        access = None if self.quiet else log
+        server = await self.loop.create_server(
+            lambda: Connection(runner.server, self.slots, self.tls, self.idle_timeout_s, error_answer,
+                               access_log=access, access_log_format=ACCESS_LOG_FORMAT),
+            sock=self.socket)
         try:
-            getattr(self, "do_" + name)(*match.groups(), query=parse_qs(url.query))
-        except ApiError as e:
-            self._send(e.status, {"error": str(e)})
-        except (BrokenPipeError, ConnectionResetError):
+            await self._stop
+        finally:
+            server.close()
+            await runner.cleanup()
+            for task in asyncio.all_tasks() - {asyncio.current_task()}:
+                task.cancel()                # TLS handshakes still under way
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def stop_soon(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(lambda: self._stop.done() or self._stop.set_result(None))
+        except RuntimeError:                 # the loop has ended already
             pass
-        except Exception as e:  # keep serving; report what broke
-            self._send(500, {"error": f"{type(e).__name__}: {e}"})
 
-    def do_GET(self):
-        self._dispatch("GET")
+    def shutdown(self) -> None:
+        self.stop_soon()
+        if self._started.is_set():
+            self._done.wait()
 
-    def do_POST(self):
-        self._dispatch("POST")
+    def server_close(self) -> None:
+        self.socket.close()
 
-    def do_DELETE(self):
-        self._dispatch("DELETE")
+    # ---- around every request --------------------------------------------------
+    def _authorized(self, request: web.Request) -> bool:
+        scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            value.strip().encode("utf-8", "surrogateescape"), self.token)
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
+        request.protocol.request_arrived()
+        routing = request.match_info.http_exception
+        if routing is not None:              # no such path (404) or not with this method (405)
+            return error_answer(routing.status, f"no {request.method} {request.path}")
+        if request.match_info.route.name != "healthz" and not self._authorized(request):
+            return error_answer(401, "missing or wrong bearer token")
+        try:
+            return await handler(request)
+        except ApiError as e:
+            return error_answer(e.status, str(e))
+        except ConnectionError:
+            raise
+        except Exception as e:               # keep serving; report what broke
+            log.exception("%s %s failed", request.method, request.path)
+            return error_answer(500, f"{type(e).__name__}: {e}".strip().splitlines()[0])
+
+    async def _blocking(self, fn: Callable, *args):
+        return await self.loop.run_in_executor(self.pool, fn, *args)
+
+    async def _worked(self, fn: Callable[[], tuple[int, object]]) -> web.Response:
+        """Run `fn` -> (status, document) in the pool, JSON encoding included."""
+        def encoded():
+            status, doc = fn()
+            return status, json.dumps(doc).encode()
+        return json_body(*await self._blocking(encoded))
+
+    async def _body(self, request: web.Request) -> bytes:
+        """The request body; 413 past MAX_BODY, 408 unless all of it arrives within the idle
+        timeout (a client trickling a byte at a time must not hold its slot for long)."""
+        if (request.content_length or 0) > MAX_BODY:
+            raise ApiError(413, f"body larger than {MAX_BODY} bytes")
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(self.idle_timeout_s):
+                while chunk := await request.content.readany():
+                    size += len(chunk)
+                    if size > MAX_BODY:
+                        raise ApiError(413, f"body larger than {MAX_BODY} bytes")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise ApiError(408, f"the body did not arrive within {self.idle_timeout_s:g} s") from None
+        return b"".join(chunks)
+
+    @asynccontextmanager
+    async def _query_slot(self):
+        try:
+            async with asyncio.timeout(QUERY_SLOT_WAIT_S):
+                await self._query_slots.acquire()
+        except TimeoutError:
+            raise ApiError(429, "every query slot of this agent is busy; retry shortly") from None
+        try:
+            yield
+        finally:
+            self._query_slots.release()
 
     # ---- endpoints -------------------------------------------------------------
-    def do_healthz(self, query):
-        self._send(200, {"ok": True, "node": self.manager.node, "version": __version__})
+    async def healthz(self, request: web.Request) -> web.Response:
+        return answer(200, {"ok": True, "node": self.manager.node, "version": __version__})
 
-    def do_time(self, query):
-        self._send(200, {"wall_ns": time.time_ns(), "mono_ns": time.monotonic_ns()})
+    async def time(self, request: web.Request) -> web.Response:
+        return answer(200, {"wall_ns": self.wall_ns(), "mono_ns": time.monotonic_ns()})
 
-    def do_start(self, query):
-        status, info = self.manager.start(parse_plan(self._body()))
-        self._send(status, info)
+    async def start(self, request: web.Request) -> web.Response:
+        raw = await self._body(request)
+        return await self._worked(lambda: self.manager.start(parse_plan(_loads(raw))))
 
-    def do_get(self, sid, query):
-        self._send(200, self.manager.info(self.manager.get(sid)))
+    async def get(self, request: web.Request) -> web.Response:
+        sid = request.match_info["sid"]
+        return await self._worked(lambda: (200, self.manager.info(self.manager.get(sid))))
 
-    def do_stop(self, sid, query):
-        self._body()
-        self._send(200, self.manager.stop(sid))
+    async def stop(self, request: web.Request) -> web.Response:
+        raw = await self._body(request)
+        sid = request.match_info["sid"]
 
-    def do_segments(self, sid, query):
+        def stop():
+            _loads(raw)                      # an empty body or {}; anything else is refused
+            return 200, self.manager.stop(sid)
+        return await self._worked(stop)
+
+    async def segments(self, request: web.Request) -> web.Response:
         try:
-            since = int((query.get("since") or ["0"])[0])
+            since = int(request.query.get("since", "0"))
         except ValueError:
             raise ApiError(400, "since must be an integer (mtime in ns)") from None
-        self._send(200, self.manager.list_segments(sid, since))
+        sid = request.match_info["sid"]
+        return await self._worked(lambda: (200, self.manager.list_segments(sid, since)))
 
-    def do_download(self, sid, table, name, query):
-        path = self.manager.segment_path(sid, table, name)
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            self.send_response(200)
-            self.send_header("Content-Type", "application/vnd.apache.parquet")
-            self.send_header("Content-Length", str(size))
-            self.end_headers()
-            while chunk := f.read(1 << 16):
-                self.wfile.write(chunk)
-
-    def do_delete(self, sid, query):
-        self.manager.delete(sid)
-        self._send(200, {"session_id": sid, "deleted": True})
-
-    def do_query(self, query):
-        self._send(200, self.queries.query(self._body()))
-
-
-class BoundedServer(ThreadingHTTPServer):
-    """A thread per connection, at most `slots` of them; a connection past that is closed."""
-
-    daemon_threads = True
-    slots: threading.BoundedSemaphore
-
-    def process_request(self, request, client_address):
-        if not self.slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
+    async def download(self, request: web.Request) -> web.StreamResponse:
+        m = request.match_info
+        path = await self._blocking(self.manager.segment_path, m["sid"], m["table"], m["name"])
+        f = await self._blocking(open, path, "rb")
         try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self.slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
+            left = os.fstat(f.fileno()).st_size
+            resp = web.StreamResponse(headers={"Server": SERVER, "Content-Type": "application/vnd.apache.parquet"})
+            resp.content_length = left
+            await resp.prepare(request)
+            while left > 0:
+                chunk = await self._blocking(f.read, min(CHUNK, left))
+                if not chunk:                # cut short under us: the client must not take it as whole
+                    raise ConnectionError(f"segment {path.name} ended {left} bytes early")
+                left -= len(chunk)
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
         finally:
-            self.slots.release()
+            f.close()
+
+    async def delete(self, request: web.Request) -> web.Response:
+        sid = request.match_info["sid"]
+
+        def delete():
+            self.manager.delete(sid)
+            return 200, {"session_id": sid, "deleted": True}
+        return await self._worked(delete)
+
+    async def query(self, request: web.Request) -> web.Response:
+        raw = await self._body(request)
+        job = await self._blocking(lambda: self.queries.prepare(_loads(raw)))
+        async with self._query_slot():
+            return await self._worked(lambda: (200, self.queries.run(job)))
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -218,34 +298,40 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+def tls_context(cert: Path, key: Path, client_ca: Path | None) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(str(cert), str(key))
+    except (OSError, ssl.SSLError) as e:
+        raise IngeroError(f"cannot load --tls-cert {cert} / --tls-key {key}: {e}") from None
+    if client_ca is not None:
+        try:
+            ctx.load_verify_locations(cafile=str(client_ca))
+        except (OSError, ssl.SSLError) as e:
+            raise IngeroError(f"cannot load --tls-client-ca {client_ca}: {e}; pass the PEM bundle of "
+                              "the CA that signs client certificates") from None
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
 def make_server(manager: SessionManager, listen: tuple[str, int], token: bytes,
                 tls: tuple[Path, Path] | None = None, quiet: bool = False,
                 client_ca: Path | None = None, queries: QueryService | None = None,
-                max_connections: int = MAX_CONNECTIONS, idle_timeout_s: float = IDLE_TIMEOUT_S) -> ThreadingHTTPServer:
-    handler = type("BoundHandler", (Handler,), {"manager": manager, "token": token, "quiet": quiet,
-                                                "queries": queries or QueryService(manager)})
-    family = socket.AF_INET6 if ":" in listen[0] else socket.AF_INET
-    srv = type("AgentServer", (BoundedServer,), {"address_family": family})(listen, handler)
-    srv.slots = threading.BoundedSemaphore(max_connections)
-    handler.timeout = idle_timeout_s
-    if tls:
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        try:
-            ctx.load_cert_chain(str(tls[0]), str(tls[1]))
-        except (OSError, ssl.SSLError) as e:
-            raise IngeroError(f"cannot load --tls-cert {tls[0]} / --tls-key {tls[1]}: {e}") from None
-        if client_ca is not None:
-            try:
-                ctx.load_verify_locations(cafile=str(client_ca))
-            except (OSError, ssl.SSLError) as e:
-                raise IngeroError(f"cannot load --tls-client-ca {client_ca}: {e}; pass the PEM bundle of "
-                                  "the CA that signs client certificates") from None
-            ctx.verify_mode = ssl.CERT_REQUIRED
-        # the handshake runs in the connection's own thread (on its first read, under the idle
-        # timeout), not in accept(): a client that never says hello must not stall the server
-        srv.socket = ctx.wrap_socket(srv.socket, server_side=True, do_handshake_on_connect=False)
-    return srv
+                max_connections: int = MAX_CONNECTIONS, idle_timeout_s: float = IDLE_TIMEOUT_S) -> AgentServer:
+    """The agent API listening on `listen` (bound here: connections queue until serve_forever)."""
+    ctx = tls_context(tls[0], tls[1], client_ca) if tls else None
+    sock = socket.socket(socket.AF_INET6 if ":" in listen[0] else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(listen)
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return AgentServer(manager, queries or QueryService(manager), sock, token, ctx, quiet,
+                       max_connections, idle_timeout_s)
 
 
 def add_parser(sub):
@@ -329,14 +415,8 @@ def run(args) -> int:
                           queries=QueryService(manager, limits))
     except OSError as e:
         raise IngeroError(f"cannot listen on {args.listen}: {e.strerror}; pick a free port") from None
-    stop = threading.Event()
-
-    def on_signal(*_):
-        stop.set()
-        threading.Thread(target=srv.shutdown, daemon=True).start()
-
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
+        signal.signal(sig, lambda *_: srv.stop_soon())
     scheme = "https" if args.tls_cert else "http"
     log.info("node %s, %s://%s%s, data %s, %d sessions on disk; queries: %g s, %d rows, %d bytes at most",
              args.node, scheme, args.listen, " (client certificates required)" if args.tls_client_ca else "",
@@ -344,7 +424,7 @@ def run(args) -> int:
     if args.ready_file:
         args.ready_file.touch()
     try:
-        srv.serve_forever(poll_interval=0.2)
+        srv.serve_forever()
     finally:
         manager.shutdown()
         srv.server_close()

@@ -28,6 +28,7 @@ from pathlib import Path
 import yaml
 
 from ingero.errors import IngeroError
+from ingero.http_client import request_sync
 from ingero_operator import cluster_objects as objs
 from ingero_operator.embedded import EmbeddedCluster
 from ingero_operator.tables import custom_columns
@@ -271,10 +272,10 @@ class Demo:
 
     def scrape(self) -> str:
         """The operator's /metrics, as Prometheus would scrape it."""
-        import urllib.request
-
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
-            return r.read().decode()
+        status, body = request_sync("GET", f"http://127.0.0.1:{self.metrics_port}/metrics", timeout_s=10)
+        if status != 200:
+            raise IngeroError(f"the operator's /metrics answered {status}")
+        return body.decode()
 
     def printer_rows(self) -> str:
         """The default printer columns (priority 0; Message is priority 1, for -o wide)."""

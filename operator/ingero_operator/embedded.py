@@ -35,8 +35,6 @@ import copy
 import datetime as dt
 import json
 import threading
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -49,6 +47,7 @@ from kmock._internal import rendering
 from kmock._internal.k8s import KubernetesObjectConflictError   # not exported by kmock
 
 from ingero.errors import IngeroError
+from ingero.http_client import request_sync
 from ingero_operator import embedded_proxy, tables
 
 # Namespaces are discovered (kopf waits for them) but hold no objects: the emulator reads
@@ -398,13 +397,8 @@ class EmbeddedCluster:
 
     def request(self, method: str, path: str, body=None, content_type: str = "application/json"):
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": content_type})
-        try:
-            with urllib.request.urlopen(req, timeout=15) as resp:
-                return resp.status, json.loads(resp.read() or b"{}")
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read() or b"{}")
+        status, raw = request_sync(method, self.url + path, data, {"Content-Type": content_type}, loop=self._loop)
+        return status, json.loads(raw or b"{}")
 
     def create(self, path: str, obj: dict) -> dict:
         code, doc = self.request("POST", path, obj)

@@ -7,20 +7,22 @@ behaves the same against the embedded API server and a real cluster.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
-import os
 import ssl
-import tempfile
-from pathlib import Path
 
 import aiohttp
 import kopf
 
+from ingero.http_client import describe, new_session, tls_context
 from ingero_operator.settings import GROUP, PLURAL, VERSION
 
+TIMEOUT_S = 30.0     # one API call
 
 class KubeError(Exception):
+    """The API server refused a call (its HTTP status), or did not answer (status 0)."""
+
     def __init__(self, status: int, message: str):
         super().__init__(f"{status}: {message}")
         self.status = status
@@ -29,28 +31,10 @@ class KubeError(Exception):
 def _ssl_context(info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
     if not info.server.startswith("https"):
         return False
-    ctx = ssl.create_default_context()
-    if info.insecure:
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE
-    if info.ca_path:
-        ctx.load_verify_locations(cafile=info.ca_path)
-    elif info.ca_data:
-        data = info.ca_data if isinstance(info.ca_data, str) else info.ca_data.decode()
-        ctx.load_verify_locations(cadata=data)
-    if info.certificate_data and info.private_key_data:
-        # load_cert_chain wants files: a private folder, removed as soon as the context holds
-        # the key (the kubeconfig's client key was left in /tmp before)
-        with tempfile.TemporaryDirectory(prefix="ingero-kube-") as d:
-            cert, key = Path(d) / "cert.pem", Path(d) / "key.pem"
-            for path, blob in ((cert, info.certificate_data), (key, info.private_key_data)):
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(blob if isinstance(blob, bytes) else blob.encode())
-            ctx.load_cert_chain(cert, key)
-    elif info.certificate_path:
-        ctx.load_cert_chain(info.certificate_path, info.private_key_path)
-    return ctx
+    ca_data = info.ca_data.decode() if isinstance(info.ca_data, bytes) else info.ca_data
+    return tls_context(ca_file=info.ca_path, ca_data=None if info.ca_path else ca_data,
+                       cert_file=info.certificate_path, key_file=info.private_key_path,
+                       cert_data=info.certificate_data, key_data=info.private_key_data, insecure=bool(info.insecure))
 
 
 def login(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
@@ -70,8 +54,7 @@ class Kube:
 
     async def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(headers=self.headers,
-                                                  timeout=aiohttp.ClientTimeout(total=30))
+            self._session = new_session(self.headers, timeout_s=TIMEOUT_S)
         return self._session
 
     async def close(self) -> None:
@@ -80,14 +63,17 @@ class Kube:
 
     async def _call(self, method: str, path: str, **kw) -> dict:
         http = await self._http()
-        async with http.request(method, self.base + path, ssl=self.ssl, **kw) as resp:
-            try:
-                doc = await resp.json(content_type=None)
-            except ValueError:
-                doc = {"message": (await resp.text())[:200]}
-            if resp.status >= 400:
-                raise KubeError(resp.status, (doc or {}).get("message") or resp.reason or "error")
-            return doc
+        try:
+            async with http.request(method, self.base + path, ssl=self.ssl, **kw) as resp:
+                try:
+                    doc = await resp.json(content_type=None)
+                except ValueError:
+                    doc = {"message": (await resp.text())[:200]}
+                if resp.status >= 400:
+                    raise KubeError(resp.status, (doc or {}).get("message") or resp.reason or "error")
+                return doc
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise KubeError(0, f"API server {describe(e, self.base, TIMEOUT_S)}") from e
 
     async def list_pods(self, namespace: str | None, labels: dict) -> list[dict]:
         """Pods matching every label (the selector is also checked here: some API

@@ -21,9 +21,11 @@ from pathlib import Path
 import aiohttp
 import kopf
 
+from ingero.errors import IngeroError
+from ingero.http_client import new_session
 from ingero_operator import artifact_server, metrics
 from ingero_operator import plan as planning
-from ingero_operator.agents import AgentClient, AgentUnreachable
+from ingero_operator.agents import AgentClient, AgentUnreachable, agent_tls
 from ingero_operator.gather import LocalSession, build_artifact, fetch_new, ingest_and_analyse
 from ingero_operator.kube import Kube, KubeError
 from ingero_operator.settings import Settings
@@ -93,7 +95,7 @@ class Controller:
     async def patch(self, ref: Ref, status: dict) -> None:
         try:
             await self.kube.patch_status(ref.namespace, ref.name, status)
-        except (KubeError, aiohttp.ClientError) as e:
+        except KubeError as e:
             raise kopf.TemporaryError(f"cannot write status: {e}", delay=2) from e
         metrics.observe(ref.uid, ref.namespace, ref.name, status)
 
@@ -138,7 +140,7 @@ class Controller:
     async def agents(self) -> dict[str, AgentClient]:
         a = self.s.agent
         if self._http is None or self._http.closed:
-            self._http = aiohttp.ClientSession()
+            self._http = new_session()
         try:
             pods = await self.kube.list_pods(self.s.namespace, a.labels)
             token = await self.kube.secret_value(self.s.namespace, a.token_secret, a.token_key)
@@ -146,13 +148,18 @@ class Controller:
             raise kopf.TemporaryError(f"cannot find the agents: {e} (agent Pods labelled "
                                       f"{planning.label_selector(a.labels)} and Secret {self.s.namespace}/"
                                       f"{a.token_secret} key {a.token_key} are needed)", delay=5) from e
-        return {node: AgentClient(node, host, port, token, a, self._http)
+        tls = agent_tls(a)
+        try:
+            ctx = tls.context() if tls else None     # read again on every call: certificates rotate
+        except IngeroError as e:
+            raise kopf.TemporaryError(str(e), delay=30) from e
+        return {node: AgentClient(node, host, port, token, a, self._http, ctx)
                 for node, (host, port) in planning.agent_endpoints(pods, a.port_name).items()}
 
     async def pods(self, ref: Ref, spec: planning.SessionSpec) -> list[dict]:
         try:
             return await self.kube.list_pods(ref.namespace, spec.match_labels)
-        except (KubeError, aiohttp.ClientError) as e:
+        except KubeError as e:
             raise kopf.TemporaryError(f"cannot list pods: {e}", delay=5) from e
 
     def parse(self, ref: Ref, spec: dict) -> planning.SessionSpec:
@@ -444,6 +451,10 @@ class Controller:
         end = parse_iso(status.get("endTime"))
         if ttl is None or end is None or dt.datetime.now(dt.timezone.utc) < end + dt.timedelta(seconds=ttl):
             return
+        async with self._state(ref).lock:   # after a gather still finishing (events, caps) is done
+            await self._delete_now(ref, ttl, status)
+
+    async def _delete_now(self, ref: Ref, ttl: int, status: dict) -> None:
         self.event(ref, "Normal", "Deleted", f"ttlSecondsAfterFinished ({ttl}) passed since {status.get('endTime')}: "
                                              "deleting the session and its merged trace")
         log.info("%s/%s: ttlSecondsAfterFinished (%s s) passed; deleting it", ref.namespace, ref.name, ttl)

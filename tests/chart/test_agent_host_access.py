@@ -23,6 +23,8 @@ NOT_FROM_HOST = {
                          "/sys/kernel/tracing has no events/; the chart mounts tracefs",
     "/etc/ingero/agent.yaml": "optional config file naming the node; the chart passes --node=$(NODE_NAME)",
 }
+# The agent API's own URL paths (server.py's routes): literals that name no file.
+URL_PATHS = ("/healthz", "/v1/")
 # Flags of `ingero agent serve` that name files or folders, and what must back them.
 PATH_FLAGS = {"--data-dir": "hostPath-rw", "--cgroup-root": "hostPath", "--token-file": "secret",
               "--tls-cert": "secret", "--tls-key": "secret"}
@@ -35,7 +37,8 @@ def code_paths() -> dict[str, list[str]]:
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 v = node.value
-                if v.startswith("/") and len(v) > 1 and " " not in v and "\n" not in v:
+                if (v.startswith("/") and len(v) > 1 and " " not in v and "\n" not in v
+                        and not v.startswith(URL_PATHS)):
                     out.setdefault(v, []).append(f"{f.name}:{node.lineno}")
     return out
 

@@ -4,22 +4,27 @@ a 400 with a one-line reason, never a 500."""
 
 from __future__ import annotations
 
+import http.client
 import json
+import os
 import socket
 import ssl
+import statistics
 import subprocess
 import time
 import urllib.request
 
 import pytest
 
-from tests.unit.trace_fixture import TOKEN, agent_data, serve_agent
+from tests.unit.trace_fixture import SESSION, TOKEN, agent_data, serve_agent
 
 
 @pytest.fixture
 def agent(tmp_path):
-    srv, _ = serve_agent(agent_data(tmp_path / "data", "n1", [0, 1]), "n1", max_connections=8,
-                         idle_timeout_s=0.5)
+    root = agent_data(tmp_path / "data", "n1", [0, 1])
+    # a segment too large for the socket buffers (the download endpoint does not parse it)
+    (root / "sessions" / SESSION / "segments" / "nccl_events" / "big.parquet").write_bytes(os.urandom(8 << 20))
+    srv, _ = serve_agent(root, "n1", max_connections=8, idle_timeout_s=0.5)
     yield srv
     srv.shutdown()
     srv.server_close()
@@ -94,14 +99,106 @@ def test_half_open_connections_are_dropped_after_the_idle_timeout_and_bounded(ag
     assert _healthz(agent) == 200
 
 
-def test_a_tls_client_that_never_says_hello_does_not_stall_the_server(tmp_path):
-    d = tmp_path / "pki"
+def test_a_request_body_that_stalls_is_a_408_and_the_connection_closes(agent):
+    t0 = time.monotonic()
+    code, doc = _raw(agent, _post("/v1/query", b'{"sql": ', b"50"))     # 42 bytes promised, never sent
+    assert code == 408 and "did not arrive within 0.5 s" in doc["error"] and time.monotonic() - t0 < 3, (code, doc)
+
+
+@pytest.mark.parametrize("where", ["headers", "body"])
+def test_a_client_trickling_a_request_byte_by_byte_is_cut_off_after_the_idle_timeout(agent, where):
+    request = _post("/v1/query", b'{"sql": "SELECT 1"' + b" " * 100 + b"}")   # ~12 s at this pace
+    head, body = request.split(b"\r\n\r\n", 1)
+    with socket.create_connection(agent.server_address[:2]) as s:
+        if where == "body":
+            s.sendall(head + b"\r\n\r\n")
+        t0 = time.monotonic()
+        try:
+            for byte in (head if where == "headers" else body):   # one byte every 0.1 s: never idle 0.5 s
+                s.sendall(bytes([byte]))
+                time.sleep(0.1)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        s.settimeout(5)
+        try:
+            while s.recv(65536):
+                pass
+        except ConnectionResetError:
+            pass
+        assert time.monotonic() - t0 < 2.5     # closed at 0.5 s (+ 0.5 s lingering after the 408)
+
+
+def test_clients_that_stop_reading_a_download_are_dropped_and_free_their_slots(agent):
+    request = (f"GET /v1/sessions/{SESSION}/segments/nccl_events/big.parquet HTTP/1.1\r\nHost: x\r\n"
+               f"Authorization: Bearer {TOKEN}\r\n\r\n").encode()
+    readers = []
+    for _ in range(8):                   # every slot
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(agent.server_address[:2])
+        s.sendall(request)
+        readers.append(s)
+    time.sleep(2.0)                      # never read: the server stops waiting after 0.5 s
+    assert _healthz(agent) == 200
+    for s in readers:
+        s.settimeout(5)
+        got = 0
+        try:
+            while chunk := s.recv(1 << 20):
+                got += len(chunk)
+        except ConnectionResetError:
+            pass
+        assert got < 8 << 20             # cut off, not sent whole
+        s.close()
+
+
+def test_clock_samples_on_a_keep_alive_connection_wait_for_no_delayed_ack(agent):
+    conn = http.client.HTTPConnection("127.0.0.1", agent.server_address[1], timeout=5)
+    rtts = []
+    for _ in range(30):
+        t0 = time.perf_counter()
+        conn.request("GET", "/v1/time", headers={"Authorization": f"Bearer {TOKEN}"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and "wall_ns" in json.loads(resp.read())
+        rtts.append(time.perf_counter() - t0)
+    conn.close()
+    # a delayed ACK (40 ms at least on Linux) would show in every sample of a keep-alive connection
+    assert statistics.median(rtts) < 0.02, rtts
+
+
+def _self_signed(d):
     d.mkdir()
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
                     "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
                     "-keyout", str(d / "k.pem"), "-out", str(d / "c.pem")], check=True, capture_output=True)
-    srv, _ = serve_agent(agent_data(tmp_path / "data", "n1", [0]), "n1", tls=(d / "c.pem", d / "k.pem"),
+    return d / "c.pem", d / "k.pem"
+
+
+def test_tls_handshakes_count_against_the_bound_and_a_silent_one_frees_its_slot(tmp_path):
+    cert, key = _self_signed(tmp_path / "pki")
+    srv, _ = serve_agent(agent_data(tmp_path / "data", "n1", [0]), "n1", tls=(cert, key), max_connections=2,
                          idle_timeout_s=0.5)
+    ctx = ssl.create_default_context(cafile=str(cert))
+    url = f"https://127.0.0.1:{srv.server_address[1]}/healthz"
+    try:
+        silent = [socket.create_connection(srv.server_address[:2]) for _ in range(2)]   # no ClientHello
+        time.sleep(0.1)
+        with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
+            urllib.request.urlopen(url, timeout=5, context=ctx)                    # past the bound
+        time.sleep(1.5)                  # the handshake timeout (0.5 s here) frees both slots
+        with urllib.request.urlopen(url, timeout=5, context=ctx) as r:
+            assert r.status == 200
+        for s in silent:
+            s.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_a_tls_client_that_never_says_hello_does_not_stall_the_server(tmp_path):
+    cert, key = _self_signed(tmp_path / "pki")
+    d = cert.parent
+    srv, _ = serve_agent(agent_data(tmp_path / "data", "n1", [0]), "n1", tls=(cert, key), idle_timeout_s=0.5)
     try:
         silent = socket.create_connection(srv.server_address[:2])      # TCP only, no ClientHello
         ctx = ssl.create_default_context(cafile=str(d / "c.pem"))

@@ -29,8 +29,7 @@ def agents(tmp_path_factory):
     a, _ = serve_agent(agent_data(d / "a", "node-a", [0, 1]), "node-a")
     b, _ = serve_agent(agent_data(d / "b", "node-b", [2, 3], skew_ns=SKEW), "node-b")
     # node-b's clock (what its /v1/time says) is as far ahead as its recorded timestamps
-    b.RequestHandlerClass.do_time = lambda self, query: self._send(
-        200, {"wall_ns": time.time_ns() + SKEW, "mono_ns": time.monotonic_ns()})
+    b.wall_ns = lambda: time.time_ns() + SKEW
     yield {"node-a": a, "node-b": b}
     for s in (a, b):
         s.shutdown()

@@ -133,5 +133,5 @@ def serve_agent(root: Path, node: str, limits=None, slots: int = 2, trace_cmd=No
     mgr = SessionManager(root, node, trace_cmd=trace_cmd or ["true"])
     srv = make_server(mgr, ("127.0.0.1", 0), TOKEN.encode(), quiet=True,
                       queries=QueryService(mgr, limits, slots), **kw)
-    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
     return srv, mgr
