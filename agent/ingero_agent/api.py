@@ -22,6 +22,7 @@ import ctypes
 import resource
 import ipaddress
 import json
+import logging
 import os
 import queue
 import re
@@ -38,6 +39,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from ingero import schema
+
+log = logging.getLogger("ingero.agent")
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 SEGMENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,250}\.parquet$")
@@ -213,8 +216,9 @@ class SessionManager:
     """Every session of this agent; thread-safe (one lock, held briefly except in stop)."""
 
     def __init__(self, data_dir: Path, node: str, cgroup_root: Path | None = None,
-                 trace_cmd: list[str] | None = None, stop_timeout_s: float = 30.0):
+                 trace_cmd: list[str] | None = None, stop_timeout_s: float = 30.0, max_bytes: int | None = None):
         self.data = Path(data_dir).resolve()
+        self.max_bytes = max_bytes    # finished sessions are deleted, oldest first, beyond this
         self.root = self.data / "sessions"
         self.root.mkdir(parents=True, exist_ok=True)
         self.node = node
@@ -268,6 +272,8 @@ class SessionManager:
             if s is not None and s.state() in ("running", "starting"):
                 self._stop_proc(s)  # other probes: restart the tracer on the same segments
             created = s is None
+            if created:
+                self.cap(keep=plan.session_id)   # room for the new one
             if s is None:
                 d = self._inside(self.root / plan.session_id)
                 s = Session(plan.session_id, d, plan)
@@ -328,7 +334,41 @@ class SessionManager:
         s = self.get(sid)
         (s.dir / "stopped").touch()
         self._stop_proc(s)
+        self.cap(keep=sid)
         return self.info(s)
+
+    def cap(self, keep: str | None = None) -> list[str]:
+        """--data-max-bytes: delete stopped, finished or failed sessions (never a running,
+        starting or interrupted one, nor `keep`), oldest stop first, until the data folder
+        holds at most that many bytes. Returns the deleted session ids."""
+        if not self.max_bytes:
+            return []
+        with self.lock:
+            sessions = list(self.sessions.values())
+
+        def size(d: Path) -> int:
+            return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+
+        sizes = {s.id: size(s.dir) for s in sessions if s.dir.is_dir()}
+        total = sum(sizes.values())
+        done = [s for s in sessions if s.id != keep and s.id in sizes
+                and s.state() in ("stopped", "finished", "failed")]
+        when = {s.id: (s.dir / "stopped").stat().st_mtime if s.stopped else s.dir.stat().st_mtime for s in done}
+        gone = []
+        for s in sorted(done, key=lambda s: when[s.id]):
+            if total <= self.max_bytes:
+                break
+            with self.lock:
+                self.sessions.pop(s.id, None)
+            shutil.rmtree(self._inside(s.dir), ignore_errors=True)
+            total -= sizes[s.id]
+            gone.append(s.id)
+            log.warning("session %s deleted (%d bytes, stopped the longest ago) to keep %s under --data-max-bytes %d",
+                        s.id, sizes[s.id], self.data, self.max_bytes)
+        if total > self.max_bytes:
+            log.warning("%s holds %d bytes, over --data-max-bytes %d, in sessions still tracing or resumable",
+                        self.data, total, self.max_bytes)
+        return gone
 
     def delete(self, sid: str) -> None:
         s = self.get(sid)

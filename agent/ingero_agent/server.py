@@ -358,6 +358,9 @@ def add_parser(sub):
                    help="the agent's own process (queries included; not its tracers) may use this "
                    "much data memory; past it a query fails with an out-of-memory error instead of "
                    "the kernel killing the agent (default 1536: 3/4 of the chart's 2 GiB limit)")
+    r.add_argument("--data-max-bytes", type=int, default=0, metavar="B",
+                   help="keep --data-dir under B bytes: when a session starts or stops, finished ones are "
+                   "deleted, the one stopped longest ago first (never one still tracing); default 0, no cap")
     r.add_argument("--cgroup-root", type=Path, help="cgroup v2 folder holding the pods "
                    "(default: the cgroup2 mount)")
     r.add_argument("--ready-file", type=Path, help="touch this file once listening")
@@ -402,8 +405,10 @@ def run(args) -> int:
     listen = parse_listen(args.listen)
     token = read_token(args.token_file)
     bound_memory(args.max_memory_mb)
+    if args.data_max_bytes < 0:
+        raise IngeroError("--data-max-bytes must be >= 0 (0: no cap)")
     try:
-        manager = SessionManager(args.data_dir, args.node, args.cgroup_root)
+        manager = SessionManager(args.data_dir, args.node, args.cgroup_root, max_bytes=args.data_max_bytes or None)
     except OSError as e:
         raise IngeroError(f"--data-dir {args.data_dir}: {e.strerror}; pass a writable folder") from None
     try:

@@ -275,3 +275,41 @@ def _wait_state(srv, sid, state, timeout_s=10.0):
             return
         time.sleep(0.05)
     raise AssertionError(f"session {sid} never reached {state}")
+
+
+def test_data_max_bytes_deletes_the_session_stopped_longest_ago_never_a_running_one(tmp_path):
+    script = tmp_path / "tracer.py"
+    script.write_text(FAKE_TRACER)
+    mgr = SessionManager(tmp_path / "data", "n1", trace_cmd=[sys.executable, str(script)], stop_timeout_s=10,
+                         max_bytes=250_000)
+    try:
+        for sid in ("old", "mid"):
+            mgr.start(parse_plan({"session_id": sid, "pods": pods(1)}))
+            (mgr.root / sid / "segments" / "blob").parent.mkdir(parents=True, exist_ok=True)
+            (mgr.root / sid / "segments" / "blob").write_bytes(b"x" * 100_000)
+            mgr.stop(sid)
+            time.sleep(0.05)        # stop times in order
+        mgr.start(parse_plan({"session_id": "live", "pods": pods(1)}))
+        (mgr.root / "live" / "segments").mkdir(parents=True, exist_ok=True)
+        (mgr.root / "live" / "segments" / "blob").write_bytes(b"x" * 100_000)
+        # 300 kB > 250 kB: the next start or stop deletes "old" (stopped first), not "live"
+        mgr.start(parse_plan({"session_id": "new", "pods": pods(1)}))
+        assert not (mgr.root / "old").exists() and "old" not in mgr.sessions
+        assert (mgr.root / "mid").is_dir() and (mgr.root / "live").is_dir()
+        # over the cap with only tracing sessions left to delete: nothing of theirs goes
+        (mgr.root / "live" / "segments" / "blob2").write_bytes(b"x" * 300_000)
+        assert mgr.cap() == ["mid"] and (mgr.root / "live").is_dir() and (mgr.root / "new").is_dir()
+        with pytest.raises(ApiError):
+            mgr.get("mid")
+    finally:
+        mgr.shutdown()
+
+
+def test_the_agent_refuses_a_negative_data_cap_in_one_line(tmp_path):
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    out = subprocess.run([sys.executable, "-m", "ingero", "agent", "serve", "--node", "n1", "--data-dir",
+                          str(tmp_path / "d"), "--token-file", str(token), "--data-max-bytes", "-1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and out.stderr.strip().splitlines() == \
+        ["ingero: --data-max-bytes must be >= 0 (0: no cap)"], out.stderr
