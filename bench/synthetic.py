@@ -512,7 +512,7 @@ OFFCPU_REASON = {"cpu-contention": "runqueue", "io": "io"}
 def pipeline_session(seg_dir, tp: int, pp: int, dp: int, nodes: int, steps: int = 12,
                      fault: str = "clean", victim: int | None = None, stage_slow: int = 1,
                      slow: float = 1.5, imbalance: float = 1.0, seed: int = 5, lossy_node: int = 0,
-                     loss_ms: float = 2.0, skew_ns=None, **kw) -> dict:
+                     loss_ms: float = 2.0, skew_ns=None, gpu: str | None = None, **kw) -> dict:
     """Write a simulated tp x pp x dp session below `seg_dir` (one folder per node, ranks
     in order over nodes) and return the ground truth: the planted saving per step (the
     same run without the fault, same noise), the victim, stage or lossy node.
@@ -523,7 +523,11 @@ def pipeline_session(seg_dir, tp: int, pp: int, dp: int, nodes: int, steps: int 
     step), slow-node (every rank of node `lossy_node` x `slow`), network (every transfer
     between `lossy_node` and another node takes ~`loss_ms` longer, with retransmits on the
     lossy node's connections inside those transfers).
-    `skew_ns[i]`: node i's clock is off by that much (the timestamps it writes)."""
+    `skew_ns[i]`: node i's clock is off by that much (the timestamps it writes).
+    `gpu`: the job runs on GPUs, where an NCCL call returns once its work is queued: the
+    host calls (nccl_events) are enqueue times, up to a few ms ahead of the device, 20 us
+    long; with "plugin" the profiler plugin's rows (nccl_profiler_events) carry the
+    simulated times as device start/end, NCCL's comm hash and per-function seq."""
     from pathlib import Path
 
     from ingero.store import SegmentWriter
@@ -597,6 +601,26 @@ def pipeline_session(seg_dir, tp: int, pp: int, dp: int, nodes: int, steps: int 
             n = len(cols["op"])
             cols.update(pid=[1000 + r] * n, tid=[1000 + r] * n, global_rank=[r] * n, ret=[0] * n,
                         count=[1024] * n, bytes=[4096] * n)
+            if gpu:
+                dev_t, dev_d = np.asarray(cols["timestamp_ns"], np.int64), np.asarray(cols["duration_ns"], np.int64)
+                lead = np.random.default_rng([seed, r, 3]).uniform(0.2e6, 3e6, n).astype(np.int64)
+                cols["timestamp_ns"] = list(dev_t - lead)          # queued before the device ran it
+                cols["duration_ns"] = [20_000] * n                 # the call returns at once
+                if gpu == "plugin":
+                    fseq: dict = {}
+                    pseq = []
+                    for h, o, pe in zip(cols["comm_id_hash"], cols["op"], cols["peer"]):
+                        k = (h, o, pe if o in ("SEND", "RECV") else None)   # per function; p2p per peer
+                        pseq.append(fseq.get(k, 0))
+                        fseq[k] = pseq[-1] + 1
+                    w.append("nccl_profiler_events", {
+                        "timestamp_ns": cols["timestamp_ns"], "op": cols["op"], "rank": cols["rank"],
+                        "nranks": cols["nranks"], "comm_hash": np.asarray(cols["comm_id_hash"], np.uint64),
+                        "seq": pseq, "peer": cols["peer"], "count": cols["count"], "bytes": cols["bytes"],
+                        "host_duration_ns": [20_000] * n, "device_start_ns": list(dev_t),
+                        "device_end_ns": list(dev_t + dev_d), "device_duration_ns": list(dev_d),
+                        "unfinished": [False] * n, "global_rank": [r] * n, "pid": [1000 + r] * n,
+                        "tid": [1000 + r] * n, "profiler_api": [5] * n})
             w.append("nccl_events", {k: np.asarray(v, dtype=np.uint64) if k == "comm_id_hash" else
                                      (np.asarray(v) if k != "op" else v) for k, v in cols.items()})
             ranks_rows.append({"pid": 1000 + r, "rank": r, "local_rank": r % rpn, "world_size": world,

@@ -35,8 +35,10 @@ def render(rep: Report, out=None) -> None:
              r.offcpu_ms.get("runqueue", 0.0), r.offcpu_ms.get("io", 0.0),
              r.offcpu_ms.get("sleep", 0.0)) for r in rep.ranks]
     print_table(names, rows, out=out)
+    timing = {"device": "device times (the NCCL profiler plugin)", "host": "host times",
+              "host-enqueue": "host enqueue times only"}.get(rep.timing, rep.timing)
     print(f"\nstep ~{rep.step_ms:.1f} ms (mean {rep.mean_step_ms:.1f} ms), {rep.collectives} collectives, "
-          f"{rep.retransmits} retransmits", file=out)
+          f"{rep.retransmits} retransmits; timing: {timing}", file=out)
     s = rep.straggler
     if s is None:
         best = (f"; the best single fix ({rep.best_candidate}) would save {rep.best_saving_pct:.1f}% "

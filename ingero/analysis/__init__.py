@@ -20,7 +20,7 @@ import logging
 
 import numpy as np
 
-from ingero.analysis.calls import events, load
+from ingero.analysis.calls import device_timing, events, load
 from ingero.analysis.model import RankRow, Report, Straggler
 from ingero.analysis.replay import measure
 from ingero.analysis.stats import add_network, add_offcpu, rank_rows, retransmits, robust_z
@@ -45,15 +45,26 @@ def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[
     """analyse, and what the verdict worked on: {"timeline", "base" (the measured step
     replayed), "named" (the named or best candidate, its replay in extra["replay"])};
     empty when there was no step to judge."""
-    c, warnings = load(con)
+    device, why = device_timing(con)
+    c, warnings = load(con, device=device)
+    if why:
+        warnings.append(why)
     rows, w2 = rank_rows(c, slow_collective_ms)
     warnings += w2
     retx = retransmits(con)
-    add_network(c, rows, retx[0], retx[1])
+    ev = events(c)
+    timing = "device" if device else ("host" if host_synchronous(ev) else "host-enqueue")
+    if timing == "host-enqueue":
+        # on a GPU a call returns once its work is queued: [t, t + duration] is not when the
+        # data moved, so it is no window for retransmits, and no network verdict comes of it
+        warnings.append("NCCL calls return before their collectives complete (a GPU: host time is enqueue "
+                        "time); timing is host-side only and the network is not judged from host windows. "
+                        "Load Ingero's NCCL profiler plugin for device times (docs/tracing.md)")
+    add_network(c, rows, retx[0], retx[1], windows=timing != "host-enqueue")
+    judged_retx = retx if timing != "host-enqueue" else (retx[0][:0], retx[1][:0], [])
     add_offcpu(con, rows)
     total_retx = len(retx[0])
     collectives = sum(r.collectives for r in rows.values())
-    ev = events(c)
     if ev.unpaired:
         warnings.append(f"{ev.unpaired} send/recv calls have no matching call on their peer "
                         "(peer not traced, or the trace starts or ends between them)")
@@ -62,7 +73,7 @@ def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[
     traced_ns = int((c.t + c.d).max() - c.t.min()) if c.n else 0
     step_ms = _median_gap_ms(tl)
     report = Report(ranks=sorted(rows.values(), key=lambda r: r.rank), straggler=None, step_ms=step_ms,
-                    collectives=collectives, retransmits=total_retx, warnings=warnings)
+                    collectives=collectives, retransmits=total_retx, warnings=warnings, timing=timing)
     floor = max(LATE_FLOOR_NS, 0.01 * step_ms * 1e6)
     for k, z in robust_z({k: r.late_ms * 1e6 for k, r in rows.items()}, floor).items():
         rows[k].late_z = round(z, 2)
@@ -79,7 +90,7 @@ def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[
     for r, s in tl.stage_of.items():
         if r in rows:
             rows[r].stage = s
-    straggler, info = decide(c, tl, rows, retx, traced_ns)
+    straggler, info = decide(c, tl, rows, judged_retx, traced_ns)
     if info.get("stuck_rounds"):
         warnings.append(f"the replay met {info['stuck_rounds']} cycles in the calls' dependencies "
                         "(mismatched send/recv?) and released them")
@@ -95,6 +106,32 @@ def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[
         report.predicted_step_ms = (base - best.saving_ns) / 1e6
     log.debug("candidates: %s", info.get("candidates"))
     return report, {"timeline": tl, "base": info.get("base_replay"), "named": info.get("named") or best}
+
+
+def host_synchronous(ev, min_spread_ns: int = 100_000, min_instances: int = 10) -> bool:
+    """Do the traced calls return when their collective completes (a CPU NCCL, or a host
+    that waits), or as soon as they are queued (a GPU)? In the first case the members of a
+    collective instance leave it together however late they came; in the second each
+    leaves as it came. Judged on instances whose arrivals spread over `min_spread_ns`:
+    the median of (spread of ends / spread of arrivals) is near 0 or near 1. Too few such
+    instances to tell: synchronous (nothing to correct)."""
+    has = ev.inst >= 0
+    if not has.any():
+        return True
+    n = int(ev.inst.max()) + 1
+    big, small = np.iinfo(np.int64).max, np.iinfo(np.int64).min
+    a_lo, a_hi = np.full(n, big), np.full(n, small)
+    e_lo, e_hi = np.full(n, big), np.full(n, small)
+    i = ev.inst[has]
+    np.minimum.at(a_lo, i, ev.a[has])
+    np.maximum.at(a_hi, i, ev.a[has])
+    np.minimum.at(e_lo, i, ev.e[has])
+    np.maximum.at(e_hi, i, ev.e[has])
+    spread = a_hi - a_lo
+    sel = (a_hi > small) & (spread >= min_spread_ns)
+    if sel.sum() < min_instances:
+        return True
+    return float(np.median((e_hi[sel] - e_lo[sel]) / spread[sel])) < 0.5
 
 
 def _median_gap_ms(tl) -> float:

@@ -42,6 +42,45 @@ _QUERY = f"""
            OR e.op IN ('GROUP_START', 'GROUP_END'))
     ORDER BY grank, t, e.event_id"""
 
+# The same columns from the NCCL profiler plugin's rows: when the GPU ran each operation
+# (device start/end, on the host's clock), NCCL's own communicator hash and seq. Every
+# operation is its own blocking point on the device stream (no group calls there).
+_DEVICE_QUERY = f"""
+    SELECT COALESCE(r.rank, e.global_rank) AS grank, e.node, COALESCE(r.pod, e.pod) AS pod,
+           e.pid, e.op, e.comm_hash AS comm, e.seq, e.device_start_ns AS t,
+           e.device_end_ns - e.device_start_ns AS d, e.rank AS crank, e.peer, e.event_id
+    FROM nccl_profiler_events e
+    LEFT JOIN (SELECT node, pid, any_value(rank) AS rank, any_value(pod) AS pod
+               FROM ranks GROUP BY node, pid) r
+      ON r.node IS NOT DISTINCT FROM e.node AND r.pid = e.pid
+    WHERE e.device_start_ns IS NOT NULL AND e.device_end_ns IS NOT NULL
+      AND e.device_end_ns >= e.device_start_ns AND NOT COALESCE(e.unfinished, false)
+      AND e.op IN ({', '.join(repr(o) for o in OPS)}) AND e.seq IS NOT NULL
+    ORDER BY grank, t, e.event_id"""
+
+
+def device_timing(con) -> tuple[bool, str | None]:
+    """(use the plugin's device times?, why not). Yes when every rank that made NCCL calls
+    has device-timed operations from the profiler plugin."""
+    try:
+        have = con.execute("SELECT count(*) FROM nccl_profiler_events WHERE device_start_ns IS NOT NULL").fetchone()[0]
+    except Exception:        # an older trace without the table
+        return False, None
+    if not have:
+        return False, None
+    host = {r[0] for r in con.execute(
+        "SELECT DISTINCT COALESCE(global_rank, rank) FROM nccl_events WHERE op NOT IN ('GROUP_START', 'GROUP_END')"
+    ).fetchall() if r[0] is not None}
+    dev = {r[0] for r in con.execute(
+        "SELECT DISTINCT global_rank FROM nccl_profiler_events WHERE device_start_ns IS NOT NULL").fetchall()
+        if r[0] is not None}
+    missing = sorted(host - dev)
+    if missing:
+        return False, (f"the NCCL profiler plugin's device times cover {len(dev)} of {len(host | dev)} ranks "
+                       f"(none from rank {', '.join(map(str, missing[:8]))}{', ...' if len(missing) > 8 else ''}); "
+                       "judged on host times")
+    return True, None
+
 
 @dataclass
 class Calls:
@@ -70,12 +109,13 @@ class Calls:
         return len(self.t)
 
 
-def load(con) -> tuple[Calls, list[str]]:
-    """The session's collective, p2p and group calls from `con` (any view of the tables)."""
+def load(con, device: bool = False) -> tuple[Calls, list[str]]:
+    """The session's collective, p2p and group calls from `con` (any view of the tables);
+    with `device`, the operations as the GPU ran them (nccl_profiler_events)."""
     warnings: list[str] = []
     with warnings_.catch_warnings():     # (DuckDB notes the Arrow copy of a DB-API result)
         warnings_.simplefilter("ignore", UserWarning)
-        tbl = con.execute(_QUERY).to_arrow_table()
+        tbl = con.execute(_DEVICE_QUERY if device else _QUERY).to_arrow_table()
     if tbl.num_rows == 0:
         z = np.zeros(0, np.int64)
         return Calls(z, z, z, z.astype(np.int8), z, z, z, z, z, {}, z.astype(np.uint64), z, z, z, {}), warnings

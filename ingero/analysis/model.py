@@ -55,6 +55,7 @@ class Report:
     predicted_step_ms: float | None = None   # with the named fix
     best_saving_pct: float = 0.0      # the best single fix's saving, named or not (below the floor)
     best_candidate: str | None = None
+    timing: str = "host"              # device (the profiler plugin's GPU times), host, host-enqueue
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -199,12 +199,13 @@ def retransmits(con) -> tuple[np.ndarray, np.ndarray, list]:
     return ts, rk, [r[2] for r in rows]
 
 
-def add_network(c: Calls, rows: dict, ts: np.ndarray, rk: np.ndarray) -> None:
-    """Retransmits per rank on its own connections, and those inside its calls' windows."""
+def add_network(c: Calls, rows: dict, ts: np.ndarray, rk: np.ndarray, windows: bool = True) -> None:
+    """Retransmits per rank on its own connections, and (`windows`: the calls' times are
+    when the data moved) those inside its calls' windows."""
     for r in rows.values():
         mine = ts[rk == r.rank]
         r.retransmits = len(mine)
-        if not len(mine):
+        if not len(mine) or not windows:
             continue
         sel = (c.rank == r.rank) & (c.op > 0)
         t, e = c.t[sel], c.t[sel] + c.d[sel]

@@ -65,7 +65,7 @@ def report_status(rep: Report, world: int | None, g: GatherSettings) -> dict:
     """The analysis part of status. Keys that must disappear are set to None (merge patch)."""
     s = rep.straggler
     out = {"ranks": len(rep.ranks), "worldSize": world or len(rep.ranks) or None,
-           "stepMs": _r(rep.step_ms, 3), "meanStepMs": _r(rep.mean_step_ms, 3),
+           "stepMs": _r(rep.step_ms, 3), "meanStepMs": _r(rep.mean_step_ms, 3), "timing": rep.timing,
            "predictedStepMs": _r(rep.predicted_step_ms, 3) if rep.predicted_step_ms is not None else None,
            "bestSavingPct": _r(rep.best_saving_pct, 1), "retransmits": int(rep.retransmits),
            "ranksTable": ranks_table(rep, g.ranks_table_rows), "straggler": None, "slowdown": None}
