@@ -403,23 +403,36 @@ class SessionManager:
                 return 0
         return self._meta_cache[key]
 
-    def info(self, s: Session) -> dict:
+    def counts(self, s: Session) -> tuple[dict, dict, int]:
+        """({event table: rows}, {ring: events lost}, bytes on disk) of a session so far."""
         events = {t: 0 for t in schema.EVENT_TABLES}
-        lost = 0
+        lost: dict = {}
+        size = 0
         for table, f in self._files(s):
             try:
                 st = f.stat()
             except FileNotFoundError:
                 continue
+            size += st.st_size
             if table in events:
                 events[table] += self._rows(f, st)
             elif table == "nodes":
                 try:
                     cols = [c for c in pq.read_schema(f).names if c.startswith("lost_")]   # one per ring
-                    row = pq.read_table(f, columns=cols).to_pylist()
-                    lost += sum(v or 0 for r in row for v in r.values())
+                    for r in pq.read_table(f, columns=cols).to_pylist():
+                        for c, v in r.items():
+                            lost[c[len("lost_"):]] = lost.get(c[len("lost_"):], 0) + (v or 0)
                 except (OSError, ValueError):
                     pass
+        return events, lost, size
+
+    def all_sessions(self) -> list[Session]:
+        with self.lock:
+            return list(self.sessions.values())
+
+    def info(self, s: Session) -> dict:
+        events, lost_by_ring, _ = self.counts(s)
+        lost = sum(lost_by_ring.values())
         proc = s.proc
         return {"session_id": s.id, "node": self.node, "state": s.state(),
                 "pods": len(s.plan.pods), "probes": s.plan.probes, "events": sum(events.values()),

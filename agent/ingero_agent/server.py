@@ -103,6 +103,7 @@ class AgentServer:
         self._stop = self.loop.create_future()
         self._started, self._done = threading.Event(), threading.Event()
         self.wall_ns = time.time_ns          # the clock /v1/time reports
+        self.requests = None                 # a prometheus Counter (node, route, status), with --metrics-port
 
     @property
     def server_address(self):
@@ -176,14 +177,21 @@ class AgentServer:
         if request.match_info.route.name != "healthz" and not self._authorized(request):
             return error_answer(401, "missing or wrong bearer token")
         try:
-            return await handler(request)
+            resp = await handler(request)
+            self._count(request, resp.status)
+            return resp
         except ApiError as e:
+            self._count(request, e.status)
             return error_answer(e.status, str(e))
         except ConnectionError:
             raise
         except Exception as e:               # keep serving; report what broke
             log.exception("%s %s failed", request.method, request.path)
             return error_answer(500, f"{type(e).__name__}: {e}".strip().splitlines()[0])
+
+    def _count(self, request: web.Request, status: int) -> None:
+        if self.requests is not None:        # by route pattern, not path: bounded labels
+            self.requests.labels(self.manager.node, request.match_info.route.resource.canonical, str(status)).inc()
 
     async def _blocking(self, fn: Callable, *args):
         return await self.loop.run_in_executor(self.pool, fn, *args)
@@ -363,6 +371,11 @@ def add_parser(sub):
                    "deleted, the one stopped longest ago first (never one still tracing); default 0, no cap")
     r.add_argument("--cgroup-root", type=Path, help="cgroup v2 folder holding the pods "
                    "(default: the cgroup2 mount)")
+    r.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics (plain HTTP, no token) at http://ADDR:PORT/metrics: sessions "
+                   "by state, events and lost events per session and ring, segment bytes, data folder size, "
+                   "API connections and requests")
+    r.add_argument("--metrics-address", default="0.0.0.0", metavar="ADDR", help="address of --metrics-port")
     r.add_argument("--ready-file", type=Path, help="touch this file once listening")
     r.add_argument("--quiet", action="store_true", help="no request log")
     logs.add_arguments(r)
@@ -420,6 +433,15 @@ def run(args) -> int:
                           queries=QueryService(manager, limits))
     except OSError as e:
         raise IngeroError(f"cannot listen on {args.listen}: {e.strerror}; pick a free port") from None
+    if args.metrics_port is not None:
+        from ingero_agent import metrics
+
+        reg, srv.requests = metrics.registry(manager, srv.slots)
+        try:
+            metrics.serve(reg, args.metrics_port, args.metrics_address)
+        except OSError as e:
+            raise IngeroError(f"cannot serve metrics on {args.metrics_address}:{args.metrics_port}: "
+                              f"{e.strerror}; pick a free --metrics-port") from None
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: srv.stop_soon())
     scheme = "https" if args.tls_cert else "http"

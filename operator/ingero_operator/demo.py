@@ -68,6 +68,7 @@ class DemoResult:
     codes: dict = field(default_factory=dict)      # rank -> exit code
     lab: dict = field(default_factory=dict)
     kubectl_wait: str = ""                         # what `kubectl wait --for=condition=Completed` said
+    agent_metrics: dict = field(default_factory=dict)   # node -> its agent's /metrics, scraped while tracing
 
 
 class Demo:
@@ -82,6 +83,7 @@ class Demo:
         self.cluster: EmbeddedCluster | None = None
         self.lab = None
         self.session_name = None
+        self.agent_metrics_ports: dict[str, int] = {}
 
     # ---- set-up ----------------------------------------------------------------------
     def __enter__(self) -> "Demo":
@@ -143,7 +145,8 @@ class Demo:
         from ingero.lab.cgroups import node_cgroup_root
 
         for node in self.lab.nodes:
-            port = objs.free_port()
+            port, mport = objs.free_port(), objs.free_port()
+            self.agent_metrics_ports[node.name] = mport
             ready = self.out / "agents" / f"{node.name}.ready"
             ready.parent.mkdir(parents=True, exist_ok=True)
             ready.unlink(missing_ok=True)
@@ -151,7 +154,8 @@ class Demo:
                 sys.executable, "-m", "ingero", "agent", "serve", "--node", node.name,
                 "--listen", f"127.0.0.1:{port}", "--data-dir", str(self.out / "agents" / node.name),
                 "--token-file", str(self.out / "agent-token"), "--ready-file", str(ready),
-                "--cgroup-root", str(node_cgroup_root(self.lab.run_id, node.name)), "--quiet"])
+                "--cgroup-root", str(node_cgroup_root(self.lab.run_id, node.name)), "--quiet",
+                "--metrics-port", str(mport), "--metrics-address", "127.0.0.1"])
             deadline = time.monotonic() + 30
             while not ready.exists():
                 if self.procs[f"agent-{node.name}"].poll() is not None or time.monotonic() > deadline:
@@ -228,6 +232,11 @@ class Demo:
                 res.timings["first_straggler_pod"] = st["straggler"].get("pod")
             while events and time.monotonic() - t_ranks >= events[0][0]:
                 events.pop(0)[1]()
+            if not res.agent_metrics and time.monotonic() - t_ranks >= 3.0:   # once, while tracing
+                try:
+                    res.agent_metrics = self.scrape_agents()
+                except IngeroError as e:      # an agent a test killed: say so, go on
+                    res.agent_metrics = {"error": str(e)}
             time.sleep(0.25)
         res.codes = self.lab.wait()
         res.timings["training"] = time.monotonic() - t_ranks
@@ -270,12 +279,16 @@ class Demo:
             out.append((c.restart_operator_after_s, lambda: (kill("operator"), restart("operator"))))
         return sorted(out, key=lambda e: e[0])
 
-    def scrape(self) -> str:
-        """The operator's /metrics, as Prometheus would scrape it."""
-        status, body = request_sync("GET", f"http://127.0.0.1:{self.metrics_port}/metrics", timeout_s=10)
+    def scrape(self, port: int | None = None, what: str = "the operator") -> str:
+        """The operator's /metrics (or another port's), as Prometheus would scrape it."""
+        status, body = request_sync("GET", f"http://127.0.0.1:{port or self.metrics_port}/metrics", timeout_s=10)
         if status != 200:
-            raise IngeroError(f"the operator's /metrics answered {status}")
+            raise IngeroError(f"{what}'s /metrics answered {status}")
         return body.decode()
+
+    def scrape_agents(self) -> dict[str, str]:
+        """Every lab node's agent /metrics, by node."""
+        return {n: self.scrape(p, f"the agent on {n}") for n, p in sorted(self.agent_metrics_ports.items())}
 
     def printer_rows(self) -> str:
         """The default printer columns (priority 0; Message is priority 1, for -o wide)."""
@@ -368,6 +381,13 @@ def run(args) -> int:
                      if ln.startswith(("ingero_straggler", "ingero_sessions{phase=\"Completed\"}"))]
             print(f"\n$ curl -s http://127.0.0.1:{demo.metrics_port}/metrics | grep ingero_straggler\n"
                   + "\n".join(lines))
+            for node, text in sorted(res.agent_metrics.items())[:1]:    # one agent, scraped while tracing
+                port = demo.agent_metrics_ports.get(node)
+                keep = [ln for ln in text.splitlines()
+                        if ln.startswith(("ingero_agent_sessions{", "ingero_agent_events{", "ingero_agent_lost_events{"))
+                        and not ln.endswith(" 0.0")]
+                print(f"\n$ curl -s http://127.0.0.1:{port}/metrics | grep -E 'ingero_agent_(sessions|events|lost)'"
+                      f"   # the agent on {node}, while tracing\n" + "\n".join(keep))
             t = res.timings
             print(f"\ndemo: tracing ready {t['tracing_ready']:.1f} s, training {t['training']:.1f} s, "
                   f"gather {t['gather']:.1f} s"

@@ -47,12 +47,15 @@ def test_metrics_objects_render_only_when_enabled():
     assert json.loads(cm["data"]["ingero.json"])["uid"] == "ingero-stragglers"
 
 
-def test_the_dashboard_and_alerts_read_the_operators_metrics():
+def test_the_dashboard_and_alerts_read_the_operators_and_agents_metrics(tmp_path):
+    from ingero_agent import metrics as agent_metrics
+    from ingero_agent.api import SessionManager
     from ingero_operator import metrics
 
-    exported = {m.name for m in metrics.REGISTRY.collect()}
+    reg, _ = agent_metrics.registry(SessionManager(tmp_path, "n1", trace_cmd=["true"]))
+    exported = {m.name for m in metrics.REGISTRY.collect()} | {m.name for m in reg.collect()}
     used = metric_names_used()
-    # histogram series carry _bucket/_sum/_count; gauges their own name
-    base = {re.sub(r"_(bucket|sum|count)$", "", n) for n in used}
+    # histogram series carry _bucket/_sum/_count, counters _total; gauges their own name
+    base = {re.sub(r"_(bucket|sum|count|total)$", "", n) for n in used}
     assert base <= exported, base - exported
     assert {"ingero_straggler_saving_percent", "ingero_straggler", "ingero_sessions"} <= used

@@ -56,7 +56,7 @@ def run_flow(out: Path, scenario: str, before=None, **kw) -> dict:
                "stats": {rp.rank: rp.stats for rp in demo.lab.ranks}, "extra": extra,
                "custom_columns": demo.printer_rows(), "table": demo.kubectl("get", "tracesessions").stdout,
                "describe": demo.kubectl("describe", "tracesession", "lab-job").stdout,
-               "metrics": demo.scrape(),
+               "metrics": demo.scrape(), "agent_metrics": res.agent_metrics,
                # what `make demo` prints: report.json through the service proxy (kubectl-ingero on PATH)
                "plugin_report": demo.kubectl("ingero", "report", "lab-job", check=False),
                "wait": res.kubectl_wait,    # `kubectl wait --for=condition=Completed`, started with the session
@@ -222,12 +222,22 @@ def test_conditions_follow_the_lifecycle_and_describe_lists_the_events(lossy):
         assert reason in events, events
 
 
-def test_the_dashboard_and_alert_metrics_exist_in_a_real_scrape_of_the_operator(lossy):
+def test_the_dashboard_and_alert_metrics_exist_in_a_real_scrape_of_the_operator_and_agents(lossy):
     from tests.chart.test_chart_metrics import metric_names_used
 
     lines = [ln for ln in lossy["metrics"].splitlines() if ln.startswith("ingero_")]
-    present = {ln.split("{")[0].split(" ")[0] for ln in lines}
+    agents = lossy["agent_metrics"]
+    assert sorted(agents) == ["lab-node-a", "lab-node-b"], agents
+    agent_lines = [ln for text in agents.values() for ln in text.splitlines() if ln.startswith("ingero_")]
+    present = {ln.split("{")[0].split(" ")[0] for ln in lines + agent_lines}
     assert metric_names_used() <= present, metric_names_used() - present
+    for node, text in agents.items():     # scraped while tracing: the session, its events, its rings
+        assert f'ingero_agent_sessions{{node="{node}",state="running"}} 1.0' in text, text
+        events = [ln for ln in text.splitlines() if ln.startswith("ingero_agent_events{") and 'table="nccl_events"' in ln]
+        assert len(events) == 1 and float(events[0].rsplit(" ", 1)[1]) > 0, events
+        assert any(ln.startswith("ingero_agent_lost_events{") and 'ring="nccl"' in ln for ln in text.splitlines())
+        assert any(ln.startswith("ingero_agent_requests_total{") and 'route="/v1/sessions"' in ln
+                   for ln in text.splitlines()), text
     s = lossy["status"]["straggler"]
     named = [ln for ln in lines if ln.startswith("ingero_straggler{")]
     assert len(named) == 1 and f'pod="{s["pod"]}"' in named[0] and 'cause="network"' in named[0], named
