@@ -15,6 +15,7 @@ Pods are marked Succeeded, the operator gathers, and the demo prints
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -25,10 +26,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import yaml
 
 from ingero.errors import IngeroError
-from ingero.http_client import request_sync
+from ingero.http_client import describe, request_sync
 from ingero_operator import cluster_objects as objs
 from ingero_operator.embedded import EmbeddedCluster
 from ingero_operator.tables import custom_columns
@@ -232,10 +234,10 @@ class Demo:
                 res.timings["first_straggler_pod"] = st["straggler"].get("pod")
             while events and time.monotonic() - t_ranks >= events[0][0]:
                 events.pop(0)[1]()
-            if not res.agent_metrics and time.monotonic() - t_ranks >= 3.0:   # once, while tracing
-                try:
+            if "error" in res.agent_metrics or (not res.agent_metrics and time.monotonic() - t_ranks >= 3.0):
+                try:                          # once while tracing; again while an agent a test killed is down
                     res.agent_metrics = self.scrape_agents()
-                except IngeroError as e:      # an agent a test killed: say so, go on
+                except IngeroError as e:
                     res.agent_metrics = {"error": str(e)}
             time.sleep(0.25)
         res.codes = self.lab.wait()
@@ -281,7 +283,11 @@ class Demo:
 
     def scrape(self, port: int | None = None, what: str = "the operator") -> str:
         """The operator's /metrics (or another port's), as Prometheus would scrape it."""
-        status, body = request_sync("GET", f"http://127.0.0.1:{port or self.metrics_port}/metrics", timeout_s=10)
+        address = f"127.0.0.1:{port or self.metrics_port}"
+        try:
+            status, body = request_sync("GET", f"http://{address}/metrics", timeout_s=10)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:   # a killed agent, a slow one
+            raise IngeroError(f"{what}'s /metrics: {describe(e, address, 10)}") from None
         if status != 200:
             raise IngeroError(f"{what}'s /metrics answered {status}")
         return body.decode()
