@@ -27,7 +27,7 @@ COLLECTIVES = ("ALL_REDUCE", "ALL_GATHER", "REDUCE_SCATTER", "BROADCAST")
 LAYOUT = {"layout": "tp=2,pp=2,dp=2", "ranks_per_node": 4}
 
 
-def _run(out, scenario: str = "clean", **kw):
+def _run(out, scenario: str = "clean", plugin: bool = True, **kw):
     reason = bpf_reason()
     if reason:
         pytest.skip(reason)
@@ -37,7 +37,7 @@ def _run(out, scenario: str = "clean", **kw):
     from ingero_agent.profiler_build import build_profiler
 
     kw.setdefault("ranks_per_node", 2)
-    cfg = LabConfig(scenario=scenario, nodes=2, steps=STEPS, device="gpu", profiler_plugin=build_profiler(),
+    cfg = LabConfig(scenario=scenario, nodes=2, steps=STEPS, device="gpu", profiler_plugin=build_profiler() if plugin else None,
                     out_dir=out, background_load=background_load(), **kw)
     run = run_traced(cfg)
     assert set(run.codes.values()) == {0}, f"rank exit codes {run.codes}; logs in {out / 'logs'}"
@@ -59,6 +59,15 @@ def _every_operation_profiled(con) -> None:
                          OR channels <> nchannels""").fetchone()[0]
     assert bad == 0
     assert con.execute("SELECT sum(lost_nccl + lost_nccl_profiler) FROM nodes").fetchone()[0] == 0
+
+
+def _verdict(con):
+    """The report on device times: the plugin's rows are there for every rank."""
+    from ingero.analysis import analyse
+
+    rep = analyse(con)
+    assert rep.timing == "device", (rep.timing, rep.warnings)
+    return rep.straggler
 
 
 def _device_per_step(con, op: str | None = None) -> dict[int, float]:
@@ -92,6 +101,11 @@ def test_host_calls_only_enqueue_while_device_times_carry_the_collectives(clean)
                                      GROUP BY 1)""").fetchone()[0]
     assert host_per_step < 2.0, host_per_step
     assert min(_device_per_step(con).values()) > 3 * host_per_step
+
+
+def test_a_clean_gpu_like_job_has_no_straggler_on_device_times(clean):
+    con, _ = clean
+    assert _verdict(con) is None
 
 
 def test_every_operation_of_every_rank_has_device_times_on_the_host_clock(clean):
@@ -168,26 +182,32 @@ def test_a_non_blocking_layout_job_has_every_communicator_identified_and_its_cal
         con.close()
 
 
-@pytest.mark.parametrize("scenario", ["slow-rank", "io-stall", "cpu-hog"])
-def test_a_rank_that_is_late_on_the_host_waits_least_on_the_device(tmp_path, scenario):
+@pytest.mark.parametrize("scenario,victim,cause", [("slow-rank", 1, "compute/unknown"), ("io-stall", 2, "io"),
+                                                   ("cpu-hog", 1, "cpu-contention")])
+def test_a_rank_that_is_late_on_the_host_waits_least_on_the_device(tmp_path, scenario, victim, cause):
     """Everyone else's all-reduce waits on the device for the victim's; its own starts last and
-    finishes at once. Host call times (enqueue) show none of it."""
-    con, report = _run(tmp_path, scenario)
+    finishes at once. Host call times (enqueue) show none of it. The verdict, on device times,
+    names the victim (not the last rank) and its cause."""
+    con, report = _run(tmp_path, scenario, victim_rank=victim)
     try:
         _every_operation_profiled(con)
-        victim = report["victim_rank"]
+        assert report["victim_rank"] == victim
         dev = dict(con.execute("""SELECT global_rank, median(device_end_ns - device_start_ns) / 1e6
                                   FROM nccl_profiler_events WHERE op = 'ALL_REDUCE' GROUP BY 1""").fetchall())
         others = [v for r, v in dev.items() if r != victim]
         assert min(others) > 1.5 * dev[victim], (victim, dev)
+        s = _verdict(con)
+        assert s is not None and (s.kind, s.rank, s.cause) == ("rank", victim, cause), s
     finally:
         con.close()
 
 
 def test_a_lossy_link_retransmits_on_the_victims_node_on_the_gpu_like_device_too(tmp_path):
-    con, report = _run(tmp_path, "lossy-link")
+    con, report = _run(tmp_path, "lossy-link", victim_rank=1)
     try:
         _every_operation_profiled(con)
+        s = _verdict(con)
+        assert s is not None and (s.cause, s.node) == ("network", report["victim_node"]), s
         by_node = dict(con.execute("""SELECT node, count(*) FROM tcp_events WHERE event = 'tcp_retransmit_skb'
                                       GROUP BY 1""").fetchall())
         victim = report["victim_node"]
@@ -203,6 +223,8 @@ def test_a_slower_pipeline_stage_is_the_one_that_waits_least_on_the_device(tmp_p
         waits = _device_per_step(con)
         slow = set(report["stage_ranks"])
         assert slow == {2, 3, 6, 7}
+        s = _verdict(con)
+        assert s is not None and (s.kind, set(s.ranks)) == ("stage", slow), s
         assert max(waits[r] for r in slow) < min(w for r, w in waits.items() if r not in slow), waits
     finally:
         con.close()
@@ -215,5 +237,24 @@ def test_random_imbalance_spreads_the_device_wait_over_every_rank(tmp_path):
         waits = _device_per_step(con)
         mid = statistics.median(waits.values())
         assert len(waits) == 8 and all(0.65 * mid < w < 1.5 * mid for w in waits.values()), waits
+        s = _verdict(con)
+        assert s is None or s.kind == "spread", s         # no single rank to blame
+    finally:
+        con.close()
+
+
+def test_without_the_plugin_a_lossy_link_is_not_judged_from_host_enqueue_windows(tmp_path):
+    """The same GPU-like job with no profiler plugin: host calls are enqueue times, so the
+    report says so, keeps counting retransmits and blames no network from host windows."""
+    from ingero.analysis import analyse
+
+    con, report = _run(tmp_path, "lossy-link", plugin=False, victim_rank=1)
+    try:
+        assert con.execute("SELECT count(*) FROM nccl_profiler_events").fetchone() == (0,)
+        rep = analyse(con)
+        assert rep.timing == "host-enqueue", (rep.timing, rep.warnings)
+        assert any("host time is enqueue time" in w for w in rep.warnings), rep.warnings
+        assert rep.straggler is None or rep.straggler.cause != "network", rep.straggler
+        assert rep.retransmits > 0
     finally:
         con.close()
