@@ -40,7 +40,8 @@ def main(argv=None) -> int:
         ("uprobe_cost", uprobe_cost.main, ["--rounds", "3"] if q else []),
         ("profiler_cost", profiler_cost.main, ["--rounds", "3", "--ops", "100000"] if q else []),
         ("ingest", ingest.main, ["--rates", "1000000", "--seconds", "2"] if q else []),
-        ("step_overhead", step_overhead.main, ["--rounds", "1", "--seconds", "4"] if q else []),
+        ("step_overhead", step_overhead.main,
+         ["--device", "cpu,gpu"] + (["--rounds", "1", "--seconds", "4"] if q else [])),
         ("time_to_straggler", time_to_straggler.main,
          ["--quick"] if q else ["--faults", "lossy-link,slow-rank,cpu-hog,io-stall"]),
     ]

@@ -30,7 +30,9 @@ RETX_MIN = 3                  # fewer retransmits in transfer windows than this 
 RETX_SHARE = 0.67             # a node holding >= 2/3 of them is where the loss is
 RETX_MIN_EVENT_SHARE = 0.05   # ... and they hit >= 5% of the sync events
 OFFCPU_Z = 3.5                # off-CPU time (of one reason) an outlier among the ranks
-OFFCPU_FLOOR_MS = 50.0
+OFFCPU_FLOOR_MS = 10.0        # ... by at least this much over the session when the peers agree closely,
+OFFCPU_FLOOR_SHARE = 0.1      # ... and 10% of the excess own work it would explain
+OFFCPU_FLOOR_TRACED = 0.002   # ... and 0.2% of the traced time
 OFFCPU_EXPLAINS = 0.3         # ... covering >= 30% of the rank's excess own work
 CANDIDATE_RANKS = 3           # ranks with the largest excess own work that are replayed
 CANDIDATE_NODES = 2           # slow nodes replayed (the slowest first)
@@ -385,7 +387,10 @@ def _offcpu_cause(rows: dict, r: int, excess_total_ns: float, traced_ns: int) ->
     the ranks and lines up with its excess own work."""
     if r not in rows:
         return "compute/unknown", ""
-    floor = max(OFFCPU_FLOOR_MS, 0.01 * traced_ns / 1e6)
+    # the scale when the peers' times agree closely (a MAD near 0): an absolute floor, a share
+    # of the excess to explain (a 6 ms/step fsync on a 50 ms step is plenty), a share of the
+    # session (a long session's scattered waits are no outlier)
+    floor = max(OFFCPU_FLOOR_MS, OFFCPU_FLOOR_SHARE * excess_total_ns / 1e6, OFFCPU_FLOOR_TRACED * traced_ns / 1e6)
     for reason, cause in (("io", "io"), ("runqueue", "cpu-contention")):
         vals = {k: x.offcpu_ms.get(reason, 0.0) for k, x in rows.items()}
         z = robust_z(vals, floor)[r]

@@ -1,5 +1,9 @@
 """Compile the lab's C parts: ``libnccl.so.2`` (CPU NCCL) and ``ingero-lab-worker``.
 
+The library calls NCCL profiler plugins through NVIDIA's profiler ABI as mirrored
+for Ingero's plugin: ``agent/nccl_profiler/nccl_profiler_abi.h`` in the repository
+(or ``$INGERO_PROFILER_SRC``), one header for both.
+
 Outputs go to ``$INGERO_CACHE/lab/<sha>/`` (default ``~/.cache/ingero``), built
 and reused by ``ingero.cbuild`` (keyed by sources, flags and gcc version;
 built in a temporary folder renamed into place).
@@ -7,14 +11,17 @@ built in a temporary folder renamed into place).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from ingero.cbuild import CFLAGS, cached_build, compile_c, digest, find_gcc
+from ingero.errors import IngeroError
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-LIB_SOURCES = ("nccl_cpu.c", "nccl_coll.c", "nccl_net.c")
-HEADERS = ("nccl.h", "nccl_cpu_internal.h")
+LIB_SOURCES = ("nccl_cpu.c", "nccl_coll.c", "nccl_net.c", "nccl_dev.c", "nccl_prof.c")
+HEADERS = ("nccl.h", "nccl_cpu_internal.h", "nccl_prof.h", "lab_device.h")
+PROFILER_ABI = "nccl_profiler_abi.h"
 WORKER_SOURCE = "worker.c"
 LIB_NAME = "libnccl.so.2"
 WORKER_NAME = "ingero-lab-worker"
@@ -29,15 +36,26 @@ class LabBinaries:
     worker: Path
 
 
+def profiler_abi_dir() -> Path:
+    """The folder of the NCCL profiler ABI header: $INGERO_PROFILER_SRC or the repository's."""
+    env = os.environ.get("INGERO_PROFILER_SRC")
+    d = Path(env) if env else Path(__file__).resolve().parents[2] / "agent" / "nccl_profiler"
+    if not (d / PROFILER_ABI).is_file():
+        raise IngeroError(f"cannot find the NCCL profiler ABI header {d / PROFILER_ABI}: set INGERO_PROFILER_SRC "
+                          "to the repository's agent/nccl_profiler folder")
+    return d.resolve()
+
+
 def build_lab_binaries(cache_dir: Path | None = None) -> LabBinaries:
     """Build (or reuse) the lab binaries and return their paths."""
     gcc = find_gcc("the lab compiles its NCCL library and worker")
-    inputs = [CSRC / n for n in HEADERS + LIB_SOURCES + (WORKER_SOURCE,)]
+    abi = profiler_abi_dir()
+    inputs = [CSRC / n for n in HEADERS + LIB_SOURCES + (WORKER_SOURCE,)] + [abi / PROFILER_ABI]
     key = digest(gcc, inputs, CFLAGS, "reinstall ingero (package data lab/csrc)")
 
     def build(tmp: Path) -> None:
-        compile_c(gcc, [*CFLAGS, "-fvisibility=hidden", "-shared", f"-Wl,-soname,{LIB_NAME}",
-                        "-o", str(tmp / LIB_NAME), *(str(CSRC / s) for s in LIB_SOURCES)], "the lab")
+        compile_c(gcc, [*CFLAGS, "-fvisibility=hidden", "-shared", f"-Wl,-soname,{LIB_NAME}", f"-I{abi}",
+                        "-o", str(tmp / LIB_NAME), *(str(CSRC / s) for s in LIB_SOURCES), "-ldl"], "the lab")
         compile_c(gcc, [*CFLAGS, "-o", str(tmp / WORKER_NAME), str(CSRC / WORKER_SOURCE),
                         f"-L{tmp}", f"-l:{LIB_NAME}", "-Wl,-rpath,$ORIGIN"], "the lab")
 

@@ -20,6 +20,8 @@ EPILOG = """examples:
   ingero lab run --scenario lossy-link --loss-percent 5 --trace --out out/lab
   ingero lab run --scenario cpu-hog --nodes 2 --ranks-per-node 2 --victim-rank 1
   ingero lab run --layout tp=2,pp=2,dp=2 --nodes 2 --ranks-per-node 4 --scenario slow-stage --stage 1
+  ingero lab run --device gpu --profiler --trace --steps 40   # enqueue on a device stream; device times
+  ingero lab run --device gpu --nonblocking --scenario slow-rank
   ingero lab cleanup        # remove namespaces/cgroups left by a crashed run
 
 scenarios:
@@ -52,7 +54,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--fault-after", type=float, default=None, metavar="SECONDS",
                    help="start the fault this long after the ranks start (time in lab.json: fault_injected_ns); "
                         "default: before they start")
-    r.add_argument("--compute-ms", type=float, default=40.0, help="GPU-like wait per step; default 40")
+    r.add_argument("--compute-ms", type=float, default=40.0, help="compute kernel per step; default 40")
+    r.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                   help="cpu: every NCCL call and kernel runs when it is called (default); gpu: they are "
+                   "enqueued on a device stream per rank and each step synchronises with it, as on a GPU")
+    r.add_argument("--nonblocking", action="store_true",
+                   help="non-blocking communicators (ncclConfig_t.blocking = 0, as PyTorch's "
+                   "TORCH_NCCL_USE_COMM_NONBLOCKING): calls return ncclInProgress and are polled")
+    r.add_argument("--profiler", action="store_true",
+                   help="every rank loads Ingero's NCCL profiler plugin (built like `ingero profiler build`); "
+                   "with --trace its device times land in nccl_profiler_events")
     r.add_argument("--background-load", type=int, default=0, metavar="N",
                    help="N busy processes (CPU spin and system-call churn, unpinned) keep the whole "
                    "machine busy, as on a shared node or in CI; default 0")
@@ -130,6 +141,13 @@ def _log(msg: str) -> None:
     print(msg, flush=True)
 
 
+def profiler_plugin() -> Path:
+    """Ingero's NCCL profiler plugin, built (or reused from the cache) as `ingero profiler build` does."""
+    import importlib
+
+    return importlib.import_module("ingero_agent.profiler_build").build_profiler()
+
+
 def _run(args) -> int:
     from ingero.lab import tracers as tr
     from ingero.lab.runner import LabConfig, LabRun
@@ -138,7 +156,8 @@ def _run(args) -> int:
                     seconds=args.seconds, steps=args.steps, loss_percent=args.loss_percent,
                     victim_rank=args.victim_rank, ipv6=args.ipv6, out_dir=args.out,
                     compute_ms=args.compute_ms, fault_after_s=args.fault_after,
-                    background_load=args.background_load, **job_shape(args))
+                    background_load=args.background_load, device=args.device, nonblocking=args.nonblocking,
+                    profiler_plugin=profiler_plugin() if args.profiler else None, **job_shape(args))
     if cfg.fault_after_s is not None and cfg.fault_after_s < 0:
         raise IngeroError("--fault-after must be >= 0")
     if cfg.seconds <= 0 and cfg.steps <= 0:
@@ -148,11 +167,8 @@ def _run(args) -> int:
     try:
         with LabRun(cfg, log=_log) as lab:
             if args.trace:
-                tracers = tr.start_tracers(lab.out, {n.name: lab.pods_file(n) for n in lab.nodes},
-                                         nccl_lib=lab.binaries.libnccl)
-                lab.on_close.append(lambda: tr.stop_tracers(tracers, timeout_s=10))
-                _log(f"lab {lab.run_id}: waiting for {len(tracers)} tracers")
-                tr.wait_ready(tracers)
+                _log(f"lab {lab.run_id}: waiting for {len(lab.nodes)} tracers")
+                tracers = tr.start_lab_tracers(lab)
             lab.start_ranks()
             codes = lab.wait()
             if tracers:
@@ -167,6 +183,7 @@ def _run(args) -> int:
 
 def _summary(lab, codes: dict[int, int], trace_db) -> int:
     lay = f", layout tp={lab.layout[0]},pp={lab.layout[1]},dp={lab.layout[2]}" if lab.layout else ""
+    lay += f", device {lab.cfg.device}" + (", non-blocking" if lab.cfg.nonblocking else "")
     if lab.cfg.scenario == "slow-stage":
         who = f"stage {lab.cfg.stage}"
     elif lab.cfg.scenario in ("clean", "imbalance"):

@@ -32,6 +32,7 @@ from ingero.lab.build import LabBinaries, build_lab_binaries
 from ingero.lab.load import start_background_load
 from ingero.lab.netns import LabNetwork, LabNode, in_netns, tcp_counters
 
+DEVICES = ("cpu", "gpu")
 STEP_LINE = re.compile(r"^rank (\d+) step (\d+) step_ms ([\d.]+)")
 
 
@@ -60,6 +61,9 @@ class LabConfig:
     microbatches: int = 4          # per step, with a layout
     stage: int = 1                 # slow-stage: the pipeline stage that computes slow_factor times longer
     imbalance: float = 1.0         # imbalance: each rank's per-step compute factor is drawn from [1, 1 + this]
+    device: str = "cpu"            # "gpu": work is enqueued on a device stream per rank (INGERO_LAB_DEVICE)
+    nonblocking: bool = False      # non-blocking communicators (ncclConfig_t.blocking = 0)
+    profiler_plugin: Path | None = None  # an NCCL profiler plugin every rank loads (NCCL_PROFILER_PLUGIN)
     timeout_s: int = 60            # a rank whose peer stops answering fails after this
     master_port: int = 29500
     progress_every_s: float = 3.0
@@ -101,6 +105,10 @@ class LabRun:
             raise IngeroError("slow-stage needs a pipeline: give --layout tp=T,pp=P,dp=D with P > 1")
         if not 1 <= cfg.microbatches <= 64:
             raise IngeroError(f"--microbatches {cfg.microbatches} is out of range: use 1 to 64")
+        if cfg.device not in DEVICES:
+            raise IngeroError(f"--device {cfg.device!r}: use one of {', '.join(DEVICES)}")
+        if cfg.profiler_plugin is not None and not Path(cfg.profiler_plugin).is_file():
+            raise IngeroError(f"profiler plugin {cfg.profiler_plugin} is not a file")
         self.victim = cfg.world - 1 if cfg.victim_rank is None else cfg.victim_rank
         if not 0 <= self.victim < cfg.world:
             raise IngeroError(f"--victim-rank {self.victim} is out of range: use 0 to {cfg.world - 1}")
@@ -228,9 +236,12 @@ class LabRun:
             "INGERO_LAB_SECONDS": str(c.seconds if c.steps <= 0 else 0),
             "INGERO_LAB_STEPS": str(max(c.steps, 0)), "INGERO_LAB_COMPUTE_MS": str(c.compute_ms),
             "INGERO_LAB_CPU_MS": str(c.cpu_ms), "INGERO_LAB_ELEMS": str(c.elems),
-            "INGERO_LAB_TIMEOUT_S": str(c.timeout_s), "POD_NAME": rp.pod.name,
+            "INGERO_LAB_TIMEOUT_S": str(c.timeout_s), "INGERO_LAB_DEVICE": c.device,
+            "INGERO_LAB_NONBLOCKING": "1" if c.nonblocking else "0", "POD_NAME": rp.pod.name,
             "POD_NAMESPACE": rp.pod.namespace, "NODE_NAME": rp.node.name,
         })
+        if c.profiler_plugin is not None:
+            env["NCCL_PROFILER_PLUGIN"] = str(Path(c.profiler_plugin).resolve())
         if self.layout is not None:
             env["INGERO_LAB_LAYOUT"] = ",".join(map(str, self.layout))
             env["INGERO_LAB_MICROBATCHES"] = str(c.microbatches)

@@ -38,8 +38,8 @@ class NodeTracer:
             return ""
 
 
-def start_tracers(out_dir: Path, pods_files: dict[str, Path], nccl_lib: Path | None = None
-                  ) -> list[NodeTracer]:
+def start_tracers(out_dir: Path, pods_files: dict[str, Path], nccl_lib: Path | None = None,
+                  profiler_lib: Path | None = None) -> list[NodeTracer]:
     """Start one tracer per node ({node name: pods file}).
 
     `nccl_lib` attaches the NCCL probes to that library file before any rank
@@ -47,6 +47,8 @@ def start_tracers(out_dir: Path, pods_files: dict[str, Path], nccl_lib: Path | N
     their communicators within milliseconds of starting, faster than a
     tracer's periodic scan would find the library in their maps, and a
     communicator whose creation was missed has no rank or id hash.
+    `profiler_lib` does the same for Ingero's NCCL profiler plugin, which
+    the ranks load at their first communicator.
     """
     tracers = []
     nodes_dir = out_dir / "nodes"
@@ -58,6 +60,8 @@ def start_tracers(out_dir: Path, pods_files: dict[str, Path], nccl_lib: Path | N
                 "--out", str(out), "--ready-file", str(ready), "--quiet"]
         if nccl_lib is not None:
             argv += ["--nccl-lib", str(nccl_lib)]
+        if profiler_lib is not None:
+            argv += ["--profiler-lib", str(profiler_lib)]
         with open(log, "wb") as f:
             proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
@@ -113,6 +117,16 @@ def merge(tracers: list[NodeTracer], dest: Path) -> Path:
     return dest
 
 
+def start_lab_tracers(lab) -> list[NodeTracer]:
+    """A tracer per node of a LabRun, attached to its NCCL library (and profiler plugin) up
+    front, stopped when the lab closes; returns once every tracer is ready."""
+    tracers = start_tracers(lab.out, {n.name: lab.pods_file(n) for n in lab.nodes},
+                           nccl_lib=lab.binaries.libnccl, profiler_lib=lab.cfg.profiler_plugin)
+    lab.on_close.append(lambda: stop_tracers(tracers, timeout_s=10))
+    wait_ready(tracers)
+    return tracers
+
+
 @dataclass
 class TracedRun:
     db: Path                   # the merged trace.duckdb
@@ -127,10 +141,7 @@ def run_traced(cfg, log=lambda _m: None) -> TracedRun:
     from ingero.lab.runner import LabRun
 
     with LabRun(cfg, log=log) as lab:
-        tracers = start_tracers(lab.out, {n.name: lab.pods_file(n) for n in lab.nodes},
-                                nccl_lib=lab.binaries.libnccl)
-        lab.on_close.append(lambda: stop_tracers(tracers, timeout_s=10))
-        wait_ready(tracers)
+        tracers = start_lab_tracers(lab)
         lab.start_ranks()
         codes = lab.wait()
         stops = stop_tracers(tracers)

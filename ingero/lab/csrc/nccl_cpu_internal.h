@@ -1,10 +1,12 @@
-/* nccl_cpu_internal.h: what nccl_cpu.c (API, collectives) and nccl_net.c
- * (TCP bootstrap, mesh set-up, nonblocking transfer engine) share.
+/* nccl_cpu_internal.h: what nccl_cpu.c (API, collectives, groups), nccl_net.c
+ * (TCP bootstrap, mesh set-up, nonblocking transfer engine) and nccl_dev.c (the
+ * device: stream thread and GPU timer) share.
  * Not installed; not part of the NCCL API.
  */
 #ifndef NCCL_CPU_INTERNAL_H_
 #define NCCL_CPU_INTERNAL_H_
 
+#include <stdatomic.h>
 #include <stdint.h>
 #include <sys/socket.h>
 #include "nccl.h"
@@ -36,6 +38,13 @@ struct ncclComm {
   int timeout_ms;        /* no progress for this long -> ncclRemoteError */
   int aborted;
   uint32_t splits;        /* ncclCommSplit calls so far (same on every rank) */
+  int nnodes;            /* distinct host addresses among the ranks */
+  int blocking;          /* 0: a non-blocking communicator (ncclConfig_t.blocking = 0) */
+  _Atomic int state;     /* ncclCommGetAsyncError: ncclInProgress while an init, split or
+                            launch is under way on another thread, then its result */
+  uint64_t prof_hash;    /* what a profiler plugin gets as commHash (not id_hash: NCCL's own) */
+  void *prof_ctx;        /* the profiler plugin's context (NULL: none) */
+  uint64_t seq[8];       /* launched collectives per function (enum kind): NCCL's seqNumber */
   char last_error[256];
 };
 
@@ -47,6 +56,7 @@ struct ncpu_op {
   char *buf;
   size_t len;
   size_t done;
+  uint64_t t_done;       /* CLOCK_MONOTONIC_RAW ns when the last byte moved */
 };
 
 /* nccl_net.c */
@@ -62,6 +72,17 @@ void ncpu_set_error(struct ncclComm *comm, const char *fmt, ...);
 const char *ncpu_thread_error(void);
 uint64_t ncpu_mix(uint64_t x);
 uint64_t ncpu_hash_id(const ncclUniqueId *id);
+
+/* nccl_dev.c: work runs on the device (INGERO_LAB_DEVICE=gpu: its thread, in order;
+ * cpu: in the calling thread, at once). A work function gets cancelled = 1
+ * after an earlier item failed: it must only free its argument. */
+typedef ncclResult_t (*ncpu_work_fn)(void *arg, int cancelled);
+ncclResult_t ncpu_dev_check(void);           /* a bad INGERO_LAB_DEVICE: ncclInvalidArgument */
+int ncpu_dev_async(void);
+ncclResult_t ncpu_dev_enqueue(ncpu_work_fn fn, void *arg);
+ncclResult_t ncpu_dev_sync(void);            /* waits for what was enqueued; the sticky error */
+uint64_t ncpu_dev_raw(void);                 /* CLOCK_MONOTONIC_RAW, ns */
+uint64_t ncpu_dev_timer(uint64_t raw);       /* the GPU timer at that raw time */
 
 /* nccl_coll.c: collective algorithms over a comm's mesh; count in elements. */
 size_t ncpu_type_size(ncclDataType_t t);

@@ -278,9 +278,23 @@ static void tune(int fd) {
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
 }
 
+static int same_host(const struct sockaddr_storage *a, const struct sockaddr_storage *b) {
+  if (a->ss_family != b->ss_family) return 0;
+  if (a->ss_family == AF_INET6)
+    return !memcmp(&((const struct sockaddr_in6 *)a)->sin6_addr, &((const struct sockaddr_in6 *)b)->sin6_addr, 16);
+  return ((const struct sockaddr_in *)a)->sin_addr.s_addr == ((const struct sockaddr_in *)b)->sin_addr.s_addr;
+}
+
+/* Also sets comm->nnodes: the distinct host addresses in addrs (a lab node is a network namespace). */
 ncclResult_t ncpu_build_mesh(struct ncclComm *comm, int lfd, const struct sockaddr_storage *addrs,
                              uint64_t tag) {
   int me = comm->rank;
+  comm->nnodes = 0;
+  for (int j = 0; j < comm->nranks; j++) {
+    int k = 0;
+    while (k < j && !same_host(&addrs[k], &addrs[j])) k++;
+    comm->nnodes += k == j;
+  }
   for (int j = 0; j < comm->nranks; j++) comm->fds[j] = -1;
   for (int j = 0; j < me; j++) {
     int fd = connect_retry(&addrs[j], comm->timeout_ms);
@@ -407,7 +421,11 @@ ncclResult_t ncpu_run_ops(struct ncclComm *comm, struct ncpu_op *ops, int nops) 
       ssize_t got = o->is_send
                         ? send(o->fd, o->buf + o->done, o->len - o->done, MSG_NOSIGNAL)
                         : recv(o->fd, o->buf + o->done, o->len - o->done, 0);
-      if (got > 0) { o->done += (size_t)got; continue; }
+      if (got > 0) {
+        o->done += (size_t)got;
+        if (o->done == o->len) o->t_done = ncpu_dev_raw();
+        continue;
+      }
       if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
       ncpu_set_error(comm, "rank %d: connection to rank %d %s", comm->rank, o->peer,
                      got == 0 ? "closed by the peer" : strerror(errno));

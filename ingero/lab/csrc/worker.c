@@ -8,11 +8,24 @@
  *   A  ncclCommInitRank(world) with id X
  *   B  ncclCommInitRankConfig(world) with X whose last 8 bytes are flipped
  *   C  ncclCommSplit(A, color = GROUP_RANK, key = LOCAL_RANK)   (per node)
- * Each step: host-side busy work (INGERO_LAB_CPU_MS, default 3 ms), a GPU-like
- * wait (INGERO_LAB_COMPUTE_MS, default 40 ms, a sleep), an optional
- * checkpoint (INGERO_LAB_IO_MB written to INGERO_LAB_IO_DIR and fsync'd),
- * then AllReduce (A, float32, INGERO_LAB_ELEMS elements), AllGather (B),
- * ReduceScatter and Broadcast (C), and a ring Send/Recv in a group (A).
+ * Each step: host-side busy work (INGERO_LAB_CPU_MS, default 3 ms), a compute
+ * kernel (INGERO_LAB_COMPUTE_MS, default 40 ms, a sleep on the device), an
+ * optional checkpoint (INGERO_LAB_IO_MB written to INGERO_LAB_IO_DIR and
+ * fsync'd), then AllReduce (A, float32, INGERO_LAB_ELEMS elements), AllGather
+ * (B), ReduceScatter and Broadcast (C), and a ring Send/Recv in a group (A);
+ * then the step synchronises with the device (labStreamSynchronize, like
+ * loss.item()) and checks every result.
+ *
+ * The device (lab_device.h, INGERO_LAB_DEVICE): on the CPU device (default)
+ * kernels and NCCL calls run when they are called; on the GPU-like one
+ * (gpu) they are enqueued on the device's stream and the host runs ahead until
+ * the step's synchronisation; there a checkpoint is written after it (the
+ * model state has to come off the device first). INGERO_LAB_NONBLOCKING=1:
+ * every communicator is non-blocking (ncclConfig_t.blocking = 0, PyTorch's
+ * TORCH_NCCL_USE_COMM_NONBLOCKING): A and B are created with
+ * ncclCommInitRankConfig, splits pass the config, and after each call that
+ * returns ncclInProgress the host polls ncclCommGetAsyncError until it
+ * settles, as PyTorch does.
  *
  * A fault that starts later (`ingero lab --fault-after`): from wall-clock time
  * INGERO_LAB_FAULT_FROM_NS on, the step uses INGERO_LAB_FAULT_COMPUTE_MS and
@@ -37,9 +50,12 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "lab_device.h"
 #include "nccl.h"
 
 static int g_rank = -1;
+static int g_nonblocking;   /* INGERO_LAB_NONBLOCKING: non-blocking communicators */
+static int g_async;         /* the device is GPU-like: work runs after the call returned */
 
 static void die(int code, const char *fmt, const char *a, const char *b) {
   fprintf(stderr, "ingero-lab-worker: rank %d: ", g_rank);
@@ -54,6 +70,29 @@ static void nccl_check(ncclResult_t r, const char *what, ncclComm_t comm) {
   snprintf(msg, sizeof msg, "%s (%s)", ncclGetErrorString(r), ncclGetLastError(comm));
   die(3, "%s failed: %s", what, msg);
 }
+
+/* An NCCL call's result: ncclInProgress (a non-blocking communicator) is polled
+ * with ncclCommGetAsyncError until it settles; anything but success exits. */
+static void settle(ncclResult_t r, const char *what, ncclComm_t comm) {
+  while (r == ncclInProgress && comm) {
+    struct timespec ts = {0, 20000};
+    nanosleep(&ts, NULL);
+    if (ncclCommGetAsyncError(comm, &r) != ncclSuccess) break;
+  }
+  nccl_check(r, what, comm);
+}
+
+/* The step's synchronisation point: the host waits for the device to drain. */
+static void step_sync(void) {
+  ncclResult_t r = labStreamSynchronize(NULL);
+  if (r != ncclSuccess) {
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s (%s)", ncclGetErrorString(r), ncclGetLastError(NULL));
+    die(3, "%s failed: %s", "the device", msg);
+  }
+}
+
+static void compute(double ms) { nccl_check(labLaunchKernel(ms, NULL), "labLaunchKernel", NULL); }
 
 static long env_long(const char *name, long def) {
   const char *v = getenv(name);
@@ -149,11 +188,6 @@ static void busy_ms(double ms) {
     for (int i = 0; i < 2000; i++) x = x * 1.0000001 + 1e-9;
 }
 
-static void sleep_ms(double ms) {
-  struct timespec ts = {(time_t)(ms / 1000), (long)((ms - 1000.0 * (long)(ms / 1000)) * 1e6)};
-  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {}
-}
-
 static void checkpoint(const char *dir, int rank, long mb, char *junk, size_t junk_len) {
   char path[4096];
   snprintf(path, sizeof path, "%s/ingero-lab-rank%d.ckpt", dir, rank);
@@ -210,12 +244,15 @@ static int newer_collectives(ncclComm_t comm, int world, long step) {
   float *s = malloc(sizeof(float) * N * world), *r = malloc(sizeof(float) * N * world);
   for (int p = 0; p < world; p++)
     for (int i = 0; i < N; i++) s[p * N + i] = (float)(g_rank * 1000 + p) + (float)(step % 3);
-  nccl_check(ncclAlltoAll(s, r, N, ncclFloat32, comm, NULL), "ncclAlltoAll", comm);
+  settle(ncclAlltoAll(s, r, N, ncclFloat32, comm, NULL), "ncclAlltoAll", comm);
+  step_sync();
   for (int p = 0; p < world; p++) bad |= r[p * N] != (float)(p * 1000 + g_rank) + (float)(step % 3);
-  nccl_check(ncclGather(s, r, N, ncclFloat32, 0, comm, NULL), "ncclGather", comm);
+  settle(ncclGather(s, r, N, ncclFloat32, 0, comm, NULL), "ncclGather", comm);
+  step_sync();
   if (g_rank == 0)
     for (int p = 0; p < world; p++) bad |= r[p * N + N - 1] != (float)(p * 1000) + (float)(step % 3);
-  nccl_check(ncclScatter(s, r, N, ncclFloat32, world - 1, comm, NULL), "ncclScatter", comm);
+  settle(ncclScatter(s, r, N, ncclFloat32, world - 1, comm, NULL), "ncclScatter", comm);
+  step_sync();
   bad |= r[0] != (float)((world - 1) * 1000 + g_rank) + (float)(step % 3);
   if (bad) fprintf(stderr, "ingero-lab-worker: rank %d step %ld: wrong alltoall/gather/scatter result\n", g_rank, step);
   free(s); free(r);
@@ -265,21 +302,35 @@ static int run_layout(const char *spec, int world, int node, int local_rank, con
   int t = g_rank % T, p = (g_rank / T) % P, d = g_rank / (T * P);
   ncclUniqueId id;
   exchange_id(&id, world, run_id, timeout_s);
-  ncclComm_t W, TP = NULL, DP = NULL, PP = NULL;
+  ncclComm_t W = NULL, TP = NULL, DP = NULL, PP = NULL;
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER, *split_cfg = NULL;
   double t_init = now_s();
-  nccl_check(ncclCommInitRank(&W, world, id, g_rank), "ncclCommInitRank", NULL);
-  nccl_check(ncclCommSplit(W, d * P + p, t, &TP, NULL), "ncclCommSplit(tensor)", W);
-  nccl_check(ncclCommSplit(W, p * T + t, d, &DP, NULL), "ncclCommSplit(data)", W);
-  nccl_check(ncclCommSplit(W, d * T + t, p, &PP, NULL), "ncclCommSplit(pipeline)", W);
+  ncclResult_t r;
+  if (g_nonblocking) {
+    cfg.blocking = 0;
+    split_cfg = &cfg;
+    r = ncclCommInitRankConfig(&W, world, id, g_rank, &cfg);
+    settle(r, "ncclCommInitRankConfig", W);
+  } else {
+    nccl_check(ncclCommInitRank(&W, world, id, g_rank), "ncclCommInitRank", NULL);
+  }
+  r = ncclCommSplit(W, d * P + p, t, &TP, split_cfg);
+  settle(r, "ncclCommSplit(tensor)", W);
+  r = ncclCommSplit(W, p * T + t, d, &DP, split_cfg);
+  settle(r, "ncclCommSplit(data)", W);
+  r = ncclCommSplit(W, d * T + t, p, &PP, split_cfg);
+  settle(r, "ncclCommSplit(pipeline)", W);
   int rp;
   ncclCommUserRank(PP, &rp);
   if (rp != p) die(3, "pipeline group numbers this rank %s, not its stage%s", rp == p ? "" : "wrongly", "");
   printf("rank %d/%d (node %d, local %d): layout tp=%d pp=%d dp=%d, stage %d, tp %d, dp %d; communicators ready in %.0f ms\n",
          g_rank, world, node, local_rank, T, P, D, p, t, d, (now_s() - t_init) * 1e3);
   fflush(stdout);
-  size_t act_n = 16384, tp_n = 8192, dp_n = 65536 - 65536 % (size_t)D;
-  float *act = malloc(act_n * 4), *tpb = malloc(tp_n * 4), *dps = malloc(dp_n * 4);
-  float *dpr = malloc(dp_n / D * 4), *dpg = malloc(dp_n * 4), flag[4];
+  /* one buffer per (pass, microbatch): on the GPU-like device the host fills the
+   * next send while earlier work is still queued, and checks only after the sync */
+  size_t act_n = 16384, tp_n = 8192, dp_n = 65536 - 65536 % (size_t)D, slots = 2 * (size_t)M;
+  float *actr = malloc(slots * act_n * 4), *acts = malloc(slots * act_n * 4), *tpb = malloc(slots * tp_n * 4);
+  float *dps = malloc(dp_n * 4), *dpr = malloc(dp_n / D * 4), *dpg = malloc(dp_n * 4), flag[4];
   size_t junk_len = 1 << 20;
   char *junk = malloc(junk_len);
   memset(junk, 0xab, junk_len);
@@ -292,38 +343,50 @@ static int run_layout(const char *spec, int world, int node, int local_rank, con
     double c = (faulty ? fault_compute_ms : compute_ms) * imbalance_factor(imb, g_rank, step);
     busy_ms(cpu_ms);
     long mb = faulty ? fault_io_mb : io_mb;
-    if (mb > 0) checkpoint(io_dir, g_rank, mb, junk, junk_len);
+    if (mb > 0 && !g_async) checkpoint(io_dir, g_rank, mb, junk, junk_len);
     for (int pass = 0; pass < 2; pass++) {           /* 0: forward, 1: backward */
       int from = pass == 0 ? p - 1 : p + 1, to = pass == 0 ? p + 1 : p - 1;
       for (long m = 0; m < M; m++) {
-        float tag = (float)((step % 1000) * 64 + m * 2 + pass);
-        if (from >= 0 && from < P) {
-          nccl_check(ncclRecv(act, act_n, ncclFloat32, from, PP, NULL), "ncclRecv", PP);
-          if (check_block(act, act_n, tag + 0.25f * (float)from, "activations", step)) return 4;
-        }
-        sleep_ms(c * (pass == 0 ? 1.0 : 2.0) / (3.0 * (double)M));
+        size_t slot = (size_t)(pass * M + m);
+        float tag = (float)((step % 1000) * 64 + m * 2 + pass), *ra = actr + slot * act_n;
+        float *sa = acts + slot * act_n, *tb = tpb + slot * tp_n;
+        if (from >= 0 && from < P) settle(ncclRecv(ra, act_n, ncclFloat32, from, PP, NULL), "ncclRecv", PP);
+        compute(c * (pass == 0 ? 1.0 : 2.0) / (3.0 * (double)M));
         if (T > 1) {
-          for (size_t i = 0; i < tp_n; i++) tpb[i] = (float)(t + 1);
-          nccl_check(ncclAllReduce(tpb, tpb, tp_n, ncclFloat32, ncclSum, TP, NULL), "ncclAllReduce(tensor)", TP);
-          if (check_block(tpb, tp_n, (float)(T * (T + 1) / 2), "tensor all-reduce", step)) return 4;
+          for (size_t i = 0; i < tp_n; i++) tb[i] = (float)(t + 1);
+          settle(ncclAllReduce(tb, tb, tp_n, ncclFloat32, ncclSum, TP, NULL), "ncclAllReduce(tensor)", TP);
         }
         if (to >= 0 && to < P) {
-          for (size_t i = 0; i < act_n; i++) act[i] = tag + 0.25f * (float)p;
-          nccl_check(ncclSend(act, act_n, ncclFloat32, to, PP, NULL), "ncclSend", PP);
+          for (size_t i = 0; i < act_n; i++) sa[i] = tag + 0.25f * (float)p;
+          settle(ncclSend(sa, act_n, ncclFloat32, to, PP, NULL), "ncclSend", PP);
         }
       }
     }
     if (D > 1) {
       for (size_t i = 0; i < dp_n; i++) dps[i] = (float)(d + 1);
-      nccl_check(ncclReduceScatter(dps, dpr, dp_n / D, ncclFloat32, ncclSum, DP, NULL), "ncclReduceScatter", DP);
-      if (check_block(dpr, dp_n / D, (float)(D * (D + 1) / 2), "data-parallel reduce-scatter", step)) return 4;
-      nccl_check(ncclAllGather(dpr, dpg, dp_n / D, ncclFloat32, DP, NULL), "ncclAllGather", DP);
-      if (check_block(dpg, dp_n, (float)(D * (D + 1) / 2), "data-parallel all-gather", step)) return 4;
+      settle(ncclReduceScatter(dps, dpr, dp_n / D, ncclFloat32, ncclSum, DP, NULL), "ncclReduceScatter", DP);
+      settle(ncclAllGather(dpr, dpg, dp_n / D, ncclFloat32, DP, NULL), "ncclAllGather", DP);
     }
     int stop = (steps_max > 0 && step + 1 >= steps_max) || (seconds > 0 && now_s() - t0 >= seconds);
     flag[0] = g_rank == 0 ? (float)stop : 0.0f;
     flag[1] = flag[2] = flag[3] = 1.0f;
-    nccl_check(ncclAllReduce(flag, flag, 4, ncclFloat32, ncclSum, W, NULL), "ncclAllReduce(world)", W);
+    settle(ncclAllReduce(flag, flag, 4, ncclFloat32, ncclSum, W, NULL), "ncclAllReduce(world)", W);
+    step_sync();
+    if (mb > 0 && g_async) checkpoint(io_dir, g_rank, mb, junk, junk_len);
+    for (int pass = 0; pass < 2; pass++) {
+      int from = pass == 0 ? p - 1 : p + 1;
+      for (long m = 0; m < M; m++) {
+        size_t slot = (size_t)(pass * M + m);
+        float tag = (float)((step % 1000) * 64 + m * 2 + pass);
+        if (from >= 0 && from < P && check_block(actr + slot * act_n, act_n, tag + 0.25f * (float)from, "activations", step))
+          return 4;
+        if (T > 1 && check_block(tpb + slot * tp_n, tp_n, (float)(T * (T + 1) / 2), "tensor all-reduce", step))
+          return 4;
+      }
+    }
+    if (D > 1 && (check_block(dpr, dp_n / D, (float)(D * (D + 1) / 2), "data-parallel reduce-scatter", step) ||
+                  check_block(dpg, dp_n, (float)(D * (D + 1) / 2), "data-parallel all-gather", step)))
+      return 4;
     if (flag[3] != (float)world) {
       fprintf(stderr, "ingero-lab-worker: rank %d step %ld: wrong world all-reduce\n", g_rank, step);
       return 4;
@@ -339,7 +402,7 @@ static int run_layout(const char *spec, int world, int node, int local_rank, con
   printf("{\"rank\": %d, \"node\": %d, \"local_rank\": %d, \"world_size\": %d, \"layout\": \"%d,%d,%d\", "
          "\"stage\": %d, ", g_rank, node, local_rank, world, T, P, D, p);
   print_steps(&st);
-  printf(", \"elapsed_s\": %.3f, \"verified\": true}\n", now_s() - t0);
+  printf(", \"device\": \"%s\", \"elapsed_s\": %.3f, \"verified\": true}\n", g_async ? "gpu" : "cpu", now_s() - t0);
   return 0;
 }
 
@@ -360,6 +423,9 @@ int main(void) {
   double fault_compute_ms = env_double("INGERO_LAB_FAULT_COMPUTE_MS", compute_ms);
   long fault_io_mb = env_long("INGERO_LAB_FAULT_IO_MB", io_mb);
   const char *layout = getenv("INGERO_LAB_LAYOUT");
+  g_nonblocking = env_long("INGERO_LAB_NONBLOCKING", 0) != 0;
+  if (labStreamSynchronize(NULL) != ncclSuccess) die(2, "%s%s", ncclGetLastError(NULL), "");
+  g_async = labDeviceAsync();
   if (layout && *layout)
     return run_layout(layout, world, node, local_rank, run_id, timeout_s, steps_max, seconds, cpu_ms, compute_ms,
                       io_mb, io_dir, fault_from_ns, fault_compute_ms, fault_io_mb, every);
@@ -371,26 +437,38 @@ int main(void) {
   idB = idA;
   for (int i = 120; i < 128; i++) idB.internal[i] ^= (char)0x5a;
 
-  ncclComm_t A, B, C;
+  ncclComm_t A = NULL, B = NULL, C = NULL;
   ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  if (g_nonblocking) cfg.blocking = 0;
   double t_init = now_s();
   /* [probes] Like PyTorch: above TORCH_NCCL_RANKS_PER_ROOT (default 128) ranks the world
    * comes from ncclCommInitRankScalable with one id per ceil(world / per_root) roots, the
    * same list on every rank (extra ids derived from X; the CPU library bootstraps through
-   * ids[0]). INGERO_LAB_NEWER_COLLECTIVES=1: AlltoAll, Gather, Scatter once per step. */
+   * ids[0]). INGERO_LAB_NEWER_COLLECTIVES=1: AlltoAll, Gather, Scatter once per step.
+   * Non-blocking: A and B are both under way before either is waited for. */
   long per_root = env_long("TORCH_NCCL_RANKS_PER_ROOT", 128);
   int newer_colls = env_long("INGERO_LAB_NEWER_COLLECTIVES", 0) != 0;
+  ncclResult_t rA, rB, r;
+  const char *how_a = "ncclCommInitRank";
   if (per_root > 0 && world > per_root) {
     int nroots = (int)((world + per_root - 1) / per_root);
     ncclUniqueId *ids = calloc((size_t)nroots, sizeof *ids);
     for (int k = 0; k < nroots; k++) { ids[k] = idA; ids[k].internal[100] ^= (char)k; }
-    nccl_check(ncclCommInitRankScalable(&A, world, g_rank, nroots, ids, &cfg), "ncclCommInitRankScalable", NULL);
+    how_a = "ncclCommInitRankScalable";
+    rA = ncclCommInitRankScalable(&A, world, g_rank, nroots, ids, &cfg);
     free(ids);
+  } else if (g_nonblocking) {
+    how_a = "ncclCommInitRankConfig";
+    rA = ncclCommInitRankConfig(&A, world, idA, g_rank, &cfg);
   } else {
-    nccl_check(ncclCommInitRank(&A, world, idA, g_rank), "ncclCommInitRank", NULL);
+    rA = ncclCommInitRank(&A, world, idA, g_rank);
   }
-  nccl_check(ncclCommInitRankConfig(&B, world, idB, g_rank, &cfg), "ncclCommInitRankConfig", NULL);
-  nccl_check(ncclCommSplit(A, node, local_rank, &C, NULL), "ncclCommSplit", A);
+  if (rA != ncclInProgress) settle(rA, how_a, A);
+  rB = ncclCommInitRankConfig(&B, world, idB, g_rank, &cfg);
+  settle(rA, how_a, A);
+  settle(rB, "ncclCommInitRankConfig", B);
+  r = ncclCommSplit(A, node, local_rank, &C, g_nonblocking ? &cfg : NULL);
+  settle(r, "ncclCommSplit", A);
   int nC, rC, version;
   ncclCommCount(C, &nC);
   ncclCommUserRank(C, &rC);
@@ -415,14 +493,27 @@ int main(void) {
     double ts = now_s();
     int faulty = fault_from_ns > 0 && wall_ns() >= fault_from_ns;
     busy_ms(cpu_ms);
-    sleep_ms(faulty ? fault_compute_ms : compute_ms);
+    compute(faulty ? fault_compute_ms : compute_ms);
     long mb = faulty ? fault_io_mb : io_mb;
-    if (mb > 0) checkpoint(io_dir, g_rank, mb, junk, junk_len);
+    if (mb > 0 && !g_async) checkpoint(io_dir, g_rank, mb, junk, junk_len);
     int stop = (steps_max > 0 && step + 1 >= steps_max) || (seconds > 0 && now_s() - t0 >= seconds);
     float base = (float)(step % 5);
     for (long i = 0; i < elems - 1; i++) send[i] = (float)(g_rank + 1) * (float)(i % 7 + 1) + base;
     send[elems - 1] = g_rank == 0 ? (float)stop : 0.0f;
-    nccl_check(ncclAllReduce(send, recv, elems, ncclFloat32, ncclSum, A, NULL), "ncclAllReduce", A);
+    settle(ncclAllReduce(send, recv, elems, ncclFloat32, ncclSum, A, NULL), "ncclAllReduce", A);
+    for (size_t i = 0; i < ag_n; i++) ag_in[i] = (float)g_rank;
+    settle(ncclAllGather(ag_in, ag_out, ag_n, ncclFloat32, B, NULL), "ncclAllGather", B);
+    settle(ncclReduceScatter(send, rs_out, rs_n, ncclFloat32, ncclMax, C, NULL), "ncclReduceScatter", C);
+    for (size_t i = 0; i < bc_n; i++) bc[i] = rC == 0 ? (float)step : -1.0f;
+    settle(ncclBroadcast(bc, bc, bc_n, ncclFloat32, 0, C, NULL), "ncclBroadcast", C);
+    for (size_t i = 0; i < p2p_n; i++) p2p_out[i] = (float)g_rank;
+    nccl_check(ncclGroupStart(), "ncclGroupStart", A);
+    nccl_check(ncclSend(p2p_out, p2p_n, ncclFloat32, next, A, NULL), "ncclSend", A);
+    nccl_check(ncclRecv(p2p_in, p2p_n, ncclFloat32, prev, A, NULL), "ncclRecv", A);
+    settle(ncclGroupEnd(), "ncclGroupEnd", A);
+    if (newer_colls && newer_collectives(A, world, step) != 0) return 4;  /* [probes] */
+    step_sync();
+    if (mb > 0 && g_async) checkpoint(io_dir, g_rank, mb, junk, junk_len);
     float rsum = (float)world * (world + 1) / 2;
     for (long i = 0; i < elems - 1; i++)
       if (recv[i] != rsum * (float)(i % 7 + 1) + base * world) {
@@ -431,31 +522,19 @@ int main(void) {
         return 4;
       }
     stop = recv[elems - 1] != 0.0f;
-
-    for (size_t i = 0; i < ag_n; i++) ag_in[i] = (float)g_rank;
-    nccl_check(ncclAllGather(ag_in, ag_out, ag_n, ncclFloat32, B, NULL), "ncclAllGather", B);
     for (int r = 0; r < world; r++)
       if (ag_out[(size_t)r * ag_n] != (float)r || ag_out[(size_t)r * ag_n + ag_n - 1] != (float)r) {
         fprintf(stderr, "ingero-lab-worker: rank %d: wrong all-gather block %d\n", g_rank, r);
         return 4;
       }
-    nccl_check(ncclReduceScatter(send, rs_out, rs_n, ncclFloat32, ncclMax, C, NULL), "ncclReduceScatter", C);
-    for (size_t i = 0; i < bc_n; i++) bc[i] = rC == 0 ? (float)step : -1.0f;
-    nccl_check(ncclBroadcast(bc, bc, bc_n, ncclFloat32, 0, C, NULL), "ncclBroadcast", C);
     if (bc[bc_n - 1] != (float)step) {
       fprintf(stderr, "ingero-lab-worker: rank %d: wrong broadcast\n", g_rank);
       return 4;
     }
-    for (size_t i = 0; i < p2p_n; i++) p2p_out[i] = (float)g_rank;
-    nccl_check(ncclGroupStart(), "ncclGroupStart", A);
-    nccl_check(ncclSend(p2p_out, p2p_n, ncclFloat32, next, A, NULL), "ncclSend", A);
-    nccl_check(ncclRecv(p2p_in, p2p_n, ncclFloat32, prev, A, NULL), "ncclRecv", A);
-    nccl_check(ncclGroupEnd(), "ncclGroupEnd", A);
     if (p2p_in[0] != (float)prev || p2p_in[p2p_n - 1] != (float)prev) {
       fprintf(stderr, "ingero-lab-worker: rank %d: wrong data received from rank %d\n", g_rank, prev);
       return 4;
     }
-    if (newer_colls && newer_collectives(A, world, step) != 0) return 4;  /* [probes] */
     step_done(&st, (now_s() - ts) * 1e3);
     step++;
     if (stop) break;
@@ -465,6 +544,6 @@ int main(void) {
   ncclCommDestroy(A);
   printf("{\"rank\": %d, \"node\": %d, \"local_rank\": %d, \"world_size\": %d, ", g_rank, node, local_rank, world);
   print_steps(&st);
-  printf(", \"elapsed_s\": %.3f, \"verified\": true}\n", now_s() - t0);
+  printf(", \"device\": \"%s\", \"elapsed_s\": %.3f, \"verified\": true}\n", g_async ? "gpu" : "cpu", now_s() - t0);
   return 0;
 }
