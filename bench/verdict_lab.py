@@ -1,12 +1,15 @@
 """How often the verdict is right on real lab jobs: every fault, quiet and under load.
 
-    python -m bench.verdict_lab [--runs 3] [--background-load 0,2] [--cases all|dp|3d] [--steps 40]
+    python -m bench.verdict_lab [--runs 3] [--background-load 0,2] [--cases all|dp|3d|gpu] [--steps 40]
 
 Each case is one real lab run traced with real eBPF (``ingero lab run --trace``,
 the merged trace analysed by ``ingero.analysis``): the data-parallel job (2
 nodes x 2 ranks) with clean, lossy-link, slow-rank, cpu-hog and io-stall, and
 the tensor x pipeline x data parallel job (tp=2, pp=2, dp=2; 8 ranks) with
-clean, slow-rank at stage 0, slow-stage and imbalance. A verdict is right when
+clean, slow-rank at stage 0, slow-stage and imbalance; and the data-parallel
+faults again on the lab's GPU-like device with Ingero's profiler plugin in
+every rank (``--device gpu --profiler``: judged on device times), victims
+placed off the last rank. A verdict is right when
 it names what was planted (rank / stage / spread / nobody) with the planted
 cause; each run prints the verdict, the saving and the job's mean step.
 Needs root (eBPF, network namespaces, cgroups).
@@ -26,6 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 # (name, LabConfig keyword arguments, check(straggler, lab report) -> bool)
 DP = dict(nodes=2, ranks_per_node=2)
 L3 = dict(nodes=2, ranks_per_node=4, layout="tp=2,pp=2,dp=2")
+GPU = dict(DP, device="gpu", profiler=True)       # profiler: built in one() (needs a compiler)
 
 
 def _rank(cause):
@@ -49,6 +53,14 @@ CASES = {
         ("3d imbalance", dict(L3, scenario="imbalance", imbalance=1.0),
          lambda s, lab: s is not None and s.kind == "spread"),
     ],
+    "gpu": [
+        ("gpu clean", dict(GPU, scenario="clean"), lambda s, lab: s is None),
+        ("gpu lossy-link", dict(GPU, scenario="lossy-link", victim_rank=1),
+         lambda s, lab: s is not None and s.node == lab["victim_node"] and s.cause == "network"),
+        ("gpu slow-rank", dict(GPU, scenario="slow-rank", victim_rank=1), _rank("compute/unknown")),
+        ("gpu cpu-hog", dict(GPU, scenario="cpu-hog", hogs=8, victim_rank=1), _rank("cpu-contention")),
+        ("gpu io-stall", dict(GPU, scenario="io-stall", victim_rank=2), _rank("io")),
+    ],
 }
 
 
@@ -58,6 +70,9 @@ def one(kw: dict, steps: int, load: int, out: Path):
     from ingero.lab.tracers import run_traced
     from ingero.store import open_source
 
+    if kw.pop("profiler", False):
+        from ingero_agent.profiler_build import build_profiler
+        kw["profiler_plugin"] = build_profiler()
     run = run_traced(LabConfig(steps=steps, compute_ms=40.0, out_dir=out, background_load=load, **kw))
     if set(run.codes.values()) != {0}:
         raise RuntimeError(f"rank exit codes {run.codes}")
@@ -72,11 +87,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--background-load", default="0,2", help="comma-separated loads; default 0,2")
-    ap.add_argument("--cases", choices=("all", "dp", "3d"), default="all")
+    ap.add_argument("--cases", choices=("all", "dp", "3d", "gpu"), default="all")
     ap.add_argument("--steps", type=int, default=40)
     a = ap.parse_args(argv)
     loads = [int(x) for x in a.background_load.split(",")]
-    cases = [c for k in ("dp", "3d") if a.cases in ("all", k) for c in CASES[k]]
+    cases = [c for k in ("dp", "3d", "gpu") if a.cases in ("all", k) for c in CASES[k]]
     right = total = 0
     rows = []
     for load in loads:
@@ -87,11 +102,11 @@ def main(argv=None) -> int:
                 try:
                     rep, lab = one(dict(kw), a.steps, load, out)
                     s = rep.straggler
-                    ok = check(s, lab)
+                    ok = check(s, lab) and (rep.timing == "device") == (kw.get("device") == "gpu")
                     what = ("nobody" if s is None else f"{s.kind} {s.group or s.rank} {s.cause} "
                             f"{s.saving_pct:.1f}%")
                     line = (f"load {load} {name:22s} run {i + 1}: {'RIGHT' if ok else 'WRONG'}  {what}; "
-                            f"mean step {rep.mean_step_ms:.1f} ms, best fix {rep.best_saving_pct:.1f}% "
+                            f"{rep.timing} times, mean step {rep.mean_step_ms:.1f} ms, best fix {rep.best_saving_pct:.1f}% "
                             f"({time.monotonic() - t:.0f} s)")
                 except Exception as e:          # a failed run counts as wrong, with its reason
                     ok, line = False, f"load {load} {name:22s} run {i + 1}: ERROR {type(e).__name__}: {e}"
