@@ -6,7 +6,9 @@ Each case is one real lab run traced with real eBPF (``ingero lab run --trace``,
 the merged trace analysed by ``ingero.analysis``): the data-parallel job (2
 nodes x 2 ranks) with clean, lossy-link, slow-rank, cpu-hog and io-stall, and
 the tensor x pipeline x data parallel job (tp=2, pp=2, dp=2; 8 ranks) with
-clean, slow-rank at stage 0, slow-stage and imbalance; and the data-parallel
+clean, slow-rank at stage 0, slow-stage, imbalance, a slow rank in a middle
+stage (tp=1, pp=4, dp=2), a lossy link between two stages (4 nodes x 2 ranks,
+each stage on its own node), cpu-hog and io-stall; and the data-parallel
 faults again on the lab's GPU-like device with Ingero's profiler plugin in
 every rank (``--device gpu --profiler``: judged on device times), victims
 placed off the last rank. A verdict is right when
@@ -52,6 +54,12 @@ CASES = {
          lambda s, lab: s is not None and s.kind == "stage" and s.ranks == lab["stage_ranks"]),
         ("3d imbalance", dict(L3, scenario="imbalance", imbalance=1.0),
          lambda s, lab: s is not None and s.kind == "spread"),
+        ("3d slow-rank mid stage", dict(L3, scenario="slow-rank", layout="tp=1,pp=4,dp=2", victim_rank=2),
+         _rank("compute/unknown")),
+        ("3d lossy stage link", dict(L3, scenario="lossy-link", nodes=4, ranks_per_node=2, victim_rank=2),
+         lambda s, lab: s is not None and s.node == lab["victim_node"] and s.cause == "network"),
+        ("3d cpu-hog", dict(L3, scenario="cpu-hog", hogs=8, victim_rank=1), _rank("cpu-contention")),
+        ("3d io-stall", dict(L3, scenario="io-stall", io_mb=16, victim_rank=6), _rank("io")),
     ],
     "gpu": [
         ("gpu clean", dict(GPU, scenario="clean"), lambda s, lab: s is None),

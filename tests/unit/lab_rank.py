@@ -1,4 +1,4 @@
-"""One rank of a tests/unit/test_lab_gpu.py scenario, in a process of its own.
+"""One rank of a tests/unit/test_lab_gpu_device.py scenario, in a process of its own.
 
     python tests/unit/lab_rank.py SCENARIO LIBNCCL RANK NRANKS UNIQUE_ID_HEX
 
@@ -142,7 +142,7 @@ def scenario_nonblocking(lib, uid, rank, n) -> dict:
 
 def scenario_profile(lib, uid, rank, n) -> dict:
     """Init, split; a 200 ms kernel, then AllReduce x2, AllGather, Broadcast (on the split),
-    a Send/Recv ring in a group; sync; destroy (see test_lab_gpu.py)."""
+    a Send/Recv ring in a group; sync; destroy (see test_lab_gpu_device.py)."""
     A, C = ctypes.c_void_p(), ctypes.c_void_p()
     ok(lib.ncclCommInitRank(ctypes.byref(A), n, uid, rank), lib, "ncclCommInitRank")
     ok(lib.ncclCommSplit(A, 0, rank, ctypes.byref(C), None), lib, "ncclCommSplit")
