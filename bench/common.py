@@ -43,9 +43,11 @@ def run_loop(loop: Path, lib: Path, n: int, before_go=None) -> float:
     return ns
 
 
-def run_loop_traced(loop: Path, lib: Path, n: int, probes, ring: str, drain_s: float) -> tuple[float, int]:
+def run_loop_traced(loop: Path, lib: Path, n: int, probes, ring: str,
+                    drain_s: float | None) -> tuple[float, int]:
     """run_loop with the loop's process as the probes' only target and `ring` drained
-    every `drain_s` by a thread of this process (as the agent would, in its own).
+    every `drain_s` by a thread of this process (as the agent would, in its own);
+    drain_s None: read once, after the loop (the ring must hold its records).
     Returns (ns per iteration, records read)."""
     got, stop = [0], threading.Event()
 
@@ -57,11 +59,13 @@ def run_loop_traced(loop: Path, lib: Path, n: int, probes, ring: str, drain_s: f
 
     def go(pid):
         probes.set_targets(set(), {pid}, set())
-        t.start()
+        if drain_s is not None:
+            t.start()
 
         def done():
             stop.set()
-            t.join()
+            if drain_s is not None:
+                t.join()
             got[0] += len(probes.rings[ring].read())
         return done
 

@@ -19,6 +19,14 @@ kernel (kernel.bpf_stats_enabled=1 for the run, then restored; run_time_ns /
 run_cnt from /proc/self/fdinfo of each program): robust to machine load, where
 the wall-clock figures are not.
 
+--baseline DIR adds a fourth set-up, "baseline": Ingero's probes built from
+DIR/bpf (e.g. a checkout of main) by this tree's loader, in the same rounds, so
+two versions of the BPF programs are compared side by side under the same load.
+--no-drain adds the set-up "nodrain": Ingero's probes as in "ingero" but no
+thread drains the ring during the loop (it is read once after; its ring is
+made large enough to hold every record), to measure what the drain thread
+costs the loop on a machine of few cores.
+
 Reported: the median per set-up, the probe cost (set-up minus none), and
 ingero's cost over bare's. Target: ingero <= bare + 10%. Needs root.
 """
@@ -68,17 +76,35 @@ def _bare(loop, lib, calls) -> float:
         b.cleanup()
 
 
-def _ingero(loop, lib, calls) -> tuple[float, int, int]:
+def _ingero(loop, lib, calls, name="ingero", bpf_dir=None, drain_s=0.02) -> tuple[float, int, int]:
+    """Ingero's NCCL probes (from bpf_dir, default this tree's bpf/) on the loop;
+    drain_s None: no drain during the loop, in a ring that holds all its records."""
     from ingero_agent.elfsyms import nccl_symbols
     from ingero_agent.probes import ProbeConfig, Probes
 
-    p = Probes(ProbeConfig(families=("nccl",), self_tgid=os.getpid()))
+    old = os.environ.get("INGERO_BPF_DIR")
+    if bpf_dir is not None:
+        os.environ["INGERO_BPF_DIR"] = str(bpf_dir)
+    try:
+        cfg = ProbeConfig(families=("nccl",), self_tgid=os.getpid())
+        if drain_s is None:   # 104-byte records + 8-byte headers, in a power-of-2 page count
+            pages = cfg.ringbuf_pages
+            while pages * 4096 < (calls + 2) * 112:
+                pages *= 2
+            cfg = ProbeConfig(families=("nccl",), self_tgid=os.getpid(), ringbuf_pages=pages)
+        p = Probes(cfg)
+    finally:
+        if bpf_dir is not None:
+            if old is None:
+                os.environ.pop("INGERO_BPF_DIR", None)
+            else:
+                os.environ["INGERO_BPF_DIR"] = old
     st = lib.stat()
     p.attach_library(lib, (st.st_dev, st.st_ino), nccl_symbols(lib))
     try:
-        ns, got = run_loop_traced(loop, lib, calls, p, "nccl", 0.02)
-        _prog_ns("ingero entry", p.bpf.funcs[b"nccl_enter_ncclAllReduce"].fd)
-        _prog_ns("ingero return", p.bpf.funcs[b"nccl_return"].fd)
+        ns, got = run_loop_traced(loop, lib, calls, p, "nccl", drain_s)
+        _prog_ns(f"{name} entry", p.bpf.funcs[b"nccl_enter_ncclAllReduce"].fd)
+        _prog_ns(f"{name} return", p.bpf.funcs[b"nccl_return"].fd)
         return ns, got, p.lost()["nccl"]
     finally:
         p.close()
@@ -90,6 +116,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--bpf-stats", action="store_true",
                     help="also report the programs' in-kernel run time per call")
+    ap.add_argument("--baseline", type=Path, default=None, metavar="DIR",
+                    help="also run Ingero's probes built from DIR/bpf (e.g. a checkout of main)")
+    ap.add_argument("--no-drain", action="store_true",
+                    help="also run Ingero's probes with no drain thread during the loop")
     a = ap.parse_args(argv)
     need_root("uprobe_cost")
     old_stats = STATS.read_text().strip() if a.bpf_stats else None
@@ -104,6 +134,14 @@ def main(argv=None) -> dict:
 
 def _main(a) -> dict:
     res = {"none": [], "bare": [], "ingero": []}
+    base_dir = None
+    if a.baseline is not None:
+        base_dir = (a.baseline / "bpf").resolve()
+        if not (base_dir / "ingero.h").is_file():
+            raise SystemExit(f"--baseline {a.baseline}: no bpf/ingero.h there")
+        res["baseline"] = []
+    if a.no_drain:
+        res["nodrain"] = []
     events = lost = 0
     with tempfile.TemporaryDirectory() as d:
         lib = compile_c(Path(d) / "libnccl.so.2", ["nccl_noop.c"], shared=True)
@@ -115,6 +153,13 @@ def _main(a) -> dict:
             res["ingero"].append(ns)
             events += ev
             lost += lo
+            if base_dir is not None:
+                res["baseline"].append(_ingero(loop, lib, a.calls, "baseline", base_dir)[0])
+            if a.no_drain:
+                ns, ev, lo = _ingero(loop, lib, a.calls, "nodrain", None, None)
+                res["nodrain"].append(ns)
+                if ev != a.calls + 1 or lo:
+                    raise SystemExit(f"nodrain: read {ev:,} records of {a.calls + 1:,}, lost {lo:,}")
     med = {k: statistics.median(v) for k, v in res.items()}
     low = {k: min(v) for k, v in res.items()}
     bare_cost, ours = med["bare"] - med["none"], med["ingero"] - med["none"]
@@ -128,10 +173,30 @@ def _main(a) -> dict:
           f"{100 * (ours / bare_cost - 1):+.1f}% over bare (target <= +10%; by the fastest "
           f"round {100 * (r['ratio_min'] - 1):+.1f}%); "
           f"events {events:,} of {r['expected_events']:,}, lost {lost:,}")
+    if base_dir is not None:
+        base_cost = med["baseline"] - med["none"]
+        r["baseline_cost_ns"] = base_cost
+        r["ratio_baseline"] = base_cost / bare_cost
+        print(f"baseline ({base_dir}) {med['baseline']:.1f} ns (+{base_cost:.0f}) = "
+              f"{100 * (base_cost / bare_cost - 1):+.1f}% over bare; ingero/baseline probe cost "
+              f"{ours / base_cost:.3f}")
+    if a.no_drain:
+        nd_cost = med["nodrain"] - med["none"]
+        r["nodrain_cost_ns"] = nd_cost
+        r["ratio_nodrain"] = nd_cost / bare_cost
+        print(f"not drained during the loop: {med['nodrain']:.1f} ns (+{nd_cost:.0f}) = "
+              f"{100 * (nd_cost / bare_cost - 1):+.1f}% over bare; drained/undrained probe cost "
+              f"{ours / nd_cost:.3f}")
     if PROG_NS:
         r["bpf_ns_per_call"] = {k: statistics.median(v) for k, v in PROG_NS.items()}
         print("in-kernel BPF run time per call (median of rounds): " + ", ".join(
             f"{k} {v:.0f} ns" for k, v in r["bpf_ns_per_call"].items()))
+        b = r["bpf_ns_per_call"]
+        if "baseline entry" in b and "ingero entry" in b:
+            ours_k = b["ingero entry"] + b["ingero return"]
+            base_k = b["baseline entry"] + b["baseline return"]
+            print(f"in-kernel entry+return: ingero {ours_k:.0f} ns, baseline {base_k:.0f} ns "
+                  f"(ratio {ours_k / base_k:.3f})")
     return r
 
 

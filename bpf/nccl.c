@@ -12,8 +12,9 @@
  * `nccl_return` (ncclCommInitAll: `nccl_return_init_all`) to every one of
  * these symbols a library exports.
  *
- * At entry the arguments go into a per-thread frame (keyed by pid_tgid); at
- * return one `struct ingero_nccl_event` leaves through the `nccl_events` ring
+ * At entry the arguments go into a per-thread frame (task-local storage, or a
+ * hash keyed by pid_tgid on older kernels; see nccl_frames); at return one
+ * `struct ingero_nccl_event` is written straight into the `nccl_events` ring
  * buffer with duration and return code.
  *
  * Arguments: where each one is comes from the per-machine table in
@@ -83,7 +84,7 @@
 #define INGERO_NCCL_INITALL_MAX 16   /* communicators mapped per ncclCommInitAll */
 #endif
 #ifndef INGERO_NCCL_SHRINK_MAX
-#define INGERO_NCCL_SHRINK_MAX 16    /* excluded ranks read per ncclCommShrink */
+#define INGERO_NCCL_SHRINK_MAX 16    /* excluded ranks read per ncclCommShrink (a power of 2) */
 #endif
 #ifndef INGERO_NCCL_PENDING
 #define INGERO_NCCL_PENDING 8        /* parked non-blocking children per process */
@@ -116,14 +117,49 @@ struct nccl_frame {
     u8 redop;
     u8 flags;
 };
-/* One slot per thread, written in place: a hash update allocates and frees an
- * element and a delete takes the bucket lock, which cost more than the rest of
- * the probe (bench/uprobe_cost.py with kernel.bpf_stats_enabled), so a call
- * only inserts on a thread's first call and otherwise rewrites its slot; the
- * return marks it closed (sp = 0). The thread's group depth lives in the same
- * slot. Plain preallocated hash, not LRU (an LRU lookup costs ~9% more per
- * call); a thread's slot is removed at its exit (sched_process_exit below). */
+/* One slot per thread, written in place: the entry program fills it, the
+ * return program reads it and marks it closed (sp = 0); the thread's group
+ * depth lives in the same slot. Where the slot is kept (-D INGERO_TASK_STORAGE
+ * from the loader, ingero_agent/probes.py):
+ *
+ *   1: task-local storage (BPF_MAP_TYPE_TASK_STORAGE, kernel >= 5.11 with BTF):
+ *      the slot hangs off the task itself, found through a per-map cache slot
+ *      in the task's storage, no hashing, no bucket lock; created on the
+ *      thread's first traced call and freed by the kernel when the task goes.
+ *   0: a plain preallocated hash keyed by pid_tgid (older kernels, or no
+ *      kernel BTF): a thread's first call inserts its slot, later calls
+ *      rewrite it in place (a hash update allocates and frees an element and
+ *      a delete takes the bucket lock, which cost more than the rest of the
+ *      probe); the slot is removed at the thread's exit (sched_process_exit
+ *      below). Not LRU: an LRU lookup costs ~9% more per call.
+ *
+ * bench/uprobe_cost.py --bpf-stats measures the programs' run time per call. */
+#ifndef INGERO_TASK_STORAGE
+#define INGERO_TASK_STORAGE 0
+#endif
+#if INGERO_TASK_STORAGE
+BPF_TASK_STORAGE(nccl_frames, struct nccl_frame);
+
+/* The current thread's slot; `create`: make a zeroed one if it has none. */
+static __always_inline struct nccl_frame *nccl_slot(int create)
+{
+    return nccl_frames.task_storage_get(bpf_get_current_task_btf(), 0,
+                                        create ? BPF_LOCAL_STORAGE_GET_F_CREATE : 0);
+}
+#else
 BPF_HASH(nccl_frames, u64, struct nccl_frame, 16384);
+
+static __always_inline struct nccl_frame *nccl_slot(int create)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    struct nccl_frame *f = nccl_frames.lookup(&id);
+    if (f || !create)
+        return f;
+    struct nccl_frame zero = {};
+    nccl_frames.insert(&id, &zero);    /* the thread's first call only */
+    return nccl_frames.lookup(&id);
+}
+#endif
 
 struct nccl_comm_key {
     u32 tgid;
@@ -191,7 +227,9 @@ static __always_inline u64 nccl_stack_word(struct pt_regs *ctx, int off)
 #error "build through ingero_agent.probes: the argument table (abi.py) gives the -D flags"
 #endif
 
-/* Starts a frame; 0 when the call is not traced (not a target, or nested).
+/* Starts a frame in the thread's slot and returns it; NULL when the call is
+ * not traced (not a target, or nested). Every entry program then fills the
+ * slot in place: nothing after this can decide not to record the call.
  *
  * Nesting is judged by the stack pointer, not by a counter: a call made
  * inside an open one runs deeper (lower SP) on the same thread's stack. An
@@ -201,16 +239,18 @@ static __always_inline u64 nccl_stack_word(struct pt_regs *ctx, int off)
  * calls made deeper than the lost one, e.g. with stack-passed arguments,
  * still look nested: the same rule the kernel uses to drop stale uretprobe
  * instances.) */
-static __always_inline int nccl_begin(struct pt_regs *ctx, struct nccl_frame *f, u8 op)
+static __always_inline struct nccl_frame *nccl_begin(struct pt_regs *ctx, u8 op)
 {
     u64 id = bpf_get_current_pid_tgid();
     u64 cgid = bpf_get_current_cgroup_id();
     if (!ingero_is_target(id >> 32, cgid))
         return 0;
     u64 sp = PT_REGS_SP(ctx);
-    struct nccl_frame *open = nccl_frames.lookup(&id);
-    if (open && open->sp && sp < open->sp)
+    struct nccl_frame *f = nccl_slot(1);
+    if (!f || (f->sp && sp < f->sp))
         return 0;
+    u32 depth = f->depth;
+    __builtin_memset(f, 0, sizeof(*f));
     f->sp = sp;
     f->ts = bpf_ktime_get_ns();
     f->cgroup_id = cgid;
@@ -218,20 +258,10 @@ static __always_inline int nccl_begin(struct pt_regs *ctx, struct nccl_frame *f,
     f->rank = -1;
     f->nranks = -1;
     f->peer = -1;
-    f->depth = open ? open->depth : 0;
-    if (f->depth > 0)
-        f->flags |= NCCL_F_IN_GROUP;
-    return 1;
-}
-
-static __always_inline void nccl_save(struct nccl_frame *f)
-{
-    u64 id = bpf_get_current_pid_tgid();
-    struct nccl_frame *slot = nccl_frames.lookup(&id);
-    if (slot)
-        __builtin_memcpy(slot, f, sizeof(*f));
-    else
-        nccl_frames.update(&id, f);
+    f->depth = depth;
+    if (depth > 0)
+        f->flags = NCCL_F_IN_GROUP;
+    return f;
 }
 
 /* A handle the map does not know: is it the child of a non-blocking
@@ -309,11 +339,13 @@ static __always_inline void nccl_put_comm(u64 comm, u64 hash, s32 rank, s32 nran
 }
 
 /* A thread that exits (or is killed) inside an NCCL call or group leaves its
- * frame and group depth behind: drop them. */
+ * frame and group depth behind: drop them (task storage: the kernel does). */
 TRACEPOINT_PROBE(sched, sched_process_exit)
 {
     u64 id = bpf_get_current_pid_tgid();
+#if !INGERO_TASK_STORAGE
     nccl_frames.delete(&id);
+#endif
     if ((u32)id == (u32)(id >> 32)) {   /* the process itself: its parked children go too */
 #pragma unroll
         for (u32 i = 0; i < INGERO_NCCL_PENDING; i++) {
@@ -329,75 +361,70 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
 /* ncclAllReduce(sendbuff, recvbuff, count, datatype, op, comm, stream) */
 int nccl_enter_ncclAllReduce(struct pt_regs *ctx)
 {
-    struct nccl_frame f = {};
-    if (!nccl_begin(ctx, &f, OP_ALL_REDUCE))
+    struct nccl_frame *f = nccl_begin(ctx, OP_ALL_REDUCE);
+    if (!f)
         return 0;
-    f.count = ARG_ncclAllReduce_count;
-    f.datatype = ARG_ncclAllReduce_datatype;
-    f.redop = ARG_ncclAllReduce_op;
-    f.stream = ARG_ncclAllReduce_stream;
-    nccl_on_comm(&f, ARG_ncclAllReduce_comm, 0);
-    nccl_save(&f);
+    f->count = ARG_ncclAllReduce_count;
+    f->datatype = ARG_ncclAllReduce_datatype;
+    f->redop = ARG_ncclAllReduce_op;
+    f->stream = ARG_ncclAllReduce_stream;
+    nccl_on_comm(f, ARG_ncclAllReduce_comm, 0);
     return 0;
 }
 
 /* ncclAllGather(sendbuff, recvbuff, sendcount, datatype, comm, stream) */
 int nccl_enter_ncclAllGather(struct pt_regs *ctx)
 {
-    struct nccl_frame f = {};
-    if (!nccl_begin(ctx, &f, OP_ALL_GATHER))
+    struct nccl_frame *f = nccl_begin(ctx, OP_ALL_GATHER);
+    if (!f)
         return 0;
-    f.count = ARG_ncclAllGather_sendcount;
-    f.datatype = ARG_ncclAllGather_datatype;
-    f.stream = ARG_ncclAllGather_stream;
-    nccl_on_comm(&f, ARG_ncclAllGather_comm, 0);
-    nccl_save(&f);
+    f->count = ARG_ncclAllGather_sendcount;
+    f->datatype = ARG_ncclAllGather_datatype;
+    f->stream = ARG_ncclAllGather_stream;
+    nccl_on_comm(f, ARG_ncclAllGather_comm, 0);
     return 0;
 }
 
 /* ncclReduceScatter(sendbuff, recvbuff, recvcount, datatype, op, comm, stream) */
 int nccl_enter_ncclReduceScatter(struct pt_regs *ctx)
 {
-    struct nccl_frame f = {};
-    if (!nccl_begin(ctx, &f, OP_REDUCE_SCATTER))
+    struct nccl_frame *f = nccl_begin(ctx, OP_REDUCE_SCATTER);
+    if (!f)
         return 0;
-    f.count = ARG_ncclReduceScatter_recvcount;
-    f.datatype = ARG_ncclReduceScatter_datatype;
-    f.redop = ARG_ncclReduceScatter_op;
-    f.stream = ARG_ncclReduceScatter_stream;
-    nccl_on_comm(&f, ARG_ncclReduceScatter_comm, 0);
-    nccl_save(&f);
+    f->count = ARG_ncclReduceScatter_recvcount;
+    f->datatype = ARG_ncclReduceScatter_datatype;
+    f->redop = ARG_ncclReduceScatter_op;
+    f->stream = ARG_ncclReduceScatter_stream;
+    nccl_on_comm(f, ARG_ncclReduceScatter_comm, 0);
     return 0;
 }
 
 /* ncclBroadcast(sendbuff, recvbuff, count, datatype, root, comm, stream) */
 int nccl_enter_ncclBroadcast(struct pt_regs *ctx)
 {
-    struct nccl_frame f = {};
-    if (!nccl_begin(ctx, &f, OP_BROADCAST))
+    struct nccl_frame *f = nccl_begin(ctx, OP_BROADCAST);
+    if (!f)
         return 0;
-    f.count = ARG_ncclBroadcast_count;
-    f.datatype = ARG_ncclBroadcast_datatype;
-    f.peer = ARG_ncclBroadcast_root;
-    f.stream = ARG_ncclBroadcast_stream;
-    nccl_on_comm(&f, ARG_ncclBroadcast_comm, 0);
-    nccl_save(&f);
+    f->count = ARG_ncclBroadcast_count;
+    f->datatype = ARG_ncclBroadcast_datatype;
+    f->peer = ARG_ncclBroadcast_root;
+    f->stream = ARG_ncclBroadcast_stream;
+    nccl_on_comm(f, ARG_ncclBroadcast_comm, 0);
     return 0;
 }
 
 /* ncclBcast(buff, count, datatype, root, comm, stream) */
 int nccl_enter_ncclBcast(struct pt_regs *ctx)
 {
-    struct nccl_frame f = {};
-    if (!nccl_begin(ctx, &f, OP_BROADCAST))
+    struct nccl_frame *f = nccl_begin(ctx, OP_BROADCAST);
+    if (!f)
         return 0;
-    f.flags |= NCCL_F_BCAST_ALIAS;
-    f.count = ARG_ncclBcast_count;
-    f.datatype = ARG_ncclBcast_datatype;
-    f.peer = ARG_ncclBcast_root;
-    f.stream = ARG_ncclBcast_stream;
-    nccl_on_comm(&f, ARG_ncclBcast_comm, 0);
-    nccl_save(&f);
+    f->flags |= NCCL_F_BCAST_ALIAS;
+    f->count = ARG_ncclBcast_count;
+    f->datatype = ARG_ncclBcast_datatype;
+    f->peer = ARG_ncclBcast_root;
+    f->stream = ARG_ncclBcast_stream;
+    nccl_on_comm(f, ARG_ncclBcast_comm, 0);
     return 0;
 }
 
@@ -405,16 +432,15 @@ int nccl_enter_ncclBcast(struct pt_regs *ctx)
  * comm and stream are the 1st and 2nd stack arguments. */
 int nccl_enter_ncclReduce(struct pt_regs *ctx)
 {
-    struct nccl_frame f = {};
-    if (!nccl_begin(ctx, &f, OP_REDUCE))
+    struct nccl_frame *f = nccl_begin(ctx, OP_REDUCE);
+    if (!f)
         return 0;
-    f.count = ARG_ncclReduce_count;
-    f.datatype = ARG_ncclReduce_datatype;
-    f.redop = ARG_ncclReduce_op;
-    f.peer = ARG_ncclReduce_root;
-    f.stream = ARG_ncclReduce_stream;
-    nccl_on_comm(&f, ARG_ncclReduce_comm, 0);
-    nccl_save(&f);
+    f->count = ARG_ncclReduce_count;
+    f->datatype = ARG_ncclReduce_datatype;
+    f->redop = ARG_ncclReduce_op;
+    f->peer = ARG_ncclReduce_root;
+    f->stream = ARG_ncclReduce_stream;
+    nccl_on_comm(f, ARG_ncclReduce_comm, 0);
     return 0;
 }
 
@@ -422,14 +448,13 @@ int nccl_enter_ncclReduce(struct pt_regs *ctx)
  * the elements sent to EACH peer (block j of sendbuff goes to rank j). */
 int nccl_enter_ncclAlltoAll(struct pt_regs *ctx)
 {
-    struct nccl_frame f = {};
-    if (!nccl_begin(ctx, &f, OP_ALL_TO_ALL))
+    struct nccl_frame *f = nccl_begin(ctx, OP_ALL_TO_ALL);
+    if (!f)
         return 0;
-    f.count = ARG_ncclAlltoAll_count;
-    f.datatype = ARG_ncclAlltoAll_datatype;
-    f.stream = ARG_ncclAlltoAll_stream;
-    nccl_on_comm(&f, ARG_ncclAlltoAll_comm, 0);
-    nccl_save(&f);
+    f->count = ARG_ncclAlltoAll_count;
+    f->datatype = ARG_ncclAlltoAll_datatype;
+    f->stream = ARG_ncclAlltoAll_stream;
+    nccl_on_comm(f, ARG_ncclAlltoAll_comm, 0);
     return 0;
 }
 
@@ -438,15 +463,14 @@ int nccl_enter_ncclAlltoAll(struct pt_regs *ctx)
  * receives (Scatter); the root handles nranks x count. */
 static __always_inline int nccl_enter_rooted(struct pt_regs *ctx, u8 op)
 {
-    struct nccl_frame f = {};
-    if (!nccl_begin(ctx, &f, op))
+    struct nccl_frame *f = nccl_begin(ctx, op);
+    if (!f)
         return 0;
-    f.count = ARG_ncclGather_count;
-    f.datatype = ARG_ncclGather_datatype;
-    f.peer = ARG_ncclGather_root;
-    f.stream = ARG_ncclGather_stream;
-    nccl_on_comm(&f, ARG_ncclGather_comm, 0);
-    nccl_save(&f);
+    f->count = ARG_ncclGather_count;
+    f->datatype = ARG_ncclGather_datatype;
+    f->peer = ARG_ncclGather_root;
+    f->stream = ARG_ncclGather_stream;
+    nccl_on_comm(f, ARG_ncclGather_comm, 0);
     return 0;
 }
 
@@ -456,15 +480,14 @@ int nccl_enter_ncclScatter(struct pt_regs *ctx) { return nccl_enter_rooted(ctx, 
 /* ncclSend(sendbuff, count, datatype, peer, comm, stream); ncclRecv alike */
 static __always_inline int nccl_enter_p2p(struct pt_regs *ctx, u8 op)
 {
-    struct nccl_frame f = {};
-    if (!nccl_begin(ctx, &f, op))
+    struct nccl_frame *f = nccl_begin(ctx, op);
+    if (!f)
         return 0;
-    f.count = ARG_ncclSend_count;
-    f.datatype = ARG_ncclSend_datatype;
-    f.peer = ARG_ncclSend_peer;
-    f.stream = ARG_ncclSend_stream;
-    nccl_on_comm(&f, ARG_ncclSend_comm, 1);
-    nccl_save(&f);
+    f->count = ARG_ncclSend_count;
+    f->datatype = ARG_ncclSend_datatype;
+    f->peer = ARG_ncclSend_peer;
+    f->stream = ARG_ncclSend_stream;
+    nccl_on_comm(f, ARG_ncclSend_comm, 1);
     return 0;
 }
 
@@ -474,11 +497,10 @@ int nccl_enter_ncclRecv(struct pt_regs *ctx) { return nccl_enter_p2p(ctx, OP_REC
 /* ncclGroupStart(void) / ncclGroupEnd(void): a per-thread depth. */
 int nccl_enter_ncclGroupStart(struct pt_regs *ctx)
 {
-    struct nccl_frame f = {};
-    if (!nccl_begin(ctx, &f, OP_GROUP_START))
+    struct nccl_frame *f = nccl_begin(ctx, OP_GROUP_START);
+    if (!f)
         return 0;
-    f.depth += 1;
-    nccl_save(&f);
+    f->depth += 1;
     return 0;
 }
 
@@ -486,16 +508,15 @@ int nccl_enter_ncclGroupStart(struct pt_regs *ctx)
  * the same way (it simulates instead of launching). */
 static __always_inline int nccl_enter_group_end(struct pt_regs *ctx, u8 op)
 {
-    struct nccl_frame f = {};
-    if (!nccl_begin(ctx, &f, op))
+    struct nccl_frame *f = nccl_begin(ctx, op);
+    if (!f)
         return 0;
-    f.flags &= ~NCCL_F_IN_GROUP;
-    if (f.depth > 0) {
-        f.depth -= 1;
-        if (f.depth > 0)
-            f.flags |= NCCL_F_IN_GROUP;  /* closes an inner group */
+    f->flags &= ~NCCL_F_IN_GROUP;
+    if (f->depth > 0) {
+        f->depth -= 1;
+        if (f->depth > 0)
+            f->flags |= NCCL_F_IN_GROUP;  /* closes an inner group */
     }
-    nccl_save(&f);
     return 0;
 }
 
@@ -508,14 +529,13 @@ int nccl_enter_ncclGroupSimulateEnd(struct pt_regs *ctx)
 /* ncclCommInitRank(comm*, nranks, ncclUniqueId id, rank): id at SP+8 */
 static __always_inline int nccl_enter_init_rank(struct pt_regs *ctx, u8 op)
 {
-    struct nccl_frame f = {};
-    if (!nccl_begin(ctx, &f, op))
+    struct nccl_frame *f = nccl_begin(ctx, op);
+    if (!f)
         return 0;
-    f.comm = ARG_ncclCommInitRank_comm;      /* where the new handle will be written */
-    f.nranks = ARG_ncclCommInitRank_nranks;
-    f.rank = ARG_ncclCommInitRank_rank;
-    f.hash = ingero_hash_uid((void *)(ARG_ncclCommInitRank_commId));
-    nccl_save(&f);
+    f->comm = ARG_ncclCommInitRank_comm;      /* where the new handle will be written */
+    f->nranks = ARG_ncclCommInitRank_nranks;
+    f->rank = ARG_ncclCommInitRank_rank;
+    f->hash = ingero_hash_uid((void *)(ARG_ncclCommInitRank_commId));
     return 0;
 }
 
@@ -533,39 +553,37 @@ int nccl_enter_ncclCommInitRankConfig(struct pt_regs *ctx)
 /* ncclCommInitAll(comm* comms, ndev, const int* devlist) */
 int nccl_enter_ncclCommInitAll(struct pt_regs *ctx)
 {
-    struct nccl_frame f = {};
-    if (!nccl_begin(ctx, &f, OP_COMM_INIT_ALL))
+    struct nccl_frame *f = nccl_begin(ctx, OP_COMM_INIT_ALL);
+    if (!f)
         return 0;
-    f.comm = ARG_ncclCommInitAll_comm;
-    f.nranks = ARG_ncclCommInitAll_ndev;
-    f.count = (u32)f.nranks;
+    f->comm = ARG_ncclCommInitAll_comm;
+    f->nranks = ARG_ncclCommInitAll_ndev;
+    f->count = (u32)f->nranks;
     u64 tgid = bpf_get_current_pid_tgid() >> 32;
-    f.hash = ingero_splitmix64(tgid ^ ingero_splitmix64(f.comm ^ ingero_splitmix64(f.ts)));
-    nccl_save(&f);
+    f->hash = ingero_splitmix64(tgid ^ ingero_splitmix64(f->comm ^ ingero_splitmix64(f->ts)));
     return 0;
 }
 
 /* ncclCommSplit(comm, color, key, newcomm*, config*) */
 int nccl_enter_ncclCommSplit(struct pt_regs *ctx)
 {
-    struct nccl_frame f = {};
-    if (!nccl_begin(ctx, &f, OP_COMM_SPLIT))
+    struct nccl_frame *f = nccl_begin(ctx, OP_COMM_SPLIT);
+    if (!f)
         return 0;
-    f.color = ARG_ncclCommSplit_color;
-    f.key = ARG_ncclCommSplit_key;
+    f->color = ARG_ncclCommSplit_color;
+    f->key = ARG_ncclCommSplit_key;
     struct nccl_comm_key k = {.tgid = bpf_get_current_pid_tgid() >> 32,
                               .comm = ARG_ncclCommSplit_comm};
     struct nccl_comm_val *parent = nccl_comms.lookup(&k);
     if (parent && !(parent->flags & NCCL_F_COMM_UNKNOWN)) {
         u32 n = parent->splits;
         parent->splits = n + 1;
-        f.parent_hash = parent->hash;
-        f.hash = ingero_splitmix64(parent->hash ^ ingero_splitmix64((u32)f.color) ^ n);
+        f->parent_hash = parent->hash;
+        f->hash = ingero_splitmix64(parent->hash ^ ingero_splitmix64((u32)f->color) ^ n);
     } else {
-        f.flags |= NCCL_F_COMM_UNKNOWN;
+        f->flags |= NCCL_F_COMM_UNKNOWN;
     }
-    f.comm = ARG_ncclCommSplit_newcomm;      /* where the new handle will be written */
-    nccl_save(&f);
+    f->comm = ARG_ncclCommSplit_newcomm;      /* where the new handle will be written */
     return 0;
 }
 
@@ -573,15 +591,14 @@ int nccl_enter_ncclCommSplit(struct pt_regs *ctx)
  * config*): six register arguments; the ids by reference (r8). */
 int nccl_enter_ncclCommInitRankScalable(struct pt_regs *ctx)
 {
-    struct nccl_frame f = {};
-    if (!nccl_begin(ctx, &f, OP_COMM_INIT_RANK_SCALABLE))
+    struct nccl_frame *f = nccl_begin(ctx, OP_COMM_INIT_RANK_SCALABLE);
+    if (!f)
         return 0;
-    f.comm = ARG_ncclCommInitRankScalable_newcomm;
-    f.nranks = ARG_ncclCommInitRankScalable_nranks;
-    f.rank = ARG_ncclCommInitRankScalable_myrank;
-    f.count = (u32)ARG_ncclCommInitRankScalable_nId;       /* nId */
-    f.hash = ingero_hash_uid((void *)ARG_ncclCommInitRankScalable_commIds);
-    nccl_save(&f);
+    f->comm = ARG_ncclCommInitRankScalable_newcomm;
+    f->nranks = ARG_ncclCommInitRankScalable_nranks;
+    f->rank = ARG_ncclCommInitRankScalable_myrank;
+    f->count = (u32)ARG_ncclCommInitRankScalable_nId;       /* nId */
+    f->hash = ingero_hash_uid((void *)ARG_ncclCommInitRankScalable_commIds);
     return 0;
 }
 
@@ -589,8 +606,8 @@ int nccl_enter_ncclCommInitRankScalable(struct pt_regs *ctx)
  * config*, shrinkFlags) */
 int nccl_enter_ncclCommShrink(struct pt_regs *ctx)
 {
-    struct nccl_frame f = {};
-    if (!nccl_begin(ctx, &f, OP_COMM_SHRINK))
+    struct nccl_frame *f = nccl_begin(ctx, OP_COMM_SHRINK);
+    if (!f)
         return 0;
     struct nccl_comm_key k = {.tgid = bpf_get_current_pid_tgid() >> 32,
                               .comm = ARG_ncclCommShrink_comm};
@@ -600,84 +617,82 @@ int nccl_enter_ncclCommShrink(struct pt_regs *ctx)
     if (parent && !(parent->flags & NCCL_F_COMM_UNKNOWN)) {
         u32 n = parent->shrinks;
         parent->shrinks = n + 1;
-        f.parent_hash = parent->hash;
-        f.hash = ingero_splitmix64(parent->hash ^ NCCL_SHRINK_SALT ^ n);
+        f->parent_hash = parent->hash;
+        f->hash = ingero_splitmix64(parent->hash ^ NCCL_SHRINK_SALT ^ n);
         s32 below = 0;
         if (parent->rank >= 0 && parent->nranks > 0 && nexcl >= 0 && nexcl <= INGERO_NCCL_SHRINK_MAX) {
-            /* one read of the whole list, then a branch-free count */
+            /* one read of the whole list, then a branch-free count (the size as
+             * (n + 1) * 4 with n masked to 0..MAX-1: a bound the verifier keeps
+             * whatever the compiler makes of it; MAX is a power of 2) */
             s32 ex[INGERO_NCCL_SHRINK_MAX] = {};
-            u32 sz = ((u32)nexcl * 4) & (INGERO_NCCL_SHRINK_MAX * 4 * 2 - 1);
-            if (sz > sizeof(ex))
-                sz = sizeof(ex);
-            if (sz)
-                bpf_probe_read_user(ex, sz, (void *)list);
+            if (nexcl > 0) {
+                u32 n = ((u32)nexcl - 1) & (INGERO_NCCL_SHRINK_MAX - 1);
+                bpf_probe_read_user(ex, (n + 1) * 4, (void *)list);
+            }
             s32 me = parent->rank;
 #pragma unroll
             for (int i = 0; i < INGERO_NCCL_SHRINK_MAX; i++)
                 below += (i < nexcl) & (ex[i] < me);
-            f.rank = parent->rank - below;
-            f.nranks = parent->nranks - nexcl;
+            f->rank = parent->rank - below;
+            f->nranks = parent->nranks - nexcl;
         }
     } else {
-        f.flags |= NCCL_F_COMM_UNKNOWN;
+        f->flags |= NCCL_F_COMM_UNKNOWN;
     }
-    f.comm = ARG_ncclCommShrink_newcomm;      /* where the new handle will be written */
-    nccl_save(&f);
+    f->comm = ARG_ncclCommShrink_newcomm;      /* where the new handle will be written */
     return 0;
 }
 
 /* ncclCommGrow(comm, nRanks, const ncclUniqueId* uniqueId, rank, newcomm*, config*) */
 int nccl_enter_ncclCommGrow(struct pt_regs *ctx)
 {
-    struct nccl_frame f = {};
-    if (!nccl_begin(ctx, &f, OP_COMM_GROW))
+    struct nccl_frame *f = nccl_begin(ctx, OP_COMM_GROW);
+    if (!f)
         return 0;
     u64 parent_handle = ARG_ncclCommGrow_comm;
-    f.nranks = ARG_ncclCommGrow_nRanks;
+    f->nranks = ARG_ncclCommGrow_nRanks;
     if (parent_handle) {               /* an existing rank: keeps its rank */
         struct nccl_comm_key k = {.tgid = bpf_get_current_pid_tgid() >> 32, .comm = parent_handle};
         struct nccl_comm_val *parent = nccl_comms.lookup(&k);
         if (parent && !(parent->flags & NCCL_F_COMM_UNKNOWN)) {
             u32 n = parent->grows;
             parent->grows = n + 1;
-            f.parent_hash = parent->hash;
-            f.hash = ingero_splitmix64(parent->hash ^ NCCL_GROW_SALT ^ n);
-            f.rank = parent->rank;
+            f->parent_hash = parent->hash;
+            f->hash = ingero_splitmix64(parent->hash ^ NCCL_GROW_SALT ^ n);
+            f->rank = parent->rank;
         } else {
-            f.flags |= NCCL_F_COMM_UNKNOWN;
+            f->flags |= NCCL_F_COMM_UNKNOWN;
         }
     } else {                           /* a new rank: the id and its rank */
         u64 uid = ARG_ncclCommGrow_uniqueId;
-        f.hash = uid ? ingero_hash_uid((void *)uid) : 0;
-        f.rank = ARG_ncclCommGrow_rank;
+        f->hash = uid ? ingero_hash_uid((void *)uid) : 0;
+        f->rank = ARG_ncclCommGrow_rank;
         if (!uid)
-            f.flags |= NCCL_F_COMM_UNKNOWN;
+            f->flags |= NCCL_F_COMM_UNKNOWN;
     }
-    f.comm = ARG_ncclCommGrow_newcomm;
-    nccl_save(&f);
+    f->comm = ARG_ncclCommGrow_newcomm;
     return 0;
 }
 
 /* ncclCommDestroy(comm) / ncclCommAbort(comm) */
 static __always_inline int nccl_enter_comm_end(struct pt_regs *ctx, u8 op)
 {
-    struct nccl_frame f = {};
-    if (!nccl_begin(ctx, &f, op))
+    struct nccl_frame *f = nccl_begin(ctx, op);
+    if (!f)
         return 0;
     struct nccl_comm_key k = {.tgid = bpf_get_current_pid_tgid() >> 32,
                               .comm = ARG_ncclCommDestroy_comm};
-    f.comm = k.comm;
+    f->comm = k.comm;
     struct nccl_comm_val got = {.rank = -1, .nranks = -1, .flags = NCCL_F_COMM_UNKNOWN};
     struct nccl_comm_val *v = nccl_comms.lookup(&k);
     if (v)
         __builtin_memcpy(&got, v, sizeof(got));
     else
         nccl_adopt_pending(k.tgid, k.comm, &got);
-    f.hash = got.hash;
-    f.rank = got.rank;
-    f.nranks = got.nranks;
-    f.flags |= (u8)got.flags;
-    nccl_save(&f);
+    f->hash = got.hash;
+    f->rank = got.rank;
+    f->nranks = got.nranks;
+    f->flags |= (u8)got.flags;
     return 0;
 }
 
@@ -686,105 +701,109 @@ int nccl_enter_ncclCommAbort(struct pt_regs *ctx) { return nccl_enter_comm_end(c
 
 /* ---- return: one program for every symbol ------------------------------- */
 
-static __always_inline void nccl_emit(struct nccl_frame *f, u64 now, s32 ret, u64 comm)
+/* One record of the call in `f` straight into the ring (reserve, fill, submit:
+ * no copy through the stack). */
+static __always_inline void nccl_emit(struct nccl_frame *f, u64 now, s32 ret, u64 comm, s32 rank)
 {
-    struct ingero_nccl_event e = {};
-    u64 id = bpf_get_current_pid_tgid();
-    e.ts_ns = f->ts;
-    e.duration_ns = now - f->ts;
-    e.cgroup_id = f->cgroup_id;
-    e.comm = comm;
-    e.comm_hash = f->hash;
-    e.count = f->count;
-    e.stream = f->stream;
-    e.parent_hash = f->parent_hash;
-    e.pid = id >> 32;
-    e.tid = (u32)id;
-    e.seq = f->seq;
-    e.rank = f->rank;
-    e.nranks = f->nranks;
-    e.peer = f->peer;
-    e.ret = ret;
-    e.color = f->color;
-    e.key = f->key;
-    e.op = f->op;
-    e.datatype = f->datatype;
-    e.redop = f->redop;
-    e.flags = f->flags;
-    if (nccl_events.ringbuf_output(&e, sizeof(e), ingero_ring_flags(LOST_NCCL)) != 0)
+    u64 flags = ingero_ring_flags(LOST_NCCL);
+    struct ingero_nccl_event *e = nccl_events.ringbuf_reserve(sizeof(struct ingero_nccl_event));
+    if (!e) {
         ingero_count_lost(LOST_NCCL);
+        return;
+    }
+    u64 id = bpf_get_current_pid_tgid();
+    e->ts_ns = f->ts;
+    e->duration_ns = now - f->ts;
+    e->cgroup_id = f->cgroup_id;
+    e->comm = comm;
+    e->comm_hash = f->hash;
+    e->count = f->count;
+    e->stream = f->stream;
+    e->parent_hash = f->parent_hash;
+    e->pid = id >> 32;
+    e->tid = (u32)id;
+    e->seq = f->seq;
+    e->rank = rank;
+    e->nranks = f->nranks;
+    e->peer = f->peer;
+    e->ret = ret;
+    e->color = f->color;
+    e->key = f->key;
+    e->op = f->op;
+    e->datatype = f->datatype;
+    e->redop = f->redop;
+    e->flags = f->flags;
+    nccl_events.ringbuf_submit(e, flags);
 }
 
-/* Takes the thread's frame at return; 0 when there is none to report. After
- * the return SP is the entry SP + 8 (the return address is popped); a nested
- * call's return is still deeper than its outer call's entry. */
-static __always_inline int nccl_end(struct pt_regs *ctx, struct nccl_frame *f)
+/* The thread's open frame at return, marked closed (its fields stay readable
+ * until the thread's next traced call); NULL when there is none to report.
+ * After the return SP is the entry SP + 8 (the return address is popped); a
+ * nested call's return is still deeper than its outer call's entry. */
+static __always_inline struct nccl_frame *nccl_end(struct pt_regs *ctx)
 {
-    u64 id = bpf_get_current_pid_tgid();
-    struct nccl_frame *open = nccl_frames.lookup(&id);
-    if (!open || !open->sp || PT_REGS_SP(ctx) < open->sp + INGERO_RET_SP_DELTA)
+    struct nccl_frame *f = nccl_slot(0);
+    if (!f || !f->sp || PT_REGS_SP(ctx) < f->sp + INGERO_RET_SP_DELTA)
         return 0;
-    __builtin_memcpy(f, open, sizeof(*f));
-    open->sp = 0;                      /* closed; the slot (and group depth) stays */
-    return 1;
+    f->sp = 0;                         /* closed; the slot (and group depth) stays */
+    return f;
 }
 
 int nccl_return(struct pt_regs *ctx)
 {
-    struct nccl_frame f;
-    if (!nccl_end(ctx, &f))
+    struct nccl_frame *f = nccl_end(ctx);
+    if (!f)
         return 0;
-    u64 id = bpf_get_current_pid_tgid();
     u64 now = bpf_ktime_get_ns();
     s32 ret = PT_REGS_RC(ctx);
     u64 handle = 0;
 
-    switch (f.op) {
+    switch (f->op) {
     case OP_COMM_INIT_RANK:
     case OP_COMM_INIT_RANK_CONFIG:
     case OP_COMM_INIT_RANK_SCALABLE:
     case OP_COMM_SPLIT:
     case OP_COMM_SHRINK:
     case OP_COMM_GROW:
-        bpf_probe_read_user(&handle, sizeof(handle), (void *)f.comm);
-        if ((ret == NCCL_SUCCESS || ret == NCCL_IN_PROGRESS) && !(f.flags & NCCL_F_COMM_UNKNOWN)) {
+        bpf_probe_read_user(&handle, sizeof(handle), (void *)f->comm);
+        if ((ret == NCCL_SUCCESS || ret == NCCL_IN_PROGRESS) && !(f->flags & NCCL_F_COMM_UNKNOWN)) {
             if (handle) {
-                nccl_put_comm(handle, f.hash, f.rank, f.nranks);
-            } else if (ret == NCCL_IN_PROGRESS && f.comm) {
-                nccl_park(f.comm, f.hash, f.rank, f.nranks);
-                f.flags |= NCCL_F_PENDING;
+                nccl_put_comm(handle, f->hash, f->rank, f->nranks);
+            } else if (ret == NCCL_IN_PROGRESS && f->comm) {
+                nccl_park(f->comm, f->hash, f->rank, f->nranks);
+                f->flags |= NCCL_F_PENDING;
             }
         }
-        nccl_emit(&f, now, ret, handle);
+        nccl_emit(f, now, ret, handle, f->rank);
         return 0;
     case OP_COMM_DESTROY:
     case OP_COMM_ABORT: {
-        struct nccl_comm_key k = {.tgid = id >> 32, .comm = f.comm};
+        struct nccl_comm_key k = {.tgid = bpf_get_current_pid_tgid() >> 32, .comm = f->comm};
         nccl_comms.delete(&k);
         break;
     }
     }
-    nccl_emit(&f, now, ret, f.comm);
+    nccl_emit(f, now, ret, f->comm, f->rank);
     return 0;
 }
 
 /* ncclCommInitAll's own return program: one record per communicator created. */
 int nccl_return_init_all(struct pt_regs *ctx)
 {
-    struct nccl_frame f;
-    if (!nccl_end(ctx, &f))
+    struct nccl_frame *f = nccl_end(ctx);
+    if (!f)
         return 0;
     u64 now = bpf_ktime_get_ns();
     s32 ret = PT_REGS_RC(ctx);
-    u32 ndev = f.count;
-    u64 comms = f.comm;
+    u32 ndev = f->count;
+    u64 comms = f->comm;
+    u64 hash = f->hash;
     for (u32 i = 0; i < INGERO_NCCL_INITALL_MAX && i < ndev; i++) {
         u64 handle = 0;
         bpf_probe_read_user(&handle, sizeof(handle), (void *)(comms + 8 * i));
         if (ret == 0 && handle)
-            nccl_put_comm(handle, f.hash, i, ndev);
-        f.rank = i;
-        nccl_emit(&f, now, ret, handle);
+            nccl_put_comm(handle, hash, i, ndev);
+        nccl_emit(f, now, ret, handle, i);
     }
     return 0;
 }

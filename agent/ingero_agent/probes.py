@@ -53,6 +53,33 @@ OPTIONAL_TRACEPOINTS = {
 }
 
 
+FRAME_STORAGES = ("auto", "task", "hash")
+KERNEL_BTF = Path("/sys/kernel/btf/vmlinux")
+
+
+def task_storage_available() -> bool:
+    """Can the NCCL probes keep per-thread frames in task-local storage?
+
+    BPF_MAP_TYPE_TASK_STORAGE and bpf_get_current_task_btf in kprobe/uprobe
+    programs need kernel >= 5.11 built with BTF (/sys/kernel/btf/vmlinux).
+    INGERO_FRAME_STORAGE=hash behaves as on a kernel without them (to test the
+    fallback)."""
+    if os.environ.get("INGERO_FRAME_STORAGE") == "hash":
+        return False
+    try:
+        major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (5, 11) and KERNEL_BTF.is_file()
+
+
+def frame_storage(cfg: "ProbeConfig") -> str:
+    """task or hash: where bpf/nccl.c keeps the per-thread frames (INGERO_TASK_STORAGE)."""
+    if cfg.frame_storage == "auto":
+        return "task" if task_storage_available() else "hash"
+    return cfg.frame_storage
+
+
 def bpf_dir() -> Path:
     """The folder holding ingero.h and the family files."""
     env = os.environ.get("INGERO_BPF_DIR")
@@ -78,12 +105,16 @@ class ProbeConfig:
     ringbuf_pages: int = 2048          # per family; 8 MiB with 4 KiB pages (power of 2)
     self_tgid: int = 0                 # the agent itself is never traced
     max_targets: int = 4096            # capacity of each filter map
+    frame_storage: str = "auto"        # NCCL per-thread frames: task (storage), hash, auto
 
     def __post_init__(self):
         unknown = [f for f in self.families if f not in ALL_FAMILIES]
         if unknown or not self.families:
             raise IngeroError(f"unknown probe family {','.join(unknown) or '(none)'}: choose from "
                               f"{','.join(ALL_FAMILIES)}")
+        if self.frame_storage not in FRAME_STORAGES:
+            raise IngeroError(f"frame storage {self.frame_storage!r}: choose from "
+                              f"{', '.join(FRAME_STORAGES)}")
         p = self.ringbuf_pages
         if p <= 0 or p & (p - 1):
             raise IngeroError(f"ring buffer pages {p} is not a power of 2; use e.g. 1024 or 2048")
@@ -148,6 +179,7 @@ def build_program(cfg: ProbeConfig, src: Path | None = None) -> tuple[str, list[
     ] + flags
     if "nccl" in cfg.families:
         cflags += abi.cflags()     # where each NCCL argument is on this machine
+        cflags.append(f"-DINGERO_TASK_STORAGE={int(frame_storage(cfg) == 'task')}")
         cflags.append(f"-DINGERO_NCCLPROF_REGS={int(abi.machine().name == 'x86_64')}")
     return "".join(parts), cflags, notes
 
@@ -171,7 +203,21 @@ class Probes:
                               "create the venv with --system-site-packages") from e
         self._BPF = BPF
         try:
-            self.bpf = BPF(text=self.text.encode(), cflags=self.cflags)
+            try:
+                self.bpf = BPF(text=self.text.encode(), cflags=self.cflags)
+                if "nccl" in cfg.families:   # bcc verifies a program when it is first attached:
+                    for fn in (b"nccl_enter_ncclAllReduce", b"nccl_return"):   # verify now
+                        self.bpf.load_func(fn, BPF.KPROBE)
+            except Exception:
+                # Task-local frames chosen by kernel version, yet the kernel refused them
+                # (e.g. a backport without the helper for uprobes): frames in a hash.
+                if cfg.frame_storage != "auto" or "-DINGERO_TASK_STORAGE=1" not in self.cflags:
+                    raise
+                self.cflags = [("-DINGERO_TASK_STORAGE=0" if f == "-DINGERO_TASK_STORAGE=1" else f)
+                               for f in self.cflags]
+                self.bpf = BPF(text=self.text.encode(), cflags=self.cflags)
+                self.notes.append("the kernel refused task-local storage for the NCCL probes' "
+                                  "per-thread frames: they are kept in a hash (slower per call)")
         except Exception as e:  # bcc raises bare Exception with the compiler output on stderr
             raise IngeroError(f"loading the BPF program failed ({e}); the compiler/verifier "
                               "output above says why") from e
