@@ -43,12 +43,24 @@ def run_loop(loop: Path, lib: Path, n: int, before_go=None) -> float:
     return ns
 
 
+def cgroup_ids(path: Path) -> list[int]:
+    """The cgroup ids (directory inode numbers) of `path` and its ancestors below
+    the cgroup v2 mount, outermost first."""
+    from ingero.lab.cgroups import CGROUP_ROOT
+    rel = path.relative_to(CGROUP_ROOT).parts
+    return [os.stat(CGROUP_ROOT.joinpath(*rel[:i + 1])).st_ino for i in range(len(rel))]
+
+
 def run_loop_traced(loop: Path, lib: Path, n: int, probes, ring: str,
-                    drain_s: float | None) -> tuple[float, int]:
+                    drain_s: float | None, target: str = "pid") -> tuple[float, int]:
     """run_loop with the loop's process as the probes' only target and `ring` drained
     every `drain_s` by a thread of this process (as the agent would, in its own);
     drain_s None: read once, after the loop (the ring must hold its records).
-    Returns (ns per iteration, records read)."""
+    `target`: how the filter finds the loop: "pid" (its tgid); or the loop is moved
+    into a cgroup <mount>/ingero-bench-<pid>/pod/container and found by that
+    cgroup ("cgroup", as the agent's targets: every cgroup of a pod is in the map)
+    or by the outermost one ("ancestor": the filter walks up two levels, as for a
+    container cgroup created since the agent's last scan). Returns (ns per iteration, records read)."""
     got, stop = [0], threading.Event()
 
     def drain():
@@ -58,7 +70,15 @@ def run_loop_traced(loop: Path, lib: Path, n: int, probes, ring: str,
     t = threading.Thread(target=drain, daemon=True)
 
     def go(pid):
-        probes.set_targets(set(), {pid}, set())
+        if target == "pid":
+            probes.set_targets(set(), {pid}, set())
+        else:   # a pod-like cgroup of its own: <mount>/ingero-bench-<our pid>/pod/container
+            from ingero.lab.cgroups import CGROUP_ROOT
+            cg = CGROUP_ROOT / f"ingero-bench-{os.getpid()}" / "pod" / "container"
+            cg.mkdir(parents=True, exist_ok=True)
+            (cg / "cgroup.procs").write_text(str(pid))
+            ids = cgroup_ids(cg)
+            probes.set_targets({ids[-1] if target == "cgroup" else ids[0]}, set(), set())
         if drain_s is not None:
             t.start()
 
@@ -67,6 +87,11 @@ def run_loop_traced(loop: Path, lib: Path, n: int, probes, ring: str,
             if drain_s is not None:
                 t.join()
             got[0] += len(probes.rings[ring].read())
+            if target != "pid":   # the loop has exited: its cgroups are empty
+                from ingero.lab.cgroups import CGROUP_ROOT
+                top = CGROUP_ROOT / f"ingero-bench-{os.getpid()}"
+                for d in (top / "pod" / "container", top / "pod", top):
+                    d.rmdir()
         return done
 
     return run_loop(loop, lib, n, go), got[0]

@@ -22,6 +22,11 @@ the wall-clock figures are not.
 --baseline DIR adds a fourth set-up, "baseline": Ingero's probes built from
 DIR/bpf (e.g. a checkout of main) by this tree's loader, in the same rounds, so
 two versions of the BPF programs are compared side by side under the same load.
+--target cgroup|ancestor moves the loop into a pod-like cgroup of its own and
+finds it by that cgroup (as the agent's pod targets: every cgroup of the pod is
+in the filter map) or by the cgroup two levels up (the filter walks the
+ancestors, as for a container created since the agent's last scan), instead
+of by its pid.
 --no-drain adds the set-up "nodrain": Ingero's probes as in "ingero" but no
 thread drains the ring during the loop (it is read once after; its ring is
 made large enough to hold every record), to measure what the drain thread
@@ -76,7 +81,8 @@ def _bare(loop, lib, calls) -> float:
         b.cleanup()
 
 
-def _ingero(loop, lib, calls, name="ingero", bpf_dir=None, drain_s=0.02) -> tuple[float, int, int]:
+def _ingero(loop, lib, calls, name="ingero", bpf_dir=None, drain_s=0.02, target="pid"
+            ) -> tuple[float, int, int]:
     """Ingero's NCCL probes (from bpf_dir, default this tree's bpf/) on the loop;
     drain_s None: no drain during the loop, in a ring that holds all its records."""
     from ingero_agent.elfsyms import nccl_symbols
@@ -102,7 +108,7 @@ def _ingero(loop, lib, calls, name="ingero", bpf_dir=None, drain_s=0.02) -> tupl
     st = lib.stat()
     p.attach_library(lib, (st.st_dev, st.st_ino), nccl_symbols(lib))
     try:
-        ns, got = run_loop_traced(loop, lib, calls, p, "nccl", drain_s)
+        ns, got = run_loop_traced(loop, lib, calls, p, "nccl", drain_s, target)
         _prog_ns(f"{name} entry", p.bpf.funcs[b"nccl_enter_ncclAllReduce"].fd)
         _prog_ns(f"{name} return", p.bpf.funcs[b"nccl_return"].fd)
         return ns, got, p.lost()["nccl"]
@@ -118,6 +124,9 @@ def main(argv=None) -> dict:
                     help="also report the programs' in-kernel run time per call")
     ap.add_argument("--baseline", type=Path, default=None, metavar="DIR",
                     help="also run Ingero's probes built from DIR/bpf (e.g. a checkout of main)")
+    ap.add_argument("--target", choices=("pid", "cgroup", "ancestor"), default="pid",
+                    help="how the filter finds the loop: its pid (default), its own cgroup, or an "
+                         "ancestor cgroup two levels up (the filter walks up to it)")
     ap.add_argument("--no-drain", action="store_true",
                     help="also run Ingero's probes with no drain thread during the loop")
     a = ap.parse_args(argv)
@@ -149,14 +158,15 @@ def _main(a) -> dict:
         for _ in range(a.rounds):
             res["none"].append(run_loop(loop, lib, a.calls))
             res["bare"].append(_bare(loop, lib, a.calls))
-            ns, ev, lo = _ingero(loop, lib, a.calls)
+            ns, ev, lo = _ingero(loop, lib, a.calls, target=a.target)
             res["ingero"].append(ns)
             events += ev
             lost += lo
             if base_dir is not None:
-                res["baseline"].append(_ingero(loop, lib, a.calls, "baseline", base_dir)[0])
+                res["baseline"].append(_ingero(loop, lib, a.calls, "baseline", base_dir,
+                                               target=a.target)[0])
             if a.no_drain:
-                ns, ev, lo = _ingero(loop, lib, a.calls, "nodrain", None, None)
+                ns, ev, lo = _ingero(loop, lib, a.calls, "nodrain", None, None, a.target)
                 res["nodrain"].append(ns)
                 if ev != a.calls + 1 or lo:
                     raise SystemExit(f"nodrain: read {ev:,} records of {a.calls + 1:,}, lost {lo:,}")

@@ -288,6 +288,18 @@ static __always_inline u64 ingero_ring_flags(int slot)
     return (mark && c->produced >= mark) ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP;
 }
 
+/* Bumped by the agent after every change of target_tgids / target_cgroups
+ * (ingero_agent/probes.py set_targets), so a verdict of ingero_is_target()
+ * cached with the value it had is known to be stale (bpf/nccl.c). */
+BPF_ARRAY(target_gen, u64, 1);
+
+static __always_inline u64 ingero_target_gen(void)
+{
+    int zero = 0;
+    u64 *g = target_gen.lookup(&zero);
+    return g ? *g : 0;
+}
+
 /* Is the current task (tgid, cgroup cgid) traced? */
 static __always_inline int ingero_is_target(u32 tgid, u64 cgid)
 {

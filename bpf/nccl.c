@@ -95,6 +95,7 @@
 BPF_RINGBUF_OUTPUT(nccl_events, INGERO_RINGBUF_PAGES);
 
 struct nccl_frame {
+    /* the call: cleared at every traced entry (up to `depth`) */
     u64 ts;
     u64 cgroup_id;
     u64 comm;          /* handle; for InitRank/InitAll/Split the output pointer */
@@ -102,20 +103,24 @@ struct nccl_frame {
     u64 stream;
     u64 hash;
     u64 parent_hash;
+    u64 sp;            /* stack pointer at entry: tells nested calls and stale frames apart;
+                          0 once the call returned (the slot stays, for the next call) */
     u32 seq;
     s32 rank;
     s32 nranks;
     s32 peer;
     s32 color;
     s32 key;
-    u64 sp;            /* stack pointer at entry: tells nested calls and stale frames apart;
-                          0 once the call returned (the slot stays, for the next call) */
-    u32 depth;         /* ncclGroupStart depth of the thread (kept across calls) */
-    u32 _pad;
     u8 op;
     u8 datatype;
     u8 redop;
     u8 flags;
+    u32 _pad;
+    /* the thread: kept across calls */
+    u32 depth;         /* ncclGroupStart depth of the thread */
+    u32 target;        /* the target filter's verdict for (tgid, target_gen, filter_cgid) */
+    u64 filter_gen;    /* target_gen + 1 when `target` was decided (0: never) */
+    u64 filter_cgid;   /* the thread's cgroup then */
 };
 /* One slot per thread, written in place: the entry program fills it, the
  * return program reads it and marks it closed (sp = 0); the thread's group
@@ -243,14 +248,35 @@ static __always_inline struct nccl_frame *nccl_begin(struct pt_regs *ctx, u8 op)
 {
     u64 id = bpf_get_current_pid_tgid();
     u64 cgid = bpf_get_current_cgroup_id();
+#if INGERO_TASK_STORAGE
+    /* The filter's verdict is cached in the thread's slot: it depends only on
+     * the tgid (fixed for a thread), the cgroup (checked) and the target maps
+     * (target_gen changes with them), so a thread's calls after its first
+     * cost one array read instead of the filter's hash lookups and ancestor
+     * walk. Non-target threads get a slot too (freed with the thread). */
+    struct nccl_frame *f = nccl_slot(1);
+    if (!f)
+        return 0;
+    u64 gen = ingero_target_gen() + 1;
+    if (f->filter_gen != gen || f->filter_cgid != cgid) {
+        f->target = ingero_is_target(id >> 32, cgid);
+        f->filter_gen = gen;
+        f->filter_cgid = cgid;
+    }
+    if (!f->target)
+        return 0;
+#else
     if (!ingero_is_target(id >> 32, cgid))
         return 0;
-    u64 sp = PT_REGS_SP(ctx);
     struct nccl_frame *f = nccl_slot(1);
-    if (!f || (f->sp && sp < f->sp))
+    if (!f)
+        return 0;
+#endif
+    u64 sp = PT_REGS_SP(ctx);
+    if (f->sp && sp < f->sp)
         return 0;
     u32 depth = f->depth;
-    __builtin_memset(f, 0, sizeof(*f));
+    __builtin_memset(f, 0, __builtin_offsetof(struct nccl_frame, depth));
     f->sp = sp;
     f->ts = bpf_ktime_get_ns();
     f->cgroup_id = cgid;
@@ -258,7 +284,6 @@ static __always_inline struct nccl_frame *nccl_begin(struct pt_regs *ctx, u8 op)
     f->rank = -1;
     f->nranks = -1;
     f->peer = -1;
-    f->depth = depth;
     if (depth > 0)
         f->flags = NCCL_F_IN_GROUP;
     return f;

@@ -320,9 +320,12 @@ class Probes:
         return done
 
     # ---- filter maps -------------------------------------------------------
-    def _sync(self, table: str, want: set, make_key) -> None:
+    def _sync(self, table: str, want: set, make_key) -> bool:
+        """Make the filter map `table` hold `want`; True when it changed."""
         t = self.bpf[table.encode()]
         cur = self._current[table]
+        if want == cur:
+            return False
         one = ct.c_uint8(1)
         for k in want - cur:
             t[make_key(t, k)] = one
@@ -332,14 +335,21 @@ class Probes:
             except KeyError:
                 pass
         self._current[table] = set(want)
+        return True
 
     def set_targets(self, cgroup_ids: set[int], tgids: set[int],
                     ips: set[tuple[int, bytes]]) -> None:
         cap = self.cfg.max_targets
         if max(len(cgroup_ids), len(tgids), len(ips)) > cap:
             raise IngeroError(f"more than {cap} target cgroups, pids or addresses; trace fewer pods")
-        self._sync("target_cgroups", cgroup_ids, lambda t, k: t.Key(k))
-        self._sync("target_tgids", tgids, lambda t, k: t.Key(k))
+        changed = self._sync("target_cgroups", cgroup_ids, lambda t, k: t.Key(k))
+        changed |= self._sync("target_tgids", tgids, lambda t, k: t.Key(k))
+        if changed:   # after the maps: verdicts cached in the kernel are now stale
+            try:
+                g = self.bpf[b"target_gen"]
+            except KeyError:   # BPF sources of an older version (bench.uprobe_cost --baseline)
+                return
+            g[g.Key(0)] = g.Leaf(g[g.Key(0)].value + 1)
         if "tcp" in self.cfg.families:
             def ip(t, k):
                 key = t.Key()
