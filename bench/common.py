@@ -52,10 +52,12 @@ def cgroup_ids(path: Path) -> list[int]:
 
 
 def run_loop_traced(loop: Path, lib: Path, n: int, probes, ring: str,
-                    drain_s: float | None, target: str = "pid") -> tuple[float, int]:
+                    drain_s: float | str | None, target: str = "pid") -> tuple[float, int]:
     """run_loop with the loop's process as the probes' only target and `ring` drained
     every `drain_s` by a thread of this process (as the agent would, in its own);
-    drain_s None: read once, after the loop (the ring must hold its records).
+    drain_s None: read once, after the loop (the ring must hold its records);
+    "agent": drained as the agent does (woken by the ring once a quarter of it is
+    unread, or every 2 s).
     `target`: how the filter finds the loop: "pid" (its tgid); or the loop is moved
     into a cgroup <mount>/ingero-bench-<pid>/pod/container and found by that
     cgroup ("cgroup", as the agent's targets: every cgroup of a pod is in the map)
@@ -64,6 +66,12 @@ def run_loop_traced(loop: Path, lib: Path, n: int, probes, ring: str,
     got, stop = [0], threading.Event()
 
     def drain():
+        if drain_s == "agent":   # as the agent: sleep in epoll until a quarter of the ring
+            while not stop.is_set():   # is unread (or 2 s, its segment roll), then drain
+                probes.arm_wakeup(ring)
+                probes.waiter.wait(2.0)
+                got[0] += len(probes.rings[ring].read())
+            return
         while not stop.wait(drain_s):
             got[0] += len(probes.rings[ring].read())
 
@@ -85,6 +93,8 @@ def run_loop_traced(loop: Path, lib: Path, n: int, probes, ring: str,
         def done():
             stop.set()
             if drain_s is not None:
+                if drain_s == "agent":
+                    probes.waiter.notify()
                 t.join()
             got[0] += len(probes.rings[ring].read())
             if target != "pid":   # the loop has exited: its cgroups are empty
