@@ -111,6 +111,15 @@ def test_the_release_namespace_and_kube_system_are_never_mutated():
         assert called(mwc, ns, {LABEL: "enabled"}, {}) == []
 
 
+@pytest.mark.parametrize("level,paths", [("privileged", ["/profiler-pod"]), ("baseline", []), ("restricted", [])])
+def test_namespaces_whose_pod_security_level_forbids_host_paths_are_not_mutated(level, paths):
+    # A mutated pod there would be refused by Pod Security admission: never block a pod.
+    mwc, _, _, _ = webhook_objects()
+    psa = {"pod-security.kubernetes.io/enforce": level}
+    assert called(mwc, "team-a", psa, {LABEL: "enabled"}) == paths
+    assert called(mwc, "team-a", {**psa, LABEL: "enabled"}, {}) == [p.replace("pod", "namespace") for p in paths]
+
+
 # ---- TLS ---------------------------------------------------------------------------------
 
 def pem(b64: str) -> bytes:
