@@ -125,9 +125,12 @@ def inject(pod: dict, plugin_dir: str) -> bool:
     return True
 
 
-def _pod_name(pod: dict) -> str:
-    meta = pod.get("metadata") or {}
-    return f"{meta.get('namespace') or '?'}/{meta.get('name') or (meta.get('generateName') or '?') + '*'}"
+def _pod_name(pod) -> str:
+    try:
+        meta = pod.get("metadata") or {}
+        return f"{meta.get('namespace') or '?'}/{meta.get('name') or (meta.get('generateName') or '?') + '*'}"
+    except Exception:
+        return "?"
 
 
 def mutate(body, patch, hook: str, plugin_dir: str) -> str:
@@ -147,7 +150,7 @@ def mutate(body, patch, hook: str, plugin_dir: str) -> str:
     except Exception as e:   # never deny a pod for our sake: admit it unchanged
         patch.clear()
         what = f"not injected: {type(e).__name__}: {e}"
-        log.warning("profiler plugin for pod %s (%s): %s", _pod_name(dict(body)), hook, what)
+        log.warning("profiler plugin for pod %s (%s): %s", _pod_name(body), hook, what)
         return what
     log.info("profiler plugin for pod %s (%s): %s", _pod_name(pod), hook, what)
     return what

@@ -222,6 +222,14 @@ def test_the_server_certificate_is_checked_by_ca_and_name(webhook, tmp_path):
         post(webhook["port"], "/profiler-pod", review(pod("x")), webhook["ca"], name="ingero-operator.ingero-system.svc")
 
 
+def test_a_pod_the_handler_cannot_read_is_admitted_unchanged_never_denied(webhook):
+    odd = pod("odd", {"ingero.io/profiler": "enabled"})
+    odd["spec"]["containers"] = ["not-a-container"]
+    resp = admit(webhook, "/profiler-pod", odd)
+    assert "patch" not in resp and "status" not in resp, resp
+    assert "not injected: AttributeError" in webhook["log"]()
+
+
 def test_a_malformed_review_is_an_http_error_so_the_api_server_applies_the_failure_policy(webhook):
     code, _ = post(webhook["port"], "/profiler-pod", {"kind": "AdmissionReview", "request": {"uid": "u"}},
                    webhook["ca"])
