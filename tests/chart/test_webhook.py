@@ -253,6 +253,10 @@ def test_the_real_operator_serves_the_rendered_paths_with_a_certificate_the_ca_b
     ({"webhook": {"enabled": True}, "operator": {"replicas": 0, "peering": {"enabled": False}}},
      "no operator would serve the webhook"),
     ({"webhook": {"enabled": True, "port": 443}}, "/webhook/port"),
+    ({"webhook": {"enabled": True, "port": 8080}}, "webhook.port 8080 is also operator.healthPort"),
+    ({"webhook": {"enabled": True, "port": 8082}}, "webhook.port 8082 is also operator.artifacts.port"),
+    ({"webhook": {"enabled": True, "port": 9102}, "metrics": {"enabled": True}},
+     "webhook.port 9102 is also metrics.port"),
     ({"webhook": {"enabled": True, "timeoutSeconds": 31}}, "/webhook/timeoutSeconds"),
     ({"webhook": {"enabled": True, "caBundle": "x"}}, "additional properties 'caBundle' not allowed"),
 ])
