@@ -273,3 +273,15 @@ def test_the_webhook_objects_lint_and_are_valid_for_kubernetes():
     for version in (kv.latest_version(), "1.26"):
         for doc in webhook_objects()[:3]:
             kv.validate(doc, version, strict=True)
+
+
+def test_the_webhook_adds_no_permission_kopf_does_not_manage_the_configuration():
+    def rules(docs):
+        return sorted(json.dumps(d.get("rules"), sort_keys=True) for d in docs if d["kind"] in ("Role", "ClusterRole"))
+
+    on, off = render(ON), render()
+    assert rules(on) == rules(off)
+    assert "admissionregistration.k8s.io" not in json.dumps([d for d in on if d["kind"].endswith("Role")])
+    # The operator does not ask kopf to manage it (settings.admission.managed stays None).
+    src = (ROOT / "operator" / "ingero_operator" / "webhook.py").read_text()
+    assert "settings.admission.managed = None" in src and "managed = '" not in src
