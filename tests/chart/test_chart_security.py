@@ -14,7 +14,7 @@ import base64
 import pytest
 import yaml
 
-from tests.chart.chartlib import CHART, NAMESPACE, RELEASE, args_of, container, find, render, render_files
+from tests.chart.chartlib import CHART, NAMESPACE, RELEASE, args_of, container, find, helm, render, render_files
 
 x509 = pytest.importorskip("cryptography.x509", reason="cryptography is not installed")
 
@@ -279,3 +279,29 @@ def test_policy_peers_are_configurable_and_off_means_no_policy():
     bare = policies(render({"operator": {"artifacts": {"serve": False}}}))["ingero-operator"]
     assert bare["ingress"] == [] and bare["policyTypes"] == ["Ingress"]
     assert policies(render({"networkPolicy": {"enabled": False}})) == {}
+
+
+# ---- lint and notes ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("values", [
+    {"tls": {"certManager": {"enabled": True}}, "metrics": {"enabled": True},
+     "networkPolicy": {"metricsFrom": [{"namespaceSelector": {"matchLabels": {"team": "obs"}}}],
+                       "artifactFrom": [{"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}}]}},
+    {"tls": {"certManager": {"enabled": True, "issuerRef": {"name": "corp", "kind": "ClusterIssuer"}},
+             "mutual": True}},
+    {"tls": {"enabled": False}, "networkPolicy": {"enabled": False}},
+], ids=["cert-manager", "cert-manager-issuer", "all-off"])
+def test_the_security_value_sets_lint_without_warnings_in_strict_mode(values):
+    report = helm().lint(str(CHART), values, strict=True, namespace=NAMESPACE)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] > 1] == []
+
+
+def test_notes_warn_when_tls_or_the_network_policy_is_off_and_explain_the_generated_certificate():
+    notes = render_files()[f"{RELEASE}/templates/NOTES.txt"]
+    assert "WARNING" not in notes and "generated" in notes and "ingero-agent-tls" in notes
+    off = render_files({"tls": {"enabled": False}, "networkPolicy": {"enabled": False}})
+    off = off[f"{RELEASE}/templates/NOTES.txt"]
+    assert "tls.enabled=false" in off and "networkPolicy.enabled=false" in off
+    mine = render_files({"tls": {"secretName": "mine"}})[f"{RELEASE}/templates/NOTES.txt"]
+    assert "WARNING" not in mine and "generated" not in mine
