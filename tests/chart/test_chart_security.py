@@ -305,3 +305,18 @@ def test_notes_warn_when_tls_or_the_network_policy_is_off_and_explain_the_genera
     assert "tls.enabled=false" in off and "networkPolicy.enabled=false" in off
     mine = render_files({"tls": {"secretName": "mine"}})[f"{RELEASE}/templates/NOTES.txt"]
     assert "WARNING" not in mine and "generated" not in mine
+
+
+def test_policies_with_every_kind_of_peer_are_valid_kubernetes_objects():
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed")
+    peers = [{"namespaceSelector": {"matchExpressions": [{"key": "team", "operator": "In", "values": ["obs"]}]},
+              "podSelector": {"matchLabels": {"app": "prometheus"}}},
+             {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}}]
+    docs = render({"metrics": {"enabled": True},
+                   "networkPolicy": {"metricsFrom": peers, "artifactFrom": peers[1:], "probesFrom": peers[1:],
+                                     "extraOperatorIngress": [{"ports": [{"port": 9443, "endPort": 9444}]}]}})
+    pols = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    assert len(pols) == 2
+    for doc in pols:
+        kv.validate(doc, kv.latest_version(), strict=True)
+    assert policies(docs)["ingero-operator"]["ingress"][-1] == {"ports": [{"port": 9443, "endPort": 9444}]}
