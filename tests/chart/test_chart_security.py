@@ -262,6 +262,21 @@ def test_the_operator_admits_its_artifact_port_from_anywhere_and_metrics_from_po
     assert rules[ports["metrics"]]["from"] == [{"namespaceSelector": {}}]
 
 
+def test_the_operator_admits_the_api_server_on_its_webhook_port_when_the_webhook_is_on():
+    # failurePolicy Ignore: a policy that blocked the API server would silently stop injection
+    docs = render({"webhook": {"enabled": True}})
+    [spec] = [p for p in policies(docs).values() if selects(p["podSelector"], pod_labels(docs, "Deployment"))]
+    port = next(p["containerPort"] for p in container(docs, "Deployment", "operator")["ports"] if p["name"] == "webhook")
+    rules = {r["ports"][0]["port"]: r for r in spec["ingress"]}
+    assert port in rules and "from" not in rules[port]                  # any source: the API server
+    peers = [{"ipBlock": {"cidr": "10.96.0.0/12"}}]
+    docs = render({"webhook": {"enabled": True}, "networkPolicy": {"webhookFrom": peers}})
+    [spec] = [p for p in policies(docs).values() if selects(p["podSelector"], pod_labels(docs, "Deployment"))]
+    assert {r["ports"][0]["port"]: r.get("from") for r in spec["ingress"]}[port] == peers
+    off = policies(render())["ingero-operator"]
+    assert port not in {r["ports"][0]["port"] for r in off.get("ingress") or []}
+
+
 def test_policy_peers_are_configurable_and_off_means_no_policy():
     peers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
               "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
