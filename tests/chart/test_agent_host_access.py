@@ -23,6 +23,11 @@ NOT_FROM_HOST = {
                          "/sys/kernel/tracing has no events/; the chart mounts tracefs",
     "/etc/ingero/agent.yaml": "optional config file naming the node; the chart passes --node=$(NODE_NAME)",
 }
+# Host paths the agent writes, and why.
+WRITABLE = {
+    "/sys/kernel/tracing": "bcc creates NCCL uprobes in uprobe_events: the perf uprobe PMU needs "
+                           "CAP_SYS_ADMIN since Linux 6.16 (tests/bpf/test_capabilities.py)",
+}
 # The agent API's own URL paths (server.py's routes): literals that name no file.
 URL_PATHS = ("/healthz", "/v1/")
 # Flags of `ingero agent serve` that name files or folders, and what must back them.
@@ -87,7 +92,10 @@ def test_every_host_path_in_the_agent_code_is_served_by_the_pod():
         hp = vols[m["name"]].get("hostPath")
         assert hp is not None, f"{path} ({where}) is mounted from {vols[m['name']]}, not from the host"
         assert hp["path"] == m["mountPath"], f"{path}: host {hp['path']} is mounted at {m['mountPath']}"
-        assert m.get("readOnly") is True, f"{path}: the agent only reads it; mount it read-only"
+        if m["mountPath"] in WRITABLE:
+            assert m.get("readOnly") is False, f"{path}: {WRITABLE[m['mountPath']]}"
+        else:
+            assert m.get("readOnly") is True, f"{path}: the agent only reads it; mount it read-only"
         served[path] = m["name"]
     assert served["/lib/modules"] == "modules" and served["/usr/src"] == "usr-src"
     assert served["/sys/kernel/tracing"] == "tracefs"
@@ -126,8 +134,8 @@ def test_the_container_has_no_mount_the_agent_does_not_use():
     used.add(mount_for(c, env["HOME"])["name"])   # HOME=/tmp: bcc, DuckDB and Python scratch
     assert {m["name"] for m in c["volumeMounts"]} == used
     assert {v["name"] for v in pod["volumes"]} == used
-    # Writable: the data folder and /tmp only (the root filesystem is read-only).
-    assert {m["name"] for m in c["volumeMounts"] if not m.get("readOnly")} == {"data", "tmp"}
+    # Writable: the data folder, /tmp and tracefs (WRITABLE) only (the root filesystem is read-only).
+    assert {m["name"] for m in c["volumeMounts"] if not m.get("readOnly")} == {"data", "tmp", "tracefs"}
     assert "emptyDir" in vols["tmp"] and c["securityContext"]["readOnlyRootFilesystem"] is True
 
 
@@ -174,7 +182,10 @@ def test_the_preflight_traces_with_the_agents_privileges_and_a_subset_of_its_mou
     assert pre["securityContext"] == c["securityContext"]
     mounts = {m["name"]: m for m in c["volumeMounts"]}
     for m in pre["volumeMounts"]:
-        assert m == mounts[m["name"]], m
+        if m["name"] == "tracefs":   # tracepoints only (tcp, sched), no uprobes: read-only
+            assert m == {**mounts["tracefs"], "readOnly": True}, m
+        else:
+            assert m == mounts[m["name"]], m
     # What bcc needs to compile and attach (headers, tracefs) and scratch space; no data, no token.
     assert {m["name"] for m in pre["volumeMounts"]} == {"tracefs", "modules", "usr-src", "tmp"}
     assert {e["name"]: e.get("value") for e in pre["env"]}["INGERO_BPF_DIR"] == \
