@@ -118,11 +118,21 @@ def _memlock_of(pid: int) -> str:
                 if ln.startswith("Max locked memory"))
 
 
-def trace(caps, d: Path, tmp: Path) -> dict:
-    """`ingero trace --pid <rank> --probes nccl` with only `caps`; what it printed and recorded."""
+# Run a command in a mount namespace of its own in which tracefs is read-only (as the
+# preflight container mounts it).
+READ_ONLY_TRACEFS = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                     "for m in /sys/kernel/tracing /sys/kernel/debug/tracing; do "
+                     "if mountpoint -q $m; then mount -o remount,bind,ro $m || exit 97; fi; done; "
+                     'exec "$@"', "sh"]
+
+
+def trace(caps, d: Path, tmp: Path, wrap: tuple[str, ...] = ()) -> dict:
+    """`ingero trace --pid <rank> --probes nccl` with only `caps` (run through `wrap`);
+    what it printed and recorded."""
     rank, go = _start_rank(d)
-    out, ready = tmp / f"{'-'.join(caps)}.duckdb", tmp / f"{'-'.join(caps)}.ready"
-    argv = _setpriv(caps) + [sys.executable, "-m", "ingero", "trace", "--pid", str(rank.pid),
+    name = "-".join(caps) + ("-wrapped" if wrap else "")
+    out, ready = tmp / f"{name}.duckdb", tmp / f"{name}.ready"
+    argv = list(wrap) + _setpriv(caps) + [sys.executable, "-m", "ingero", "trace", "--pid", str(rank.pid),
                              "--probes", "nccl", "--out", str(out), "--ready-file", str(ready),
                              "--node", "caps-node"]
     t = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -299,3 +309,19 @@ def test_sys_ptrace_also_lets_the_agent_attach_to_another_users_process():
     finally:
         victim.kill()
         victim.wait()
+
+
+def test_without_sys_admin_the_uprobes_need_a_writable_tracefs(lib_dir, tmp_path):
+    """Why the chart mounts tracefs writable into the agent container: since Linux 6.16
+    (ba677dbe77af, also in stable kernels from July 2025) the perf uprobe PMU refuses a
+    process without CAP_SYS_ADMIN, and bcc then creates the uprobes in tracefs's
+    uprobe_events. With tracefs read-only, the NCCL uprobes cannot be attached."""
+    if shutil.which("unshare") is None or shutil.which("mountpoint") is None:
+        pytest.skip("unshare and mountpoint (util-linux) are needed")
+    r = trace(PROVEN, lib_dir, tmp_path, wrap=tuple(READ_ONLY_TRACEFS))
+    assert r["capeff"] == _mask(PROVEN), r["log"]
+    if r["rc"] == 0 and not _kernel_at_least(6, 16):
+        pytest.skip(f"kernel {os.uname().release}: its uprobe PMU still takes CAP_PERFMON")
+    assert r["rc"] != 0 and r.get("events", 0) == 0, r["log"]
+    assert any(ln.startswith("ingero: attaching a uprobe to ncclAllReduce in ") and
+               "failed (Failed to attach BPF to uprobe)" in ln for ln in r["lines"]), r["log"]
