@@ -19,14 +19,16 @@ capabilities:
   # also checks this list): without any one, tracing fails as its comment says.
   # Kernels before 5.11 also need SYS_RESOURCE (RLIMIT_MEMLOCK for BPF maps):
   # agent.extraCapabilities: [SYS_RESOURCE]. No DAC_READ_SEARCH: another user's
-  # /proc/<pid>/environ (0400) is read from process memory (process_vm_readv) instead.
+  # /proc/<pid>/environ (0400) is read from process memory (process_vm_readv) instead. No SYS_ADMIN:
+  # from 6.16 the NCCL uprobes are made in tracefs (mounted writable), not the perf uprobe PMU.
   add:
     # bpf(2): create the maps and ring buffers and load the programs (without it: map creation EPERM).
     - BPF
     # Load tracing programs (tracepoint, uprobe) and perf_event_open them (without it: program load EPERM).
     - PERFMON
     # /proc/<pid>/maps, root, environ of other users' processes (else their NCCL library and rank are unseen);
-    # note it also permits PTRACE_ATTACH to any host process (hostPID) unless Yama ptrace_scope is 3.
+    # it also permits PTRACE_ATTACH to any host process (hostPID) unless Yama ptrace_scope is 3 (which
+    # also blocks the environment read); the agent only reads.
     - SYS_PTRACE
     {{- range .Values.agent.extraCapabilities }}
     # Added by agent.extraCapabilities.
