@@ -226,8 +226,8 @@ class Probes:
                                        **where)
                 self.bpf.attach_uretprobe(name=os.fsencode(path), fn_name=ret_fn.encode(), **where)
             except Exception as e:
-                raise IngeroError(f"attaching a uprobe to {name} in {path} failed ({e}); check "
-                                  "that uprobes are enabled (CONFIG_UPROBE_EVENTS)") from e
+                raise IngeroError(f"attaching a uprobe to {name} in {path} failed ({e}); check that "
+                                  f"uprobes are enabled (CONFIG_UPROBE_EVENTS){uprobe_names.HINT}") from e
             done.append(name)
         self.attached[key] = (path, done)
         return done
@@ -269,7 +269,7 @@ class Probes:
                                        fn_name=f"ncclprof_{reg}".encode())
             except Exception as e:
                 raise IngeroError(f"attaching the USDT probe in {path} failed ({e}); check that uprobes "
-                                  "are enabled (CONFIG_UPROBE_EVENTS)") from e
+                                  f"are enabled (CONFIG_UPROBE_EVENTS){uprobe_names.HINT}") from e
             done += 1
         self.attached[key] = (path, [PROFILER_PROBE])
         return done

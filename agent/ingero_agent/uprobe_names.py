@@ -17,6 +17,9 @@ from __future__ import annotations
 import os
 
 MAX_EVENT_NAME = 64   # the kernel's MAX_EVENT_NAME_LEN for probe events
+# Appended to a failed uprobe attach's message.
+HINT = (" and, without CAP_SYS_ADMIN (kernel 6.16 and later), that tracefs is mounted "
+        "writable (bcc then creates uprobes in uprobe_events)")
 
 
 class ShortNames:
