@@ -12,12 +12,13 @@ With exactly the chart's list the trace reads the rank, world size and run id
 attaches the NCCL uprobes through /proc/<pid>/root and records every call,
 with RLIMIT_MEMLOCK at 64 KiB and no CAP_SYS_RESOURCE. Without any one of the
 listed capabilities it fails in the way that capability's reason predicts.
+With the list but tracefs read-only, the NCCL uprobes cannot attach (the perf
+uprobe PMU needs CAP_SYS_ADMIN from 6.16): why the agent's tracefs is writable.
 The chart's list must equal the list proven here.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import resource
