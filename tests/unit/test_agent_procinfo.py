@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -48,15 +49,21 @@ def test_env_bounds_are_fields_50_and_51_of_stat_not_the_argument_bounds():
 
 
 def _child_with_env(env: dict) -> subprocess.Popen:
-    return subprocess.Popen(["sleep", "30"], env=env)
+    """`sleep` with `env`, returned once its exec has set the environment up (the exe link
+    changes before env_start/env_end are set)."""
+    child = subprocess.Popen(["sleep", "30"], env=env)
+    environ = Path(f"/proc/{child.pid}/environ")
+    deadline = time.monotonic() + 10
+    while b"RANK=" not in environ.read_bytes():
+        assert time.monotonic() < deadline, "the child's environment never appeared"
+        time.sleep(0.005)
+    return child
 
 
 def test_environment_read_from_process_memory_is_the_environ_file():
     child = _child_with_env({"PATH": "/usr/bin:/bin", "RANK": "5", "WORLD_SIZE": "16",
                              "TORCHELASTIC_RUN_ID": "r1"})
     try:
-        while Path(f"/proc/{child.pid}/exe").resolve().name != "sleep":   # exec done
-            pass
         block = environ_from_memory(child.pid)
         assert block == Path(f"/proc/{child.pid}/environ").read_bytes()
         assert parse_environ(block) == {"RANK": "5", "WORLD_SIZE": "16", "TORCHELASTIC_RUN_ID": "r1"}
@@ -80,8 +87,6 @@ def test_read_environ_falls_back_to_process_memory_when_the_file_is_refused(monk
         return real(self)
 
     try:
-        while Path(f"/proc/{child.pid}/exe").resolve().name != "sleep":
-            pass
         monkeypatch.setattr(Path, "read_bytes", read_bytes)
         assert read_environ(child.pid) == {"RANK": "2", "LOCAL_RANK": "0"}
         monkeypatch.setattr(procinfo, "environ_from_memory", lambda pid, proc: b"")
