@@ -11,7 +11,7 @@ privileged: true
 allowPrivilegeEscalation: false
 seccompProfile:
   # containerd >= 1.7 allows bpf(2) with CAP_BPF and perf_event_open(2)
-  # with CAP_PERFMON in its default profile.
+  # with CAP_PERFMON in its default profile, process_vm_readv(2) with CAP_SYS_PTRACE.
   type: RuntimeDefault
 capabilities:
   drop: [ALL]
