@@ -133,7 +133,9 @@ def test_the_container_has_no_mount_the_agent_does_not_use():
     env = {e["name"]: e.get("value") for e in c["env"]}
     used.add(mount_for(c, env["HOME"])["name"])   # HOME=/tmp: bcc, DuckDB and Python scratch
     assert {m["name"] for m in c["volumeMounts"]} == used
-    assert {v["name"] for v in pod["volumes"]} == used
+    # The pod's only other volume: the profiler plugin's host folder, which the
+    # profiler-plugin init container alone mounts (tests/chart/test_profiler_plugin.py).
+    assert {v["name"] for v in pod["volumes"]} == used | {"profiler-plugin"}
     # Writable: the data folder, /tmp and tracefs (WRITABLE) only (the root filesystem is read-only).
     assert {m["name"] for m in c["volumeMounts"] if not m.get("readOnly")} == {"data", "tmp", "tracefs"}
     assert "emptyDir" in vols["tmp"] and c["securityContext"]["readOnlyRootFilesystem"] is True
@@ -191,4 +193,6 @@ def test_the_preflight_traces_with_the_agents_privileges_and_a_subset_of_its_mou
     assert {e["name"]: e.get("value") for e in pre["env"]}["INGERO_BPF_DIR"] == \
         {e["name"]: e.get("value") for e in c["env"]}["INGERO_BPF_DIR"]
     pod, _, _ = agent_pod({"agent": {"preflight": {"enabled": False}}})
+    assert [i["name"] for i in pod["initContainers"]] == ["profiler-plugin"]
+    pod, _, _ = agent_pod({"agent": {"preflight": {"enabled": False}}, "profilerPlugin": {"enabled": False}})
     assert "initContainers" not in pod
