@@ -133,6 +133,15 @@ READ_ONLY_TRACEFS = ["unshare", "--mount", "--propagation", "private", "sh", "-c
                      'exec "$@"', "sh"]
 
 
+def _tracefs_uprobes(tracer_pid: int) -> int:
+    """How many uprobe events the tracer `tracer_pid` has defined in tracefs (uprobe_names)."""
+    try:
+        text = Path("/sys/kernel/tracing/uprobe_events").read_text()
+    except OSError:
+        return 0
+    return sum(f"_ingero_{tracer_pid}_" in ln for ln in text.splitlines())
+
+
 def trace(caps, d: Path, tmp: Path, wrap: tuple[str, ...] = ()) -> dict:
     """`ingero trace --pid <rank> --probes nccl` with only `caps` (run through `wrap`);
     what it printed and recorded."""
@@ -161,6 +170,7 @@ def trace(caps, d: Path, tmp: Path, wrap: tuple[str, ...] = ()) -> dict:
             time.sleep(0.02)
         assert ready.exists() or t.poll() is not None, "no ready file after 90 s:\n" + "\n".join(lines)
         t_ready = time.monotonic()
+        in_tracefs = _tracefs_uprobes(t.pid)
         go.touch()
         assert rank.wait(30) == 0, rank.stderr.read()
         t_stop = time.monotonic()
@@ -174,7 +184,8 @@ def trace(caps, d: Path, tmp: Path, wrap: tuple[str, ...] = ()) -> dict:
                 p.kill()
                 p.wait()
     reader.join(5)
-    res = {"rc": rc, "lines": lines, "log": "\n".join(lines), "capeff": capeff, "memlock": memlock,
+    res = {"in_tracefs": in_tracefs, "left_in_tracefs": _tracefs_uprobes(t.pid),
+           "rc": rc, "lines": lines, "log": "\n".join(lines), "capeff": capeff, "memlock": memlock,
            "pid": rank.pid, "lib_dir": d, "seconds": {"ready": t_ready - t0, "stop": t_end - t_stop}}
     if out.exists():
         import duckdb
@@ -237,6 +248,10 @@ def test_with_the_charts_list_another_users_rank_is_identified_and_every_call_re
     assert r["events"] == ITERS + 19
     # The environment of a uid 65534 process, read without CAP_DAC_READ_SEARCH.
     assert r["ranks"] == [(r["pid"], 3, 1, 4, "caps-test", "10.1.2.3", lib)]
+    if _kernel_at_least(6, 16):
+        # No CAP_SYS_ADMIN: the uprobes were made in tracefs, under the tracer's short
+        # names (entry and return probes), and removed when it stopped.
+        assert r["in_tracefs"] >= 21 and r["left_in_tracefs"] == 0, r
 
 
 def test_the_environ_file_is_refused_without_dac_read_search_and_read_from_memory(lib_dir):
