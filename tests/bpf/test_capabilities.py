@@ -349,3 +349,29 @@ def test_without_sys_admin_the_uprobes_need_a_writable_tracefs(lib_dir, tmp_path
     assert any(ln.startswith("ingero: attaching a uprobe to ncclAllReduce in ") and
                "failed (Failed to attach BPF to uprobe)" in ln and "that tracefs is mounted writable" in ln
                for ln in r["lines"]), r["log"]
+
+
+def test_a_killed_tracers_uprobe_events_are_removed_by_the_next_tracer_with_its_pid(lib_dir):
+    """A tracer killed by SIGKILL leaves its tracefs uprobe events; a later tracer given
+    the same pid would fail to create them again (EEXIST). It removes them first, and
+    leaves other tracers' events alone."""
+    from ingero_agent.elfsyms import nccl_symbols
+    from ingero_agent.uprobe_names import remove_stale, tracefs_dir, write_events
+
+    lib = lib_dir / "libfakenccl.so"
+    off = nccl_symbols(lib)["ncclAllReduce"]
+    events = tracefs_dir() / "uprobe_events"
+    me, other = os.getpid(), os.getppid()
+    mine, theirs = f"p_ingero_{me}_0_0x{off:x}", f"p_ingero_{other}_0_0x{off:x}"
+    for name in (mine, theirs):
+        write_events(events, f"p:uprobes/{name} {lib}:0x{off:x}\n")
+    try:
+        assert remove_stale(me) == [f"uprobes/{mine}"]
+        left = events.read_text()
+        assert mine not in left and theirs in left
+    finally:
+        for name in (mine, theirs):
+            try:
+                write_events(events, f"-:uprobes/{name}\n")
+            except OSError:
+                pass                             # removed by the test already

@@ -13,7 +13,7 @@ def test_names_fit_tracefs_and_are_tracefs_identifiers_for_container_paths():
     names = ShortNames(tracer_pid=4194303)
     for prefix, pid in ((b"p", -1), (b"r", -1), (b"p", 4194303)):
         n = names(prefix, LONG, 0xFFFFFFFFFFFF, pid)
-        assert len(n) <= MAX_EVENT_NAME, n
+        assert len(n + b"_bcc_4194303") <= MAX_EVENT_NAME, n     # bcc appends _bcc_<pid>
         assert re.fullmatch(rb"[A-Za-z_][A-Za-z0-9_]*", n), n
 
 
@@ -37,3 +37,17 @@ def test_install_replaces_bccs_namer_on_that_object_only():
     names = install(b)
     assert b._get_uprobe_evname(b"p", LONG, 1, -1) == names(b"p", LONG, 1, -1)
     assert other._get_uprobe_evname(b"p", b"x", 1, -1) == b"p_x_0x1"
+
+
+def test_remove_stale_asks_tracefs_to_remove_only_this_pids_events(tmp_path):
+    (tmp_path / "uprobe_events").write_text(
+        "p:uprobes/p_ingero_42_0_0x10 /lib/x.so:0x0000000000000010\n"
+        "r:uprobes/r_ingero_42_0_0x10 /lib/x.so:0x0000000000000010\n"
+        "p:uprobes/p_ingero_420_0_0x10 /lib/x.so:0x0000000000000010\n"
+        "p:uprobes/p_other_42_0_0x10 /lib/x.so:0x0000000000000010\n")
+    from ingero_agent.uprobe_names import remove_stale
+    assert remove_stale(42, tmp_path) == ["uprobes/p_ingero_42_0_0x10", "uprobes/r_ingero_42_0_0x10"]
+    # A plain file keeps what was written: the removal commands tracefs would execute.
+    assert (tmp_path / "uprobe_events").read_text().splitlines()[-2:] == [
+        "-:uprobes/p_ingero_42_0_0x10", "-:uprobes/r_ingero_42_0_0x10"]
+    assert remove_stale(42, tmp_path / "missing") == []
