@@ -20,7 +20,8 @@ AGENT_SRC = ROOT / "agent" / "ingero_agent"
 # Paths in the agent's code that a pod does not need from the host, and why.
 NOT_FROM_HOST = {
     "/sys/kernel/debug": "legacy location of tracefs (debugfs/tracing), used only when "
-                         "/sys/kernel/tracing has no events/; the chart mounts tracefs",
+                         "/sys/kernel/tracing has no events/, and for uprobe_events (as bcc) only "
+                         "when it exists; the chart mounts tracefs",
     "/etc/ingero/agent.yaml": "optional config file naming the node; the chart passes --node=$(NODE_NAME)",
 }
 # Host paths the agent writes, and why.
@@ -71,7 +72,7 @@ def test_the_agent_code_names_the_host_paths_this_test_expects():
     # NOT_FROM_HOST with the reason) and update this list.
     roots = sorted({p for p in code_paths() if not within(p, "/proc")})
     assert roots == ["/etc/ingero/agent.yaml", "/lib/modules", "/sys/kernel/debug",
-                     "/sys/kernel/debug/tracing/events", "/sys/kernel/tracing", "/sys/kernel/tracing/events",
+                     "/sys/kernel/debug/tracing", "/sys/kernel/debug/tracing/events", "/sys/kernel/tracing", "/sys/kernel/tracing/events",
                      "/usr/src"]
 
 
