@@ -6,7 +6,7 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
-DEB_PACKAGES := python3-bpfcc python3-venv linux-headers-amd64 nftables iproute2 ethtool gcc make libc6-dev kmod procps systemtap-sdt-dev
+DEB_PACKAGES := python3-bpfcc python3-venv linux-headers-amd64 nftables iproute2 ethtool gcc make libc6-dev kmod procps systemtap-sdt-dev openssl
 SCENARIO ?= lossy-link
 DEMO_ARGS ?=
 

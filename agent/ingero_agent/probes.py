@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ingero.errors import IngeroError
-from ingero_agent import abi
+from ingero_agent import abi, uprobe_names
 from ingero_agent.elfsyms import NCCL_SYMBOLS
 from ingero_agent.records import FAMILIES, FAMILY_RINGS, ringbuf_dtype
 from ingero_agent.ringbuf import PAGE_SIZE, MappedRing, RingWaiter, open_ring
@@ -222,6 +222,7 @@ class Probes:
             raise IngeroError(f"loading the BPF program failed ({e}); the compiler/verifier "
                               "output above says why") from e
         self.attached: dict[tuple[int, int], tuple[Path, list[str]]] = {}
+        uprobe_names.install(self.bpf)   # uprobes in tracefs without CAP_SYS_ADMIN: see there
         self.rings = {}
         size = cfg.ringbuf_pages * PAGE_SIZE
         self.wake_records: dict[str, int] = {}
@@ -271,8 +272,8 @@ class Probes:
                                        **where)
                 self.bpf.attach_uretprobe(name=os.fsencode(path), fn_name=ret_fn.encode(), **where)
             except Exception as e:
-                raise IngeroError(f"attaching a uprobe to {name} in {path} failed ({e}); check "
-                                  "that uprobes are enabled (CONFIG_UPROBE_EVENTS)") from e
+                raise IngeroError(f"attaching a uprobe to {name} in {path} failed ({e}); check that "
+                                  f"uprobes are enabled (CONFIG_UPROBE_EVENTS){uprobe_names.HINT}") from e
             done.append(name)
         self.attached[key] = (path, done)
         return done
@@ -314,7 +315,7 @@ class Probes:
                                        fn_name=f"ncclprof_{reg}".encode())
             except Exception as e:
                 raise IngeroError(f"attaching the USDT probe in {path} failed ({e}); check that uprobes "
-                                  "are enabled (CONFIG_UPROBE_EVENTS)") from e
+                                  f"are enabled (CONFIG_UPROBE_EVENTS){uprobe_names.HINT}") from e
             done += 1
         self.attached[key] = (path, [PROFILER_PROBE])
         return done

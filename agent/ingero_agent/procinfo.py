@@ -7,6 +7,7 @@ Container processes see their own file system: a library path from
 
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 from dataclasses import dataclass
@@ -33,11 +34,75 @@ def parse_environ(data: bytes, keys: tuple[str, ...] = TORCHRUN_VARS) -> dict[st
     return out
 
 
+ENV_MAX = 1 << 20   # bytes of an environment block read from process memory at most
+
+
 def read_environ(pid: int, proc: Path = PROC) -> dict[str, str]:
+    """The torchrun variables of process `pid`'s environment ({} when unreadable).
+
+    /proc/<pid>/environ first. It is mode 0400 and owned by the process's
+    user, so for a process of another user the agent (uid 0 without
+    CAP_DAC_READ_SEARCH) gets EACCES from the file permission check before
+    the kernel's ptrace check: then the same bytes (the block between
+    env_start and env_end, which is all that file shows) are read from the
+    process's memory with process_vm_readv, which needs only ptrace access
+    (CAP_SYS_PTRACE for another user's process), no file permission.
+    """
     try:
         return parse_environ((proc / str(pid) / "environ").read_bytes())
+    except PermissionError:
+        return parse_environ(environ_from_memory(pid, proc))
     except OSError:
         return {}
+
+
+def env_bounds(stat: str) -> tuple[int, int] | None:
+    """(env_start, env_end), fields 50 and 51 of a /proc/<pid>/stat text (proc(5);
+    48 and 49 are arg_start and arg_end).
+
+    The kernel shows them only to a reader with ptrace access to the process
+    (0 otherwise, and for kernel threads and zombies): None then.
+    """
+    rest = stat[stat.rfind(")") + 2:].split()
+    if len(rest) < 49:          # field N is rest[N - 3]
+        return None
+    start, end = int(rest[47]), int(rest[48])
+    return (start, end) if 0 < start < end else None
+
+
+def environ_from_memory(pid: int, proc: Path = PROC) -> bytes:
+    """Process `pid`'s environment block read from its memory (b"" when not allowed or gone)."""
+    try:
+        bounds = env_bounds((proc / str(pid) / "stat").read_text())
+    except OSError:
+        return b""
+    if bounds is None:
+        return b""
+    start, end = bounds
+    return read_process_memory(pid, start, min(end - start, ENV_MAX))
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_libc = None
+
+
+def read_process_memory(pid: int, addr: int, length: int) -> bytes:
+    """`length` bytes at `addr` in process `pid` (process_vm_readv(2): ptrace attach-mode
+    access, i.e. the same user or CAP_SYS_PTRACE, and Yama's ptrace_scope below 3); b"" on error."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.process_vm_readv.restype = ctypes.c_ssize_t
+        _libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                                           ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+    buf = ctypes.create_string_buffer(length)
+    local = _IoVec(ctypes.cast(buf, ctypes.c_void_p), length)
+    remote = _IoVec(ctypes.c_void_p(addr), length)
+    n = _libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    return buf.raw[:n] if n > 0 else b""
 
 
 def int_or_none(v: str | None) -> int | None:

@@ -34,6 +34,8 @@ OFFCPU_FLOOR_MS = 10.0        # ... by at least this much over the session when 
 OFFCPU_FLOOR_SHARE = 0.1      # ... and 10% of the excess own work it would explain
 OFFCPU_FLOOR_TRACED = 0.002   # ... and 0.2% of the traced time
 OFFCPU_EXPLAINS = 0.3         # ... covering >= 30% of the rank's excess own work
+OFFCPU_EXPLAINS_WEAK = 0.15   # a second reason, an outlier on the absolute floors, covering >= 15%,
+                              # is weighed against the first by its multiple of the peers' median
 CANDIDATE_RANKS = 3           # ranks with the largest excess own work that are replayed
 CANDIDATE_NODES = 2           # slow nodes replayed (the slowest first)
 NODE_SLOW = 1.05              # a node is slow when each of its ranks works >= 1.05x its reference
@@ -384,23 +386,43 @@ def _span(members: list) -> str:
 
 def _offcpu_cause(rows: dict, r: int, excess_total_ns: float, traced_ns: int) -> tuple[str, str]:
     """cpu-contention or io when the rank's off-CPU time of that reason is an outlier among
-    the ranks and lines up with its excess own work."""
+    the ranks and lines up with its excess own work.
+
+    A reason passes when its time is an outlier (z >= OFFCPU_Z over a scale floored at an
+    absolute amount, a share of the excess to explain and a share of the session) covering
+    OFFCPU_EXPLAINS of the excess. When one passes and the other is an outlier on the
+    absolute floors alone covering OFFCPU_EXPLAINS_WEAK, the one that is the larger multiple
+    of its peers' median is the cause: on a saturated machine a rank stalled on I/O also
+    waits longer in the runqueue (its I/O path is CPU work and every wake-up queues), by a
+    factor of its peers' wait, while its I/O wait is its own (the peers' is near 0)."""
     if r not in rows:
         return "compute/unknown", ""
     # the scale when the peers' times agree closely (a MAD near 0): an absolute floor, a share
     # of the excess to explain (a 6 ms/step fsync on a 50 ms step is plenty), a share of the
     # session (a long session's scattered waits are no outlier)
-    floor = max(OFFCPU_FLOOR_MS, OFFCPU_FLOOR_SHARE * excess_total_ns / 1e6, OFFCPU_FLOOR_TRACED * traced_ns / 1e6)
+    base = max(OFFCPU_FLOOR_MS, OFFCPU_FLOOR_TRACED * traced_ns / 1e6)
+    floor = max(base, OFFCPU_FLOOR_SHARE * excess_total_ns / 1e6)
+    found = {}
     for reason, cause in (("io", "io"), ("runqueue", "cpu-contention")):
         vals = {k: x.offcpu_ms.get(reason, 0.0) for k, x in rows.items()}
-        z = robust_z(vals, floor)[r]
         peers = float(np.median([v for k, v in vals.items() if k != r]))
         extra_ms = vals[r] - peers
-        if z >= OFFCPU_Z and extra_ms * 1e6 >= OFFCPU_EXPLAINS * excess_total_ns:
-            return cause, (f"it spent {vals[r]:.0f} ms off-CPU in {reason} wait vs a peer median of "
-                           f"{peers:.0f} ms (z {z:.1f}), {extra_ms * 1e6 / max(excess_total_ns, 1):.0%} "
-                           "of its excess own work")
-    return "compute/unknown", "no CPU or I/O wait of its own explains it (off-CPU times weighed)"
+        share = extra_ms * 1e6 / max(excess_total_ns, 1)
+        z, z_abs = robust_z(vals, floor)[r], robust_z(vals, base)[r]
+        strong = z >= OFFCPU_Z and share >= OFFCPU_EXPLAINS
+        if strong or (z_abs >= OFFCPU_Z and share >= OFFCPU_EXPLAINS_WEAK):
+            found[reason] = (cause, strong, vals[r] / max(peers, OFFCPU_FLOOR_MS), (
+                f"it spent {vals[r]:.0f} ms off-CPU in {reason} wait vs a peer median of "
+                f"{peers:.0f} ms (z {z:.1f}), {share:.0%} of its excess own work"))
+    if not any(f[1] for f in found.values()):
+        return "compute/unknown", "no CPU or I/O wait of its own explains it (off-CPU times weighed)"
+    reason = max(found, key=lambda k: found[k][2])
+    cause, _, ratio, why = found[reason]
+    other = next((k for k in found if k != reason), None)
+    if other:
+        why += (f"; also {found[other][3].split(' (z')[0].replace('it spent ', '')} "
+                f"({found[other][2]:.1f}x its peers, against {ratio:.1f}x for {reason})")
+    return cause, why
 
 
 def _network(c: Calls, tl: Timeline, rows: dict, retx):

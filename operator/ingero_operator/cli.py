@@ -3,6 +3,7 @@
     ingero operator run --namespace ingero-system --artifacts /var/lib/ingero/artifacts
     KUBECONFIG=out/demo/kubeconfig ingero operator run --standalone --artifacts out/demo/artifacts
     ingero operator run --artifact-port 8082 --artifact-service ingero-operator:artifacts
+    ingero operator run --webhook-port 9443 --webhook-cert tls.crt --webhook-key tls.key
 
 Credentials: the in-cluster service account, else $KUBECONFIG (~/.kube/config).
 """
@@ -67,6 +68,18 @@ def add_parser(sub):
                    help="the Service in --namespace that fronts --artifact-port (port name default "
                         "'artifacts'): sessions then carry their artifact's API server path in "
                         "status.artifact.proxy")
+    r.add_argument("--webhook-port", type=int, default=None, metavar="PORT",
+                   help="serve the mutating admission webhook that injects Ingero's NCCL profiler plugin "
+                        "into opted-in pods (label ingero.io/profiler=enabled on the pod or its namespace) "
+                        "over HTTPS at ADDR:PORT/profiler-pod and /profiler-namespace; needs --webhook-cert "
+                        "and --webhook-key")
+    r.add_argument("--webhook-address", default="0.0.0.0", metavar="ADDR", help="address of --webhook-port")
+    r.add_argument("--webhook-cert", type=Path, default=None, metavar="FILE",
+                   help="PEM certificate of the webhook server (re-read when the file changes)")
+    r.add_argument("--webhook-key", type=Path, default=None, metavar="FILE", help="its PEM private key")
+    r.add_argument("--profiler-plugin-dir", default=None, metavar="DIR",
+                   help="the node folder the agent puts the plugin in (the chart's profilerPlugin.hostPath), "
+                        "mounted read-only into opted-in pods (default /var/lib/ingero/plugin)")
     r.add_argument("--verbose", action="store_true", help="kopf's debug logging (same as --log-level debug)")
     r.add_argument("--log-format", choices=("text", "full", "json"), default="full",
                    help="kopf's log format: text (message only), full (time, logger, level; default) "
@@ -148,12 +161,27 @@ def run(args) -> int:
 
         _serve("--artifact-port", args.artifact_port,
                lambda: artifact_server.serve(s.artifacts_dir, args.artifact_port, args.artifact_address))
+    webhook_cfg = None
+    if args.webhook_port is not None:
+        from ingero_operator import webhook
+
+        if args.webhook_cert is None or args.webhook_key is None:
+            raise IngeroError("--webhook-port needs --webhook-cert and --webhook-key: the API server calls "
+                              "admission webhooks over HTTPS only")
+        webhook_cfg = webhook.check_config(webhook.WebhookConfig(
+            port=args.webhook_port, address=args.webhook_address, cert=args.webhook_cert, key=args.webhook_key,
+            plugin_dir=args.profiler_plugin_dir or webhook.DEFAULT_PLUGIN_DIR))
+    elif args.webhook_cert or args.webhook_key or args.profiler_plugin_dir:
+        raise IngeroError("--webhook-cert, --webhook-key and --profiler-plugin-dir belong to the webhook: "
+                          "add --webhook-port")
     fmt = {"text": kopf.LogFormat.PLAIN, "full": kopf.LogFormat.FULL, "json": kopf.LogFormat.JSON}[args.log_format]
     level = "debug" if args.verbose else args.log_level
     kopf.configure(verbose=level == "debug", quiet=level in ("warning", "error"), log_format=fmt)
     logging.getLogger().setLevel(getattr(logging, level.upper()))
     logging.getLogger("ingero.operator").setLevel(getattr(logging, level.upper()))
     from ingero_operator import handlers  # noqa: F401  (registers the handlers with kopf)
+    if webhook_cfg is not None:
+        webhook.register(webhook_cfg)
 
     if args.peering or priority is not None:
         logging.getLogger("ingero.operator").info(

@@ -6,7 +6,9 @@ An embedded API server (kmock's emulator, see embedded.py), a lab training
 job (network namespaces, pod cgroups, a fault), one `ingero agent serve` per
 lab node registered as an agent Pod, the lab's ranks registered as Pods, the
 operator (`ingero operator run`, a kopf process with only a kubeconfig), then
-`kubectl apply -f examples/tracesession.yaml`. When the ranks exit their
+`kubectl apply -f examples/tracesession.yaml`. As the chart's default install does, the
+agents serve HTTPS with a certificate for their Service name signed by a CA made for the
+run, and the operator verifies it against that CA and name (agents are reached by IP). When the ranks exit their
 Pods are marked Succeeded, the operator gathers, and the demo prints
 `kubectl get tracesessions` and `kubectl ingero report` of the merged trace
 (fetched from the operator through the API server's service proxy).
@@ -86,6 +88,7 @@ class Demo:
         self.lab = None
         self.session_name = None
         self.agent_metrics_ports: dict[str, int] = {}
+        self.extra_env: dict[str, dict[str, str]] = {}
 
     # ---- set-up ----------------------------------------------------------------------
     def __enter__(self) -> "Demo":
@@ -105,6 +108,7 @@ class Demo:
             (self.out / "agent-token").write_text(token)
             os.chmod(self.out / "agent-token", 0o600)
             self.cluster.create(f"/api/v1/namespaces/{objs.SYSTEM_NS}/secrets", objs.token_secret(token))
+            self.tls_dir = make_agent_certs(self.out / "tls", AGENT_SERVER_NAME)
             lab_cfg = LabConfig(scenario=self.cfg.scenario, nodes=self.cfg.nodes,
                                 ranks_per_node=self.cfg.ranks_per_node, seconds=self.cfg.seconds,
                                 loss_percent=self.cfg.loss_percent, victim_rank=self.cfg.victim_rank,
@@ -124,7 +128,10 @@ class Demo:
                                      "--namespace", objs.SYSTEM_NS, "--artifacts", str(self.out / "artifacts"),
                                      "--metrics-port", str(self.metrics_port), "--metrics-address", "127.0.0.1",
                                      "--artifact-port", str(artifact_port), "--artifact-address", "127.0.0.1",
-                                     "--artifact-service", f"{objs.OPERATOR_SERVICE}:artifacts"])
+                                     "--artifact-service", f"{objs.OPERATOR_SERVICE}:artifacts"],
+                        # the chart's operator environment for tls.enabled (its default)
+                        extra_env={"INGERO_AGENT_TLS": "1", "INGERO_AGENT_CA_FILE": str(self.tls_dir / "ca.crt"),
+                                   "INGERO_AGENT_TLS_SERVER_NAME": AGENT_SERVER_NAME})
         except BaseException:
             self.close()
             raise
@@ -133,10 +140,13 @@ class Demo:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _start(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def _start(self, name: str, argv: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen:
         self.argv[name] = argv
+        if extra_env is not None:
+            self.extra_env[name] = extra_env
         # Each component with its own identity, as its service account in a cluster.
-        env = dict(os.environ, KUBECONFIG=str(self.cluster.kubeconfig_as(objs.identity(name))))
+        env = dict(os.environ, KUBECONFIG=str(self.cluster.kubeconfig_as(objs.identity(name))),
+                   **self.extra_env.get(name, {}))
         with open(self.out / "logs" / f"{name}.log", "ab") as f:
             proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, cwd=REPO, start_new_session=True)
@@ -157,6 +167,7 @@ class Demo:
                 "--listen", f"127.0.0.1:{port}", "--data-dir", str(self.out / "agents" / node.name),
                 "--token-file", str(self.out / "agent-token"), "--ready-file", str(ready),
                 "--cgroup-root", str(node_cgroup_root(self.lab.run_id, node.name)), "--quiet",
+                "--tls-cert", str(self.tls_dir / "tls.crt"), "--tls-key", str(self.tls_dir / "tls.key"),
                 "--metrics-port", str(mport), "--metrics-address", "127.0.0.1"])
             deadline = time.monotonic() + 30
             while not ready.exists():
@@ -318,6 +329,33 @@ class Demo:
             self.lab.close()
         if self.cluster is not None:
             self.cluster.stop()
+
+
+# The name the chart's default install puts in the agents' certificate (release "ingero").
+AGENT_SERVER_NAME = f"ingero-agent.{objs.SYSTEM_NS}.svc"
+
+
+def make_agent_certs(folder: Path, server_name: str) -> Path:
+    """A CA and one agent certificate for `server_name` (DNS name only, no IP: the operator
+    checks the name, as with the chart's generated certificate), with openssl; the folder."""
+    if not shutil.which("openssl"):
+        raise IngeroError("openssl is not installed (the demo's agents serve HTTPS): apt-get install openssl")
+    folder.mkdir(parents=True, exist_ok=True)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    (folder / "agent.ext").write_text(f"subjectAltName=DNS:{server_name}\nbasicConstraints=critical,CA:FALSE\n"
+                                      "keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth,clientAuth\n")
+    for argv in (["req", "-x509", *ec, "-days", "2", "-subj", "/CN=ingero-demo-agent-ca", "-keyout", "ca.key",
+                  "-out", "ca.crt", "-addext", "basicConstraints=critical,CA:TRUE",
+                  "-addext", "keyUsage=critical,keyCertSign,cRLSign"],
+                 ["req", *ec, "-subj", f"/CN={server_name}", "-keyout", "tls.key", "-out", "agent.csr"],
+                 ["x509", "-req", "-in", "agent.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                  "-days", "2", "-extfile", "agent.ext", "-out", "tls.crt"]):
+        proc = subprocess.run(["openssl", *argv], cwd=folder, capture_output=True, text=True)
+        if proc.returncode:
+            raise IngeroError(f"openssl {argv[0]} failed making the demo's agent certificate: {proc.stderr.strip()}")
+    for key in ("ca.key", "tls.key"):
+        os.chmod(folder / key, 0o600)
+    return folder
 
 
 def _free_port() -> int:

@@ -99,7 +99,11 @@ def test_host_calls_only_enqueue_while_device_times_carry_the_collectives(clean)
     host_per_step = con.execute(f"""SELECT max(s) FROM (SELECT global_rank, sum(duration_ns) / 1e6 / {STEPS} AS s
                                      FROM nccl_events WHERE op IN {COLLECTIVES + ('SEND', 'RECV', 'GROUP_END')}
                                      GROUP BY 1)""").fetchone()[0]
-    assert host_per_step < 2.0, host_per_step
+    step_ms = con.execute(f"""SELECT min(s) FROM (SELECT (max(timestamp_ns) - min(timestamp_ns)) / 1e6 / ({STEPS} - 1) AS s
+                               FROM nccl_events GROUP BY global_rank)""").fetchone()[0]
+    # a share of the step, not a time: on a busy machine (load 15) the enqueue calls are
+    # preempted too (2.06 ms per step measured beside a CI run), while the step stays ~20x that
+    assert host_per_step < 0.1 * step_ms, (host_per_step, step_ms)
     assert min(_device_per_step(con).values()) > 3 * host_per_step
 
 

@@ -20,8 +20,14 @@ AGENT_SRC = ROOT / "agent" / "ingero_agent"
 # Paths in the agent's code that a pod does not need from the host, and why.
 NOT_FROM_HOST = {
     "/sys/kernel/debug": "legacy location of tracefs (debugfs/tracing), used only when "
-                         "/sys/kernel/tracing has no events/; the chart mounts tracefs",
+                         "/sys/kernel/tracing has no events/, and for uprobe_events (as bcc) only "
+                         "when it exists; the chart mounts tracefs",
     "/etc/ingero/agent.yaml": "optional config file naming the node; the chart passes --node=$(NODE_NAME)",
+}
+# Host paths the agent writes, and why.
+WRITABLE = {
+    "/sys/kernel/tracing": "bcc creates NCCL uprobes in uprobe_events: the perf uprobe PMU needs "
+                           "CAP_SYS_ADMIN since Linux 6.16 (tests/bpf/test_capabilities.py)",
 }
 # The agent API's own URL paths (server.py's routes): literals that name no file.
 URL_PATHS = ("/healthz", "/v1/")
@@ -66,7 +72,7 @@ def test_the_agent_code_names_the_host_paths_this_test_expects():
     # NOT_FROM_HOST with the reason) and update this list.
     roots = sorted({p for p in code_paths() if not within(p, "/proc")})
     assert roots == ["/etc/ingero/agent.yaml", "/lib/modules", "/sys/kernel/debug",
-                     "/sys/kernel/debug/tracing/events", "/sys/kernel/tracing", "/sys/kernel/tracing/events",
+                     "/sys/kernel/debug/tracing", "/sys/kernel/debug/tracing/events", "/sys/kernel/tracing", "/sys/kernel/tracing/events",
                      "/usr/src"]
 
 
@@ -87,7 +93,10 @@ def test_every_host_path_in_the_agent_code_is_served_by_the_pod():
         hp = vols[m["name"]].get("hostPath")
         assert hp is not None, f"{path} ({where}) is mounted from {vols[m['name']]}, not from the host"
         assert hp["path"] == m["mountPath"], f"{path}: host {hp['path']} is mounted at {m['mountPath']}"
-        assert m.get("readOnly") is True, f"{path}: the agent only reads it; mount it read-only"
+        if m["mountPath"] in WRITABLE:
+            assert m.get("readOnly") is False, f"{path}: {WRITABLE[m['mountPath']]}"
+        else:
+            assert m.get("readOnly") is True, f"{path}: the agent only reads it; mount it read-only"
         served[path] = m["name"]
     assert served["/lib/modules"] == "modules" and served["/usr/src"] == "usr-src"
     assert served["/sys/kernel/tracing"] == "tracefs"
@@ -125,9 +134,11 @@ def test_the_container_has_no_mount_the_agent_does_not_use():
     env = {e["name"]: e.get("value") for e in c["env"]}
     used.add(mount_for(c, env["HOME"])["name"])   # HOME=/tmp: bcc, DuckDB and Python scratch
     assert {m["name"] for m in c["volumeMounts"]} == used
-    assert {v["name"] for v in pod["volumes"]} == used
-    # Writable: the data folder and /tmp only (the root filesystem is read-only).
-    assert {m["name"] for m in c["volumeMounts"] if not m.get("readOnly")} == {"data", "tmp"}
+    # The pod's only other volume: the profiler plugin's host folder, which the
+    # profiler-plugin init container alone mounts (tests/chart/test_profiler_plugin.py).
+    assert {v["name"] for v in pod["volumes"]} == used | {"profiler-plugin"}
+    # Writable: the data folder, /tmp and tracefs (WRITABLE) only (the root filesystem is read-only).
+    assert {m["name"] for m in c["volumeMounts"] if not m.get("readOnly")} == {"data", "tmp", "tracefs"}
     assert "emptyDir" in vols["tmp"] and c["securityContext"]["readOnlyRootFilesystem"] is True
 
 
@@ -174,10 +185,15 @@ def test_the_preflight_traces_with_the_agents_privileges_and_a_subset_of_its_mou
     assert pre["securityContext"] == c["securityContext"]
     mounts = {m["name"]: m for m in c["volumeMounts"]}
     for m in pre["volumeMounts"]:
-        assert m == mounts[m["name"]], m
+        if m["name"] == "tracefs":   # tracepoints only (tcp, sched), no uprobes: read-only
+            assert m == {**mounts["tracefs"], "readOnly": True}, m
+        else:
+            assert m == mounts[m["name"]], m
     # What bcc needs to compile and attach (headers, tracefs) and scratch space; no data, no token.
     assert {m["name"] for m in pre["volumeMounts"]} == {"tracefs", "modules", "usr-src", "tmp"}
     assert {e["name"]: e.get("value") for e in pre["env"]}["INGERO_BPF_DIR"] == \
         {e["name"]: e.get("value") for e in c["env"]}["INGERO_BPF_DIR"]
     pod, _, _ = agent_pod({"agent": {"preflight": {"enabled": False}}})
+    assert [i["name"] for i in pod["initContainers"]] == ["profiler-plugin"]
+    pod, _, _ = agent_pod({"agent": {"preflight": {"enabled": False}}, "profilerPlugin": {"enabled": False}})
     assert "initContainers" not in pod

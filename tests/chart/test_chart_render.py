@@ -58,7 +58,9 @@ def test_default_values_install_crds_operator_agent_rbac_secret_service_and_peer
         ("ClusterRole", "ingero-operator"), ("ClusterRoleBinding", "ingero-operator"),
         ("Role", "ingero-operator-agents"), ("RoleBinding", "ingero-operator-agents"),
         ("Deployment", "ingero-operator"), ("DaemonSet", "ingero-agent"),
-        ("Service", "ingero-operator"), ("ClusterRole", "ingero-artifact-reader")])
+        ("Service", "ingero-operator"), ("ClusterRole", "ingero-artifact-reader"),
+        # secure by default: the agents' generated certificate, NetworkPolicies of both
+        ("Secret", "ingero-agent-tls"), ("NetworkPolicy", "ingero-agent"), ("NetworkPolicy", "ingero-operator")])
     assert sorted(d["metadata"]["name"] for d in crd_docs()) == [
         "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev", "tracesessions.ingero.io"]
 
@@ -125,7 +127,7 @@ def test_privileged_fallback_replaces_the_capability_list_and_default_drops_all(
     sc = container(render(), "DaemonSet", "agent")["securityContext"]
     assert "privileged" not in sc and sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"]
     assert sc["capabilities"] == {"drop": ["ALL"],
-                                  "add": ["BPF", "PERFMON", "SYS_RESOURCE", "SYS_PTRACE", "DAC_READ_SEARCH"]}
+                                  "add": ["BPF", "PERFMON", "SYS_PTRACE"]}   # tests/bpf/test_capabilities.py
     sc = container(render(NAMESPACED), "DaemonSet", "agent")["securityContext"]
     assert sc["capabilities"]["add"][-1] == "SYS_ADMIN"
 
@@ -135,7 +137,7 @@ def test_every_added_capability_has_a_comment_saying_why():
     start = next(i for i, ln in enumerate(text) if ln.strip() == "add:")
     caps = [i for i in range(start + 1, len(text)) if text[i].strip().startswith("- ") and
             text[i].strip()[2:].isupper()]
-    assert len(caps) == 5
+    assert len(caps) == 3
     for i in caps:
         assert text[i - 1].strip().startswith("#"), f"no comment above {text[i].strip()}"
 
@@ -169,8 +171,9 @@ def test_namespaced_mode_grants_roles_and_peering_only_in_the_watched_namespaces
     assert {d["metadata"]["namespace"] for d in docs if d["kind"] == "KopfPeering"} == {"team-a", "team-b"}
     args = args_of(container(docs, "Deployment", "operator"))
     assert args["--watch-namespace"] == ["team-a", "team-b"]
-    # An existing token Secret: none created, and the operator is told its name.
-    assert not [d for d in docs if d["kind"] == "Secret"]
+    # An existing token Secret: none created (only the agents' generated certificate), and the
+    # operator is told its name.
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"] == ["ingero-agent-tls"]
     env = {e["name"]: e.get("value") for e in container(docs, "Deployment", "operator")["env"]}
     assert env["INGERO_AGENT_TOKEN_SECRET"] == "my-agent-token"
 
@@ -200,7 +203,7 @@ def test_rendered_args_parse_with_the_real_cli_and_the_operator_settings_match_t
         env["POD_NAMESPACE"] = NAMESPACE
         s = st.Settings.from_env(env)
         # ... which names the Secret the chart creates and the agent mounts ...
-        secret = find(docs, "Secret")
+        secret = find(docs, "Secret", env["INGERO_AGENT_TOKEN_SECRET"])
         assert s.agent.token_secret == secret["metadata"]["name"] and s.namespace == secret["metadata"]["namespace"]
         assert s.agent.token_key in secret["data"]
         token_vol = next(v for v in find(docs, "DaemonSet")["spec"]["template"]["spec"]["volumes"]
@@ -211,7 +214,11 @@ def test_rendered_args_parse_with_the_real_cli_and_the_operator_settings_match_t
         labels = find(docs, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
         assert s.agent.labels.items() <= labels.items()
         assert agent["ports"][0]["name"] == s.agent.port_name
-        assert s.agent.tls == bool(values)
+        # TLS is on by default (generated certificate) and with NON_DEFAULT's own Secret.
+        assert s.agent.tls is True and s.agent.tls_server_name == f"ingero-agent.{NAMESPACE}.svc"
+        tls_vol = next(v for v in find(docs, "DaemonSet")["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls")
+        if values is None:     # the chart generates the agents' certificate Secret it mounts
+            assert find(docs, "Secret", tls_vol["secret"]["secretName"])["type"] == "kubernetes.io/tls"
 
 
 def test_agent_pods_get_no_service_account_token_and_no_role():
@@ -226,13 +233,17 @@ def test_agent_pods_get_no_service_account_token_and_no_role():
 # ---- invalid values ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("values,message", [
-    ({"tls": {"enabled": True}}, "tls.enabled=true needs tls.secretName"),
+    ({"tls": {"enabled": False, "certManager": {"enabled": True}}}, "tls.certManager.enabled=true needs tls.enabled"),
+    ({"tls": {"certManager": {"issuerRef": {"name": "ca"}}}}, "tls.certManager.issuerRef.name is set but"),
+    ({"tls": {"caKey": "root.pem"}}, "tls.caKey applies to your own Secret"),
+    ({"tls": {"caKey": "root.pem", "secretName": "x", "certManager": {"enabled": True}}},
+     "tls.caKey applies to your own Secret"),
     ({"agent": {"privileged": True, "extraCapabilities": ["SYS_ADMIN"]}}, "agent.privileged=true grants every"),
     ({"operator": {"replicas": 3, "peering": {"enabled": False}}}, "operator.replicas > 1 needs operator.peering"),
     ({"operator": {"replicas": 0}}, "operator.replicas=0 with operator.peering.enabled=true"),
     ({"token": {"existingSecret": "x", "value": "0123456789abcdef0"}}, "token.existingSecret and token.value"),
-    ({"tls": {"serverName": "agents.example"}}, "tls.serverName is set but tls.enabled=false"),
-    ({"tls": {"mutual": True}}, "tls.mutual=true needs tls.enabled=true"),
+    ({"tls": {"enabled": False, "serverName": "agents.example"}}, "tls.serverName is set but tls.enabled=false"),
+    ({"tls": {"enabled": False, "mutual": True}}, "tls.mutual=true needs tls.enabled=true"),
 ])
 def test_invalid_combinations_fail_with_a_message_naming_the_fix(values, message):
     with pytest.raises(helm().HelmRenderError, match=message.replace(".", r"\.").replace("*", r"\*")):
@@ -253,6 +264,17 @@ def test_invalid_combinations_fail_with_a_message_naming_the_fix(values, message
     ({"operator": {"liveWindowSeconds": -1}}, "/operator/liveWindowSeconds"),
     ({"token": {"value": "short"}}, "/token/value"),
     ({"tls": {"enabled": "yes"}}, "/tls/enabled"),
+    ({"tls": {"generate": True}}, "/tls"),
+    ({"tls": {"certManager": {"enabled": True, "issuer": "ca"}}}, "/tls/certManager"),
+    ({"tls": {"certManager": {"issuerRef": {"name": "ca", "kind": "Vault"}}}}, "/tls/certManager/issuerRef/kind"),
+    ({"tls": {"certManager": {"duration": "1 year"}}}, "/tls/certManager/duration"),
+    ({"tls": {"validityDays": 0}}, "/tls/validityDays"),
+    ({"networkPolicy": {"enable": False}}, "/networkPolicy"),
+    ({"networkPolicy": {"metricsFrom": [{"podSelector": {"app": "prometheus"}}]}}, "/networkPolicy/metricsFrom/0"),
+    ({"networkPolicy": {"artifactFrom": [{}]}}, "/networkPolicy/artifactFrom/0"),
+    ({"networkPolicy": {"artifactFrom": [{"ipBlock": {"cidr": "10.0.0.0/8", "exclude": []}}]}},
+     "/networkPolicy/artifactFrom/0/ipBlock"),
+    ({"networkPolicy": {"extraOperatorIngress": [{"from": [], "port": 8443}]}}, "/networkPolicy/extraOperatorIngress/0"),
     ({"agent": {"tolerations": [{"key": "a", "operator": "Maybe"}]}}, "/agent/tolerations/0/operator"),
 ])
 def test_values_schema_rejects_bad_values_and_the_render_fails(values, where):

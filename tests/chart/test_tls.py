@@ -10,6 +10,7 @@ moved from the pod's mounts to a temporary folder.
 from __future__ import annotations
 
 import asyncio
+import base64
 import shutil
 import socket
 import subprocess
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chart.chartlib import NAMESPACE, ROOT, args_of, container, render
+from tests.chart.chartlib import NAMESPACE, ROOT, args_of, container, find, render
 
 TLS_VALUES = {"tls": {"enabled": True, "secretName": "ingero-agent-tls"}}
 
@@ -46,13 +47,19 @@ def free_port() -> int:
 
 
 def start_agent(tmp_path, values):
-    if not shutil.which("openssl"):
-        pytest.skip("openssl is not installed (makes the test certificates)")
+    """The agent with the rendered flags: certificates made by openssl for the Secret the
+    values name, or, with no tls.secretName, the ones in the Secret the chart generates."""
     pytest.importorskip("aiohttp", reason="the operator's dependencies are not installed")
     docs = render(values)
     agent, op = container(docs, "DaemonSet", "agent"), container(docs, "Deployment", "operator")
     env = {e["name"]: e["value"] for e in op["env"] if "value" in e}
-    make_certs(tmp_path, env["INGERO_AGENT_TLS_SERVER_NAME"])
+    if (values or {}).get("tls", {}).get("secretName"):
+        if not shutil.which("openssl"):
+            pytest.skip("openssl is not installed (makes the test certificates)")
+        make_certs(tmp_path, env["INGERO_AGENT_TLS_SERVER_NAME"])
+    else:
+        for key, data in find(docs, "Secret", "ingero-agent-tls")["data"].items():
+            (tmp_path / key).write_bytes(base64.b64decode(data))
     (tmp_path / "token").write_text("t" * 32)
     port = free_port()
     moved = {"/etc/ingero/tls/": f"{tmp_path}/", "/etc/ingero/token/": f"{tmp_path}/"}
@@ -156,5 +163,48 @@ def test_with_mutual_tls_the_agent_accepts_the_operator_certificate_and_refuses_
     bare = {k: v for k, v in env.items() if k not in ("INGERO_AGENT_CLIENT_CERT", "INGERO_AGENT_CLIENT_KEY")}
     # TLS 1.3: the client finishes its side of the handshake before the agent checks its (missing)
     # certificate, so the refusal may surface as the agent closing the connection (broken pipe)
+    with pytest.raises(AgentUnreachable, match="(?i)certificate|alert|reset|closed|disconnect|broken pipe"):
+        ask_time(port, Settings.from_env(bare).agent)
+
+
+# ---- the certificate the chart generates (the default install) ---------------------------------
+
+@pytest.fixture
+def generated_agent(tmp_path, request):
+    proc, port, env, args = start_agent(tmp_path, request.param)
+    try:
+        yield port, env, args
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.mark.parametrize("generated_agent", [None], indirect=True, ids=["default-values"])
+def test_by_default_the_operator_verifies_the_agent_with_the_generated_ca_and_checks_the_service_name(
+        generated_agent):
+    from ingero_operator.agents import AgentUnreachable
+    from ingero_operator.settings import Settings
+
+    port, env, agent_args = generated_agent
+    assert agent_args["--tls-cert"] and "--tls-client-ca" not in agent_args
+    s = Settings.from_env(env)
+    assert s.agent.tls and s.agent.tls_server_name == f"ingero-agent.{NAMESPACE}.svc"
+    assert ask_time(port, s.agent).rtt_ns > 0
+    # The name is checked: the same CA with another expected name is refused.
+    wrong = Settings.from_env(dict(env, INGERO_AGENT_TLS_SERVER_NAME=f"other.{NAMESPACE}.svc"))
+    with pytest.raises(AgentUnreachable, match="(?i)certificate|hostname"):
+        ask_time(port, wrong.agent)
+
+
+@pytest.mark.parametrize("generated_agent", [{"tls": {"mutual": True}}], indirect=True, ids=["mutual"])
+def test_mutual_tls_works_with_the_generated_certificate(generated_agent):
+    from ingero_operator.agents import AgentUnreachable
+    from ingero_operator.settings import Settings
+
+    port, env, agent_args = generated_agent
+    assert agent_args["--tls-client-ca"] == ["/etc/ingero/tls/ca.crt"]
+    s = Settings.from_env(env)
+    assert ask_time(port, s.agent).rtt_ns > 0
+    bare = {k: v for k, v in env.items() if k not in ("INGERO_AGENT_CLIENT_CERT", "INGERO_AGENT_CLIENT_KEY")}
     with pytest.raises(AgentUnreachable, match="(?i)certificate|alert|reset|closed|disconnect|broken pipe"):
         ask_time(port, Settings.from_env(bare).agent)

@@ -112,17 +112,49 @@ def kind(tmp_path_factory):
         for name in IMAGES:
             run("kind", "load", "docker-image", f"{name}:{TAG}", "--name", CLUSTER)
         values = {"operator": {"image": {"repository": "ingero-operator", "tag": TAG, "pullPolicy": "Never"}},
-                  "agent": {"image": {"repository": "ingero-agent", "tag": TAG, "pullPolicy": "Never"}}}
+                  "agent": {"image": {"repository": "ingero-agent", "tag": TAG, "pullPolicy": "Never"}},
+                  "webhook": {"enabled": True}}
         with helm.Config(kubeconfig_path=str(kubeconfig), namespace=NAMESPACE) as cfg:
             try:
                 cfg.install(str(ROOT / "charts" / "ingero"), RELEASE, values, namespace=NAMESPACE,
                             create_namespace=True, wait="watcher", timeout=600)
             except helm.HelmError as e:
                 raise AssertionError(f"helm install failed: {e}\n{k.diagnostics()}") from e
+        wait_for_webhook(k)
         yield k
     finally:
         if os.environ.get("INGERO_E2E_KEEP") != "1":
             run("kind", "delete", "cluster", "--name", CLUSTER)
+
+
+def plugin_of(pod: dict) -> list[tuple]:
+    """(NCCL_PROFILER_PLUGIN, its read-only mount, the volume's host path) of each container."""
+    vols = {v["name"]: v for v in pod["spec"].get("volumes") or []}
+    out = []
+    for c in pod["spec"]["containers"]:
+        env = {e["name"]: e.get("value") for e in c.get("env") or []}
+        mounts = [m for m in c.get("volumeMounts") or [] if m["name"] == "ingero-profiler-plugin"]
+        host = vols.get("ingero-profiler-plugin", {}).get("hostPath", {}).get("path")
+        out.append((env.get("NCCL_PROFILER_PLUGIN"), [(m["mountPath"], m.get("readOnly")) for m in mounts], host))
+    return out
+
+
+def wait_for_webhook(k: Kind, timeout: float = 120) -> None:
+    """The operator serves the webhook once kopf has scanned the API: until then pods are
+    admitted unchanged (failurePolicy Ignore). A server-side dry run shows when it mutates."""
+    probe = workload.job_objects("webhook-probe", JOB_NS, f"ingero-lab-worker:{TAG}")[1]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "webhook-probe", "namespace": JOB_NS,
+                                                           **probe["spec"]["template"]["metadata"]},
+           "spec": {"containers": probe["spec"]["template"]["spec"]["containers"], "restartPolicy": "Never"}}
+    deadline, got = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        out = k.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(pod), check=False)
+        if out.returncode == 0:
+            got = plugin_of(json.loads(out.stdout))
+            if got[0][0]:
+                return
+        time.sleep(2)
+    raise AssertionError(f"the profiler-plugin webhook did not mutate a labelled pod: {got}\n{k.diagnostics()}")
 
 
 def run_job(k: Kind, scenario: str) -> tuple[dict, dict[int, str]]:
@@ -155,6 +187,12 @@ def test_helm_install_runs_one_ready_agent_per_worker_and_the_operator(kind):
 def test_clean_job_completes_with_every_rank_and_no_straggler(kind):
     status, nodes = run_job(kind, "clean")
     verdict.check_no_straggler(status, RANKS, nodes=sorted(set(nodes.values())))
+    # The job's pods opted in (label ingero.io/profiler=enabled): the webhook gave every
+    # container the agent's plugin, from the host folder the agent's init container fills.
+    pods = json.loads(kind.kubectl("get", "pods", "-n", JOB_NS, "-l", "job-name=e2e-clean", "-o", "json").stdout)
+    plugin = "/var/lib/ingero/plugin"
+    for p in pods["items"]:
+        assert plugin_of(p) == [(f"{plugin}/libnccl-profiler-ingero.so", [(plugin, True)], plugin)], p["spec"]
 
 
 def test_slowed_rank_is_named_on_its_node_with_a_compute_cause(kind):

@@ -127,3 +127,28 @@ def test_job_service_and_session_manifests_are_valid():
     jsonschema.Draft7Validator(schema).validate(session)
     labels = job["spec"]["template"]["metadata"]["labels"]
     assert session["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_the_jobs_pods_opt_in_to_the_charts_webhook_and_get_the_agents_plugin_folder():
+    """Without a cluster: the chart's webhook selectors pick the job's pods, and the
+    operator's injection points NCCL at the folder the agent's init container fills."""
+    pytest.importorskip("helm_python", reason="helm-python-sdk is not installed")
+    from ingero_operator import webhook
+    from tests.chart.chartlib import args_of, find, render
+    from tests.chart.test_webhook import called
+
+    docs = render({"webhook": {"enabled": True}})
+    template = workload.job_objects("e2e-clean", "default", "img")[1]["spec"]["template"]
+    assert called(find(docs, "MutatingWebhookConfiguration"), "default", {},
+                  template["metadata"]["labels"]) == ["/profiler-pod"]
+    pod = {"metadata": template["metadata"], "spec": json.loads(json.dumps(template["spec"]))}
+    assert webhook.inject(pod, webhook.DEFAULT_PLUGIN_DIR)
+    ds = find(docs, "DaemonSet")["spec"]["template"]["spec"]
+    init = next(c for c in ds["initContainers"] if c["name"] == "profiler-plugin")
+    host = next(v for v in ds["volumes"] if v["name"] == init["volumeMounts"][0]["name"])["hostPath"]["path"]
+    assert args_of(find(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0])[
+        "--profiler-plugin-dir"] == [host]
+    env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+    assert env["NCCL_PROFILER_PLUGIN"] == f"{host}/libnccl-profiler-ingero.so"
+    no = workload.job_objects("e2e-clean", "default", "img", profiler=False)[1]["spec"]["template"]
+    assert called(find(docs, "MutatingWebhookConfiguration"), "default", {}, no["metadata"]["labels"]) == []

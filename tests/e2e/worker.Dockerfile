@@ -17,5 +17,6 @@ FROM debian:bookworm-slim
 COPY --from=build /opt/lab /opt/lab
 # The worker finds the library beside it ($ORIGIN rpath).
 RUN ldd /opt/lab/ingero-lab-worker | grep -q "libnccl.so.2 => /opt/lab/libnccl.so.2"
-# The ranks run as another user than the agent: what SYS_PTRACE and DAC_READ_SEARCH are for.
+# The ranks run as another user than the agent: what SYS_PTRACE is for (their /proc/<pid>/maps,
+# root and environ; the environment is read from process memory, no DAC_READ_SEARCH).
 USER 65532:65532

@@ -66,9 +66,15 @@ def rank_env(*, world: int, ranks_per_pod: int, master_addr: str, run_id: str, s
     return env
 
 
+PROFILER_LABEL = {"ingero.io/profiler": "enabled"}
+
+
 def job_objects(name: str, namespace: str, image: str, *, pods: int = 2, ranks_per_pod: int = 2,
-                seconds: float = 20, slow_rank: int | None = None, preload_seconds: float = 20) -> list[dict]:
-    """A headless Service and an Indexed Job of `pods` pods, each on its own node."""
+                seconds: float = 20, slow_rank: int | None = None, preload_seconds: float = 20,
+                profiler: bool = True) -> list[dict]:
+    """A headless Service and an Indexed Job of `pods` pods, each on its own node. With
+    `profiler`, the pods opt in to the chart's webhook (webhook.enabled), which gives them
+    NCCL_PROFILER_PLUGIN and the agent's plugin folder, mounted read-only."""
     labels = {"job-name": name, "app.kubernetes.io/name": "ingero-e2e-worker"}
     master = f"{name}-0.{name}.{namespace}.svc.cluster.local"
     env = rank_env(world=pods * ranks_per_pod, ranks_per_pod=ranks_per_pod, master_addr=master, run_id=name,
@@ -81,7 +87,7 @@ def job_objects(name: str, namespace: str, image: str, *, pods: int = 2, ranks_p
         "spec": {
             "completions": pods, "parallelism": pods, "completionMode": "Indexed", "backoffLimit": 0,
             "template": {
-                "metadata": {"labels": labels},
+                "metadata": {"labels": {**labels, **(PROFILER_LABEL if profiler else {})}},
                 "spec": {
                     "subdomain": name, "restartPolicy": "Never",
                     "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [

@@ -6,13 +6,15 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from ingero.errors import IngeroError
-from ingero_agent.procinfo import (LibraryFinder, node_identity, parse_environ, parse_maps,
-                                   read_config_value)
+from ingero_agent import procinfo
+from ingero_agent.procinfo import (LibraryFinder, env_bounds, environ_from_memory, node_identity,
+                                   parse_environ, parse_maps, read_config_value, read_environ)
 
 MAPS = """\
 55d0c0a00000-55d0c0a01000 r--p 00000000 fd:01 1311 /usr/bin/python3.11
@@ -29,6 +31,71 @@ def test_environ_keeps_only_torchrun_variables():
     block = b"PATH=/bin\0RANK=3\0LOCAL_RANK=1\0WORLD_SIZE=8\0MASTER_ADDR=10.0.0.1\0X=RANK=9\0"
     env = parse_environ(block)
     assert env == {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "MASTER_ADDR": "10.0.0.1"}
+
+
+# A /proc/<pid>/stat line (proc(5): 52 fields) whose comm holds ") " and spaces; fields
+# 47..51 are arg_start, arg_end, env_start, env_end, exit_code.
+STAT = ("4242 (a) b (c)) S 1 4242 4242 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 777 1000 50 "
+        "18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 1 0 0 0 0 0 4000 4100 4200 "
+        "140000000 140000100 140000100 140000300 0\n")
+
+
+def test_env_bounds_are_fields_50_and_51_of_stat_not_the_argument_bounds():
+    assert len(STAT[STAT.rfind(")") + 2:].split()) == 52 - 2
+    assert env_bounds(STAT) == (140000100, 140000300)
+    hidden = STAT.replace("140000000 140000100 140000100 140000300", "0 0 0 0")
+    assert env_bounds(hidden) is None            # no ptrace access: the kernel shows zeros
+    assert env_bounds("1 (short) S 0 1") is None
+
+
+def _child_with_env(env: dict) -> subprocess.Popen:
+    """`sleep` with `env`, returned once its exec has set the environment up (the exe link
+    changes before env_start/env_end are set)."""
+    child = subprocess.Popen(["sleep", "30"], env=env)
+    environ = Path(f"/proc/{child.pid}/environ")
+    deadline = time.monotonic() + 10
+    while b"RANK=" not in environ.read_bytes():
+        assert time.monotonic() < deadline, "the child's environment never appeared"
+        time.sleep(0.005)
+    return child
+
+
+def test_environment_read_from_process_memory_is_the_environ_file():
+    child = _child_with_env({"PATH": "/usr/bin:/bin", "RANK": "5", "WORLD_SIZE": "16",
+                             "TORCHELASTIC_RUN_ID": "r1"})
+    try:
+        block = environ_from_memory(child.pid)
+        assert block == Path(f"/proc/{child.pid}/environ").read_bytes()
+        assert parse_environ(block) == {"RANK": "5", "WORLD_SIZE": "16", "TORCHELASTIC_RUN_ID": "r1"}
+    finally:
+        child.kill()
+        child.wait()
+    assert environ_from_memory(child.pid) == b""          # gone: nothing, no exception
+
+
+def test_read_environ_falls_back_to_process_memory_when_the_file_is_refused(monkeypatch):
+    """Without CAP_DAC_READ_SEARCH the 0400 file of another user's process is refused
+    (EACCES) though ptrace access is allowed (tests/bpf/test_capabilities.py shows it for
+    real); any other error (e.g. the process is gone) reads as no environment."""
+    child = _child_with_env({"RANK": "2", "LOCAL_RANK": "0"})
+    real = Path.read_bytes
+    refused = f"/proc/{child.pid}/environ"
+
+    def read_bytes(self):
+        if str(self) == refused:
+            raise PermissionError(13, "Permission denied", refused)
+        return real(self)
+
+    try:
+        monkeypatch.setattr(Path, "read_bytes", read_bytes)
+        assert read_environ(child.pid) == {"RANK": "2", "LOCAL_RANK": "0"}
+        monkeypatch.setattr(procinfo, "environ_from_memory", lambda pid, proc: b"")
+        assert read_environ(child.pid) == {}
+    finally:
+        child.kill()
+        child.wait()
+    monkeypatch.undo()
+    assert read_environ(child.pid) == {}
 
 
 def test_maps_lists_each_file_once_and_skips_anonymous_and_deleted():

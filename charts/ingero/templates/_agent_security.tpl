@@ -11,24 +11,25 @@ privileged: true
 allowPrivilegeEscalation: false
 seccompProfile:
   # containerd >= 1.7 allows bpf(2) with CAP_BPF and perf_event_open(2)
-  # with CAP_PERFMON in its default profile.
+  # with CAP_PERFMON in its default profile, process_vm_readv(2) with CAP_SYS_PTRACE.
   type: RuntimeDefault
 capabilities:
   drop: [ALL]
+  # Exactly what the agent needs, each proven by tests/bpf/test_capabilities.py (which
+  # also checks this list): without any one, tracing fails as its comment says.
+  # Kernels before 5.11 also need SYS_RESOURCE (RLIMIT_MEMLOCK for BPF maps):
+  # agent.extraCapabilities: [SYS_RESOURCE]. No DAC_READ_SEARCH: another user's
+  # /proc/<pid>/environ (0400) is read from process memory (process_vm_readv) instead. No SYS_ADMIN:
+  # from 6.16 the NCCL uprobes are made in tracefs (mounted writable), not the perf uprobe PMU.
   add:
-    # bpf(2): load the tracing programs, create the maps and ring buffers (kernel >= 5.8).
+    # bpf(2): create the maps and ring buffers and load the programs (without it: map creation EPERM).
     - BPF
-    # perf_event_open(2) for tracepoints and uprobes, and BPF helpers that
-    # read kernel and user memory (bpf_probe_read_*).
+    # Load tracing programs (tracepoint, uprobe) and perf_event_open them (without it: program load EPERM).
     - PERFMON
-    # Raise RLIMIT_MEMLOCK for BPF maps on kernels before 5.11 (no memcg accounting).
-    - SYS_RESOURCE
-    # /proc/<pid>/environ, /maps and /root of processes of other users, or not
-    # dumpable (ptrace access mode read).
+    # /proc/<pid>/maps, root, environ of other users' processes (else their NCCL library and rank are unseen);
+    # it also permits PTRACE_ATTACH to any host process (hostPID) unless Yama ptrace_scope is 3 (which
+    # also blocks the environment read); the agent only reads.
     - SYS_PTRACE
-    # Read those /proc files (mode 0400, owned by the training user) and the NCCL
-    # library through /proc/<pid>/root whatever its folder's permissions.
-    - DAC_READ_SEARCH
     {{- range .Values.agent.extraCapabilities }}
     # Added by agent.extraCapabilities.
     - {{ . }}
