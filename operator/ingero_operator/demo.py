@@ -63,6 +63,7 @@ class DemoConfig:
     timeout_s: float = 180.0               # for the session to complete after the ranks exit
     operator_args: tuple[str, ...] = ("--standalone",)   # e.g. ("--peering", NAME) with extra_crds
     extra_crds: tuple[Path, ...] = ()      # more CRDs the embedded API server serves
+    metrics_out: Path | None = None        # save the operator's and agents' /metrics here (see Demo.save_scrapes)
 
 
 @dataclass
@@ -238,6 +239,7 @@ class Demo:
         self.lab.start_ranks()
         t_ranks = time.monotonic()
         events = self._disruptions()
+        t_saved = t_ranks
         while any(rp.proc.poll() is None for rp in self.lab.ranks):
             st = self.status()
             if st.get("straggler") and "first_straggler" not in res.timings:
@@ -250,6 +252,9 @@ class Demo:
                     res.agent_metrics = self.scrape_agents()
                 except IngeroError as e:
                     res.agent_metrics = {"error": str(e)}
+            if self.cfg.metrics_out and time.monotonic() - t_saved >= 2.0:
+                t_saved = time.monotonic()
+                self.save_scrapes(t_saved - t_ranks)
             time.sleep(0.25)
         res.codes = self.lab.wait()
         res.timings["training"] = time.monotonic() - t_ranks
@@ -259,6 +264,8 @@ class Demo:
         t_end = time.monotonic()
         res.status = self.wait_for(lambda s: s.get("phase") in TERMINAL, self.cfg.timeout_s, "the session to complete")
         res.timings["gather"] = time.monotonic() - t_end
+        if self.cfg.metrics_out:              # with the session's result in the operator's gauges
+            self.save_scrapes(time.monotonic() - t_ranks)
         if res.status.get("phase") == "Completed":
             try:
                 res.kubectl_wait = waiter.communicate(timeout=30)[0].strip()
@@ -306,6 +313,19 @@ class Demo:
     def scrape_agents(self) -> dict[str, str]:
         """Every lab node's agent /metrics, by node."""
         return {n: self.scrape(p, f"the agent on {n}") for n, p in sorted(self.agent_metrics_ports.items())}
+
+    def save_scrapes(self, t: float) -> None:
+        """Write the operator's and every agent's /metrics, as scraped now, into cfg.metrics_out:
+        t<seconds since the ranks started>-operator.prom and -agent-<node>.prom (Prometheus text).
+        A scrape that fails (an agent a test killed) is left out."""
+        folder, stamp = Path(self.cfg.metrics_out), f"t{t:07.2f}"
+        ports = {"operator": self.metrics_port} | {f"agent-{n}": p for n, p in self.agent_metrics_ports.items()}
+        for what, port in sorted(ports.items()):
+            try:
+                text = self.scrape(port, what)
+            except IngeroError:
+                continue
+            (folder / f"{stamp}-{what}.prom").write_text(text)
 
     def printer_rows(self) -> str:
         """The default printer columns (priority 0; Message is priority 1, for -o wide)."""
@@ -383,6 +403,10 @@ def add_parser(sub):
                    help="N busy processes keep the whole machine busy (as on a shared node); default 0")
     add_job_shape_args(p)
     p.add_argument("--out", type=Path, default=Path("out/demo"), help="default out/demo")
+    p.add_argument("--metrics-out", type=Path, default=None, metavar="DIR",
+                   help="save the operator's and each agent's /metrics every 2 s while the job runs, and once "
+                        "with the verdict in, as DIR/t<seconds>-<operator|agent-NODE>.prom "
+                        "(python -m ingero.dashboard_picture draws them)")
     p.add_argument("--keep-running", action="store_true",
                    help="keep the API server, operator and agents up afterwards (Ctrl-C ends)")
     return p
@@ -399,10 +423,17 @@ def run(args) -> int:
         raise IngeroError("--seconds must be > 0")
     if args.nodes < 1:
         raise IngeroError("--nodes must be >= 1")
+    if args.metrics_out is not None:
+        try:
+            args.metrics_out.mkdir(parents=True, exist_ok=True)
+            (args.metrics_out / ".write-check").touch()
+            (args.metrics_out / ".write-check").unlink()
+        except OSError as e:
+            raise IngeroError(f"--metrics-out {args.metrics_out}: cannot write there ({e.strerror or e})") from None
     cfg = DemoConfig(scenario=args.scenario, seconds=args.seconds, nodes=args.nodes,
                      ranks_per_node=ranks_per_node(args), out=args.out, loss_percent=args.loss_percent,
                      victim_rank=args.victim_rank, hogs=args.hogs, background_load=args.background_load,
-                     shape=job_shape(args))
+                     shape=job_shape(args), metrics_out=args.metrics_out)
     old = signal.signal(signal.SIGTERM, _interrupt)
     try:
         with Demo(cfg, log=lambda m: print(m, flush=True)) as demo:
