@@ -83,3 +83,15 @@ upgrade keeps it), else a new random one.
 {{- end -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+"true" when the agents serve Prometheus metrics: metrics.agent.enabled, or, when that
+is null, metrics.enabled.
+*/}}
+{{- define "ingero.agent.metrics" -}}
+{{- $on := .Values.metrics.agent.enabled -}}
+{{- if not (kindIs "bool" $on) -}}
+{{- $on = .Values.metrics.enabled -}}
+{{- end -}}
+{{- if $on -}}true{{- end -}}
+{{- end -}}
