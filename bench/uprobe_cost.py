@@ -202,21 +202,21 @@ def _main(a) -> dict:
         print(f"baseline ({base_dir}) {med['baseline']:.1f} ns (+{base_cost:.0f}) = "
               f"{100 * (base_cost / bare_cost - 1):+.1f}% over bare; ingero/baseline probe cost "
               f"{ours / base_cost:.3f}")
+    def other(key: str, label: str) -> float:
+        """Another set-up's probe cost (ns per call) against bare, recorded and printed."""
+        cost = med[key] - med["none"]
+        r[f"{key}_cost_ns"] = cost
+        r[f"ratio_{key}"] = cost / bare_cost
+        print(f"{label}: {med[key]:.1f} ns (+{cost:.0f}) = {100 * (cost / bare_cost - 1):+.1f}% over bare", end="")
+        return cost
+
     if a.agent_drain:
-        ad_cost = med["agentdrain"] - med["none"]
-        r["agentdrain_cost_ns"] = ad_cost
-        r["ratio_agentdrain"] = ad_cost / bare_cost
+        other("agentdrain", "drained as the agent drains")
         r["ratio_min_agentdrain"] = (low["agentdrain"] - low["none"]) / (low["bare"] - low["none"])
-        print(f"drained as the agent drains: {med['agentdrain']:.1f} ns (+{ad_cost:.0f}) = "
-              f"{100 * (ad_cost / bare_cost - 1):+.1f}% over bare (by the fastest round "
-              f"{100 * (r['ratio_min_agentdrain'] - 1):+.1f}%)")
+        print(f" (by the fastest round {100 * (r['ratio_min_agentdrain'] - 1):+.1f}%)")
     if a.no_drain:
-        nd_cost = med["nodrain"] - med["none"]
-        r["nodrain_cost_ns"] = nd_cost
-        r["ratio_nodrain"] = nd_cost / bare_cost
-        print(f"not drained during the loop: {med['nodrain']:.1f} ns (+{nd_cost:.0f}) = "
-              f"{100 * (nd_cost / bare_cost - 1):+.1f}% over bare; drained/undrained probe cost "
-              f"{ours / nd_cost:.3f}")
+        nd_cost = other("nodrain", "not drained during the loop")
+        print(f"; drained/undrained probe cost {ours / nd_cost:.3f}")
     if PROG_NS:
         r["bpf_ns_per_call"] = {k: statistics.median(v) for k, v in PROG_NS.items()}
         print("in-kernel BPF run time per call (median of rounds): " + ", ".join(
