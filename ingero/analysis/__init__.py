@@ -61,7 +61,11 @@ def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[
                         "time); timing is host-side only and the network is not judged from host windows. "
                         "Load Ingero's NCCL profiler plugin for device times (docs/tracing.md)")
     add_network(c, rows, retx[0], retx[1], windows=timing != "host-enqueue")
-    judged_retx = retx if timing != "host-enqueue" else (retx[0][:0], retx[1][:0], [])
+    # judged for a lossy link: retransmits on connections that leave their node (inside a node
+    # there is no wire to lose a segment on: a receiver that does not drain its socket, e.g.
+    # starved of CPU, makes its local peer retransmit), and none from host windows
+    wire = ~retx[3] if timing != "host-enqueue" else np.zeros(len(retx[0]), bool)
+    judged_retx = (retx[0][wire], retx[1][wire], [n for n, k in zip(retx[2], wire) if k], int(retx[3].sum()))
     add_offcpu(con, rows)
     total_retx = len(retx[0])
     collectives = sum(r.collectives for r in rows.values())

@@ -182,21 +182,29 @@ def p2p_calls(c: Calls) -> int:
     return int(np.count_nonzero((c.op == _SEND) | (c.op == _RECV)))
 
 
-# Retransmits with the rank that owns the connection (by socket owner pid, else the event's rank).
+# Retransmits with the rank that owns the connection (by socket owner pid, else the event's
+# rank), and whether the connection stays inside its node: to the node's own address (or a
+# loopback one, or another pod's address on that node), i.e. no wire between the two ends.
 RETX_BY_RANK = """
-    SELECT t.timestamp_ns AS ts, COALESCE(r.rank, t.rank) AS grank, t.node AS node
+    WITH node_addr AS (
+        SELECT DISTINCT node, trim(unnest(string_split(addresses, ','))) AS addr
+        FROM ranks WHERE addresses IS NOT NULL AND addresses <> '')
+    SELECT t.timestamp_ns AS ts, COALESCE(r.rank, t.rank) AS grank, t.node AS node,
+           coalesce(t.daddr = t.saddr OR t.daddr LIKE '127.%' OR t.daddr = '::1'
+                    OR t.daddr IN (SELECT a.addr FROM node_addr a WHERE a.node IS NOT DISTINCT FROM t.node),
+                    false) AS local
     FROM tcp_events t
     LEFT JOIN (SELECT node, pid, any_value(rank) AS rank FROM ranks GROUP BY ALL) r
       ON r.node IS NOT DISTINCT FROM t.node AND r.pid = t.pid AND t.pid > 0
     WHERE t.event = 'tcp_retransmit_skb' AND t.timestamp_ns IS NOT NULL"""
 
 
-def retransmits(con) -> tuple[np.ndarray, np.ndarray, list]:
-    """(timestamps, owning rank or -1, node) of every retransmit, by time."""
+def retransmits(con) -> tuple[np.ndarray, np.ndarray, list, np.ndarray]:
+    """(timestamps, owning rank or -1, node, inside its node?) of every retransmit, by time."""
     rows = con.execute(RETX_BY_RANK + " ORDER BY ts").fetchall()
     ts = np.array([r[0] for r in rows], np.int64)
     rk = np.array([-1 if r[1] is None else r[1] for r in rows], np.int64)
-    return ts, rk, [r[2] for r in rows]
+    return ts, rk, [r[2] for r in rows], np.array([bool(r[3]) for r in rows], bool)
 
 
 def add_network(c: Calls, rows: dict, ts: np.ndarray, rk: np.ndarray, windows: bool = True) -> None:
@@ -219,10 +227,14 @@ def add_offcpu(con, rows: dict) -> None:
     """Off-CPU time by reason: kernel totals when present, else the events over threshold."""
     has_totals = con.execute("SELECT count(*) FROM sched_totals").fetchone()[0] > 0
     src, col = ("sched_totals", "total_ns") if has_totals else ("sched_events", "duration_ns")
-    q = f"""SELECT COALESCE(r.rank, s.rank), s.reason, sum(s.{col})
+    # the number of waits only from the kernel's totals: the events are only those over a threshold
+    waits = "sum(s.intervals)" if has_totals else "NULL"
+    q = f"""SELECT COALESCE(r.rank, s.rank), s.reason, sum(s.{col}), {waits}
             FROM {src} s LEFT JOIN (SELECT node, pid, any_value(rank) AS rank
                                     FROM ranks GROUP BY ALL) r
               ON r.node IS NOT DISTINCT FROM s.node AND r.pid = s.pid GROUP BY ALL"""
-    for grank, reason, ns in con.execute(q).fetchall():
+    for grank, reason, ns, n in con.execute(q).fetchall():
         if grank in rows and reason and ns is not None:
             rows[grank].offcpu_ms[reason] = ns / 1e6
+            if n:
+                rows[grank].offcpu_waits[reason] = int(n)

@@ -41,6 +41,12 @@ OFFCPU_EXPLAINS_RUNQUEUE = 0.5  # runqueue wait: at least half of it. A starved 
                               # once over 30% beside a CI run: named cpu-contention)
 OFFCPU_EXPLAINS_WEAK = 0.15   # a second reason, an outlier on the absolute floors, covering >= 15%,
                               # is weighed against the first by its multiple of the peers' median
+STARVED_PER_WAIT = 2.0        # cpu-contention: each runqueue wait of the rank is >= 2x its peers' median
+                              # wait (when the kernel's totals give the number of waits). A starved rank
+                              # waits long each time it wakes (lab cpu-hog victims: 3.0x-95x, DP, 3D and
+                              # GPU-like); a rank that only wakes more often (a lossy link's retransmit
+                              # timers, an fsync loop) waits more in total but not per wait (lossy-link
+                              # victims 0.5x-1.3x, io-stall 0.6x, slow-rank 1.0-1.1x)
 CANDIDATE_RANKS = 3           # ranks with the largest excess own work that are replayed
 CANDIDATE_NODES = 2           # slow nodes replayed (the slowest first)
 NODE_SLOW = 1.05              # a node is slow when each of its ranks works >= 1.05x its reference
@@ -321,6 +327,8 @@ def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int) -> tuple[St
                        and k.saving_ns >= STARVED_SHARE * best.saving_ns]
             if starved:
                 best = starved[0]
+            else:
+                best = _starved_behind(best, rows, tl, traced_ns, own, peers_own) or best
         if best.kind == "rank" and netc is not None:
             best.why += (f"; weighed against {netc.label}'s retransmits (fixing the transfers they slow "
                          f"would save {netc.saving_ns / 1e6:.1f} ms/step), which a rank answering late "
@@ -330,6 +338,9 @@ def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int) -> tuple[St
             if others:
                 best.why += (f"; weighed against {others} retransmits on other ranks' connections, "
                              "too few or too spread out to be a lossy link")
+        if best.kind == "rank" and len(retx) > 3 and retx[3]:
+            best.why += (f"; {retx[3]} retransmits on connections inside one node were not counted as "
+                         "link loss (no wire: a receiver that does not drain its socket causes them)")
         elif best.kind in ("stage", "node") and ranks_ and ranks_[0].saving_ns >= TIE_SHARE * best.saving_ns:
             best = ranks_[0]
     info["best"] = best
@@ -399,7 +410,8 @@ def _offcpu_cause(rows: dict, r: int, excess_total_ns: float, traced_ns: int) ->
     by a factor of its peers' wait, while its I/O wait is its own). It is named when it
     passes alone (an outlier on a scale that also has a share of the excess as floor,
     covering OFFCPU_EXPLAINS, OFFCPU_EXPLAINS_RUNQUEUE for the runqueue), or when the
-    weighed waits together cover OFFCPU_EXPLAINS_RUNQUEUE of the excess."""
+    weighed waits together cover OFFCPU_EXPLAINS_RUNQUEUE of the excess. Runqueue wait counts
+    only when each wait is STARVED_PER_WAIT times its peers' (when the number is known)."""
     if r not in rows:
         return "compute/unknown", ""
     # the scale when the peers' times agree closely (a MAD near 0): an absolute floor, a share
@@ -413,6 +425,9 @@ def _offcpu_cause(rows: dict, r: int, excess_total_ns: float, traced_ns: int) ->
         peers = float(np.median([v for k, v in vals.items() if k != r]))
         extra_ms = vals[r] - peers
         share = extra_ms * 1e6 / max(excess_total_ns, 1)
+        per_wait = _per_wait_ratio(rows, r, reason) if reason == "runqueue" else None
+        if per_wait is not None and per_wait < STARVED_PER_WAIT:
+            continue                # more waits, not longer ones: woken more often, not starved
         if robust_z(vals, base)[r] >= OFFCPU_Z and share >= OFFCPU_EXPLAINS_WEAK:
             need = OFFCPU_EXPLAINS_RUNQUEUE if reason == "runqueue" else OFFCPU_EXPLAINS
             z = robust_z(vals, floor)[r]
@@ -435,10 +450,62 @@ def _offcpu_cause(rows: dict, r: int, excess_total_ns: float, traced_ns: int) ->
     return f["cause"], why
 
 
+def _per_wait_ratio(rows: dict, r: int, reason: str = "runqueue") -> float | None:
+    """The rank's mean wait of `reason` over its peers' median mean wait (None: counts unknown)."""
+    per = {k: x.offcpu_ms.get(reason, 0.0) / x.offcpu_waits[reason]
+           for k, x in rows.items() if x.offcpu_waits.get(reason)}
+    if r not in per or len(per) < 2:
+        return None
+    peers = float(np.median([v for k, v in per.items() if k != r]))
+    return per[r] / peers if peers > 0 else None
+
+
+def _starved_behind(net: Candidate, rows: dict, tl: Timeline, traced_ns: int, own: dict,
+                    peers_own: dict) -> Candidate | None:
+    """The rank starved of CPU behind a network candidate's retransmits, if the timeline says so.
+
+    A rank that waits in the runqueue answers late: its peers' retransmit timers fire and
+    its own sockets' ACKs are handled late, with no segment lost, and the transfers with
+    those retransmits in flight are slow. A lossy link leaves its node's ranks on CPU. So
+    when a rank of the network candidate's node is an outlier of runqueue wait (the off-CPU
+    floors of `_offcpu_cause`) and its extra wait per step is at least STARVED_SHARE of
+    what the network fix saves per step (enough to have caused it), and each of its waits is
+    STARVED_PER_WAIT times its peers' (starved, not only woken more often: a lossy link's
+    retransmit timers wake its sender more, and it then waits more in total), the starved
+    rank is the cause, with that saving: fixing its CPU is what makes those transfers fast. Its own work
+    need not be longer than its peers': on a synchronous NCCL it is starved inside the
+    collectives too (the lab's 2x2 cpu-hog)."""
+    node = net.extra.get("node")
+    vals = {k: x.offcpu_ms.get("runqueue", 0.0) for k, x in rows.items()}
+    if node is None or len(vals) < 3 or tl.steps <= 0:
+        return None
+    base = max(OFFCPU_FLOOR_MS, OFFCPU_FLOOR_TRACED * traced_ns / 1e6)
+    z = robust_z(vals, base)
+    on_node = [k for k, x in rows.items() if x.node == node]
+    if not on_node:
+        return None
+    r = max(on_node, key=lambda k: vals[k])
+    peers = float(np.median([v for k, v in vals.items() if k != r]))
+    extra_ns = (vals[r] - peers) * 1e6 / tl.steps
+    per_wait = _per_wait_ratio(rows, r)
+    if z[r] < OFFCPU_Z or extra_ns < STARVED_SHARE * net.saving_ns or per_wait is None \
+            or per_wait < STARVED_PER_WAIT:
+        return None
+    why = (f"it spent {vals[r]:.0f} ms waiting in the runqueue vs a peer median of {peers:.0f} ms "
+           f"(z {z[r]:.1f}), {extra_ns / 1e6:.1f} ms/step more, {per_wait:.1f}x its peers' wait each time "
+           f"it woke; the transfers slowed with retransmits in "
+           f"flight on {node}'s connections ({net.why.split(';')[0]}) are what a rank answering late "
+           f"causes without any loss: fixing them would save {net.saving_ns / 1e6:.1f} ms/step, and a "
+           "lossy link leaves its ranks on CPU")
+    return Candidate("rank", [r], net.saving_ns, f"rank {r}", cause="cpu-contention", why=why,
+                     score=round(z[r], 2), extra={"starved": True, "replay": net.extra.get("replay"), "own_ms": own.get(r, 0.0) / 1e6,
+                            "peers_ms": peers_own.get(r, 0.0) / 1e6})
+
+
 def _network(c: Calls, tl: Timeline, rows: dict, retx):
     """The node whose connections retransmit while transfers are in flight, if concentrated:
     (node, events hit, evidence, share, top rank, single rank?)."""
-    ts, rk, nodes = retx
+    ts, rk, nodes = retx[:3]
     if len(ts) < RETX_MIN:
         return None
     ev, m = tl.ev, tl.m

@@ -53,3 +53,21 @@ def test_a_slow_rank_that_also_waited_a_little_more_for_a_cpu_is_not_cpu_content
     assert cause == "compute/unknown", why
     rows = _rows({"runqueue": 465.0 + 2.25 * 810}, peer_rq=(460, 470, 455, 480, 465, 450, 475))
     assert _offcpu_cause(rows, 0, 810 * MS, TRACED)[0] == "cpu-contention"
+
+
+def _with_waits(rows: dict, waits: dict) -> dict:
+    for r, n in waits.items():
+        rows[r].offcpu_waits = {"runqueue": n}
+    return rows
+
+
+def test_a_rank_that_waits_more_often_but_not_longer_each_time_is_not_cpu_contention():
+    # the GPU-like lossy-link victim (bench figures, 2026-11-25): 2,053 ms of runqueue wait vs a
+    # peer median of ~980 ms, but 6.3 ms per wait against its peers' 4.7: woken more often by
+    # its retransmit timers, not starved
+    rows = _with_waits(_rows({"runqueue": 2053.0}, peer_rq=(928, 981, 1496)), {0: 328, 1: 240, 2: 209, 3: 259})
+    cause, why = _offcpu_cause(rows, 0, 1500 * MS, TRACED)
+    assert cause == "compute/unknown", why
+    # the same total in few long waits (lab cpu-hog victims: 11-255 ms per wait vs peers' 0.5-14)
+    rows = _with_waits(_rows({"runqueue": 2053.0}, peer_rq=(928, 981, 1496)), {0: 100, 1: 240, 2: 209, 3: 259})
+    assert _offcpu_cause(rows, 0, 1500 * MS, TRACED)[0] == "cpu-contention"

@@ -1,0 +1,74 @@
+"""A starved rank makes its peers retransmit: the network verdict yields to it only when the
+timeline says it was starved (ingero.analysis: retransmits inside a node, `_starved_behind`).
+
+Figures from the lab's 2x2 cpu-hog on a busy machine (2026-11-25, load 13-34): a network
+verdict named rank 2 (sending to the starved rank 3 on the same node: 79 of 112
+retransmits were inside the node) or node b (229 of 271 retransmits), while rank 3 waited
+in the runqueue far longer each time it woke than its peers."""
+
+from __future__ import annotations
+
+import duckdb
+
+from ingero import schema
+from ingero.analysis.model import RankRow
+from ingero.analysis.stats import retransmits
+from ingero.analysis.verdict import Candidate, _starved_behind
+
+MS = 1_000_000
+
+
+def test_retransmits_inside_a_node_are_marked_local():
+    con = duckdb.connect()
+    schema.create_all(con)
+    con.execute("""INSERT INTO ranks (node, pid, rank, addresses) VALUES
+                   ('a', 10, 0, '10.0.0.1,fd00::1'), ('a', 11, 1, '10.0.0.1,fd00::1'),
+                   ('b', 20, 2, '10.0.0.2'), ('c', 30, 3, '10.0.0.3')""")
+    rows = [(1, "a", "10.0.0.1", "10.0.0.2", 10),   # to another node: the wire
+            (2, "a", "10.0.0.1", "10.0.0.1", 11),   # to itself
+            (3, "a", "fd00::1", "::1", 10),         # loopback
+            (4, "b", "10.0.0.2", "10.0.0.3", 20),   # to another node
+            (5, "c", "10.0.0.7", "10.0.0.3", 30)]   # to an address of its own node's pods
+    for ts, node, s, d, pid in rows:
+        con.execute("""INSERT INTO tcp_events (timestamp_ns, event, saddr, daddr, node, pid)
+                       VALUES (?, 'tcp_retransmit_skb', ?, ?, ?, ?)""", [ts, s, d, node, pid])
+    ts, rk, nodes, local = retransmits(con)
+    assert ts.tolist() == [1, 2, 3, 4, 5]
+    assert rk.tolist() == [0, 1, 0, 2, 3]
+    assert local.tolist() == [False, True, True, False, True]
+
+
+class _TL:
+    steps = 40
+
+
+def _rows(rq: dict, waits: dict) -> dict:
+    return {r: RankRow(rank=r, node="a" if r < 2 else "b", pod=None, pid=r,
+                       offcpu_ms={"runqueue": float(rq[r])}, offcpu_waits={"runqueue": waits[r]})
+            for r in rq}
+
+
+def _net(saving_ms: float) -> Candidate:
+    return Candidate("network", [2, 3], saving_ms * MS, "node b", cause="network",
+                     why="200 of 230 retransmits inside transfers are on b's connections; more",
+                     extra={"node": "b", "replay": None})
+
+
+def test_a_rank_starved_each_time_it_wakes_takes_the_network_verdict():
+    # rank 3: 2.3 s in the runqueue in 23 waits (100 ms each) vs peers ~250 ms in 30-320 waits
+    rows = _rows({0: 335, 1: 300, 2: 235, 3: 2331}, {0: 31, 1: 40, 2: 89, 3: 23})
+    k = _starved_behind(_net(20.0), rows, _TL(), 6_000 * MS, {3: 50 * MS}, {3: 52 * MS})
+    assert k is not None and k.ranks == [3] and k.cause == "cpu-contention"
+    assert k.saving_ns == 20.0 * MS and "runqueue" in k.why and "each time" in k.why
+
+
+def test_a_lossy_links_sender_woken_more_often_keeps_the_network_verdict():
+    # the GPU-like lossy-link victim: twice its peers' runqueue wait, in more waits of ~the same length
+    rows = _rows({0: 928, 1: 981, 2: 1496, 3: 2053}, {0: 240, 1: 209, 2: 259, 3: 328})
+    assert _starved_behind(_net(49.0), rows, _TL(), 6_000 * MS, {}, {}) is None
+
+
+def test_a_starved_rank_whose_wait_is_too_small_to_explain_the_network_fix_does_not_take_it():
+    rows = _rows({0: 335, 1: 300, 2: 235, 3: 700}, {0: 31, 1: 40, 2: 89, 3: 5})
+    # 465 ms over 40 steps is 11.6 ms/step: under half of a 49 ms/step network fix
+    assert _starved_behind(_net(49.0), rows, _TL(), 6_000 * MS, {}, {}) is None
