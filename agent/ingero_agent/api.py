@@ -188,6 +188,7 @@ class Session:
     dir: Path
     plan: Plan
     proc: subprocess.Popen | None = None
+    signalled: bool = False   # proc has had its SIGINT (stop); it only detaches once `done` exists
     started_ns: int | None = None
     starts: int = 0
     replans: int = 0          # pod lists handed to the running tracer (SIGHUP)
@@ -285,6 +286,7 @@ class SessionManager:
             (s.dir / "plan.json").write_text(json.dumps(asdict(plan), indent=2))
             self._write_pods(s, plan)
             s.proc = self._spawner.popen(self._argv(s), s.dir / "tracer.log")
+            s.signalled = False
             s.started_ns = time.time_ns()
             s.starts += 1
             self.sessions[s.id] = s
@@ -315,11 +317,15 @@ class SessionManager:
     def _stop_proc(self, s: Session) -> None:
         """SIGINT the tracer; return once its last segments are on disk (its `done`
         file) or it has exited. Detaching uprobes afterwards takes it seconds more,
-        which nobody needs to wait for."""
+        which nobody needs to wait for: nor does a second stop (or the DELETE after a
+        stop) of a tracer that has written `done` already."""
         if s.proc is None or s.proc.poll() is not None:
             return
         done = s.dir / "done"
+        if s.signalled and done.exists():
+            return
         done.unlink(missing_ok=True)
+        s.signalled = True
         s.proc.send_signal(signal.SIGINT)
         deadline = time.monotonic() + self.stop_timeout_s
         while s.proc.poll() is None and not done.exists():

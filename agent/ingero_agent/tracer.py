@@ -245,8 +245,8 @@ class Tracer:
                 if self.opts.done_file:
                     Path(self.opts.done_file).touch()
         finally:
-            # Closing ~32 uprobe perf events takes the kernel ~0.1 s each;
-            # everything recorded is on disk before this.
+            # Detaching ~50 probes takes the kernel ~0.1-0.2 s each (side by side
+            # in Probes.close); everything recorded is on disk before this.
             self.probes.close()
 
     # ---- steps -----------------------------------------------------------------

@@ -155,27 +155,38 @@ class Demo:
         return proc
 
     def _start_agents(self) -> None:
+        """Start every node's agent, then wait for them all (they start side by side)."""
         from ingero.lab.cgroups import node_cgroup_root
 
+        started, taken = [], set()
+
+        def new_port() -> int:    # no agent has bound its ports yet: none may get another's
+            while (p := objs.free_port()) in taken:
+                pass
+            taken.add(p)
+            return p
+
         for node in self.lab.nodes:
-            port, mport = objs.free_port(), objs.free_port()
+            api_port, mport = new_port(), new_port()
             self.agent_metrics_ports[node.name] = mport
             ready = self.out / "agents" / f"{node.name}.ready"
             ready.parent.mkdir(parents=True, exist_ok=True)
             ready.unlink(missing_ok=True)
+            started.append((node, api_port, ready))
             self._start(f"agent-{node.name}", [
                 sys.executable, "-m", "ingero", "agent", "serve", "--node", node.name,
-                "--listen", f"127.0.0.1:{port}", "--data-dir", str(self.out / "agents" / node.name),
+                "--listen", f"127.0.0.1:{api_port}", "--data-dir", str(self.out / "agents" / node.name),
                 "--token-file", str(self.out / "agent-token"), "--ready-file", str(ready),
                 "--cgroup-root", str(node_cgroup_root(self.lab.run_id, node.name)), "--quiet",
                 "--tls-cert", str(self.tls_dir / "tls.crt"), "--tls-key", str(self.tls_dir / "tls.key"),
                 "--metrics-port", str(mport), "--metrics-address", "127.0.0.1"])
-            deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 30 * len(started)      # 30 s each, as when one started after another
+        for node, api_port, ready in started:
             while not ready.exists():
                 if self.procs[f"agent-{node.name}"].poll() is not None or time.monotonic() > deadline:
                     raise IngeroError(f"agent for {node.name} did not start; see {self.out / 'logs'}")
                 time.sleep(0.05)
-            self.cluster.create(f"/api/v1/namespaces/{objs.SYSTEM_NS}/pods", objs.agent_pod(node.name, port))
+            self.cluster.create(f"/api/v1/namespaces/{objs.SYSTEM_NS}/pods", objs.agent_pod(node.name, api_port))
 
     # ---- the flow --------------------------------------------------------------------
     def kubectl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -335,12 +346,16 @@ class Demo:
 
     # ---- tear-down -------------------------------------------------------------------
     def close(self) -> None:
-        for name in sorted(self.procs, key=lambda n: n != "operator"):   # operator first
-            proc = self.procs[name]
-            if proc.poll() is None:
+        # The operator first (it must not see its agents go), then every agent at once.
+        first = [n for n in self.procs if n == "operator"]
+        for group in (first, [n for n in self.procs if n not in first]):
+            procs = [self.procs[n] for n in group if self.procs[n].poll() is None]
+            for proc in procs:
                 proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 20
+            for proc in procs:
                 try:
-                    proc.wait(timeout=20)
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()

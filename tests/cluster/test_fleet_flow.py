@@ -83,9 +83,11 @@ def flow(tmp_path_factory):
                      "--ready-file", str(ready), "--cgroup-root", str(node_cgroup_root(lab.run_id, node.name)),
                      "--quiet"], stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
                 log.close()
-                agents[node.name] = {"proc": proc, "port": port, "segments": data / "sessions" / sid / "segments"}
-                _wait(lambda: ready.exists() or proc.poll() is not None, 30, f"agent {node.name}")
-                assert proc.poll() is None, (out / f"agent-{node.name}.log").read_text()
+                agents[node.name] = {"proc": proc, "port": port, "segments": data / "sessions" / sid / "segments",
+                                     "ready": ready}
+            for name, a in agents.items():     # started side by side, then each waited for
+                _wait(lambda: a["ready"].exists() or a["proc"].poll() is not None, 30, f"agent {name}")
+                assert a["proc"].poll() is None, (out / f"agent-{name}.log").read_text()
             for node in lab.nodes:
                 pods = json.loads(lab.pods_file(node).read_text())["pods"]
                 _call(agents[node.name]["port"], "POST", "/v1/sessions",
@@ -99,8 +101,9 @@ def flow(tmp_path_factory):
             facts.update(sid=sid, victim=lab.victim, victim_node=lab.victim_node.name,
                          steps={rp.rank: rp.stats["steps"] for rp in lab.ranks},
                          node_of={rp.rank: rp.node.name for rp in lab.ranks})
-        for name, a in agents.items():   # stop, and wait until the tracer has written everything and exited
-            _call(a["port"], "POST", f"/v1/sessions/{sid}/stop", {})
+        for a in agents.values():        # stop every node's tracer, then wait until each has
+            _call(a["port"], "POST", f"/v1/sessions/{sid}/stop", {})   # written everything and exited
+        for name, a in agents.items():
             _wait(lambda: _call(a["port"], "GET", f"/v1/sessions/{sid}")["exit_code"] is not None, 60,
                   f"the tracer on {name} to exit")
 

@@ -152,6 +152,44 @@ def test_posting_a_plan_starts_once_and_is_idempotent_and_stop_is_idempotent(age
     assert call(srv, "GET", "/v1/sessions/nope")[0] == 404
 
 
+DETACHING_TRACER = r"""
+import signal, sys, time, pathlib
+argv = sys.argv[1:]
+ready, done = (pathlib.Path(argv[argv.index(f) + 1]) for f in ("--ready-file", "--done-file"))
+stopping = []
+signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
+ready.touch()
+while not stopping:
+    time.sleep(0.01)
+done.touch()      # the last segments are on disk; detaching the probes takes seconds more
+time.sleep(30)
+"""
+
+
+def test_a_stop_or_delete_after_a_stop_does_not_wait_for_the_tracer_to_detach(tmp_path):
+    # The operator deletes a session it has gathered (a stop, then the folder): that DELETE
+    # must not wait for the tracer to detach its probes, nor hold the agent's exit on it.
+    script = tmp_path / "tracer.py"
+    script.write_text(DETACHING_TRACER)
+    mgr = SessionManager(tmp_path / "data", "n1", trace_cmd=[sys.executable, str(script)], stop_timeout_s=20)
+    try:
+        mgr.start(parse_plan({"session_id": "s1", "pods": pods(1)}))
+        proc = mgr.sessions["s1"].proc
+        deadline = time.monotonic() + 10
+        while mgr.info(mgr.sessions["s1"])["state"] != "running" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert mgr.stop("s1")["state"] == "stopped"
+        assert mgr.stop("s1")["state"] == "stopped"      # idempotent, and at once
+        mgr.delete("s1")
+        assert proc.poll() is None, "stop/delete waited for the detaching tracer to exit"
+        assert not (mgr.root / "s1").exists() and "s1" not in mgr.sessions
+        mgr.shutdown()
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_a_new_pod_in_the_plan_goes_to_the_running_tracer_without_a_restart(agent):
     srv, mgr = agent
     call(srv, "POST", "/v1/sessions", {"session_id": "s1", "pods": pods(1)})

@@ -35,3 +35,17 @@ def test_without_ci_skips_stay_skips_and_are_listed(tmp_path):
     p = _run(tmp_path, None)
     assert p.returncode == 0, p.stdout
     assert "2 skipped" in p.stdout and "FAILED" not in p.stdout
+
+
+def test_the_lab_verdict_tests_run_beside_2_busy_processes_in_ci_unless_told_otherwise(monkeypatch):
+    from tests.conftest import background_load
+
+    cases = [({}, 0), ({"CI": "true"}, 2), ({"CI": "true", "INGERO_TEST_BACKGROUND_LOAD": "0"}, 0),
+             ({"CI": "true", "INGERO_TEST_BACKGROUND_LOAD": "3"}, 3), ({"INGERO_TEST_BACKGROUND_LOAD": "1"}, 1),
+             ({"CI": "false"}, 0)]
+    for env, want in cases:
+        for k in ("CI", "INGERO_TEST_BACKGROUND_LOAD"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert background_load() == want, env
