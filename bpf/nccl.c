@@ -49,11 +49,14 @@
  *     minus the excluded ranks below it, nranks = parent nranks - count
  *     (up to INGERO_NCCL_SHRINK_MAX excluded ranks read; more: rank -1).
  *   - Grow(comm, nRanks, const ncclUniqueId* id, rank, newcomm*, config*):
- *     existing ranks (comm != NULL, rank -1) keep their rank, hash =
- *     splitmix64(parent ^ GROW_SALT ^ n); new ranks (comm NULL) take the
- *     fold of *id and their rank argument. Existing non-root ranks get no
- *     id (NULL), so the two sides of a grown communicator carry different
- *     hashes: a known gap (the `parent_hash` column links the existing side).
+ *     new ranks (comm NULL) take the fold of *id and their rank argument.
+ *     Existing ranks (comm != NULL, rank -1) keep their rank; `parent_hash`
+ *     = the parent's, `color` = n, the parent's grow counter. The coordinator
+ *     (the existing rank that passes the id, per nccl.h.in) takes the fold of
+ *     *id too; the others get no id (NULL) and take splitmix64(parent ^
+ *     GROW_SALT ^ n). Once the traces of all nodes meet, ingero/comms.py
+ *     finds the coordinator's record by (parent, n) and gives those the id's
+ *     identity, so every member of the grown communicator carries one hash.
  *   - Destroy/Abort remove the entry at return.
  *
  * ncclInProgress (7) counts as success for identity. A non-blocking init
@@ -683,8 +686,14 @@ int nccl_enter_ncclCommGrow(struct pt_regs *ctx)
             u32 n = parent->grows;
             parent->grows = n + 1;
             f->parent_hash = parent->hash;
-            f->hash = ingero_splitmix64(parent->hash ^ NCCL_GROW_SALT ^ n);
+            f->color = (s32)n;             /* the parent's grow number: ingero/comms.py links */
             f->rank = parent->rank;
+            u64 uid = ARG_ncclCommGrow_uniqueId;
+            /* the coordinator passes the grow id: it takes the id's identity, as the
+             * new ranks do; the others that of (parent, n) until the traces meet */
+            f->hash = uid ? ingero_hash_uid((void *)uid) : 0;
+            if (!f->hash)
+                f->hash = ingero_splitmix64(parent->hash ^ NCCL_GROW_SALT ^ n);
         } else {
             f->flags |= NCCL_F_COMM_UNKNOWN;
         }

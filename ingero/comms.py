@@ -1,4 +1,5 @@
-"""Resolve the ranks of communicators created by ncclCommSplit.
+"""Resolve what the kernel cannot know of a communicator: the ranks of those created
+by ncclCommSplit, and one identity for the members of one made by ncclCommGrow.
 
 The kernel cannot know a split child's rank: NCCL orders the members of each
 color by (key, rank in the parent), which needs every member's view. The
@@ -13,6 +14,85 @@ whose parent was not traced on every one of its ranks stays unresolved
 from __future__ import annotations
 
 MAX_SPLIT_DEPTH = 8
+GROW_SALT = 0x47524F5700000000       # bpf/nccl.c NCCL_GROW_SALT
+_M64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """bpf/nccl.c ingero_splitmix64."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+# ncclCommGrow (bpf/nccl.c): new ranks and the coordinator (the existing rank that passes
+# the grow id) hash the id; the other existing ranks get no id and take
+# splitmix64(parent ^ GROW_SALT ^ n), n the parent's grow number, recorded in `color`.
+# The coordinator's row says which id hash that (parent, n) stands for.
+def grow_links(con) -> list[tuple[int, int, int]]:
+    """(derived hash, id hash, parent hash) of every grow whose coordinator was traced."""
+    rows = con.execute("""
+        SELECT DISTINCT parent_hash, color, comm_id_hash FROM comms
+        WHERE op = 'COMM_GROW' AND coalesce(parent_hash, 0) <> 0 AND color IS NOT NULL
+          AND comm_id_hash <> 0""").fetchall()
+    links: dict[int, tuple[int, int]] = {}
+    for parent, n, h in rows:
+        derived = _splitmix64(parent ^ GROW_SALT ^ (n & 0xFFFFFFFF))
+        if h != derived:
+            links.setdefault(derived, (h, parent))
+    used: set[int] = set()
+    out = []
+    for d, (h, p) in sorted(links.items()):
+        if h not in used:          # a grow id names one grow (NCCL consumes it)
+            used.add(h)
+            out.append((d, h, p))
+    return out
+
+
+def _values(links: list[tuple[int, int, int]]) -> str:
+    return ", ".join(f"({d}::UBIGINT, {h}::UBIGINT, {p}::UBIGINT)" for d, h, p in links)
+
+
+def with_grow_ids(events_sql: str, links: list[tuple[int, int, int]]) -> str:
+    """`events_sql` (nccl_events rows) with the members of grown communicators under the
+    grow id's hash (and the new ranks' grow rows under the parent), as a query: for an
+    artifact whose nccl_events is a view (resolve_grow_ids updates a table)."""
+    if not links:
+        return events_sql
+    v = _values(links)
+    return f"""
+        SELECT e.* REPLACE (coalesce(g.id_hash, e.comm_id_hash) AS comm_id_hash,
+                            CASE WHEN e.op = 'COMM_GROW' AND coalesce(e.parent_hash, 0) = 0
+                                 THEN coalesce(j.parent, e.parent_hash) ELSE e.parent_hash END AS parent_hash)
+        FROM ({events_sql}) e
+        LEFT JOIN (VALUES {v}) g(derived, id_hash, parent) ON e.comm_id_hash = g.derived
+        LEFT JOIN (VALUES {v}) j(derived, id_hash, parent) ON e.comm_id_hash = j.id_hash"""
+
+
+def resolve_grow_ids(con) -> int:
+    """Give every member of a grown communicator the grow id's hash, in `comms` and in
+    `nccl_events` (tables), and the new ranks' grow rows the parent's hash. A grow whose
+    coordinator was not traced keeps two identities (existing ranks, new ranks).
+    Returns how many communicator rows changed identity."""
+    links = grow_links(con)
+    if not links:
+        return 0
+    v = _values(links)
+    n = 0
+    for table in ("comms", "nccl_events"):
+        k = con.execute(f"""
+            UPDATE {table} SET comm_id_hash = g.id_hash
+            FROM (VALUES {v}) g(derived, id_hash, parent)
+            WHERE {table}.comm_id_hash = g.derived""").fetchone()[0]
+        con.execute(f"""
+            UPDATE {table} SET parent_hash = g.parent
+            FROM (VALUES {v}) g(derived, id_hash, parent)
+            WHERE {table}.comm_id_hash = g.id_hash AND {table}.op = 'COMM_GROW'
+              AND coalesce({table}.parent_hash, 0) = 0""")
+        if table == "comms":
+            n = k
+    return n
 
 
 # Split children whose rank is known, one row per process and communicator: what the
@@ -37,8 +117,10 @@ def with_split_ranks(events_sql: str) -> str:
 def resolve_split_ranks(con) -> int:
     """Fill rank/nranks of split children in `comms` and `nccl_events` (real tables).
 
+    Grown communicators get their one identity first (resolve_grow_ids).
     Returns how many communicator rows were resolved.
     """
+    resolve_grow_ids(con)
     resolved = 0
     for _ in range(MAX_SPLIT_DEPTH):
         n = con.execute("""

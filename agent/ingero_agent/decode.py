@@ -116,6 +116,7 @@ def nccl_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
     data_op = _DATA_OPS[op]
     split = op == OP_COMM_SPLIT
     derived = split | (op == OP_COMM_SHRINK) | (op == OP_COMM_GROW)   # have a parent
+    grow_of = (op == OP_COMM_GROW) & (a["parent_hash"] != 0)          # an existing rank's grow
     count = a["count"].astype(np.int64)
     nbytes = count * _DT_SIZE[a["datatype"]]
     codes = unique_pids(a["pid"])
@@ -139,8 +140,8 @@ def nccl_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
         "in_group": (a["flags"] & NCCL_F_IN_GROUP) != 0,
         "comm": a["comm"],
         "stream": _masked(a["stream"], ~data_op),
-        "parent_hash": _masked(a["parent_hash"], ~derived | ((op == OP_COMM_GROW) & (a["parent_hash"] == 0))),
-        "color": _masked(a["color"], ~split),
+        "parent_hash": _masked(a["parent_hash"], ~derived | ((op == OP_COMM_GROW) & ~grow_of)),
+        "color": _masked(a["color"], ~(split | grow_of)),   # COMM_GROW: the parent's grow number
         "split_key": _masked(a["key"], ~split),
         "pid": a["pid"].astype(np.int32),
         "tid": a["tid"].astype(np.int32),

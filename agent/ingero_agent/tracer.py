@@ -307,7 +307,8 @@ class Tracer:
                 "pid": pid, "comm": int(r["comm"]), "comm_id_hash": int(r["comm_hash"]),
                 "rank": rank, "nranks": nranks, "op": INIT_OPS[op],
                 "parent_hash": int(r["parent_hash"]) if op in (12, 17, 18) else None,
-                "color": int(r["color"]) if op == 12 else None,
+                # COMM_GROW of an existing rank: the parent's grow number (ingero/comms.py)
+                "color": int(r["color"]) if op == 12 or (op == 18 and int(r["parent_hash"])) else None,
                 "split_key": int(r["key"]) if op == 12 else None,
                 "timestamp_ns": int(r["ts_ns"]) + self.offset_ns,
             })

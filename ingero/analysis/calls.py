@@ -39,7 +39,7 @@ _QUERY = f"""
     WHERE e.ret IN ({', '.join(map(str, NCCL_OK_RETS))}) AND e.timestamp_ns IS NOT NULL
       AND e.duration_ns IS NOT NULL
       AND ((e.op IN ({', '.join(repr(o) for o in OPS)}) AND e.comm_id_hash <> 0 AND e.seq IS NOT NULL)
-           OR e.op IN ('GROUP_START', 'GROUP_END'))
+           OR e.op IN ('GROUP_START', 'GROUP_END', 'GROUP_SIMULATE_END'))
     ORDER BY grank, t, e.event_id"""
 
 # The same columns from the NCCL profiler plugin's rows: when the GPU ran each operation
@@ -134,7 +134,9 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
     rank = col("grank", np.int64, -1)
     t, d = col("t", np.int64), col("d", np.int64)
     code = {o: i + 1 for i, o in enumerate(OPS)}
-    code.update(GROUP_START=_GS, GROUP_END=_GE)
+    # ncclGroupSimulateEnd closes the group as ncclGroupEnd does (it launches nothing): without
+    # it here the rank's later calls would all seem to sit in one open group
+    code.update(GROUP_START=_GS, GROUP_END=_GE, GROUP_SIMULATE_END=_GE)
     enc = tbl.column("op").combine_chunks().dictionary_encode()     # a few distinct names
     lut = np.array([code[o] for o in enc.dictionary.to_pylist()], np.int8)
     op = lut[enc.indices.to_numpy()]

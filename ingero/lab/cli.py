@@ -22,6 +22,7 @@ EPILOG = """examples:
   ingero lab run --layout tp=2,pp=2,dp=2 --nodes 2 --ranks-per-node 4 --scenario slow-stage --stage 1
   ingero lab run --device gpu --profiler --trace --steps 40   # enqueue on a device stream; device times
   ingero lab run --device gpu --nonblocking --scenario slow-rank
+  ingero lab run --elastic --steps 10 --trace   # then shrink without rank 1 and grow back (NCCL 2.27/2.29)
   ingero lab cleanup        # remove namespaces/cgroups left by a crashed run
 
 scenarios:
@@ -61,6 +62,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--nonblocking", action="store_true",
                    help="non-blocking communicators (ncclConfig_t.blocking = 0, as PyTorch's "
                    "TORCH_NCCL_USE_COMM_NONBLOCKING): calls return ncclInProgress and are polled")
+    r.add_argument("--elastic", action="store_true",
+                   help="after the steps, ncclCommShrink the world without rank 1 (the last of 2), run "
+                   "checked steps on it, then ncclCommGrow it back to every rank with a grow id from "
+                   "ncclCommGetUniqueId and run on that; each such step also ends a group with "
+                   "ncclGroupSimulateEnd")
     r.add_argument("--profiler", action="store_true",
                    help="every rank loads Ingero's NCCL profiler plugin (built like `ingero profiler build`); "
                    "with --trace its device times land in nccl_profiler_events")
@@ -157,6 +163,7 @@ def _run(args) -> int:
                     victim_rank=args.victim_rank, ipv6=args.ipv6, out_dir=args.out,
                     compute_ms=args.compute_ms, fault_after_s=args.fault_after,
                     background_load=args.background_load, device=args.device, nonblocking=args.nonblocking,
+                    elastic=args.elastic,
                     profiler_plugin=profiler_plugin() if args.profiler else None, **job_shape(args))
     if cfg.fault_after_s is not None and cfg.fault_after_s < 0:
         raise IngeroError("--fault-after must be >= 0")
@@ -184,6 +191,7 @@ def _run(args) -> int:
 def _summary(lab, codes: dict[int, int], trace_db) -> int:
     lay = f", layout tp={lab.layout[0]},pp={lab.layout[1]},dp={lab.layout[2]}" if lab.layout else ""
     lay += f", device {lab.cfg.device}" + (", non-blocking" if lab.cfg.nonblocking else "")
+    lay += ", elastic" if lab.cfg.elastic else ""
     if lab.cfg.scenario == "slow-stage":
         who = f"stage {lab.cfg.stage}"
     elif lab.cfg.scenario in ("clean", "imbalance"):

@@ -63,6 +63,8 @@ class LabConfig:
     imbalance: float = 1.0         # imbalance: each rank's per-step compute factor is drawn from [1, 1 + this]
     device: str = "cpu"            # "gpu": work is enqueued on a device stream per rank (INGERO_LAB_DEVICE)
     nonblocking: bool = False      # non-blocking communicators (ncclConfig_t.blocking = 0)
+    elastic: bool = False          # after the steps: shrink the world without a rank, grow it back (worker.c)
+    elastic_steps: int = 3         # checked steps on the shrunk and on the grown communicator each
     profiler_plugin: Path | None = None  # an NCCL profiler plugin every rank loads (NCCL_PROFILER_PLUGIN)
     timeout_s: int = 60            # a rank whose peer stops answering fails after this
     master_port: int = 29500
@@ -105,6 +107,8 @@ class LabRun:
             raise IngeroError("slow-stage needs a pipeline: give --layout tp=T,pp=P,dp=D with P > 1")
         if not 1 <= cfg.microbatches <= 64:
             raise IngeroError(f"--microbatches {cfg.microbatches} is out of range: use 1 to 64")
+        if cfg.elastic and (cfg.world < 2 or self.layout is not None or cfg.elastic_steps < 1):
+            raise IngeroError("--elastic needs at least 2 ranks, no --layout and elastic steps >= 1")
         if cfg.device not in DEVICES:
             raise IngeroError(f"--device {cfg.device!r}: use one of {', '.join(DEVICES)}")
         if cfg.profiler_plugin is not None and not Path(cfg.profiler_plugin).is_file():
@@ -238,6 +242,7 @@ class LabRun:
             "INGERO_LAB_CPU_MS": str(c.cpu_ms), "INGERO_LAB_ELEMS": str(c.elems),
             "INGERO_LAB_TIMEOUT_S": str(c.timeout_s), "INGERO_LAB_DEVICE": c.device,
             "INGERO_LAB_NONBLOCKING": "1" if c.nonblocking else "0", "POD_NAME": rp.pod.name,
+            "INGERO_LAB_ELASTIC": "1" if c.elastic else "0", "INGERO_LAB_ELASTIC_STEPS": str(c.elastic_steps),
             "POD_NAMESPACE": rp.pod.namespace, "NODE_NAME": rp.node.name,
         })
         if c.profiler_plugin is not None:

@@ -25,7 +25,7 @@ import duckdb
 import pyarrow.parquet as pq
 
 from ingero import schema
-from ingero.comms import resolve_split_ranks, with_split_ranks
+from ingero.comms import grow_links, resolve_split_ranks, with_grow_ids, with_split_ranks
 from ingero.analysis import Report, analyse
 from ingero.store import segment_files
 from ingero_operator.agents import AgentClient, AgentUnreachable
@@ -323,7 +323,8 @@ def _analyse_recent(con, slow_collective_ms: float | None, recent_s: float, span
 
 def _event_view(con, table: str, local: LocalSession, offsets: dict[str, int]) -> list[tuple[list[Path], int]]:
     """Replace an event table by a view over every node's segments, with clock offsets
-    (and, for nccl_events, resolved split ranks) applied. Returns the files and offset per node."""
+    (and, for nccl_events, grown communicators' identities and resolved split ranks) applied.
+    Returns the files and offset per node."""
     units, parts = [], []
     cols = schema.TABLES[table].columns
     shift = SHIFTED.get(table, ())
@@ -344,6 +345,8 @@ def _event_view(con, table: str, local: LocalSession, offsets: dict[str, int]) -
         con.execute(schema.TABLES[table].ddl())
         return units
     body = "\nUNION ALL ".join(parts)
+    if table == "nccl_events":   # what resolve_grow_ids would UPDATE in a table
+        body = with_grow_ids(body, grow_links(con))
     split = table == "nccl_events" and con.execute(
         "SELECT count(*) FROM comms WHERE op = 'COMM_SPLIT' AND rank >= 0").fetchone()[0]
     if split:   # what resolve_split_ranks would UPDATE in a table

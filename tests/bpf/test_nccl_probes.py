@@ -290,7 +290,8 @@ def expected_newer_rows(seed: int, rank: int, nranks: int, ret: int) -> list[tup
         ("COMM_SPLIT", -1, -1, child, n, n, n, n, n, n, ret, False, n, h1, 0, rank),
         ("ALL_REDUCE", 0, 2, shrunk, 0, 7, 28, "float32", "sum", n, 0, False, 14, n, n, n),
         ("ALL_REDUCE", -1, -1, child, 0, 2, 8, "float32", "sum", n, 0, False, 15, n, n, n),
-        ("COMM_GROW", rank, nranks + 1, grown, n, n, n, n, n, n, 0, False, n, h1, n, n),
+        # an existing rank without the grow id: (parent, its grow number 0 in `color`)
+        ("COMM_GROW", rank, nranks + 1, grown, n, n, n, n, n, n, 0, False, n, h1, 0, n),
         ("COMM_GROW", nranks, nranks + 1, fold(id2), n, n, n, n, n, n, 0, False, n, n, n, n),
     ]
 

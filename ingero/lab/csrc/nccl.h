@@ -134,6 +134,15 @@ ncclResult_t ncclCommInitRankScalable(ncclComm_t *newcomm, int nranks, int myran
 #define NCCL_SHRINK_ABORT 0x01
 ncclResult_t ncclCommShrink(ncclComm_t comm, int *excludeRanksList, int excludeRanksCount,
                             ncclComm_t *newcomm, ncclConfig_t *config, int shrinkFlags);
+
+/* [2.29] Growing a communicator. The coordinator (one existing rank) takes a
+ * grow id from ncclCommGetUniqueId and hands it to the new ranks out of band.
+ * ncclCommGrow: existing non-root ranks pass (comm, uniqueId NULL, rank -1),
+ * the coordinator (comm, &id, -1), new ranks (NULL, &id, their rank, which is
+ * >= the parent's size); existing ranks keep their rank. The id is used once. */
+ncclResult_t ncclCommGetUniqueId(ncclComm_t comm, ncclUniqueId *uniqueId);
+ncclResult_t ncclCommGrow(ncclComm_t comm, int nRanks, const ncclUniqueId *uniqueId, int rank,
+                          ncclComm_t *newcomm, ncclConfig_t *config);
 ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm,
                            ncclConfig_t *config);
 ncclResult_t ncclCommFinalize(ncclComm_t comm);

@@ -20,7 +20,9 @@
  * ncclCommGetAsyncError reports ncclInProgress until it finished, then its
  * result; using the communicator before is ncclInvalidArgument. An init writes
  * the new handle before it returns; a split writes the child's only when it
- * is done (the parent's state says when). Shrink is always blocking here.
+ * is done (the parent's state says when). Shrink is always blocking here;
+ * Grow swaps the grow id among the existing ranks blocking, then connects the
+ * grown communicator as an init does (non-blocking if it is).
  *
  * A profiler plugin (NCCL_PROFILER_PLUGIN, nccl_prof.c) gets, per
  * communicator, init and finalize; per call, NCCL 2.28+'s API events; per
@@ -776,7 +778,7 @@ ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t datatype, int
   return CALL(K_RECV, comm, NULL, recvbuff, count, datatype, ncclSum, peer, stream);
 }
 
-/* ---- newer entry points (NCCL 2.22 .. 2.28; see nccl.h) ------------------- */
+/* ---- newer entry points (NCCL 2.22 .. 2.29; see nccl.h) ------------------- */
 
 ncclResult_t ncclCommInitRankScalable(ncclComm_t *newcomm, int nranks, int myrank, int nId,
                                       ncclUniqueId *commIds, ncclConfig_t *config) {
@@ -895,4 +897,83 @@ ncclResult_t ncclCommShrink(ncclComm_t comm, int *excludeRanksList, int excludeR
   if (lfd >= 0) close(lfd);
   free(gone); free(addrs); free(kept);
   return res;
+}
+
+/* [2.29] The coordinator's grow id: a fresh bootstrap root, as ncclGetUniqueId
+ * makes (real NCCL derives it from the parent and passes it to the parent's
+ * boundary ranks itself; here ncclCommGrow hands it to every existing rank). */
+ncclResult_t ncclCommGetUniqueId(ncclComm_t comm, ncclUniqueId *uniqueId) {
+  if (!valid(comm) || !uniqueId) return ncclInvalidArgument;
+  ncclResult_t res = ready(comm);
+  if (res != ncclSuccess) return res;
+  return ncpu_root_listen((struct ncpu_id *)uniqueId->internal);
+}
+
+struct grow_info {
+  int32_t has_id;
+  int32_t pad;
+  ncclUniqueId id;
+};
+
+/* [2.29] New ranks (comm NULL) init with the grow id and their rank. Existing
+ * ranks (rank -1; only the coordinator passes the id) swap what they have over
+ * the parent's mesh, then init with the coordinator's id and their parent rank:
+ * every member of the grown communicator bootstraps through the same id. The
+ * new communicator takes config, else the parent's blocking (existing ranks)
+ * or the default (new ranks), as NCCL does. */
+ncclResult_t ncclCommGrow(ncclComm_t comm, int nRanks, const ncclUniqueId *uniqueId, int rank,
+                          ncclComm_t *newcomm, ncclConfig_t *config) {
+  if (!newcomm || nRanks < 1 || nRanks > NCPU_MAX_RANKS) return ncclInvalidArgument;
+  *newcomm = NULL;
+  if (!comm) {
+    if (!uniqueId || rank < 0 || rank >= nRanks) {
+      ncpu_set_error(NULL, "ncclCommGrow: a new rank passes the grow id and a rank in [0, %d), got %d",
+                     nRanks, rank);
+      return ncclInvalidArgument;
+    }
+    return init_rank(newcomm, nRanks, uniqueId, rank, config);
+  }
+  if (!valid(comm)) return ncclInvalidArgument;
+  if (rank != -1 || nRanks <= comm->nranks) {
+    ncpu_set_error(comm, "ncclCommGrow: an existing rank passes rank -1 (got %d) and more than %d ranks (got %d)",
+                   rank, comm->nranks, nRanks);
+    return ncclInvalidArgument;
+  }
+  ncclResult_t res = ready(comm);
+  if (res != ncclSuccess) return res;
+  int blocking = config_blocking(config, comm->blocking);
+  if (blocking < 0) return ncclInvalidArgument;
+  int n = comm->nranks, from = -1;
+  struct grow_info mine = {0};
+  struct grow_info *info = calloc(n, sizeof *info);
+  if (!info) return ncclSystemError;
+  if (uniqueId) {
+    mine.has_id = 1;
+    mine.id = *uniqueId;
+  }
+  res = ncpu_dev_sync();   /* the exchange uses the parent's sockets: nothing queued may still */
+  /* Every existing rank takes part in the exchange, even one that failed, so no peer hangs. */
+  ncclResult_t xres = ncpu_allgather(comm, &mine, info, sizeof mine, ncclUint8);
+  if (res == ncclSuccess) res = xres;
+  for (int r = 0; r < n && res == ncclSuccess; r++) {
+    if (!info[r].has_id) continue;
+    if (from >= 0 && memcmp(&info[r].id, &info[from].id, sizeof info[r].id) != 0) {
+      ncpu_set_error(comm, "ncclCommGrow: ranks %d and %d passed different grow ids", from, r);
+      res = ncclInvalidUsage;
+    }
+    if (from < 0) from = r;
+  }
+  if (res == ncclSuccess && from < 0) {
+    ncpu_set_error(comm, "ncclCommGrow: no existing rank passed the grow id (the coordinator passes what "
+                   "ncclCommGetUniqueId gave it)");
+    res = ncclInvalidUsage;
+  }
+  ncclUniqueId id;
+  memset(&id, 0, sizeof id);
+  if (res == ncclSuccess) id = info[from].id;
+  free(info);
+  if (res != ncclSuccess) return res;
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = blocking;
+  return init_rank(newcomm, nRanks, &id, comm->rank, &cfg);
 }

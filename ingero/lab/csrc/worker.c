@@ -27,6 +27,10 @@
  * returns ncclInProgress the host polls ncclCommGetAsyncError until it
  * settles, as PyTorch does.
  *
+ * INGERO_LAB_ELASTIC=1 (`ingero lab run --elastic`): after the steps, the
+ * survivors shrink A without one rank, run on it, then grow back to the world
+ * with a grow id the excluded rank gets through the store (run_elastic).
+ *
  * A fault that starts later (`ingero lab --fault-after`): from wall-clock time
  * INGERO_LAB_FAULT_FROM_NS on, the step uses INGERO_LAB_FAULT_COMPUTE_MS and
  * INGERO_LAB_FAULT_IO_MB (when set) instead.
@@ -153,14 +157,14 @@ static int store_socket(const char *host, const char *port, int listening, int t
   }
 }
 
-static void exchange_id(ncclUniqueId *id, int world, const char *run_id, int timeout_s) {
+/* clients > 0: hand *id to that many ranks asking for `what`; 0: ask for it. */
+static void store_id(ncclUniqueId *id, const char *what, int clients, const char *run_id, int timeout_s) {
   const char *host = env_req("MASTER_ADDR"), *port = env_req("MASTER_PORT");
   char req[256], got[256];
-  int n = snprintf(req, sizeof req, "GET nccl_id %s\n", run_id);
-  if (g_rank == 0) {
-    nccl_check(ncclGetUniqueId(id), "ncclGetUniqueId", NULL);
+  int n = snprintf(req, sizeof req, "GET %s %s\n", what, run_id);
+  if (clients > 0) {
     int lfd = store_socket(host, port, 1, timeout_s);
-    for (int served = 0; served < world - 1;) {
+    for (int served = 0; served < clients;) {
       int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
       if (fd < 0) die(3, "store: no rank connected within the timeout (%s)%s", strerror(errno), "");
       struct timeval tv = {timeout_s, 0};
@@ -176,6 +180,15 @@ static void exchange_id(ncclUniqueId *id, int world, const char *run_id, int tim
     if (send(fd, req, (size_t)n, MSG_NOSIGNAL) != n || recv(fd, id, sizeof *id, MSG_WAITALL) != sizeof *id)
       die(3, "store at %s: could not read the NCCL id (%s)", host, strerror(errno));
     close(fd);
+  }
+}
+
+static void exchange_id(ncclUniqueId *id, int world, const char *run_id, int timeout_s) {
+  if (g_rank == 0) {
+    nccl_check(ncclGetUniqueId(id), "ncclGetUniqueId", NULL);
+    if (world > 1) store_id(id, "nccl_id", world - 1, run_id, timeout_s);
+  } else {
+    store_id(id, "nccl_id", 0, run_id, timeout_s);
   }
 }
 
@@ -237,26 +250,125 @@ static void print_steps(struct steps *s) {
 }
 
 /* [probes] ncclAlltoAll, ncclGather (root 0), ncclScatter (root world-1) on `comm`,
- * each checked; 0 when every result is right. */
-static int newer_collectives(ncclComm_t comm, int world, long step) {
+ * where this rank is `me` of `world`, each checked; 0 when every result is right. */
+static int newer_collectives(ncclComm_t comm, int me, int world, long step) {
   enum { N = 64 };
   int bad = 0;
-  float *s = malloc(sizeof(float) * N * world), *r = malloc(sizeof(float) * N * world);
+  float *s = calloc((size_t)N * world, sizeof(float)), *r = calloc((size_t)N * world, sizeof(float));
   for (int p = 0; p < world; p++)
-    for (int i = 0; i < N; i++) s[p * N + i] = (float)(g_rank * 1000 + p) + (float)(step % 3);
+    for (int i = 0; i < N; i++) s[p * N + i] = (float)(me * 1000 + p) + (float)(step % 3);
   settle(ncclAlltoAll(s, r, N, ncclFloat32, comm, NULL), "ncclAlltoAll", comm);
   step_sync();
-  for (int p = 0; p < world; p++) bad |= r[p * N] != (float)(p * 1000 + g_rank) + (float)(step % 3);
+  for (int p = 0; p < world; p++) bad |= r[p * N] != (float)(p * 1000 + me) + (float)(step % 3);
   settle(ncclGather(s, r, N, ncclFloat32, 0, comm, NULL), "ncclGather", comm);
   step_sync();
-  if (g_rank == 0)
+  if (me == 0)
     for (int p = 0; p < world; p++) bad |= r[p * N + N - 1] != (float)(p * 1000) + (float)(step % 3);
   settle(ncclScatter(s, r, N, ncclFloat32, world - 1, comm, NULL), "ncclScatter", comm);
   step_sync();
-  bad |= r[0] != (float)((world - 1) * 1000 + g_rank) + (float)(step % 3);
+  bad |= r[0] != (float)((world - 1) * 1000 + me) + (float)(step % 3);
   if (bad) fprintf(stderr, "ingero-lab-worker: rank %d step %ld: wrong alltoall/gather/scatter result\n", g_rank, step);
   free(s); free(r);
   return bad;
+}
+
+/* ---- elastic: shrink, then grow back (INGERO_LAB_ELASTIC=1) ---------------
+ *
+ * After the training steps, as an elastic job that loses a rank and gets it
+ * back (NCCL 2.27 ncclCommShrink, 2.29 ncclCommGrow): the survivors shrink the
+ * world A without rank X (1, or the last rank of two) and run
+ * INGERO_LAB_ELASTIC_STEPS steps on the shrunk communicator while X waits.
+ * Then world rank 0, the coordinator, takes a grow id from
+ * ncclCommGetUniqueId(shrunk) and serves it to X through the store, as the
+ * world's id was served; the survivors call ncclCommGrow(shrunk, world, -1)
+ * (the coordinator with the id, the others with NULL) and X
+ * ncclCommGrow(NULL, world, &id, world - 1); everyone runs as many steps on
+ * the grown communicator. An elastic step: an all-reduce, an all-gather and a
+ * broadcast, each checked, a group holding an all-reduce that
+ * ncclGroupSimulateEnd closes (nothing runs: its buffer must be untouched and
+ * the estimate positive), then ncclAlltoAll, ncclGather and ncclScatter
+ * (newer_collectives), so a traced elastic job calls every newer entry point. */
+
+static int elastic_step(ncclComm_t comm, long step, const char *which) {
+  enum { N = 4096 };
+  int n = 0, me = -1, bad = 0;
+  ncclCommCount(comm, &n);
+  ncclCommUserRank(comm, &me);
+  float *ar = malloc(sizeof(float) * N), *ag_in = malloc(sizeof(float) * N), *bc = malloc(sizeof(float) * N);
+  float *ag = malloc(sizeof(float) * N * (size_t)n), *sim_buf = malloc(sizeof(float) * N);
+  float base = (float)(step % 3);
+  for (int i = 0; i < N; i++) {
+    ar[i] = (float)(me + 1) + base;
+    ag_in[i] = (float)(me * 10) + base;
+    bc[i] = me == 0 ? (float)(step + 7) : -1.0f;
+    sim_buf[i] = 5.0f;
+  }
+  settle(ncclAllReduce(ar, ar, N, ncclFloat32, ncclSum, comm, NULL), "ncclAllReduce(elastic)", comm);
+  settle(ncclAllGather(ag_in, ag, N, ncclFloat32, comm, NULL), "ncclAllGather(elastic)", comm);
+  settle(ncclBroadcast(bc, bc, N, ncclFloat32, 0, comm, NULL), "ncclBroadcast(elastic)", comm);
+  ncclSimInfo_t sim = NCCL_SIM_INFO_INITIALIZER;
+  nccl_check(ncclGroupStart(), "ncclGroupStart", comm);
+  nccl_check(ncclAllReduce(sim_buf, sim_buf, N, ncclFloat32, ncclSum, comm, NULL), "ncclAllReduce(simulated)", comm);
+  nccl_check(ncclGroupSimulateEnd(&sim), "ncclGroupSimulateEnd", comm);
+  step_sync();
+  float want = (float)n * (float)(n + 1) / 2 + base * (float)n;
+  bad |= ar[0] != want || ar[N - 1] != want;
+  for (int p = 0; p < n; p++) bad |= ag[(size_t)p * N] != (float)(p * 10) + base || ag[(size_t)p * N + N - 1] != (float)(p * 10) + base;
+  bad |= bc[0] != (float)(step + 7) || bc[N - 1] != (float)(step + 7);
+  bad |= sim_buf[0] != 5.0f || sim_buf[N - 1] != 5.0f || !(sim.estimatedTime > 0.0f);
+  if (bad)
+    fprintf(stderr, "ingero-lab-worker: rank %d elastic step %ld: wrong result on the %s communicator (%d ranks)\n",
+            g_rank, step, which, n);
+  free(ar); free(ag_in); free(bc); free(ag); free(sim_buf);
+  return bad | newer_collectives(comm, me, n, step);
+}
+
+/* 0 when every elastic step was right; 4 on wrong data (NCCL failures exit 3). */
+static int run_elastic(ncclComm_t A, int world, const char *run_id, int timeout_s, long esteps) {
+  int X = world > 2 ? 1 : world - 1, n = 0, me = -1;
+  ncclComm_t S = NULL, G = NULL;
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  ncclUniqueId gid;
+  memset(&gid, 0, sizeof gid);
+  double t0 = now_s();
+  if (g_rank != X) {
+    int excluded[1] = {X};
+    settle(ncclCommShrink(A, excluded, 1, &S, NULL, NCCL_SHRINK_DEFAULT), "ncclCommShrink", A);
+    ncclCommCount(S, &n);
+    ncclCommUserRank(S, &me);
+    if (n != world - 1 || me != g_rank - (g_rank > X)) {
+      fprintf(stderr, "ingero-lab-worker: rank %d: shrunk communicator is rank %d of %d\n", g_rank, me, n);
+      return 4;
+    }
+    for (long s = 0; s < esteps; s++)
+      if (elastic_step(S, s, "shrunk")) return 4;
+    if (g_rank == 0) {   /* the coordinator */
+      nccl_check(ncclCommGetUniqueId(S, &gid), "ncclCommGetUniqueId", S);
+      store_id(&gid, "nccl_grow_id", 1, run_id, timeout_s);
+    }
+    ncclResult_t r = ncclCommGrow(S, world, g_rank == 0 ? &gid : NULL, -1, &G, NULL);
+    settle(r, "ncclCommGrow", G);   /* G is written by the call (also when non-blocking) */
+  } else {               /* left out: waits for the grow id, then joins as the last rank */
+    store_id(&gid, "nccl_grow_id", 0, run_id, timeout_s);
+    if (g_nonblocking) cfg.blocking = 0;
+    ncclResult_t r = ncclCommGrow(NULL, world, &gid, world - 1, &G, g_nonblocking ? &cfg : NULL);
+    settle(r, "ncclCommGrow", G);
+  }
+  ncclCommCount(G, &n);
+  ncclCommUserRank(G, &me);
+  if (n != world || me != (g_rank == X ? world - 1 : g_rank - (g_rank > X))) {
+    fprintf(stderr, "ingero-lab-worker: rank %d: grown communicator is rank %d of %d\n", g_rank, me, n);
+    return 4;
+  }
+  for (long s = 0; s < esteps; s++)
+    if (elastic_step(G, esteps + s, "grown")) return 4;
+  if (S) ncclCommDestroy(S);
+  ncclCommDestroy(G);
+  printf("rank %d: elastic: %s rank %d, grown back to %d ranks (rank %d); %ld + %ld steps checked in %.0f ms\n",
+         g_rank, g_rank == X ? "waited, as the excluded" : "shrunk without", X, world, me, esteps, esteps,
+         (now_s() - t0) * 1e3);
+  fflush(stdout);
+  return 0;
 }
 
 /* ---- a tensor x pipeline x data parallel job (INGERO_LAB_LAYOUT="T,P,D") ----
@@ -424,6 +536,10 @@ int main(void) {
   long fault_io_mb = env_long("INGERO_LAB_FAULT_IO_MB", io_mb);
   const char *layout = getenv("INGERO_LAB_LAYOUT");
   g_nonblocking = env_long("INGERO_LAB_NONBLOCKING", 0) != 0;
+  int elastic = env_long("INGERO_LAB_ELASTIC", 0) != 0;
+  long elastic_steps = env_long("INGERO_LAB_ELASTIC_STEPS", 3);
+  if (elastic && (world < 2 || (layout && *layout) || elastic_steps < 1))
+    die(2, "INGERO_LAB_ELASTIC needs WORLD_SIZE >= 2, no INGERO_LAB_LAYOUT and INGERO_LAB_ELASTIC_STEPS >= 1%s%s", "", "");
   if (labStreamSynchronize(NULL) != ncclSuccess) die(2, "%s%s", ncclGetLastError(NULL), "");
   g_async = labDeviceAsync();
   if (layout && *layout)
@@ -511,7 +627,7 @@ int main(void) {
     nccl_check(ncclSend(p2p_out, p2p_n, ncclFloat32, next, A, NULL), "ncclSend", A);
     nccl_check(ncclRecv(p2p_in, p2p_n, ncclFloat32, prev, A, NULL), "ncclRecv", A);
     settle(ncclGroupEnd(), "ncclGroupEnd", A);
-    if (newer_colls && newer_collectives(A, world, step) != 0) return 4;  /* [probes] */
+    if (newer_colls && newer_collectives(A, g_rank, world, step) != 0) return 4;  /* [probes] */
     step_sync();
     if (mb > 0 && g_async) checkpoint(io_dir, g_rank, mb, junk, junk_len);
     float rsum = (float)world * (world + 1) / 2;
@@ -539,6 +655,7 @@ int main(void) {
     step++;
     if (stop) break;
   }
+  if (elastic && run_elastic(A, world, run_id, timeout_s, elastic_steps) != 0) return 4;
   ncclCommDestroy(C);
   ncclCommDestroy(B);
   ncclCommDestroy(A);
