@@ -106,7 +106,8 @@ def _victim_detail(rep, lab) -> str:
     rq = median(r.offcpu_ms.get("runqueue", 0.0) for r in peers)
     own = median(r.own_ms for r in peers)
     return (f"; victim runqueue {v.offcpu_ms.get('runqueue', 0.0):.0f} ms vs peers {rq:.0f}, "
-            f"own work {v.own_ms:.1f} vs {own:.1f} ms/step")
+            f"own work {v.own_ms:.1f} vs {own:.1f} ms/step, retransmits {rep.retransmits} "
+            f"(victim's node {sum(r.retransmits for r in rep.ranks if r.node == lab['victim_node'])})")
 
 
 def main(argv=None) -> int:
