@@ -178,18 +178,23 @@ def start_hogs(count: int, cpu: str, cgroup: Path, weight: float = 1.0) -> tuple
 
     Why a weight: the hogs must make the victim a straggler in any layout and beside other
     work. The victim sleeps most of a step (its compute is a sleep) and needs a few ms of CPU
-    per step, so it is slowed only when its share of its CPU falls well under that need;
-    meanwhile every other rank shares the remaining CPU(s) (with the machine's background
-    load, which the scheduler keeps off the hogged CPU). With hogs that weigh as much as 8
-    ranks (8 nice-0 loops, each in its own session: on this machine the scheduler's unit is
-    the session's autogroup, the cgroup v2 tree has no cpu controller), a 3D job's victim
-    got 1/9 of its CPU while its 7 peers on the other CPU, plus the background load, got
-    about as little: it waited 2.0 s in the runqueue against their ~1.5 s and was no
-    straggler. A fixed number of loops cannot outweigh a crowd that grows with the layout;
-    a weight can. Pinning the other ranks to every CPU instead changes nothing: the
-    scheduler moves them off the hogged CPU, where they too would be starved. This is the
-    field's noisy neighbour: a pod with a larger CPU request (its cpu.shares / cpu.weight)
-    on the victim's cores, while the other ranks have cores of their own.
+    per step; every other rank shares the remaining CPU(s), with the machine's background
+    load (which the scheduler keeps off the hogged CPU). The loops used to be 8 sessions of
+    their own, each an autogroup, which is the scheduler's unit on this machine (the cgroup
+    v2 tree has no cpu controller): they weighed 8 ranks, the victim got 1/9 of its CPU and
+    its 7 peers of the 3D job (tp=2, pp=2, dp=2) on the other CPU got about as little. The
+    victim waited 1.9 s in the runqueue against its peers' 1.1 s, worked no longer per step
+    (52.6 vs 60.2 ms) and was named by nobody (2026-11-25, bench.verdict_lab). A fixed
+    number of loops cannot outweigh a crowd that grows with the layout; a weight can.
+    Measured on the 3D job (one run each, load average ~14 from other work): weight 12:
+    rank 1, cpu-contention, 25.8% (15.7% beside 2 busy processes); 16: 31.7% (29.1%);
+    32: 48.5% (46.9%), with steps twice as long. 16 is the default (LabConfig.hog_weight):
+    a margin over the 5% floor without making the lab's runs much longer. Letting the other
+    ranks use the victim's CPU too was not measured, nor chosen: the scheduler would keep
+    them off a CPU this loaded, and while one sat there it would be starved like the
+    victim. This is the field's
+    noisy neighbour: a pod with a larger CPU request (cpu.shares / cpu.weight) on the
+    victim's cores, while the other ranks have cores of their own.
 
     The weight is set for each way the kernel may weigh them, so it holds wherever the lab
     runs: all loops are in one session (one autogroup, whose nice is set: the scheduler's
