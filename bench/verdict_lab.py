@@ -1,6 +1,7 @@
 """How often the verdict is right on real lab jobs: every fault, quiet and under load.
 
     python -m bench.verdict_lab [--runs 3] [--background-load 0,2] [--cases all|dp|3d|gpu] [--steps 40]
+                                [--only cpu-hog,clean] [--set hog_weight=16]
 
 Each case is one real lab run traced with real eBPF (``ingero lab run --trace``,
 the merged trace analysed by ``ingero.analysis``): the data-parallel job (2
@@ -11,7 +12,9 @@ stage (tp=1, pp=4, dp=2), a lossy link between two stages (4 nodes x 2 ranks,
 each stage on its own node), cpu-hog and io-stall; and the data-parallel
 faults again on the lab's GPU-like device with Ingero's profiler plugin in
 every rank (``--device gpu --profiler``: judged on device times), victims
-placed off the last rank. A verdict is right when
+placed off the last rank. ``--only`` keeps the cases whose name contains one of
+the given words (``--cases all --only cpu-hog``: the three cpu-hog cases); ``--set``
+overrides a LabConfig field in every case (a number or a word). A verdict is right when
 it names what was planted (rank / stage / spread / nobody) with the planted
 cause; each run prints the verdict, the saving and the job's mean step.
 Needs root (eBPF, network namespaces, cgroups).
@@ -91,15 +94,51 @@ def one(kw: dict, steps: int, load: int, out: Path):
         con.close()
 
 
+def _victim_detail(rep, lab) -> str:
+    """For cpu-hog: the victim's runqueue wait and own work per step against its peers' medians."""
+    if lab.get("scenario") != "cpu-hog":
+        return ""
+    from statistics import median
+    v = next((r for r in rep.ranks if r.rank == lab["victim_rank"]), None)
+    peers = [r for r in rep.ranks if r.rank != lab["victim_rank"]]
+    if v is None or not peers:
+        return ""
+    rq = median(r.offcpu_ms.get("runqueue", 0.0) for r in peers)
+    own = median(r.own_ms for r in peers)
+    return (f"; victim runqueue {v.offcpu_ms.get('runqueue', 0.0):.0f} ms vs peers {rq:.0f}, "
+            f"own work {v.own_ms:.1f} vs {own:.1f} ms/step, retransmits {rep.retransmits} "
+            f"(victim's node {sum(r.retransmits for r in rep.ranks if r.node == lab['victim_node'])})")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--background-load", default="0,2", help="comma-separated loads; default 0,2")
     ap.add_argument("--cases", choices=("all", "dp", "3d", "gpu"), default="all")
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--only", default="", help="comma-separated words; keep the cases whose name contains one")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override a LabConfig field in every case (repeatable)")
     a = ap.parse_args(argv)
     loads = [int(x) for x in a.background_load.split(",")]
     cases = [c for k in ("dp", "3d", "gpu") if a.cases in ("all", k) for c in CASES[k]]
+    words = [w.strip() for w in a.only.split(",") if w.strip()]
+    if words:
+        cases = [c for c in cases if any(w in c[0] for w in words)]
+        if not cases:
+            ap.error(f"--only {a.only!r} matches no case of --cases {a.cases}")
+    overrides = {}
+    for item in a.set:
+        k, eq, v = item.partition("=")
+        if not eq:
+            ap.error(f"--set {item!r}: write FIELD=VALUE")
+        try:
+            overrides[k] = int(v)
+        except ValueError:
+            try:
+                overrides[k] = float(v)
+            except ValueError:
+                overrides[k] = v
     right = total = 0
     rows = []
     for load in loads:
@@ -108,14 +147,14 @@ def main(argv=None) -> int:
                 out = Path(tempfile.mkdtemp(prefix="verdict-lab-"))
                 t = time.monotonic()
                 try:
-                    rep, lab = one(dict(kw), a.steps, load, out)
+                    rep, lab = one(dict(kw, **overrides), a.steps, load, out)
                     s = rep.straggler
                     ok = check(s, lab) and (rep.timing == "device") == (kw.get("device") == "gpu")
                     what = ("nobody" if s is None else f"{s.kind} {s.group or s.rank} {s.cause} "
                             f"{s.saving_pct:.1f}%")
                     line = (f"load {load} {name:22s} run {i + 1}: {'RIGHT' if ok else 'WRONG'}  {what}; "
                             f"{rep.timing} times, mean step {rep.mean_step_ms:.1f} ms, best fix {rep.best_saving_pct:.1f}% "
-                            f"({time.monotonic() - t:.0f} s)")
+                            f"({time.monotonic() - t:.0f} s)" + _victim_detail(rep, lab))
                 except Exception as e:          # a failed run counts as wrong, with its reason
                     ok, line = False, f"load {load} {name:22s} run {i + 1}: ERROR {type(e).__name__}: {e}"
                 finally:

@@ -55,6 +55,7 @@ class LabConfig:
     io_mb: int = 8                 # io-stall: MB written and fsync'd per step by the victim
     slow_factor: float = 2.0       # slow-rank: victim's compute_ms multiplier
     hogs: int = 8                  # cpu-hog: busy loops sharing the victim's CPU (3 is too mild on 2 cores: docs/operator.md)
+    hog_weight: float = 16.0       # cpu-hog: the loops together weigh this many ranks in the CPU scheduler (faults.start_hogs)
     fault_after_s: float | None = None  # start the fault this long after the ranks start (None: before they start)
     background_load: int = 0       # busy processes keeping the whole machine busy (ingero/lab/load.py)
     layout: str | None = None      # "tp=T,pp=P,dp=D": a tensor x pipeline x data parallel job (worker.c run_layout)
@@ -209,7 +210,8 @@ class LabRun:
             faults.add_loss(self.net.switch, self.net.port(self.victim_node), c.loss_percent)
         elif c.scenario == "cpu-hog":
             cpu = self.plans[self.victim].cpus
-            self.hogs = faults.start_hogs(c.hogs, cpu, cgroups.make_plain(self.run_id, "hogs"))
+            self.hogs, self.notes["cpu_hog"] = faults.start_hogs(c.hogs, cpu, cgroups.make_plain(self.run_id, "hogs"),
+                                                                 c.hog_weight)
         if c.scenario != "clean":
             self.times["fault_injected_ns"] = time.time_ns()
             self.log(f"lab {self.run_id}: fault {c.scenario} on rank {self.victim} ({self.victim_node.name})")
@@ -397,6 +399,7 @@ class LabRun:
                 cb()
             except Exception as e:  # one failing hook must not leave namespaces behind
                 errors.append(f"close hook: {e}")
+        faults.stop_hogs(self.hogs)
         procs = self.load + self.hogs + self.extra + [rp.proc for rp in self.ranks if rp.proc]
         for p in procs:
             if p.poll() is None:
