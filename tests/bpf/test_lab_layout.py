@@ -103,8 +103,7 @@ def test_a_lossy_link_between_two_stages_is_named_on_the_receiving_node(tmp_path
 
 
 def test_an_io_stalled_rank_of_the_layout_job_is_named_with_its_cause(tmp_path):
-    # (the layout job's cpu-hog is counted by bench/verdict_lab.py: with the whole machine
-    # saturated by other work every rank is starved alike and there is no single victim left)
+    # (the layout job's cpu-hog: tests/bpf/test_lab_cpu_hog.py)
     rep, lab, _ = _run(tmp_path, "io-stall", victim_rank=6, io_mb=16)
     s = rep.straggler
     assert s is not None and (s.kind, s.rank, s.cause) == ("rank", 6, "io"), s
