@@ -254,6 +254,15 @@ def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int) -> tuple[St
                                score=round(own_z.get(r, 0.0), 2),
                                extra={"excess_ms": excess[r] / 1e6, "own_ms": own[r] / 1e6,
                                       "peers_ms": peers_own[r] / 1e6, **last_replay()}))
+    # a rank starved of CPU: each time it wakes it waits long for a CPU, inside its calls too
+    st = _starved_rank(rows, tl, traced_ns)
+    if st is not None:
+        r, f, per_wait, why = st
+        w = np.where(ev.rank == r, fixed_w, m.w)
+        cands.append(Candidate("rank", [r], saving(w, _starved_x(tl, r, f)), f"rank {r}", cause="cpu-contention",
+                               why=why, score=round(per_wait, 2),
+                               extra={"excess_ms": excess.get(r, 0.0) / 1e6, "own_ms": own.get(r, 0.0) / 1e6,
+                                      "peers_ms": peers_own.get(r, 0.0) / 1e6, "starved": f, **last_replay()}))
     # the slowest pipeline stage, as a whole
     if len(set(tl.stage_of.values())) > 1:
         by_stage: dict = {}
@@ -458,6 +467,58 @@ def _per_wait_ratio(rows: dict, r: int, reason: str = "runqueue") -> float | Non
         return None
     peers = float(np.median([v for k, v in per.items() if k != r]))
     return per[r] / peers if peers > 0 else None
+
+
+def _starved_rank(rows: dict, tl: Timeline, traced_ns: int):
+    """The rank starved of CPU, if one is: (rank, share of its transfers it lost, per-wait
+    ratio, why) or None.
+
+    Starved: its runqueue wait is an outlier (the floors of `_offcpu_cause`) and each wait
+    is STARVED_PER_WAIT times its peers'. Its extra runqueue wait per step beyond what its
+    excess own work holds was spent inside its calls, where the other members of its
+    collectives and the receivers of its sends wait for it: its what-if takes that share
+    `f` out of the transfers it takes part in (`_starved_x`). The kernel gives the wait per
+    process, not per call, so it is spread over the transfers in proportion to their length."""
+    vals = {k: x.offcpu_ms.get("runqueue", 0.0) for k, x in rows.items()}
+    if len(vals) < 3 or tl.steps <= 0:
+        return None
+    base = max(OFFCPU_FLOOR_MS, OFFCPU_FLOOR_TRACED * traced_ns / 1e6)
+    z = robust_z(vals, base)
+    r = max(vals, key=vals.get)
+    per_wait = _per_wait_ratio(rows, r)
+    if z[r] < OFFCPU_Z or per_wait is None or per_wait < STARVED_PER_WAIT:
+        return None
+    ev, m = tl.ev, tl.m
+    peers = float(np.median([v for k, v in vals.items() if k != r]))
+    extra = (vals[r] - peers) * 1e6 / tl.steps                  # ns per step
+    mine = (ev.rank == r) & tl.inwin
+    own_extra = max(float(m.w[mine].sum()) / tl.steps - float(np.median(
+        [m.w[(ev.rank == k) & tl.inwin].sum() / tl.steps for k in vals if k != r])), 0.0)
+    xfer = float(m.x[mine].sum()) / tl.steps
+    if xfer <= 0:
+        return None
+    f = min(max(extra - own_extra, 0.0) / xfer, 0.9)
+    why = (f"it spent {vals[r]:.0f} ms waiting in the runqueue vs a peer median of {peers:.0f} ms (z "
+           f"{z[r]:.1f}), {extra / 1e6:.1f} ms/step more, {per_wait:.1f}x its peers' wait each time it was "
+           f"preempted; {f:.0%} of its transfers' time is taken as lost to it")
+    return r, f, per_wait, why
+
+
+def _starved_x(tl: Timeline, r: int, f: float) -> np.ndarray:
+    """Transfers with rank `r`'s starvation taken out: every event of a collective instance it
+    is in, its own events, and the events that depend on one of its (its sends' receivers),
+    shortened by the share `f`."""
+    ev, m = tl.ev, tl.m
+    sel = ev.rank == r
+    has = ev.inst >= 0
+    sel |= has & np.isin(ev.inst, np.unique(ev.inst[sel & has]))
+    if len(ev.dep_idx):
+        src = np.repeat(np.arange(len(ev.a)), np.diff(ev.dep_ptr))
+        sel[src[ev.rank[ev.dep_idx] == r]] = True
+    x = m.x.copy()
+    sel &= tl.inwin
+    x[sel] = (x[sel] * (1.0 - f)).astype(np.int64)
+    return x
 
 
 def _starved_behind(net: Candidate, rows: dict, tl: Timeline, traced_ns: int, own: dict,

@@ -72,3 +72,28 @@ def test_a_starved_rank_whose_wait_is_too_small_to_explain_the_network_fix_does_
     rows = _rows({0: 335, 1: 300, 2: 235, 3: 700}, {0: 31, 1: 40, 2: 89, 3: 5})
     # 465 ms over 40 steps is 11.6 ms/step: under half of a 49 ms/step network fix
     assert _starved_behind(_net(49.0), rows, _TL(), 6_000 * MS, {}, {}) is None
+
+
+def test_a_starved_ranks_what_if_shortens_the_transfers_it_takes_part_in_and_no_others():
+    import numpy as np
+
+    from ingero.analysis.calls import Events
+    from ingero.analysis.replay import Measured
+    from ingero.analysis.verdict import Timeline, _starved_x
+
+    # events by rank: rank 0 [instance 0, a recv from rank 2], rank 1 [instance 0, instance 1
+    # (a collective without rank 2)], rank 2 [instance 0, a send to rank 0]
+    rank = np.array([0, 0, 1, 1, 2, 2])
+    inst = np.array([0, -1, 0, 1, 0, -1])
+    dep_ptr = np.array([0, 0, 1, 1, 1, 1, 1])      # event 1 (rank 0's recv) depends on event 5 (rank 2's send)
+    dep_idx = np.array([5])
+    z = np.zeros(6, np.int64)
+    ev = Events(ranks=np.array([0, 1, 2]), off=np.array([0, 2, 4, 6]), rank=rank, a=z, e=z, inst=inst,
+                dep_ptr=dep_ptr, dep_idx=dep_idx, p2p_pairs=1, unpaired=0)
+    m = Measured(w=z, x=np.full(6, 1000, np.int64), ready=z, crit=rank.copy())
+    tl = Timeline(ev=ev, m=m, role=z, key=z, inwin=np.ones(6, bool), marker_inst=np.array([0]), steps=1,
+                  stage_of={})
+    x = _starved_x(tl, 2, 0.5)
+    # rank 2's own events, every member of instance 0, and rank 0's recv of its send: halved;
+    # rank 1's instance 1 (without rank 2): untouched
+    assert x.tolist() == [500, 500, 500, 1000, 500, 500]
