@@ -132,9 +132,64 @@ def remove_tree(path: Path) -> list[str]:
     return errors
 
 
-def leftover_runs() -> list[Path]:
-    """Run cgroups left by earlier runs (``ingero-lab-*``)."""
-    try:
-        return sorted(p for p in CGROUP_ROOT.iterdir() if p.name.startswith(RUN_PREFIX) and p.is_dir())
-    except FileNotFoundError:
+# The cgroup v1 `cpu` controller, when it is mounted apart from the unified tree (a hybrid
+# hierarchy, as on this machine): the lab's CPU-hog share group lives there (`cpu_share_group`).
+CPU_V1_ROOT = Path(os.environ.get("INGERO_CPU_V1_ROOT", "/sys/fs/cgroup/cpu"))
+
+
+def cpu_share_group(run_id: str, shares: dict[str, int]) -> dict[str, Path] | None:
+    """Children of one cgroup v1 `cpu` group for the run, with their `cpu.shares`: {name: path}.
+
+    CPU weights set here are relative to each other only: the group as a whole weighs what
+    any one session (autogroup) or top-level group weighs on the machine. None when the v1
+    cpu controller is not mounted (a pure cgroup v2 machine)."""
+    if not (CPU_V1_ROOT / "cpu.shares").exists():
+        return None
+    top = CPU_V1_ROOT / f"{RUN_PREFIX}{run_id}"
+    out = {}
+    for name, value in shares.items():
+        d = top / name
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "cpu.shares").write_text(str(int(value)))
+        out[name] = d
+    return out
+
+
+def remove_cpu_group(run_id: str, timeout_s: float = 5.0) -> list[str]:
+    """Kill what is left in the run's v1 cpu group and remove it; returns errors."""
+    top = CPU_V1_ROOT / f"{RUN_PREFIX}{run_id}"
+    if not top.exists():
         return []
+    dirs = sorted((Path(d) for d, _, _ in os.walk(top)), key=lambda p: -len(p.parts))
+    for d in dirs:
+        for pid in procs(d):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+    errors = []
+    deadline = time.monotonic() + timeout_s
+    for d in dirs:
+        while True:
+            try:
+                os.rmdir(d)
+                break
+            except FileNotFoundError:
+                break
+            except OSError as e:          # EBUSY until its killed tasks have exited
+                if time.monotonic() > deadline:
+                    errors.append(f"cgroup {d}: {e.strerror}")
+                    break
+                time.sleep(0.02)
+    return errors
+
+
+def leftover_runs() -> list[Path]:
+    """Run cgroups left by earlier runs (``ingero-lab-*``), in the unified tree and the v1 cpu one."""
+    found = []
+    for root in (CGROUP_ROOT, CPU_V1_ROOT):
+        try:
+            found += [p for p in root.iterdir() if p.name.startswith(RUN_PREFIX) and p.is_dir()]
+        except FileNotFoundError:
+            pass
+    return sorted(found)

@@ -227,7 +227,10 @@ def _cleanup() -> int:
     require_root()
     errors = []
     for run in cgroups.leftover_runs():
-        errors += cgroups.remove_tree(run)
+        if run.parent == cgroups.CPU_V1_ROOT:
+            errors += cgroups.remove_cpu_group(run.name[len(cgroups.RUN_PREFIX):])
+        else:
+            errors += cgroups.remove_tree(run)
         print(f"removed cgroup {run}")
     for ns in leftover_netns():
         proc = ip("netns", "del", ns, check=False)

@@ -172,9 +172,18 @@ def nice_for(ratio: float) -> int:
     return min(range(-20, 20), key=lambda n: abs(math.log(NICE_WEIGHT[n + 20] / 1024 / ratio)))
 
 
-def start_hogs(count: int, cpu: str, cgroup: Path, weight: float = 1.0) -> tuple[list[subprocess.Popen], dict]:
+def start_hogs(count: int, cpu: str, cgroup: Path, weight: float = 1.0,
+               share: Path | None = None) -> tuple[list[subprocess.Popen], dict]:
     """Start `count` busy loops pinned to `cpu`, in `cgroup`, that together weigh `weight`
     times one rank in the CPU scheduler; returns ([their session leader], what was set).
+
+    `share`: the hogs' child of the run's cgroup v1 cpu group (`cgroups.cpu_share_group`),
+    whose other child holds the victim: its `cpu.shares` already is `weight` times the
+    victim's, so the weight holds between the hogs and the victim only, and the lab as a
+    whole weighs one session on the machine. Without it (a machine with no v1 cpu
+    controller) the weight is the session's and the loops' nice, relative to every other
+    session on the machine: a CI run beside a cpu-hog lab then gets 1/17 of the victim's
+    CPU (measured: a CI run beside such a lab took 25:44 instead of ~19 min).
 
     Why a weight: the hogs must make the victim a straggler in any layout and beside other
     work. The victim sleeps most of a step (its compute is a sleep) and needs a few ms of CPU
@@ -205,14 +214,22 @@ def start_hogs(count: int, cpu: str, cgroup: Path, weight: float = 1.0) -> tuple
     children; the run's cgroup removal kills them too)."""
     procs_file = cgroup / "cgroup.procs"
     task_nice, group_nice = nice_for(weight / count), nice_for(weight)
-    script = ('echo $$ > "$0" || exit 1; i=0; while [ "$i" -lt "$1" ]; do '
+    if share is not None:
+        task_nice = 0             # the share group carries the weight
+    script = ('echo $$ > "$0" || exit 1; if [ -n "$4" ]; then echo $$ > "$4" || exit 1; fi; i=0; '
+              'while [ "$i" -lt "$1" ]; do '
               'taskset -c "$2" nice -n "$3" sh -c "while :; do :; done" & i=$((i + 1)); done; wait')
-    leader = subprocess.Popen(["sh", "-c", script, str(procs_file), str(count), cpu, str(task_nice)],
+    leader = subprocess.Popen(["sh", "-c", script, str(procs_file), str(count), cpu, str(task_nice),
+                               str(share / "cgroup.procs") if share is not None else ""],
                               start_new_session=True, stdin=subprocess.DEVNULL)
     done = {"loops": count, "cpu": cpu, "weight": weight, "task_nice": task_nice}
     deadline = time.monotonic() + 5.0
     while len(cgroups.procs(cgroup)) < count + 1 and leader.poll() is None and time.monotonic() < deadline:
         time.sleep(0.002)
+    if share is not None:
+        done["cpu_shares"] = int((share / "cpu.shares").read_text())
+        done["share_group"] = str(share)
+        return [leader], done
     try:
         if AUTOGROUP_SWITCH.read_text().strip() == "1":
             Path(f"/proc/{leader.pid}/autogroup").write_text(str(group_nice))

@@ -126,6 +126,7 @@ class LabRun:
         self.ranks: list[RankProc] = []
         self.extra: list[subprocess.Popen] = []
         self.hogs: list[subprocess.Popen] = []
+        self.cpu_share: dict | None = None   # cpu-hog: the run's v1 cpu group (victim, hogs)
         self.load: list[subprocess.Popen] = []   # background load (LabConfig.background_load)
         self.on_close: list[Callable[[], None]] = []  # run first during close()
         self.times: dict[str, int | None] = {"started_ns": None, "ended_ns": None, "fault_injected_ns": None}
@@ -198,6 +199,11 @@ class LabRun:
                                        slow_factor=c.slow_factor, io_mb=c.io_mb, io_dir=self.out / "io",
                                        delayed=delayed, layout=self.layout, stage=c.stage,
                                        imbalance=c.imbalance)
+        if c.scenario == "cpu-hog":
+            # the victim and the hogs in one v1 cpu group: the hogs' weight holds against the
+            # victim only (faults.start_hogs); None without a v1 cpu controller
+            self.cpu_share = cgroups.cpu_share_group(self.run_id, {"victim": 1024,
+                                                                   "hogs": round(1024 * c.hog_weight)})
         if not delayed:
             self._fault_now()
 
@@ -210,8 +216,9 @@ class LabRun:
             faults.add_loss(self.net.switch, self.net.port(self.victim_node), c.loss_percent)
         elif c.scenario == "cpu-hog":
             cpu = self.plans[self.victim].cpus
-            self.hogs, self.notes["cpu_hog"] = faults.start_hogs(c.hogs, cpu, cgroups.make_plain(self.run_id, "hogs"),
-                                                                 c.hog_weight)
+            self.hogs, self.notes["cpu_hog"] = faults.start_hogs(
+                c.hogs, cpu, cgroups.make_plain(self.run_id, "hogs"), c.hog_weight,
+                share=self.cpu_share["hogs"] if self.cpu_share else None)
         if c.scenario != "clean":
             self.times["fault_injected_ns"] = time.time_ns()
             self.log(f"lab {self.run_id}: fault {c.scenario} on rank {self.victim} ({self.victim_node.name})")
@@ -219,10 +226,12 @@ class LabRun:
     # ---- processes -----------------------------------------------------------
 
     def _spawn(self, node: LabNode, cgroup: Path, argv: list[str], env: dict[str, str],
-               stdout, stderr, cpus: str | None = None) -> subprocess.Popen:
+               stdout, stderr, cpus: str | None = None, share: Path | None = None) -> subprocess.Popen:
+        """`share`: also a cgroup v1 cpu group to put the process in (the cpu-hog victim)."""
         if cpus:
             argv = ["taskset", "-c", cpus, *argv]
-        shim = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"),
+        shim = ["sh", "-c", 'echo $$ > "$0" && if [ -n "$1" ]; then echo $$ > "$1"; fi && shift && exec "$@"',
+                str(cgroup / "cgroup.procs"), str(share / "cgroup.procs") if share is not None else "",
                 *in_netns(node.netns, argv)]
         proc = subprocess.Popen(shim, env=env, stdout=stdout, stderr=stderr,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
@@ -277,8 +286,9 @@ class LabRun:
         for rp in self.ranks:
             out = open(self.out / "logs" / f"rank-{rp.rank}.out", "wb")
             err = open(self.out / "logs" / f"rank-{rp.rank}.err", "wb")
+            share = self.cpu_share["victim"] if self.cpu_share and rp.rank == self.victim else None
             rp.proc = self._spawn(rp.node, rp.pod.cgroup, [str(self.binaries.worker)], self.rank_env(rp),
-                                  out, err, self.plans[rp.rank].cpus)
+                                  out, err, self.plans[rp.rank].cpus, share=share)
             out.close()
             err.close()
             self.log(f"lab {self.run_id}: rank {rp.rank} started on {rp.node.name} "
@@ -410,6 +420,7 @@ class LabRun:
             if rp.exit_code is None and rp.proc is not None:
                 rp.exit_code = rp.proc.returncode
         errors += cgroups.remove_tree(cgroups.run_cgroup(self.run_id))
+        errors += cgroups.remove_cpu_group(self.run_id)
         errors += self.net.down()
         self.times["ended_ns"] = time.time_ns()
         self.write_report()

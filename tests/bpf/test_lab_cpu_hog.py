@@ -31,6 +31,9 @@ def test_a_cpu_starved_rank_of_the_layout_job_is_named_with_cpu_contention(tmp_p
     assert set(run.codes.values()) == {0}, f"rank exit codes {run.codes}; logs in {tmp_path / 'logs'}"
     assert set(run.stops.values()) == {0}, f"tracer exit codes {run.stops}"
     assert run.report["cpu_hog"]["loops"] == cfg.hogs, run.report["cpu_hog"]
+    from ingero.lab import cgroups
+    if (cgroups.CPU_V1_ROOT / "cpu.shares").exists():     # the weight holds against the victim only
+        assert run.report["cpu_hog"].get("cpu_shares") == round(1024 * cfg.hog_weight), run.report["cpu_hog"]
     con = open_source(run.db)
     try:
         rep = analyse(con)

@@ -127,3 +127,33 @@ def test_background_load_runs_beside_the_job_unpinned_and_is_removed_with_the_ru
 def test_background_load_out_of_range_is_refused_with_the_range(tmp_path):
     with pytest.raises(IngeroError, match="--background-load 65 is out of range"):
         LabRun(LabConfig(out_dir=tmp_path, background_load=65))
+
+
+def test_the_cpu_hog_weighs_against_its_victim_only_and_its_cpu_group_is_removed():
+    """The hogs and the victim share one cgroup v1 cpu group (cpu.shares 16:1 inside it), so
+    the lab as a whole weighs one session on the machine and a run beside it keeps its CPU."""
+    if not (cgroups.CPU_V1_ROOT / "cpu.shares").exists():
+        pytest.skip(f"no cgroup v1 cpu controller at {cgroups.CPU_V1_ROOT}: the hogs' weight is their session's")
+    from ingero.lab import faults
+
+    run_id = "t" + os.urandom(3).hex()
+    group = cgroups.cpu_share_group(run_id, {"victim": 1024, "hogs": 16 * 1024})
+    hogs_cg = cgroups.make_plain(run_id, "hogs")
+    victim = subprocess.Popen(["sh", "-c", 'echo $$ > "$0" && exec sleep 30', str(group["victim"] / "cgroup.procs")])
+    procs, done = faults.start_hogs(2, str(sorted(os.sched_getaffinity(0))[-1]), hogs_cg, 16.0, share=group["hogs"])
+    try:
+        deadline = time.monotonic() + 5
+        while len(cgroups.procs(group["hogs"])) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(cgroups.procs(group["hogs"])) == 3          # the leader and its 2 loops
+        assert victim.pid in cgroups.procs(group["victim"])
+        assert done["cpu_shares"] == 16 * 1024 and "autogroup_nice" not in done, done
+        assert int((group["hogs"] / "cpu.shares").read_text()) == 16 * int((group["victim"] / "cpu.shares").read_text())
+    finally:
+        faults.stop_hogs(procs)
+        victim.kill()
+        victim.wait()
+        for p in procs:
+            p.wait()
+        errors = cgroups.remove_cpu_group(run_id) + cgroups.remove_tree(cgroups.run_cgroup(run_id))
+    assert errors == [] and not (cgroups.CPU_V1_ROOT / f"{cgroups.RUN_PREFIX}{run_id}").exists()
