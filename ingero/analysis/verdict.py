@@ -347,11 +347,11 @@ def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int) -> tuple[St
             if others:
                 best.why += (f"; weighed against {others} retransmits on other ranks' connections, "
                              "too few or too spread out to be a lossy link")
+        elif best.kind in ("stage", "node") and ranks_ and ranks_[0].saving_ns >= TIE_SHARE * best.saving_ns:
+            best = ranks_[0]
         if best.kind == "rank" and len(retx) > 3 and retx[3]:
             best.why += (f"; {retx[3]} retransmits on connections inside one node were not counted as "
                          "link loss (no wire: a receiver that does not drain its socket causes them)")
-        elif best.kind in ("stage", "node") and ranks_ and ranks_[0].saving_ns >= TIE_SHARE * best.saving_ns:
-            best = ranks_[0]
     info["best"] = best
     pct = lambda k: 100.0 * k.saving_ns / base_step
     info["best_saving_pct"] = pct(best) if best else 0.0
