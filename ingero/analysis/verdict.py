@@ -41,12 +41,13 @@ OFFCPU_EXPLAINS_RUNQUEUE = 0.5  # runqueue wait: at least half of it. A starved 
                               # once over 30% beside a CI run: named cpu-contention)
 OFFCPU_EXPLAINS_WEAK = 0.15   # a second reason, an outlier on the absolute floors, covering >= 15%,
                               # is weighed against the first by its multiple of the peers' median
-STARVED_PER_WAIT = 2.0        # cpu-contention: each runqueue wait of the rank is >= 2x its peers' median
-                              # wait (when the kernel's totals give the number of waits). A starved rank
-                              # waits long each time it wakes (lab cpu-hog victims: 3.0x-95x, DP, 3D and
-                              # GPU-like); a rank that only wakes more often (a lossy link's retransmit
-                              # timers, an fsync loop) waits more in total but not per wait (lossy-link
-                              # victims 0.5x-1.3x, io-stall 0.6x, slow-rank 1.0-1.1x)
+STARVED_PER_WAIT = 4.0        # cpu-contention: the rank waits >= 4x its peers' median for a CPU each time
+                              # it comes back from off-CPU (runqueue time / off-CPU intervals, from the
+                              # kernel's totals). A starved rank waits long each time (lab cpu-hog
+                              # victims: 7.7-41x, DP, 3D and GPU-like, 2026-11-25); a rank that is only
+                              # woken more often or works longer waits more in total, not per interval
+                              # (lossy-link senders 0.9-2.3x, io-stall 0.8-1.5x, slow-rank 1.2-1.7x,
+                              # clean and imbalance <= 1.7x: 37 kept lab traces)
 CANDIDATE_RANKS = 3           # ranks with the largest excess own work that are replayed
 CANDIDATE_NODES = 2           # slow nodes replayed (the slowest first)
 NODE_SLOW = 1.05              # a node is slow when each of its ranks works >= 1.05x its reference
@@ -420,7 +421,8 @@ def _offcpu_cause(rows: dict, r: int, excess_total_ns: float, traced_ns: int) ->
     passes alone (an outlier on a scale that also has a share of the excess as floor,
     covering OFFCPU_EXPLAINS, OFFCPU_EXPLAINS_RUNQUEUE for the runqueue), or when the
     weighed waits together cover OFFCPU_EXPLAINS_RUNQUEUE of the excess. Runqueue wait counts
-    only when each wait is STARVED_PER_WAIT times its peers' (when the number is known)."""
+    only when its wait per off-CPU interval is STARVED_PER_WAIT times its peers' (when the
+    kernel's totals give the number of intervals)."""
     if r not in rows:
         return "compute/unknown", ""
     # the scale when the peers' times agree closely (a MAD near 0): an absolute floor, a share
@@ -460,9 +462,10 @@ def _offcpu_cause(rows: dict, r: int, excess_total_ns: float, traced_ns: int) ->
 
 
 def _per_wait_ratio(rows: dict, r: int, reason: str = "runqueue") -> float | None:
-    """The rank's mean wait of `reason` over its peers' median mean wait (None: counts unknown)."""
-    per = {k: x.offcpu_ms.get(reason, 0.0) / x.offcpu_waits[reason]
-           for k, x in rows.items() if x.offcpu_waits.get(reason)}
+    """The rank's `reason` time per off-CPU interval (every interval ends with a wait for a CPU)
+    over its peers' median (None: interval counts unknown)."""
+    per = {k: x.offcpu_ms.get(reason, 0.0) / sum(x.offcpu_waits.values())
+           for k, x in rows.items() if sum(x.offcpu_waits.values()) > 0}
     if r not in per or len(per) < 2:
         return None
     peers = float(np.median([v for k, v in per.items() if k != r]))
@@ -499,8 +502,8 @@ def _starved_rank(rows: dict, tl: Timeline, traced_ns: int):
         return None
     f = min(max(extra - own_extra, 0.0) / xfer, 0.9)
     why = (f"it spent {vals[r]:.0f} ms waiting in the runqueue vs a peer median of {peers:.0f} ms (z "
-           f"{z[r]:.1f}), {extra / 1e6:.1f} ms/step more, {per_wait:.1f}x its peers' wait each time it was "
-           f"preempted; {f:.0%} of its transfers' time is taken as lost to it")
+           f"{z[r]:.1f}), {extra / 1e6:.1f} ms/step more, {per_wait:.1f}x its peers' wait each time it came "
+           f"back from off-CPU; {f:.0%} of its transfers' time is taken as lost to it")
     return r, f, per_wait, why
 
 
@@ -554,7 +557,7 @@ def _starved_behind(net: Candidate, rows: dict, tl: Timeline, traced_ns: int, ow
         return None
     why = (f"it spent {vals[r]:.0f} ms waiting in the runqueue vs a peer median of {peers:.0f} ms "
            f"(z {z[r]:.1f}), {extra_ns / 1e6:.1f} ms/step more, {per_wait:.1f}x its peers' wait each time "
-           f"it woke; the transfers slowed with retransmits in "
+           f"it came back from off-CPU; the transfers slowed with retransmits in "
            f"flight on {node}'s connections ({net.why.split(';')[0]}) are what a rank answering late "
            f"causes without any loss: fixing them would save {net.saving_ns / 1e6:.1f} ms/step, and a "
            "lossy link leaves its ranks on CPU")

@@ -69,5 +69,20 @@ def test_a_rank_that_waits_more_often_but_not_longer_each_time_is_not_cpu_conten
     cause, why = _offcpu_cause(rows, 0, 1500 * MS, TRACED)
     assert cause == "compute/unknown", why
     # the same total in few long waits (lab cpu-hog victims: 11-255 ms per wait vs peers' 0.5-14)
-    rows = _with_waits(_rows({"runqueue": 2053.0}, peer_rq=(928, 981, 1496)), {0: 100, 1: 240, 2: 209, 3: 259})
+    rows = _with_waits(_rows({"runqueue": 2053.0}, peer_rq=(928, 981, 1496)), {0: 50, 1: 240, 2: 209, 3: 259})
     assert _offcpu_cause(rows, 0, 1500 * MS, TRACED)[0] == "cpu-contention"
+
+
+def test_a_starved_rank_whose_peers_are_rarely_preempted_is_cpu_contention():
+    # the 3D cpu-hog of a CI run (35f1ef7): the victim 5,600 ms of runqueue wait over 165
+    # preemptions and 567 sleeps; its peers 470-994 ms over 21-65 preemptions and ~700 sleeps.
+    # Per preemption alone the victim was 1.6x its peers (their waits are wake-up tails after
+    # sleeps, which a count of preemptions misses); per off-CPU interval it is 9.7x
+    peers = {1: (994, 21, 646), 2: (581, 27, 692), 3: (582, 23, 711), 4: (617, 38, 684), 5: (578, 25, 725),
+             6: (470, 31, 692), 7: (501, 65, 686)}
+    rows = _rows({"runqueue": 5600.0, "sleep": 2534.0}, peer_rq=[v[0] for v in peers.values()])
+    rows[0].offcpu_waits = {"runqueue": 165, "sleep": 567}
+    for r, (_, pre, sl) in peers.items():
+        rows[r].offcpu_waits = {"runqueue": pre, "sleep": sl}
+    cause, why = _offcpu_cause(rows, 0, 85 * 30 * MS, TRACED)
+    assert cause == "cpu-contention", why
