@@ -136,7 +136,9 @@ def rank_main(libpath: str, idbytes: bytes, rank: int, n: int, q) -> None:
     q.put((rank, out))
 
 
-def run_ranks(libpath, n=3):
+def run_ranks(libpath, n=3, target=None, extra_queues: int = 0):
+    """Fork `n` ranks of `target(lib path, unique id bytes, rank, n, results queue, *extra
+    queues)` (default rank_main) on a fresh unique id; {rank: what it put}, every rank exited 0."""
     lib = load(libpath)
     uid = UniqueId()
     os.environ.pop("MASTER_ADDR", None)
@@ -145,7 +147,9 @@ def run_ranks(libpath, n=3):
     check(lib.ncclGetUniqueId(ctypes.byref(uid)), lib)  # this process serves the rendezvous
     ctx = mp.get_context("fork")
     q = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(str(libpath), bytes(uid), r, n, q)) for r in range(n)]
+    extra = [ctx.Queue() for _ in range(extra_queues)]
+    procs = [ctx.Process(target=target or rank_main, args=(str(libpath), bytes(uid), r, n, q, *extra))
+             for r in range(n)]
     for p in procs:
         p.start()
     results = dict(q.get(timeout=60) for _ in range(n))

@@ -8,14 +8,12 @@ buffer, on both devices and with non-blocking communicators."""
 from __future__ import annotations
 
 import ctypes
-import multiprocessing as mp
-import os
 import subprocess
 
 import numpy as np
 import pytest
 
-from tests.unit.test_lab_build import FLOAT32, UniqueId, bins, check, free_port, ptr, worker_env  # noqa: F401
+from tests.unit.test_lab_build import FLOAT32, UniqueId, bins, check, free_port, ptr, run_ranks, worker_env  # noqa: F401
 
 NCCL_INVALID_ARGUMENT = 4
 
@@ -61,20 +59,7 @@ def _rank(libpath: str, idbytes: bytes, rank: int, n: int, q, grow_q) -> None:
 
 def test_grow_joins_existing_and_new_ranks_into_one_communicator_that_moves_data(bins):
     n = 3
-    lib = ctypes.CDLL(str(bins.libnccl))
-    uid = UniqueId()
-    os.environ.pop("MASTER_ADDR", None)
-    os.environ["NCCL_CPU_TIMEOUT_S"] = "20"
-    assert lib.ncclGetUniqueId(ctypes.byref(uid)) == 0
-    ctx = mp.get_context("fork")
-    q, grow_q = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(str(bins.libnccl), bytes(uid), r, n, q, grow_q)) for r in range(n)]
-    for p in procs:
-        p.start()
-    res = dict(q.get(timeout=60) for _ in range(n))
-    for p in procs:
-        p.join(10)
-        assert p.exitcode == 0
+    res = run_ranks(bins.libnccl, n, target=_rank, extra_queues=1)
     total = float(n * (n + 1) // 2)
     # existing ranks keep their rank; the new one is the rank it asked for
     assert [res[r]["grown"] for r in range(n)] == [(r, n, total) for r in range(n)]

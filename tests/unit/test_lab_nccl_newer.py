@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import ctypes
 import json
-import multiprocessing as mp
 import os
 import subprocess
 
 import numpy as np
 import pytest
 
-from tests.unit.test_lab_build import FLOAT32, INT32, UniqueId, bins, check, free_port, ptr, worker_env  # noqa: F401
+from tests.unit.test_lab_build import FLOAT32, INT32, UniqueId, bins, check, free_port, ptr, run_ranks, worker_env  # noqa: F401
 
 
 class SimInfo(ctypes.Structure):   # ncclSimInfo_v22200
@@ -70,20 +69,7 @@ def _rank(libpath: str, idbytes: bytes, rank: int, n: int, q) -> None:
 
 def test_scalable_init_alltoall_gather_scatter_simulate_and_shrink_move_the_right_data(bins):
     n = 3
-    lib = ctypes.CDLL(str(bins.libnccl))
-    uid = UniqueId()
-    os.environ.pop("MASTER_ADDR", None)
-    os.environ["NCCL_CPU_TIMEOUT_S"] = "20"
-    assert lib.ncclGetUniqueId(ctypes.byref(uid)) == 0
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(str(bins.libnccl), bytes(uid), r, n, q)) for r in range(n)]
-    for p in procs:
-        p.start()
-    res = dict(q.get(timeout=60) for _ in range(n))
-    for p in procs:
-        p.join(10)
-        assert p.exitcode == 0
+    res = run_ranks(bins.libnccl, n, target=_rank)
     for r in range(n):
         assert res[r]["alltoall"] == [p * 100 + r for p in range(n)]
         assert res[r]["scatter"] == [7.0 * r] * 5
