@@ -12,12 +12,16 @@ its dependencies:
   per-communicator seq of p2p calls does not match across ranks);
 * a send: the matching receive's arrival, when the send returned after that
   receive was posted (a rendezvous; a send that returned earlier was eager).
+
+Calls in a group whose outermost end is ``ncclGroupSimulateEnd`` never ran: NCCL
+only estimated their time (``groupLaunch`` skips the launch when given simInfo).
+``load`` leaves them out here, once, for every judgement (see ``simulated``).
 """
 
 from __future__ import annotations
 
 import warnings as warnings_
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -31,7 +35,7 @@ _GS, _GE = -1, -2
 _QUERY = f"""
     SELECT COALESCE(r.rank, e.global_rank, e.rank) AS grank, e.node, COALESCE(r.pod, e.pod) AS pod,
            e.pid, e.op, e.comm_id_hash AS comm, e.seq, e.timestamp_ns AS t, e.duration_ns AS d,
-           e.rank AS crank, e.peer, e.event_id
+           e.rank AS crank, e.peer, e.event_id, e.ret
     FROM nccl_events e
     LEFT JOIN (SELECT node, pid, any_value(rank) AS rank, any_value(pod) AS pod
                FROM ranks GROUP BY node, pid) r
@@ -39,8 +43,8 @@ _QUERY = f"""
     WHERE e.ret IN ({', '.join(map(str, NCCL_OK_RETS))}) AND e.timestamp_ns IS NOT NULL
       AND e.duration_ns IS NOT NULL
       AND ((e.op IN ({', '.join(repr(o) for o in OPS)}) AND e.comm_id_hash <> 0 AND e.seq IS NOT NULL)
-           OR e.op IN ('GROUP_START', 'GROUP_END', 'GROUP_SIMULATE_END'))
-    ORDER BY grank, t, e.event_id"""
+           OR e.op IN ('GROUP_START', 'GROUP_END', 'GROUP_SIMULATE_END'))"""
+_ORDER = " ORDER BY grank, t, e.event_id"
 
 # The same columns from the NCCL profiler plugin's rows: when the GPU ran each operation
 # (device start/end, on the host's clock), NCCL's own communicator hash and seq. Every
@@ -103,6 +107,7 @@ class Calls:
     inst_op: np.ndarray        # instance -> op code
     inst_size: np.ndarray      # instance -> calls (traced members)
     comm_members: dict         # comm code -> sorted global ranks
+    simulated: dict = field(default_factory=dict)   # rank -> calls left out (ncclGroupSimulateEnd)
 
     @property
     def n(self) -> int:
@@ -115,7 +120,7 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
     warnings: list[str] = []
     with warnings_.catch_warnings():     # (DuckDB notes the Arrow copy of a DB-API result)
         warnings_.simplefilter("ignore", UserWarning)
-        tbl = con.execute(_DEVICE_QUERY if device else _QUERY).to_arrow_table()
+        tbl = con.execute(_DEVICE_QUERY if device else _QUERY + _ORDER).to_arrow_table()
     if tbl.num_rows == 0:
         z = np.zeros(0, np.int64)
         return Calls(z, z, z, z.astype(np.int8), z, z, z, z, z, {}, z.astype(np.uint64), z, z, z, {}), warnings
@@ -133,13 +138,7 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
         warnings.append(f"{int((~keep).sum())} calls of processes without a rank were left out")
     rank = col("grank", np.int64, -1)
     t, d = col("t", np.int64), col("d", np.int64)
-    code = {o: i + 1 for i, o in enumerate(OPS)}
-    # ncclGroupSimulateEnd closes the group as ncclGroupEnd does (it launches nothing): without
-    # it here the rank's later calls would all seem to sit in one open group
-    code.update(GROUP_START=_GS, GROUP_END=_GE, GROUP_SIMULATE_END=_GE)
-    enc = tbl.column("op").combine_chunks().dictionary_encode()     # a few distinct names
-    lut = np.array([code[o] for o in enc.dictionary.to_pylist()], np.int8)
-    op = lut[enc.indices.to_numpy()]
+    op, sim_end = _op_codes(tbl)
     comm_h = col("comm", np.uint64)
     seq = col("seq", np.int64)
     crank = col("crank", np.int64, -1)
@@ -147,9 +146,28 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
     pid = col("pid", np.int64)
     o = np.flatnonzero(keep)           # rows come sorted by (rank, time, event id); NULL ranks last
     if len(o) < len(keep):
-        rank, t, d, op, comm_h, seq, crank, peer_c, pid = (a[o] for a in (rank, t, d, op, comm_h, seq, crank, peer_c, pid))
-    node_of = _where_ranks_are(rank, t, o, tbl)
+        rank, t, d, op, comm_h, seq, crank, peer_c, pid, sim_end = (
+            a[o] for a in (rank, t, d, op, comm_h, seq, crank, peer_c, pid, sim_end))
     hashes, comm = _codes(comm_h)
+    sim = simulated(rank, op, sim_end)
+    simulated_by_rank: dict = {}
+    if sim.any():
+        seq = launched_seq(rank, op, comm, seq, sim)
+        ur, n = np.unique(rank[sim & (op > 0)], return_counts=True)
+        simulated_by_rank = dict(zip(ur.tolist(), n.tolist()))
+        if simulated_by_rank:
+            who = ", ".join(f"rank {r}: {k}" for r, k in list(simulated_by_rank.items())[:8])
+            warnings.append(f"{int(n.sum())} calls in groups closed by ncclGroupSimulateEnd were left out "
+                            "(NCCL only estimated their time and launched nothing): "
+                            f"{who}{', ...' if len(simulated_by_rank) > 8 else ''}")
+        k = ~sim
+        rank, t, d, op, comm, seq, crank, peer_c, pid, o = (
+            a[k] for a in (rank, t, d, op, comm, seq, crank, peer_c, pid, o))
+        if not len(o):
+            z = np.zeros(0, np.int64)
+            return Calls(z, z, z, z.astype(np.int8), z, z, z, z, z, {}, hashes, z, z, z, {},
+                         simulated=simulated_by_rank), warnings
+    node_of = _where_ranks_are(rank, t, o, tbl)
     # comm rank -> global rank, per communicator, from the calls themselves
     ismem = (op > 0) & (crank >= 0)
     key = comm[ismem] * (1 << 32) + crank[ismem]
@@ -191,7 +209,83 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
         inst_comm = inst_op = cnt = np.zeros(0, np.int64)
     return Calls(rank=rank, t=t, d=d, op=op, comm=comm, seq=seq, inst=inst, peer=peer, pid=pid,
                  node_of=node_of, comm_hash=hashes, inst_comm=np.asarray(inst_comm),
-                 inst_op=np.asarray(inst_op), inst_size=np.asarray(cnt), comm_members=members), warnings
+                 inst_op=np.asarray(inst_op), inst_size=np.asarray(cnt), comm_members=members,
+                 simulated=simulated_by_rank), warnings
+
+
+def _op_codes(tbl) -> tuple[np.ndarray, np.ndarray]:
+    """(op code of each row, is it an ncclGroupSimulateEnd that returned ncclSuccess?).
+
+    ncclGroupSimulateEnd closes a group as ncclGroupEnd does (code -2): without it the rank's
+    later calls would all seem to sit in one open group. Whether it launched what the group
+    holds is ``simulated``'s question: at the outermost level NCCL's ncclGroupEndInternal hands
+    simInfo to groupLaunch, which then skips doLaunches, and returns ncclSuccess (0); a
+    non-blocking group instead goes to groupLaunchNonBlocking, which launches without simInfo,
+    and the call returns ncclInProgress (7) (src/group.cc, 2.22.3 to master)."""
+    code = {o: i + 1 for i, o in enumerate(OPS)}
+    code.update(GROUP_START=_GS, GROUP_END=_GE, GROUP_SIMULATE_END=_GE)
+    enc = tbl.column("op").combine_chunks().dictionary_encode()     # a few distinct names
+    names = enc.dictionary.to_pylist()
+    idx = enc.indices.to_numpy(zero_copy_only=False)
+    op = np.array([code[o] for o in names], np.int8)[idx]
+    sim_end = np.zeros(len(op), bool)
+    if "GROUP_SIMULATE_END" in names and "ret" in tbl.column_names:
+        ret = tbl.column("ret").fill_null(-1).to_numpy()
+        sim_end = (idx == names.index("GROUP_SIMULATE_END")) & (ret == 0)
+    return op, sim_end
+
+
+def _depth(op: np.ndarray, newrank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(group depth before, after) each row, per rank: +1 at a start, -1 at an end, never
+    below 0 (an end whose start was not traced closes nothing)."""
+    step = (op == _GS).astype(np.int64) - (op == _GE)
+    after = _clamped_cumsum(step, newrank)
+    before = np.r_[0, after[:-1]]
+    before[newrank] = 0
+    return before, after
+
+
+def simulated(rank: np.ndarray, op: np.ndarray, sim_end: np.ndarray) -> np.ndarray:
+    """The rows (calls, and the group starts and ends around them) of every group whose
+    outermost end is `sim_end`: NCCL ran nothing of it. As NCCL counts: only the end that
+    brings the depth to 0 launches (or simulates); an ncclGroupSimulateEnd deeper down only
+    closes its level (ncclGroupEndInternal returns at ``--ncclGroupDepth > 0`` before it
+    looks at simInfo), and the group's calls run or not as its outermost end says."""
+    n = len(op)
+    if n == 0 or not sim_end.any():
+        return np.zeros(n, bool)
+    newrank = np.r_[True, rank[1:] != rank[:-1]]
+    before, after = _depth(op, newrank)
+    outer_start = (op == _GS) & (before == 0)
+    outer_end = (op == _GE) & (before == 1) & (after == 0)
+    g = np.cumsum(outer_start) - 1                 # the outermost group a row is in
+    in_group = ((before > 0) | outer_start) & (g >= 0)
+    sim_group = np.zeros(int(outer_start.sum()) + 1, bool)
+    sim_group[g[outer_end & sim_end]] = True
+    return in_group & sim_group[np.maximum(g, 0)]
+
+
+def launched_seq(rank: np.ndarray, op: np.ndarray, comm: np.ndarray, seq: np.ndarray,
+                 sim: np.ndarray) -> np.ndarray:
+    """`seq` with each collective's number counted over launched calls only.
+
+    The agent numbers every collective call of a communicator (bpf/nccl.c), simulated ones
+    too; NCCL's own seqNumber only advances at launch (ncclProfilerStartTaskEvents). A rank
+    that simulated a group numbers its later calls ahead of peers that did not: take away
+    the simulated collectives it called before on the same communicator."""
+    coll = (op > 0) & (op != _SEND) & (op != _RECV)
+    if not (sim & coll).any():
+        return seq
+    idx = np.flatnonzero(coll)
+    key = rank[idx] * (int(comm.max()) + 1) + comm[idx]
+    o = np.argsort(key, kind="stable")             # call order within each (rank, comm)
+    k, s = key[o], sim[idx[o]].astype(np.int64)
+    cs = np.cumsum(s) - s                          # simulated calls before, over all keys
+    first = np.r_[True, k[1:] != k[:-1]]
+    before = cs - cs[first][np.cumsum(first) - 1]
+    out = seq.copy()
+    out[idx[o]] -= before
+    return out
 
 
 def _codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -253,11 +347,8 @@ def events(c: Calls) -> Events:
     newrank = np.r_[True, c.rank[1:] != c.rank[:-1]]
     start = (c.op == _GS).astype(np.int64)
     end = (c.op == _GE).astype(np.int64)
-    # group depth per rank: +1 at a start, -1 after an end; never below 0 (an end whose
-    # start was not traced closes nothing)
-    step = start - end
-    depth_after = _clamped_cumsum(step, newrank)
-    depth_before = depth_after - step
+    # group depth per rank (the same count `simulated` takes groups by)
+    depth_before, depth_after = _depth(c.op, newrank)
     depth_before = np.where(end == 1, depth_after + 1, depth_before)
     outer_start = (start == 1) & (depth_before == 0)
     outer_end = (end == 1) & (depth_after == 0) & (depth_before == 1)
