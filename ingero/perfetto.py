@@ -8,6 +8,11 @@ order is the same on every export). On a rank's track:
   or ``comm``) named by op, with op, bytes, count, comm (id hash in hex), seq,
   nranks and the rank's arrival lateness against the median of the
   collective's ranks in ``args``;
+* calls NCCL only simulated (in a group closed by ``ncclGroupSimulateEnd``; the
+  analysis leaves them out, ingero/analysis/calls.py) drawn where the host made
+  them, as cat ``simulated``, named ``<op> (simulated)``, with ``simulated`` in
+  ``args``, no lateness and no arrows: they ran on no wire, yet the host spent
+  that time in the call;
 * off-CPU intervals (cat ``offcpu``) as slices: they nest inside the NCCL call
   the thread was blocked in;
 * TCP retransmits and resets on the rank's own connections as instant events
@@ -19,9 +24,10 @@ Those that would overlap partially (other threads of the same rank) move to
 an extra track of that rank ("rank 3 · overlap 1"), never clipped or dropped.
 
 Flow arrows (``"s"`` -> ``"f"`` with ``"bp": "e"``, bound to the enclosing
-slice) link each rank's slice of a collective (same comm_id_hash, seq, op) to
-the slice of the rank that arrived last, so a late arrival is where all the
-arrows of a collective point.
+slice) link each rank's slice of a collective (same comm_id_hash, seq, op; seq
+counted over launched calls, as the analysis counts it) to the slice of the
+rank that arrived last, so a late arrival is where all the arrows of a
+collective point.
 
 Timestamps are microseconds since the first event of the trace (``t0_ns`` in
 ``otherData``), written with nanosecond precision.
@@ -34,6 +40,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ingero.analysis.calls import simulated_calls
 from ingero.schema import COLLECTIVE_OPS, LIFECYCLE_OPS, P2P_OPS
 
 _COLL = ", ".join(f"'{o}'" for o in COLLECTIVE_OPS)
@@ -59,21 +66,35 @@ class Summary:
 def _prepare(con) -> None:
     con.execute("""CREATE OR REPLACE TEMP VIEW _pf_rk AS
         SELECT node, pid, any_value(rank) AS rank, any_value(pod) AS pod FROM ranks GROUP BY ALL""")
+    # the analysis' own marks: calls NCCL only simulated, and seq over launched calls
+    sim = simulated_calls(con)
+    if sim is None:
+        con.execute("CREATE OR REPLACE TEMP TABLE _pf_sim (node VARCHAR, event_id UBIGINT, simulated BOOLEAN, "
+                    "seq BIGINT)")
+    else:
+        con.register("_pf_sim_arrow", sim)
+        con.execute("CREATE OR REPLACE TEMP TABLE _pf_sim AS SELECT * FROM _pf_sim_arrow")
+        con.unregister("_pf_sim_arrow")
     con.execute(f"""CREATE OR REPLACE TEMP VIEW _pf_slices AS
         SELECT 'nccl' AS kind, e.event_id, e.node, COALESCE(r.rank, e.global_rank, e.rank) AS grank, e.pid, e.tid,
-               COALESCE(r.pod, e.pod) AS pod, e.timestamp_ns AS ts, greatest(e.duration_ns, 0) AS dur, e.op AS name,
-               CASE WHEN e.op IN ({_COLL}) THEN 'collective' WHEN e.op IN ({_P2P}) THEN 'p2p' ELSE 'comm' END AS cat,
+               COALESCE(r.pod, e.pod) AS pod, e.timestamp_ns AS ts, greatest(e.duration_ns, 0) AS dur,
+               CASE WHEN m.simulated THEN e.op || ' (simulated)' ELSE e.op END AS name,
+               CASE WHEN m.simulated THEN 'simulated' WHEN e.op IN ({_COLL}) THEN 'collective'
+                    WHEN e.op IN ({_P2P}) THEN 'p2p' ELSE 'comm' END AS cat,
                e.bytes, e.count, e.datatype, e.comm_id_hash, e.seq, e.nranks, e.rank AS comm_rank, e.peer, e.ret,
                e.in_group, NULL::VARCHAR AS reason, NULL::BIGINT AS runq_ns,
-               CASE WHEN e.op IN ({_COLL}) AND e.comm_id_hash <> 0
-                    THEN e.timestamp_ns - median(e.timestamp_ns) OVER (PARTITION BY e.comm_id_hash, e.seq, e.op)
-               END AS late_ns
+               CASE WHEN e.op IN ({_COLL}) AND e.comm_id_hash <> 0 AND NOT COALESCE(m.simulated, false)
+                    THEN e.timestamp_ns - median(e.timestamp_ns) OVER (
+                        PARTITION BY e.comm_id_hash, COALESCE(m.seq, e.seq), e.op, COALESCE(m.simulated, false))
+               END AS late_ns,
+               COALESCE(m.seq, e.seq) AS inst_seq, COALESCE(m.simulated, false) AS simulated
         FROM nccl_events e LEFT JOIN _pf_rk r ON r.node IS NOT DISTINCT FROM e.node AND r.pid = e.pid
+        LEFT JOIN _pf_sim m ON m.node IS NOT DISTINCT FROM e.node AND m.event_id = e.event_id
         WHERE e.op IN ({_COLL}, {_P2P}, {_LIFE})
         UNION ALL
         SELECT 'offcpu', s.event_id, s.node, COALESCE(r.rank, s.rank), s.pid, s.tid, COALESCE(r.pod, s.pod),
                s.timestamp_ns, greatest(s.duration_ns, 0), 'off-CPU: ' || COALESCE(s.reason, '?'), 'offcpu',
-               NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, s.reason, s.runq_ns, NULL
+               NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, s.reason, s.runq_ns, NULL, NULL, false
         FROM sched_events s LEFT JOIN _pf_rk r ON r.node IS NOT DISTINCT FROM s.node AND r.pid = s.pid""")
     ins = ", ".join(f"'{e}'" for e in TCP_INSTANTS)
     con.execute(f"""CREATE OR REPLACE TEMP VIEW _pf_instants AS
@@ -108,16 +129,18 @@ def _rows(con, lo: int, hi: int, stride: int):
     """Slices kept (whole collective instances when sampling), in track and time order."""
     return con.execute("""
         WITH w AS (SELECT * FROM _pf_slices WHERE ts >= ? AND ts < ?),
-        inst AS (SELECT comm_id_hash, seq, name, dense_rank() OVER (ORDER BY first, comm_id_hash, seq, name) AS k
-                 FROM (SELECT comm_id_hash, seq, name, min(ts) AS first FROM w
+        inst AS (SELECT comm_id_hash, inst_seq, name,
+                        dense_rank() OVER (ORDER BY first, comm_id_hash, inst_seq, name) AS k
+                 FROM (SELECT comm_id_hash, inst_seq, name, min(ts) AS first FROM w
                        WHERE cat = 'collective' AND comm_id_hash <> 0 GROUP BY ALL)),
-        kept AS (SELECT w.*, inst.k FROM w LEFT JOIN inst USING (comm_id_hash, seq, name)
+        kept AS (SELECT w.*, inst.k FROM w LEFT JOIN inst USING (comm_id_hash, inst_seq, name)
                  QUALIFY CASE WHEN inst.k IS NOT NULL THEN inst.k % ? = 0
                               WHEN w.cat = 'comm' THEN TRUE
                               ELSE row_number() OVER (PARTITION BY w.node, w.grank, w.pid, w.cat
                                                       ORDER BY w.ts, w.event_id) % ? = 0 END)
         SELECT kind, event_id, node, grank, pid, tid, pod, ts, dur, name, cat, bytes, count, datatype,
-               comm_id_hash, seq, nranks, comm_rank, peer, ret, in_group, reason, runq_ns, late_ns, k
+               comm_id_hash, seq, nranks, comm_rank, peer, ret, in_group, reason, runq_ns, late_ns, k,
+               inst_seq, simulated
         FROM kept ORDER BY node, CASE WHEN grank >= 0 THEN grank END NULLS LAST,
                            CASE WHEN grank >= 0 THEN 0 ELSE pid END, ts, dur DESC, kind, event_id""",
                        [lo, hi, stride, stride]).fetchall()
@@ -216,7 +239,7 @@ def build(con, start_s: float | None = None, end_s: float | None = None,
     members: dict[tuple, list] = {}
     for node, key, lane, r in placed:
         (kind, _eid, _n, grank, pid_, tid_, pod, ts, dur, name, cat, nbytes, count, dtype, comm, seq, nranks,
-         comm_rank, peer, ret, in_group, reason, runq, late, inst) = r
+         comm_rank, peer, ret, in_group, reason, runq, late, inst, inst_seq, simulated) = r
         pid, tid = tracks.pid[node], tids[(node, key, lane)]
         if kind == "nccl":
             args = {"op": name, "bytes": nbytes, "count": count, "datatype": dtype,
@@ -226,6 +249,8 @@ def build(con, start_s: float | None = None, end_s: float | None = None,
                 args["peer"] = peer
             if in_group:
                 args["in_group"] = True
+            if simulated:
+                args["simulated"] = True     # ncclGroupSimulateEnd: NCCL launched nothing
             if late is not None:
                 args["late_ms"] = round(late / 1e6, 6)
         else:
@@ -235,7 +260,7 @@ def build(con, start_s: float | None = None, end_s: float | None = None,
                    "dur": round(dur / 1000.0, 3), "args": args})
         summ.slices[cat] = summ.slices.get(cat, 0) + 1
         if cat == "collective" and inst is not None:
-            members.setdefault((comm, seq, name), []).append((ts, grank, pid, tid, dur))
+            members.setdefault((comm, inst_seq, name), []).append((ts, grank, pid, tid, dur))
     for node, grank, pid_, pod, ts, name, saddr, daddr, sport, dport, owner in instants:
         node = node or "?"
         args = {"saddr": saddr, "daddr": daddr, "sport": sport, "dport": dport, "owner": owner, "rank": grank}

@@ -213,6 +213,33 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
                  simulated=simulated_by_rank), warnings
 
 
+def simulated_calls(con):
+    """For exports that draw the trace's own rows (ingero/perfetto.py): an Arrow table
+    (node, event_id, simulated, seq) of the calls `load` leaves out as simulated, and of the
+    collectives it numbers otherwise (seq: the number `load` gives); None when there are none.
+    The same query and the same steps as `load`, only run when some group was simulated."""
+    if not con.execute("SELECT count(*) FROM nccl_events WHERE op = 'GROUP_SIMULATE_END' AND ret = 0").fetchone()[0]:
+        return None
+    import pyarrow as pa
+
+    with warnings_.catch_warnings():
+        warnings_.simplefilter("ignore", UserWarning)
+        tbl = con.execute(f"SELECT * FROM ({_QUERY}) q WHERE grank IS NOT NULL "
+                          "ORDER BY grank, t, event_id").to_arrow_table()
+    op, sim_end = _op_codes(tbl)
+    rank = tbl.column("grank").to_numpy().astype(np.int64)
+    seq = tbl.column("seq").fill_null(0).to_numpy().astype(np.int64)
+    _, comm = _codes(tbl.column("comm").fill_null(0).to_numpy().astype(np.uint64))
+    sim = simulated(rank, op, sim_end)
+    new = launched_seq(rank, op, comm, seq, sim)
+    pick = sim | (new != seq)
+    if not pick.any():
+        return None
+    return pa.table({"node": tbl.column("node").filter(pa.array(pick)),
+                     "event_id": tbl.column("event_id").filter(pa.array(pick)),
+                     "simulated": pa.array(sim[pick]), "seq": pa.array(new[pick])})
+
+
 def _op_codes(tbl) -> tuple[np.ndarray, np.ndarray]:
     """(op code of each row, is it an ncclGroupSimulateEnd that returned ncclSuccess?).
 
