@@ -21,6 +21,7 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 from mcp.server.mcpserver.exceptions import ToolError
 
 from ingero import readonly_sql, schema
@@ -29,19 +30,26 @@ from ingero.errors import IngeroError
 MAX_SESSIONS = 500
 MAX_DEPTH = 8
 QUERY_LIMITS = readonly_sql.Limits(timeout_s=15.0, max_rows=1000, max_bytes=1 << 20)
-# A rank's collectives where it arrived latest after its peers' median (as the analysis measures lateness).
-LATEST = f"""
-    WITH c AS (SELECT COALESCE(r.rank, e.global_rank, e.rank) AS grank, e.op, e.comm_id_hash, e.seq,
-                      e.timestamp_ns AS t, e.duration_ns AS d
-               FROM nccl_events e
-               LEFT JOIN (SELECT node, pid, any_value(rank) AS rank FROM ranks GROUP BY ALL) r
-                 ON r.node IS NOT DISTINCT FROM e.node AND r.pid = e.pid
-               WHERE e.op IN ({", ".join(f"'{o}'" for o in schema.COLLECTIVE_OPS)})
-                 AND e.comm_id_hash <> 0 AND e.ret IN ({", ".join(map(str, schema.NCCL_OK_RETS))})),
-         a AS (SELECT *, t - median(t) OVER w AS late, count(*) OVER w AS n
-               FROM c WINDOW w AS (PARTITION BY comm_id_hash, seq, op))
-    SELECT op, printf('%016x', comm_id_hash), seq, late / 1e6, d / 1e6 FROM a
-    WHERE grank = ? AND n > 1 ORDER BY late DESC, seq LIMIT ?"""
+
+
+def _latest(con, rank: int, n: int) -> list[tuple]:
+    """A rank's collectives where it arrived latest after its peers' median, as the analysis
+    measures lateness (its calls: instances over launched calls, without the calls NCCL only
+    simulated): [(op, comm hash hex, seq, late ms, ms)], latest first."""
+    from ingero.analysis.calls import OPS, load
+    from ingero.analysis.stats import quantile_at
+
+    c, _ = load(con)
+    coll = np.flatnonzero(c.inst >= 0)
+    if not len(coll):
+        return []
+    mine = coll[(c.rank[coll] == rank) & (c.inst_size[c.inst[coll]] > 1)]
+    late = c.t[mine] - quantile_at(c.inst[coll], c.t[coll].astype(np.float64), 0.5, c.inst[mine])
+    order = np.lexsort((c.seq[mine], -late))[:n]
+    return [(OPS[int(c.op[k]) - 1], f"{int(c.comm_hash[c.comm[k]]):016x}", int(c.seq[k]), float(late[o]) / 1e6,
+             int(c.d[k]) / 1e6) for o, k in zip(order.tolist(), mine[order].tolist())]
+
+
 EXAMPLES = [
     "SELECT op, rank, nranks, duration_ns/1e6 AS ms FROM nccl_events ORDER BY duration_ns DESC LIMIT 20",
     "SELECT COUNT(*) FROM tcp_events WHERE event = 'tcp_retransmit_skb'",
@@ -166,7 +174,7 @@ def make_server(root: Path, name: str = "ingero"):
             row = next((r for r in rep.ranks if r.rank == rank), None)
             if row is None:
                 raise ToolError(f"rank {rank} is not in {session}; ranks there: {[r.rank for r in rep.ranks]}")
-            worst = con.execute(LATEST, [rank, max(1, min(int(latest), 50))]).fetchall()
+            worst = _latest(con, rank, max(1, min(int(latest), 50)))
         finally:
             con.close()
         out = _rank_brief(row)
