@@ -16,6 +16,7 @@ from pathlib import Path
 
 import duckdb
 import jsonschema
+import pytest
 
 from bench.synthetic import session
 from ingero import perfetto, schema
@@ -150,3 +151,30 @@ def test_perfetto_draws_simulated_calls_apart_and_keeps_the_instances(tmp_path):
                              if e.get("cat") == "collective")
     assert flows(doc) == flows(want)
     assert lates(doc) == lates(want)
+
+
+def _rank_detail(con, root, rank: int) -> dict:
+    """The MCP server's rank_detail on `con`'s trace, saved under `root`, in process."""
+    import anyio
+
+    from ingero.mcp_server import make_server
+
+    root.mkdir()
+    con.execute(f"ATTACH '{root / 't.duckdb'}' AS f")
+    con.execute("COPY FROM DATABASE memory TO f")
+    con.execute("DETACH f")
+    res = anyio.run(make_server(root).call_tool, "rank_detail", {"session": "t.duckdb", "rank": rank, "latest": 10})
+    assert not res.is_error, res.content[0].text
+    return json.loads(res.content[0].text)
+
+
+def test_the_mcp_latest_collectives_of_a_rank_leave_simulated_calls_out(tmp_path):
+    pytest.importorskip("mcp", reason="the MCP SDK is not installed")
+    base, _ = _merged(tmp_path / "a")
+    con, _ = _merged(tmp_path / "b")
+    for step in range(10, 20):
+        _simulate(con, 0, step, before_ns=2_000_000)
+    want, got = _rank_detail(base, tmp_path / "ra", 0), _rank_detail(con, tmp_path / "rb", 0)
+    # rank_detail's `latest`: the same collectives, seq and lateness as without the simulated groups
+    assert got["latest"] == want["latest"]
+    assert got == {**want, "session": got["session"]}
