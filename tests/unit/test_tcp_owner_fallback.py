@@ -28,6 +28,18 @@ print(s.getsockname()[1], flush=True)
 sys.stdin.read()
 """
 
+# A "rank" that listens: says its port, accepts one connection (the passive end), holds both.
+SERVING_RANK = r"""
+import socket, sys
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+s.listen(1)
+print(s.getsockname()[1], flush=True)
+c, _ = s.accept()
+print("accepted", flush=True)
+sys.stdin.read()
+"""
+
 
 @pytest.fixture
 def listener():
@@ -48,8 +60,8 @@ def ranks():
     """Start rank processes; each returns (process, its local port). All stopped at the end."""
     procs = []
 
-    def start(host: str, port: int):
-        p = subprocess.Popen([sys.executable, "-c", RANK, host, str(port)],
+    def start(host: str = "", port: int = 0, script: str = RANK):
+        p = subprocess.Popen([sys.executable, "-c", script, host, str(port)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         procs.append(p)
         return p, int(p.stdout.readline())
@@ -101,6 +113,21 @@ def test_each_rank_of_a_multi_rank_pod_gets_its_own_owner_less_rows_from_proc(li
     assert _col(cols, "tid") == [None] * 4                       # which thread is not known
     for s in accepted:
         s.close()
+
+
+def test_an_accepted_connection_is_told_from_its_listener_and_its_peer_by_both_ends(ranks):
+    server, port = ranks(script=SERVING_RANK)              # rank 0: the passive end
+    client, cport = ranks("127.0.0.1", port)               # rank 1 of the same pod: the active end
+    assert server.stdout.readline().strip() == "accepted"
+    reg = Registry()
+    reg.by_pid[server.pid] = Identity(0, "w-0", "ml")
+    reg.by_pid[client.pid] = Identity(1, "w-0", "ml")
+    reg.by_ip["127.0.0.1"] = Identity(None, "w-0", "ml")
+    lo = _v4("127.0.0.1")
+    cols = tcp_columns(_rows([(0xA0, lo, port, lo, cport), (0xA1, lo, cport, lo, port)], 2), 0, reg)
+    assert _col(cols, "rank") == [0, 1]
+    assert _col(cols, "pid") == [server.pid, client.pid]
+    assert _col(cols, "owner_source") == ["proc", "proc"]
 
 
 def test_a_connection_keeps_the_holder_found_while_open_and_one_first_seen_closed_has_its_address(
