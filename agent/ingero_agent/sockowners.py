@@ -96,12 +96,16 @@ def read_tcp_table(proc: Path, pid: int, wanted: set[Conn]) -> dict[Conn, int] |
 
 
 def socket_inodes(proc: Path, pid: int) -> set[int] | None:
-    """The socket inodes among `pid`'s open files, None when its fds cannot be read."""
+    """The socket inodes among `pid`'s open files (none when it is gone); None when its
+    fds may not be read: /proc/<pid>/fd is mode 0500, so another user's process needs
+    CAP_DAC_READ_SEARCH, which the agent is not given."""
     fd_dir = proc / str(pid) / "fd"
     try:
         names = os.listdir(fd_dir)
-    except OSError:
+    except PermissionError:
         return None
+    except OSError:
+        return set()
     out = set()
     for n in names:
         try:
@@ -133,6 +137,12 @@ class SocketOwners:
         self._missed: OrderedDict[tuple, float] = OrderedDict()
         self.scans = 0        # passes over /proc (one per batch with uncached connections)
         self.looked_up = 0    # connections looked for in those passes
+        self.denied: set[int] = set()   # target pids whose fds could not be read
+        self.notes: list[str] = []      # for the log, once per such pid (take_notes)
+
+    def take_notes(self) -> list[str]:
+        notes, self.notes = self.notes, []
+        return notes
 
     def resolve(self, keys: list[tuple[int, Conn]], pids) -> dict[tuple[int, Conn], tuple[int, ...]]:
         """{(skaddr, connection): holder pids, sorted} of the `keys` some target in `pids`
@@ -186,6 +196,15 @@ class SocketOwners:
             if not inode_conn:
                 continue
             for pid in members:
-                for ino in (socket_inodes(self.proc, pid) or set()) & inode_conn.keys():
+                inodes = socket_inodes(self.proc, pid)
+                if inodes is None:
+                    if pid not in self.denied:
+                        self.denied.add(pid)
+                        self.notes.append(
+                            f"cannot read /proc/{pid}/fd (another user's process; the agent has no "
+                            f"CAP_DAC_READ_SEARCH): its TCP rows without a kernel owner are matched "
+                            f"by address only")
+                    continue
+                for ino in inodes & inode_conn.keys():
                     holders.setdefault(inode_conn[ino], []).append(pid)
         return {conn: tuple(sorted(p)) for conn, p in holders.items()}

@@ -291,6 +291,9 @@ class Tracer:
         elif fam == "nccl_profiler":
             self.nccl_pids.update(np.unique(arr["pid"]).tolist())
         cols = COLUMNS[fam](arr, self.offset_ns, self.registry)
+        if fam == "tcp" and self.registry.sockets is not None:
+            for note in self.registry.sockets.take_notes():
+                self.log(f"note: {note}")
         self.writer.append(TABLES[fam], cols)
         self.events[fam] += len(arr)
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from ingero.store import to_arrow
+from ingero_agent import sockowners
 from ingero_agent.decode import Identity, Registry, tcp_columns
 from ingero_agent.probes import ProbeConfig
 from ingero_agent.records import TCP_EVENT
@@ -221,3 +222,27 @@ def test_an_address_of_several_pods_or_ranks_names_only_what_they_agree_on():
     assert _col(cols, "namespace") == ["ml"] * 4
     assert _col(cols, "owner_source") == ["address-ambiguous", "address-ambiguous", "address",
                                           "address-ambiguous"]
+
+
+def test_a_target_whose_fds_may_not_be_read_is_noted_once_and_matched_by_address(listener, ranks,
+                                                                                  monkeypatch):
+    port = listener.getsockname()[1]
+    p0, sp0 = ranks("127.0.0.1", port)
+    accepted = listener.accept()[0]
+    listdir = sockowners.os.listdir
+
+    def denied(path):   # another user's process, the agent without CAP_DAC_READ_SEARCH
+        if str(path) == f"/proc/{p0.pid}/fd":
+            raise PermissionError(13, "Permission denied", str(path))
+        return listdir(path)
+    monkeypatch.setattr(sockowners.os, "listdir", denied)
+    reg = Registry()
+    reg.by_pid[p0.pid] = Identity(0, "w-0", "ml")
+    reg.by_ip["127.0.0.1"] = Identity(0, "w-0", "ml")
+    lo = _v4("127.0.0.1")
+    for sk in (0xA0, 0xA1):   # two batches, two connections: one note
+        cols = tcp_columns(_rows([(sk, lo, sp0, lo, port)], 2), 0, reg)
+        assert _col(cols, "owner_source") == ["address"] and _col(cols, "rank") == [0]
+    notes = reg.sockets.take_notes()
+    assert len(notes) == 1 and f"/proc/{p0.pid}/fd" in notes[0] and "by address only" in notes[0]
+    accepted.close()
