@@ -213,7 +213,7 @@ TCP_EVENTS_TABLE = Table(
         ("ts_mono_ns", "BIGINT"),
     ) + _IDENTITY,
     "TCP retransmits, resets and state changes, attributed to the pod/rank that owns the "
-    "connection (owner_source says how: socket, current, address or none).",
+    "connection (owner_source says how: socket, current, proc, address, address-ambiguous or none).",
 )
 
 SCHED_EVENTS = Table(

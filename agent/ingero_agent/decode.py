@@ -3,9 +3,10 @@
 Names (op, datatype, event, reason) become dictionary-coded columns
 (``store.dict_column``), bytes = count x datatype size, CLOCK_MONOTONIC
 times become wall-clock times, and each row gets the rank, pod and namespace
-of the process that made it (TCP events: of the socket's owner, else of the
-target pod whose address is the connection's local end). Python runs once per distinct
-pid or address in a batch, never once per row.
+of the process that made it (TCP events: of the socket's owner from the kernel, else of
+the target process holding the connection in /proc, else of the target pod whose
+address is the connection's local end, when only one pod and rank have it). Python runs
+once per distinct pid or connection in a batch, never once per row.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ import ipaddress
 import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from ingero import schema
 from ingero.store import dict_column
-from ingero_agent.records import NCCL_F_IN_GROUP, NCCL_PROF_F_UNFINISHED, OWNER_SOURCES
+from ingero_agent.records import (NCCL_F_IN_GROUP, NCCL_PROF_F_UNFINISHED, OWNER_ADDRESS,
+                                  OWNER_ADDRESS_AMBIGUOUS, OWNER_PROC, OWNER_SOURCES)
+from ingero_agent.sockowners import SocketOwners, fold_address
 
 OP_COMM_SPLIT = 12
 OP_COMM_SHRINK = 17
@@ -59,14 +63,47 @@ class Identity:
 
 
 class Registry:
-    """pid -> identity, and target pod address -> identity, for enrichment."""
+    """pid -> identity; target pod address -> what its owners agree on; and the /proc
+    lookup of a connection's holder (`sockets`, None: addresses only), for enrichment."""
 
-    def __init__(self):
+    def __init__(self, proc: Path | None = Path("/proc")):
         self.by_pid: dict[int, Identity] = {}
         self.by_ip: dict[str, Identity] = {}
+        self.ambiguous_ips: set[str] = set()   # in by_ip, but several pods or ranks have them
+        self.sockets = SocketOwners(proc) if proc is not None else None
 
     def lookup_pid(self, pid: int) -> Identity | None:
         return self.by_pid.get(pid)
+
+    def set_addresses(self, owners: dict[str, list[Identity]]) -> None:
+        """Target addresses from their candidate owners (one identity per pod and rank
+        with the address; rank None when unknown). An address names a pod only when one
+        pod has it (hostNetwork pods share the node's), a rank only when besides that one
+        rank does (a pod may run several); otherwise it is ambiguous and those stay None."""
+        by_ip, ambiguous = {}, set()
+        for ip, idents in owners.items():
+            pods = {(i.pod, i.namespace) for i in idents}
+            ranks = {i.rank for i in idents if i.rank is not None}
+            nss = {i.namespace for i in idents}
+            one_pod = len(pods) == 1
+            by_ip[ip] = Identity(next(iter(ranks)) if one_pod and len(ranks) == 1 else None,
+                                 idents[0].pod if one_pod else None,
+                                 next(iter(nss)) if len(nss) == 1 else None)
+            if len(pods) > 1 or len(ranks) > 1:
+                ambiguous.add(ip)
+        self.by_ip, self.ambiguous_ips = by_ip, ambiguous
+
+    def holder(self, pids: tuple[int, ...] | None) -> int | None:
+        """The pid that names a connection held by `pids`: the only holder, else the only
+        ranked one (a launcher may share a socket with its rank), else the lowest of
+        holders that all have one identity; None when they disagree."""
+        if not pids:
+            return None
+        if len(pids) == 1:
+            return pids[0]
+        idents = {p: self.lookup_pid(p) for p in pids}
+        pool = [p for p in pids if idents[p] and idents[p].rank is not None] or list(pids)
+        return pool[0] if len({idents[p] for p in pool}) == 1 else None
 
 
 def _masked(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -251,28 +288,55 @@ def _unmapped(name: str | None) -> str | None:
     return name
 
 
+def _groups(*cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first row of each distinct key, key number of each row) for rows keyed by several
+    integer columns: np.unique(axis=0) would sort them as bytes, several times slower."""
+    order = np.lexsort(cols[::-1])
+    new = np.zeros(len(order), dtype=bool)
+    new[:1] = True
+    for c in cols:
+        c = c[order]
+        new[1:] |= c[1:] != c[:-1]
+    inv = np.empty(len(order), dtype=np.int64)
+    inv[order] = np.cumsum(new) - 1
+    return order[new], inv
+
+
 def tcp_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
-    n = len(a)
     s_codes, s_names = format_addresses(a["saddr"], a["family"])
     d_codes, d_names = format_addresses(a["daddr"], a["family"])
     pid = a["pid"]
     owner = a["owner_src"].astype(np.int64)
-    # Rows without a known owner: attribute to the target pod whose address is the local end.
+    out_pid = pid.astype(np.int64)
+    keys = out_pid.copy()
     idents: dict[int, Identity | None] = {}
-    row_ident: list[Identity | None] = [None] * n
-    by_ip = reg.by_ip
     unknown = np.flatnonzero(pid == 0)
-    for i in unknown.tolist():
-        ident = by_ip.get(_unmapped(s_names[s_codes[i]]))
-        if ident is not None:
-            row_ident[i] = ident
-            owner[i] = 3   # "address"
-    keys = pid.astype(np.int64).copy()
     if len(unknown):
-        # give each address-attributed row a synthetic key so one lookup table serves all
-        keys[unknown] = -1 - unknown
-        for i in unknown.tolist():
-            idents[-1 - i] = row_ident[i]
+        # Rows without an owner from the kernel, once per distinct connection: the target
+        # process holding it (/proc), else the target pod whose address is the local end.
+        first, inv = _groups(a["skaddr"][unknown], s_codes[unknown], d_codes[unknown],
+                             a["sport"][unknown], a["dport"][unknown])
+        rows = unknown[first].tolist()
+        fam = a["family"]
+        conns = [(int(a["skaddr"][i]), (fold_address(a["saddr"][i].tobytes(), int(fam[i])), int(a["sport"][i]),
+                                        fold_address(a["daddr"][i].tobytes(), int(fam[i])), int(a["dport"][i])))
+                 for i in rows]
+        held = reg.sockets.resolve(conns, reg.by_pid.keys()) if reg.sockets and reg.by_pid else {}
+        src = np.zeros(len(rows), dtype=np.int64)
+        by_proc = np.zeros(len(rows), dtype=np.int64)
+        for j, (i, c) in enumerate(zip(rows, conns)):
+            p = reg.holder(held.get(c))
+            if p is not None:
+                idents[-1 - j], src[j], by_proc[j] = reg.lookup_pid(p), OWNER_PROC, p
+                continue
+            ip = _unmapped(s_names[s_codes[i]])
+            idents[-1 - j] = ident = reg.by_ip.get(ip)
+            if ident is not None:
+                src[j] = OWNER_ADDRESS_AMBIGUOUS if ip in reg.ambiguous_ips else OWNER_ADDRESS
+        # a synthetic key per connection, so one lookup table serves all rows
+        keys[unknown] = -1 - inv
+        owner[unknown] = np.where(src[inv] > 0, src[inv], owner[unknown])
+        out_pid[unknown] = by_proc[inv]   # the holder's pid; its thread is not known
     for p in np.unique(pid[pid != 0]).tolist():
         idents[p] = reg.lookup_pid(p)
     ident = _identity_columns(keys, idents)
@@ -290,7 +354,7 @@ def tcp_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
         "old_state": dict_column(np.where(state_ev, a["oldstate"], -1), schema.TCP_STATES),
         "skaddr": a["skaddr"],
         "owner_source": dict_column(owner, OWNER_SOURCES),
-        "pid": _masked(pid.astype(np.int32), pid == 0),
+        "pid": _masked(out_pid.astype(np.int32), out_pid == 0),
         "tid": _masked(a["tid"].astype(np.int32), pid == 0),
         "cgroup_id": _masked(a["cgroup_id"], a["cgroup_id"] == 0),
         **ident,

@@ -139,12 +139,15 @@ FAMILY_RINGS: dict[str, tuple[str, ...]] = {
 # Nested structs of the records, checked field by field like the records.
 NESTED: dict[str, np.dtype] = {"ingero_nccl_prof_op": NCCL_PROF_OP}
 
-# NCCL_F_* flags and OWNER_* values (bpf/ingero.h)
+# NCCL_F_* flags and OWNER_* values (bpf/ingero.h, then the decoder's own)
 NCCL_F_IN_GROUP = 1
 NCCL_F_COMM_UNKNOWN = 2
 NCCL_F_BCAST_ALIAS = 4
 NCCL_PROF_F_UNFINISHED = 1
-OWNER_SOURCES = {0: "none", 1: "socket", 2: "current", 3: "address"}
+# 0-2 come from the kernel (OWNER_*); 3-5 are set by the decoder for rows the kernel gave no
+# owner (decode.tcp_columns). Codes are stable: append, never renumber.
+OWNER_SOURCES = {0: "none", 1: "socket", 2: "current", 3: "address", 4: "proc", 5: "address-ambiguous"}
+OWNER_ADDRESS, OWNER_PROC, OWNER_ADDRESS_AMBIGUOUS = 3, 4, 5
 
 RINGBUF_BUSY_BIT = 1 << 31
 RINGBUF_DISCARD_BIT = 1 << 30

@@ -74,7 +74,8 @@ class Tracer:
         self.targets = targets
         self.log = log or (lambda msg: print(f"ingero: {msg}", file=sys.stderr, flush=True))
         self.events = {r: 0 for r in FAMILIES}   # per ring
-        self.registry = Registry()
+        # the holders of connections the kernel gave no owner are looked up in the targets' /proc
+        self.registry = Registry(proc=getattr(targets, "proc", Path("/proc")))
         self.comm_rows: list[dict] = []
         self.init_rank: dict[int, tuple[int, int]] = {}   # pid -> (nranks, rank) of its widest comm
         self.nccl_pids: set[int] = set()
@@ -290,6 +291,9 @@ class Tracer:
         elif fam == "nccl_profiler":
             self.nccl_pids.update(np.unique(arr["pid"]).tolist())
         cols = COLUMNS[fam](arr, self.offset_ns, self.registry)
+        if fam == "tcp" and self.registry.sockets is not None:
+            for note in self.registry.sockets.take_notes():
+                self.log(f"note: {note}")
         self.writer.append(TABLES[fam], cols)
         self.events[fam] += len(arr)
 
@@ -344,12 +348,16 @@ class Tracer:
                 rank = self.init_rank[p.pid][1]
             reg.by_pid[p.pid] = Identity(rank, p.pod.name if p.pod else None,
                                          p.pod.namespace if p.pod else None)
+        # Address -> every (pod, rank) with it: hostNetwork pods share the node's address, a
+        # pod may run several ranks; the registry names only what they agree on.
+        owners: dict[str, list[Identity]] = {}
         for pod in self.targets.pods:
             ranks = {reg.by_pid[p.pid].rank for p in self.targets.processes.values()
                      if p.pod is pod and p.pid in reg.by_pid and reg.by_pid[p.pid].rank is not None}
-            ident = Identity(ranks.pop() if len(ranks) == 1 else None, pod.name, pod.namespace)
             for ip in pod.ips:
-                reg.by_ip[ip] = ident
+                owners.setdefault(ip, []).extend(Identity(r, pod.name, pod.namespace)
+                                                 for r in (sorted(ranks) or [None]))
+        reg.set_addresses(owners)
 
     def _put_rows(self, table: str, rows: list[dict]) -> None:
         """Hand a state table to the writer when it changed since the last roll (its file stays)."""
