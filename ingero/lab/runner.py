@@ -45,6 +45,7 @@ class LabConfig:
     ranks_per_node: int = 2
     seconds: float = 20.0          # rank 0 stops the job after this long
     steps: int = 0                 # > 0: stop after this many steps instead
+    stop_file: Path | None = None  # rank 0 also stops the job at its first step after this file exists
     loss_percent: float = 5.0      # lossy-link: % of the victim node's TCP data segments dropped
     victim_rank: int | None = None  # default: the last rank (on the last node)
     ipv6: bool = False             # rendezvous (and so all NCCL traffic) over IPv6
@@ -256,6 +257,8 @@ class LabRun:
             "INGERO_LAB_ELASTIC": "1" if c.elastic else "0", "INGERO_LAB_ELASTIC_STEPS": str(c.elastic_steps),
             "POD_NAMESPACE": rp.pod.namespace, "NODE_NAME": rp.node.name,
         })
+        if c.stop_file is not None:
+            env["INGERO_LAB_STOP_FILE"] = str(Path(c.stop_file).resolve())
         if c.profiler_plugin is not None:
             env["NCCL_PROFILER_PLUGIN"] = str(Path(c.profiler_plugin).resolve())
         if self.layout is not None:

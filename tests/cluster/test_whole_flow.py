@@ -12,6 +12,7 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -279,13 +280,47 @@ def test_a_killed_agent_gives_a_completed_partial_report_naming_its_node(tmp_pat
             assert r["per_op"]["ALL_REDUCE"]["calls"] == flow["stats"][r["rank"]]["steps"], r
 
 
+def _stop_once_traced_again(node: str, stop_file: Path):
+    """A `before` hook: a thread that ends the job (the lab's stop file) 2 s after the
+    restarted agent on `node` records NCCL calls again: it must be killed (its /metrics
+    stops answering), come back, and its nccl_events count grow between two scrapes."""
+    def count(demo) -> float | None:
+        try:
+            text = demo.scrape(demo.agent_metrics_ports[node], f"the agent on {node}")
+        except Exception:      # down (killed), or not listening yet
+            return None
+        return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                   if ln.startswith("ingero_agent_events{") and 'table="nccl_events"' in ln)
+
+    def watch(demo):
+        was_down, seen = False, None
+        while not stop_file.exists():
+            n = count(demo)
+            if n is None:
+                was_down, seen = True, None
+            elif was_down and seen is not None and n > seen:
+                time.sleep(2.0)
+                stop_file.touch()
+                return
+            elif was_down:
+                seen = n
+            time.sleep(0.5)
+
+    def before(demo):
+        threading.Thread(target=watch, args=(demo,), daemon=True).start()
+    return before
+
+
 def test_a_restarted_agent_gets_the_plan_again_and_its_segments_survive(tmp_path):
-    # 40 s of training: after its restart at 5 s the agent needs the operator's next
-    # refresh (2 s) and a BPF compile before it traces again. The compile takes seconds on
-    # a quiet machine and up to ~20 s at load 15: a CI run beside a cpu-hog lab left 16 s
-    # (and before that 10 s) too short to record anything after the restart.
+    # After its restart at 5 s the agent needs the operator's next refresh (2 s) and a BPF
+    # compile before it traces again: seconds on a quiet machine, up to ~20 s at load 15
+    # (a CI run beside a cpu-hog lab left 16 s, and before that 10 s, too short). So the job
+    # ends 2 s after the restarted agent records calls again, and at 40 s at the latest.
+    stop = tmp_path / "stop-the-job"
     flow = run_flow(tmp_path, "clean", kill_agent_node="lab-node-a", kill_agent_after_s=3.0,
-                    restart_agent_after_s=5.0, seconds=40)
+                    restart_agent_after_s=5.0, seconds=40, shape={"stop_file": stop},
+                    before=_stop_once_traced_again("lab-node-a", stop))
+    assert stop.exists(), "the restarted agent on lab-node-a recorded no NCCL call in 40 s"
     st = assert_completed(flow)
     assert not any("partial" in w for w in st.get("warnings") or []), st["warnings"]
     assert all(n["agentReached"] for n in st["nodes"])

@@ -36,7 +36,7 @@
  * INGERO_LAB_FAULT_IO_MB (when set) instead.
  *
  * Rank 0 decides when to stop (INGERO_LAB_STEPS steps or INGERO_LAB_SECONDS
- * seconds) and says so in the last element of every AllReduce, so all ranks
+ * seconds, or earlier at its first step after INGERO_LAB_STOP_FILE exists) and says so in the last element of every AllReduce, so all ranks
  * run the same number of steps. Every result is checked; wrong data exits 4.
  * A dead peer fails the NCCL call after INGERO_LAB_TIMEOUT_S (default 60 s),
  * exit 3. Prints a line every INGERO_LAB_PRINT_EVERY steps and a final JSON
@@ -58,6 +58,7 @@
 #include "nccl.h"
 
 static int g_rank = -1;
+static const char *g_stop_file;   /* INGERO_LAB_STOP_FILE: rank 0 stops once it exists */
 static int g_nonblocking;   /* INGERO_LAB_NONBLOCKING: non-blocking communicators */
 static int g_async;         /* the device is GPU-like: work runs after the call returned */
 
@@ -128,6 +129,12 @@ static double now_s(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+/* Rank 0's stop decision at the end of a step. */
+static int stop_now(long step, long steps_max, double t0, double seconds) {
+  return (steps_max > 0 && step + 1 >= steps_max) || (seconds > 0 && now_s() - t0 >= seconds) ||
+         (g_stop_file && access(g_stop_file, F_OK) == 0);
 }
 
 /* ---- the tiny store: rank 0 serves the unique id to WORLD_SIZE-1 ranks --- */
@@ -479,7 +486,7 @@ static int run_layout(const char *spec, int world, int node, int local_rank, con
       settle(ncclReduceScatter(dps, dpr, dp_n / D, ncclFloat32, ncclSum, DP, NULL), "ncclReduceScatter", DP);
       settle(ncclAllGather(dpr, dpg, dp_n / D, ncclFloat32, DP, NULL), "ncclAllGather", DP);
     }
-    int stop = (steps_max > 0 && step + 1 >= steps_max) || (seconds > 0 && now_s() - t0 >= seconds);
+    int stop = stop_now(step, steps_max, t0, seconds);
     flag[0] = g_rank == 0 ? (float)stop : 0.0f;
     flag[1] = flag[2] = flag[3] = 1.0f;
     settle(ncclAllReduce(flag, flag, 4, ncclFloat32, ncclSum, W, NULL), "ncclAllReduce(world)", W);
@@ -526,6 +533,7 @@ int main(void) {
   if (g_rank < 0 || world < 1 || g_rank >= world) die(2, "RANK and WORLD_SIZE must be set, 0 <= RANK < WORLD_SIZE%s%s", "", "");
   long steps_max = env_long("INGERO_LAB_STEPS", 0);
   double seconds = env_double("INGERO_LAB_SECONDS", steps_max > 0 ? 0 : 20);
+  g_stop_file = getenv("INGERO_LAB_STOP_FILE") && *getenv("INGERO_LAB_STOP_FILE") ? getenv("INGERO_LAB_STOP_FILE") : NULL;
   double cpu_ms = env_double("INGERO_LAB_CPU_MS", 3), compute_ms = env_double("INGERO_LAB_COMPUTE_MS", 40);
   long elems = env_long("INGERO_LAB_ELEMS", 262144), io_mb = env_long("INGERO_LAB_IO_MB", 0);
   long every = env_long("INGERO_LAB_PRINT_EVERY", 10);
@@ -612,7 +620,7 @@ int main(void) {
     compute(faulty ? fault_compute_ms : compute_ms);
     long mb = faulty ? fault_io_mb : io_mb;
     if (mb > 0 && !g_async) checkpoint(io_dir, g_rank, mb, junk, junk_len);
-    int stop = (steps_max > 0 && step + 1 >= steps_max) || (seconds > 0 && now_s() - t0 >= seconds);
+    int stop = stop_now(step, steps_max, t0, seconds);
     float base = (float)(step % 5);
     for (long i = 0; i < elems - 1; i++) send[i] = (float)(g_rank + 1) * (float)(i % 7 + 1) + base;
     send[elems - 1] = g_rank == 0 ? (float)stop : 0.0f;
