@@ -62,7 +62,11 @@ def test_off_cpu_time_is_recorded_by_reason_for_target_threads_only(trace, make_
     assert all(d >= 2_000_000 for (d,) in t.query("SELECT duration_ns FROM sched_events"))
     totals = dict(((pid, reason), total) for pid, reason, total in
                   t.query("SELECT pid, reason, total_ns FROM sched_totals"))
-    assert totals[(sleeper.pid, "sleep")] >= 300_000_000
+    # Each of the 10 sleeps is 30 ms from the timer's start to the wake-up. The timer starts just
+    # before the switch out: a preemption in between is runqueue time, and so is the wait after
+    # the wake-up on a busy machine. Sleep and runqueue together cover the 300 ms, sleep most.
+    slept, queued = totals[(sleeper.pid, "sleep")], totals.get((sleeper.pid, "runqueue"), 0)
+    assert slept + queued >= 0.98 * 300_000_000 and slept >= 150_000_000, (slept, queued)
     assert totals[(waiter.pid, "io")] >= 5 * 35_000_000
     assert all(totals.get((b.pid, "runqueue"), 0) > 100_000_000 for b in burners)
     assert not any(pid == outsider.pid for pid, _ in totals)
