@@ -6,6 +6,10 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# `make test` runs the suite in two worker processes (pytest-xdist): the lab's verdict and
+# timing tests one after another in one of them (tests/conftest.py, SERIAL), everything else
+# beside them in the other. PYTEST_JOBS=0: one process, as `pytest` alone runs it.
+PYTEST_JOBS ?= 2
 DEB_PACKAGES := python3-bpfcc python3-venv linux-headers-amd64 nftables iproute2 ethtool gcc make libc6-dev kmod procps systemtap-sdt-dev openssl
 SCENARIO ?= lossy-link
 DEMO_ARGS ?=
@@ -26,7 +30,7 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_JOBS) $(PYTEST_ARGS)
 
 test-unit: venv
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

@@ -57,13 +57,53 @@ def pytest_runtest_makereport(item, call):
     rep = outcome.get_result()
     if not (rep.skipped and in_ci()) or hasattr(rep, "wasxfail"):
         return
-    where = Path(str(item.fspath)).resolve().relative_to(ROOT).as_posix()
+    where = _where(item)
     if where.startswith(MAY_SKIP_IN_CI):
         return
     reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
     rep.outcome = "failed"
     rep.longrepr = (f"CI=true: {where} must run in CI, but it skipped: {reason} "
                     "(fix the machine's setup in the Makefile, not the test)")
+
+
+# ---- two workers: the lab one job at a time, the rest beside it ----------------------------
+# `make test` runs pytest-xdist with two workers (-n 2). The lab's jobs (every
+# lab verdict: whole flows, layouts, GPU-like, cpu-hog) and the eBPF tests that time the
+# machine (device-clock fit, off-CPU totals, ring wake-ups, the agent under load) form one
+# group: they run one after another in one worker, first, as they would in a serial run, with
+# CI's background load beside them (background_load). The other worker takes everything else
+# a file at a time (unit, chart, the probe and capability tests, each in its own cgroups:
+# test_cgroup_prefix), and the lab worker joins it when the lab is done.
+
+SERIAL = ("tests/cluster/", "tests/lab/", "tests/bpf/test_lab_", "tests/bpf/test_nccl_profiler.py",
+          "tests/bpf/test_sched_probes.py", "tests/bpf/test_ring_wakeups.py", "tests/bpf/test_agent_load.py")
+
+
+def _where(item) -> str:
+    return Path(str(item.fspath)).resolve().relative_to(ROOT).as_posix()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The lab group first, in its files' order, then the rest (a serial run sees the same)."""
+    serial = [it for it in items if _where(it).startswith(SERIAL)]
+    picked = set(map(id, serial))
+    items[:] = serial + [it for it in items if id(it) not in picked]
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """The work units of `-n N` (the load modes): the lab group is one unit, every other test
+    file one. (xdist's own `--dist loadgroup` would do it from xdist_group marks, but its
+    renamed node ids have no effect since pytest 9.2.)"""
+    if config.getvalue("dist") not in ("load", "loadscope", "loadfile", "loadgroup"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LabThenFiles(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "lab" if path.startswith(SERIAL) else path
+
+    return LabThenFiles(config, log)
 
 
 # ---- nothing the suite creates in the cgroup tree outlives it -----------------------------
