@@ -177,6 +177,7 @@ class TargetSet:
         self.self_pid = self_pid if self_pid is not None else os.getpid()
         self.processes: dict[int, Process] = {}
         self.pod_dirs: dict[str, list[Path]] = {}   # pod uid -> its cgroup folders
+        self.cgroup_by_id: dict[int, tuple[Path, Pod | None]] = {}   # target cgroup id -> folder, pod (last scan)
         self._libraries: set[tuple[int, int]] = set()   # NCCL libraries and profiler plugins
         # NCCL library paths as the pods' containers see them (--nccl-lib, a TraceSession's
         # ncclLibPath): looked up through /proc/<pid>/root of each new target process, so
@@ -250,12 +251,15 @@ class TargetSet:
         roots: list[tuple[Path, Pod | None]] = [(d, None) for d in self.cgroup_dirs]
         by_uid = {p.uid: p for p in self.pods}
         roots += [(d, by_uid[uid]) for uid, dirs in self.pod_dirs.items() for d in dirs]
+        by_id: dict[int, tuple[Path, Pod | None]] = {}
         for root, pod in roots:
             for d in cgroups.walk_dirs(root):
                 try:
-                    ids.add(cgroups.cgroup_id(d))
+                    cid = cgroups.cgroup_id(d)
                 except OSError:
                     continue
+                ids.add(cid)
+                by_id[cid] = (d, pod)
             for pid, d in cgroups.procs_below(root).items():
                 members[pid] = (d, pod)
         for pid in self.pids:
@@ -265,6 +269,7 @@ class TargetSet:
                 if e.name.isdigit():
                     members.setdefault(int(e.name), (None, None))
         members.pop(self.self_pid, None)
+        self.cgroup_by_id = by_id
         return members, ids
 
     def scan(self, now_wall_ns: int | None = None, quick: bool = False) -> Snapshot:
@@ -335,19 +340,29 @@ class TargetSet:
                         new_profilers=new_plugins, new_processes=fresh, awaiting_library=awaiting,
                         notes=notes)
 
-    def learn(self, pids) -> int:
+    def learn(self, pids, cgroup_of: dict[int, int] | None = None) -> int:
         """Add processes the kernel reported as targets before a scan listed them.
 
-        Returns how many were added (a pid that is gone already is skipped).
+        `cgroup_of`: pid -> the cgroup id its events carry. A process that is gone already
+        (it ran and exited between two scans: a short-lived or crash-looping rank) is added,
+        not alive, when that id is a target cgroup of the last scan: its pod is that
+        cgroup's, its environment unknown. Otherwise a gone pid is skipped. Returns how many
+        were added.
         """
         added = 0
         for pid in pids:
             if pid in self.processes:
                 continue
             ticks = start_time_ticks(pid, self.proc)
-            if ticks is None:
+            if ticks is not None:
+                self.processes[pid] = self._new_process(pid, ticks, None, None, time.time_ns())
+            elif cgroup_of and cgroup_of.get(pid) in self.cgroup_by_id:
+                d, pod = self.cgroup_by_id[cgroup_of[pid]]
+                self.processes[pid] = Process(pid=pid, start_ticks=None, name=None, env={}, cgroup_path=d,
+                                              cgroup_id=cgroup_of[pid], pod=pod, first_seen_ns=time.time_ns(),
+                                              alive=False)
+            else:
                 continue
-            self.processes[pid] = self._new_process(pid, ticks, None, None, time.time_ns())
             added += 1
         return added
 

@@ -281,9 +281,11 @@ class Tracer:
     def _handle(self, fam: str, arr: np.ndarray) -> None:
         pids = [p for p in np.unique(arr["pid"]).tolist()
                 if p and p not in self.registry.by_pid and p not in self._unknown_pids]
-        if pids:   # started and traced between two scans: identify it now
+        if pids:   # started and traced between two scans: identify it now (or, gone, by its cgroup)
             self._news = True
-            self.targets.learn(pids)
+            first = np.unique(arr["pid"], return_index=True)
+            cgroup_of = dict(zip(first[0].tolist(), arr["cgroup_id"][first[1]].tolist()))
+            self.targets.learn(pids, cgroup_of)
             self._unknown_pids.update(p for p in pids if p not in self.targets.processes)
             self._update_registry()
         if fam == "nccl":

@@ -120,3 +120,25 @@ def test_the_profiler_plugin_is_looked_for_in_nccl_processes_and_reported_once(t
     assert [p.name for p, _ in ts.scan().new_profilers] == ["libnccl-profiler-ingero.so"]
     ts.processes[4242].last_lib_check = 0.0
     assert ts.scan().new_profilers == []             # reported once per file
+
+
+def test_a_process_gone_before_any_scan_gets_its_pod_from_the_cgroup_its_events_carry(tmp_path):
+    # A rank that starts and exits between two scans (a short or crash-looping one) is known
+    # only by its events: its pid is gone from /proc, its events' cgroup id is its pod's.
+    root = tmp_path / "cg"
+    pod = root / f"kubepods-pod{UID.replace('-', '_')}.slice"
+    cont = pod / "cri-containerd-c0.scope"
+    cont.mkdir(parents=True)
+    (pod / "cgroup.procs").write_text("")
+    (cont / "cgroup.procs").write_text("")
+    (tmp_path / "proc").mkdir()
+    ts = TargetSet(pods=load_pods(_pods_file(tmp_path, root)), node="n1", proc=tmp_path / "proc", self_pid=1)
+    ts.scan()
+    cid = cont.stat().st_ino
+    assert ts.learn([777, 778], {777: cid, 778: 12345}) == 1     # 778: not a target cgroup
+    p = ts.processes[777]
+    assert (p.pod.name, p.cgroup_path, p.cgroup_id, p.alive, p.env) == ("w-0", cont, cid, False, {})
+    assert 778 not in ts.processes
+    ts.scan()                                              # stays known, not alive
+    assert ts.processes[777].pod.name == "w-0" and not ts.processes[777].alive
+    assert ts.learn([779]) == 0                            # without the events' cgroup: skipped, as before
