@@ -37,6 +37,17 @@ def _proc(tmp: Path, pid: int, env: bytes, maps: str, root: Path) -> None:
     (d / "root").symlink_to(root)
 
 
+def _pod_tree(tmp: Path, procs: str = "") -> tuple[Path, Path, Path]:
+    """(cgroup root, the pod's folder, its container's folder holding `procs`), systemd style."""
+    root = tmp / "cg"
+    pod = root / f"kubepods-pod{UID.replace('-', '_')}.slice"
+    cont = pod / "cri-containerd-c0.scope"
+    cont.mkdir(parents=True)
+    (pod / "cgroup.procs").write_text("")
+    (cont / "cgroup.procs").write_text(procs)
+    return root, pod, cont
+
+
 def test_pods_file_errors_name_the_file_and_item(tmp_path):
     f = tmp_path / "p.json"
     f.write_text(json.dumps({"pods": [{"name": "a", "uid": "u", "ips": ["nope"]}]}))
@@ -56,12 +67,7 @@ def test_ip_keys_put_ipv4_in_the_first_four_bytes():
 def test_scan_finds_the_pod_its_processes_ranks_ips_and_library(tmp_path):
     if shutil.which("gcc") is None:
         pytest.skip("gcc is not installed: cannot build the fixture NCCL library")
-    root = tmp_path / "cg"
-    pod = root / f"kubepods-pod{UID.replace('-', '_')}.slice"
-    cont = pod / "cri-containerd-c0.scope"
-    cont.mkdir(parents=True)
-    (pod / "cgroup.procs").write_text("")
-    (cont / "cgroup.procs").write_text("4242\n")
+    root, pod, cont = _pod_tree(tmp_path, "4242\n")
     croot = tmp_path / "rootfs"
     (croot / "lib").mkdir(parents=True)
     (croot / "lib/n.c").write_text("int ncclAllReduce(void){return 0;}\n")
@@ -125,12 +131,7 @@ def test_the_profiler_plugin_is_looked_for_in_nccl_processes_and_reported_once(t
 def test_a_process_gone_before_any_scan_gets_its_pod_from_the_cgroup_its_events_carry(tmp_path):
     # A rank that starts and exits between two scans (a short or crash-looping one) is known
     # only by its events: its pid is gone from /proc, its events' cgroup id is its pod's.
-    root = tmp_path / "cg"
-    pod = root / f"kubepods-pod{UID.replace('-', '_')}.slice"
-    cont = pod / "cri-containerd-c0.scope"
-    cont.mkdir(parents=True)
-    (pod / "cgroup.procs").write_text("")
-    (cont / "cgroup.procs").write_text("")
+    root, _pod, cont = _pod_tree(tmp_path)
     (tmp_path / "proc").mkdir()
     ts = TargetSet(pods=load_pods(_pods_file(tmp_path, root)), node="n1", proc=tmp_path / "proc", self_pid=1)
     ts.scan()
