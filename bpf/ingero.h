@@ -322,6 +322,48 @@ static __always_inline int ingero_is_target(u32 tgid, u64 cgid)
     return 0;
 }
 
+/* ingero_is_target() of the current thread, cached in the thread's own
+ * task-local storage where the kernel has it (-D INGERO_TASK_STORAGE, see
+ * bpf/nccl.c): the verdict depends only on the tgid (fixed for a thread), the
+ * cgroup (checked) and the target maps (target_gen changes with them). The
+ * sched and TCP hooks run for every thread of the machine, on every context
+ * switch and socket read or write; a cached verdict costs one storage lookup
+ * and one array read instead of two hash lookups and the ancestor walk (up to
+ * INGERO_CGROUP_LEVELS helper calls and lookups) for a thread that is no
+ * target. Every thread that reaches a hook gets a slot, freed by the kernel
+ * with the thread; where none can be had (no memory, or a nested program
+ * holds the task's storage lock) the filter runs uncached. */
+#ifndef INGERO_TASK_STORAGE
+#define INGERO_TASK_STORAGE 0
+#endif
+#if INGERO_TASK_STORAGE
+struct ingero_verdict {
+    u64 gen;          /* target_gen + 1 when `target` was decided (0: never) */
+    u64 cgid;         /* the thread's cgroup then */
+    u32 target;
+    u32 _pad;
+};
+BPF_TASK_STORAGE(target_verdicts, struct ingero_verdict);
+#endif
+
+static __always_inline int ingero_current_is_target(u32 tgid, u64 cgid)
+{
+#if INGERO_TASK_STORAGE
+    struct ingero_verdict *v = target_verdicts.task_storage_get(bpf_get_current_task_btf(), 0,
+                                                                BPF_LOCAL_STORAGE_GET_F_CREATE);
+    if (v) {
+        u64 gen = ingero_target_gen() + 1;
+        if (v->gen != gen || v->cgid != cgid) {
+            v->target = ingero_is_target(tgid, cgid);
+            v->gen = gen;
+            v->cgid = cgid;
+        }
+        return v->target;
+    }
+#endif
+    return ingero_is_target(tgid, cgid);
+}
+
 #if INGERO_EXEC_NOTIFY
 /* A target process started a program (exec): tell the agent at once, so it
  * looks for the program's NCCL library now rather than at its next periodic

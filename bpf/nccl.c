@@ -142,10 +142,7 @@ struct nccl_frame {
  *      below). Not LRU: an LRU lookup costs ~9% more per call.
  *
  * bench/uprobe_cost.py --bpf-stats measures the programs' run time per call. */
-#ifndef INGERO_TASK_STORAGE
-#define INGERO_TASK_STORAGE 0
-#endif
-#if INGERO_TASK_STORAGE
+#if INGERO_TASK_STORAGE   /* its default: bpf/ingero.h */
 BPF_TASK_STORAGE(nccl_frames, struct nccl_frame);
 
 /* The current thread's slot; `create`: make a zeroed one if it has none. */

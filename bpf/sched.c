@@ -110,7 +110,7 @@ TRACEPOINT_PROBE(sched, sched_switch)
         return 0;  /* the idle task */
     u64 id = bpf_get_current_pid_tgid();
     u64 cgid = bpf_get_current_cgroup_id();
-    if (!ingero_is_target(id >> 32, cgid))
+    if (!ingero_current_is_target(id >> 32, cgid))
         return 0;
     long state = args->prev_state;
     struct offcpu_start st = {.ts = now, .cgroup_id = cgid, .tgid = id >> 32};

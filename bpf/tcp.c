@@ -87,7 +87,7 @@ static __always_inline void tcp_note_owner(u64 sk)
         return;
     u64 id = bpf_get_current_pid_tgid();
     u64 cgid = bpf_get_current_cgroup_id();
-    if (!ingero_is_target(id >> 32, cgid))
+    if (!ingero_current_is_target(id >> 32, cgid))
         return;
     struct sock_owner *cur = sock_owners.lookup(&sk);
     if (cur && cur->tgid == (u32)(id >> 32) && cur->tid == (u32)id)
@@ -130,7 +130,7 @@ static __always_inline void tcp_submit(struct ingero_tcp_event *e, int in_proces
     } else if (in_process) {
         u64 id = bpf_get_current_pid_tgid();
         u64 cgid = bpf_get_current_cgroup_id();
-        if (ingero_is_target(id >> 32, cgid)) {
+        if (ingero_current_is_target(id >> 32, cgid)) {
             e->owner_src = OWNER_CURRENT;
             e->pid = id >> 32;
             e->tid = (u32)id;

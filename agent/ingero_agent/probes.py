@@ -58,10 +58,12 @@ KERNEL_BTF = Path("/sys/kernel/btf/vmlinux")
 
 
 def task_storage_available() -> bool:
-    """Can the NCCL probes keep per-thread frames in task-local storage?
+    """Can the probes keep per-thread state in task-local storage?
 
+    (The NCCL probes' frames, and every family's cached target verdict.)
     BPF_MAP_TYPE_TASK_STORAGE and bpf_get_current_task_btf in kprobe/uprobe
-    programs need kernel >= 5.11 built with BTF (/sys/kernel/btf/vmlinux).
+    and tracepoint programs need kernel >= 5.11 built with BTF
+    (/sys/kernel/btf/vmlinux).
     INGERO_FRAME_STORAGE=hash behaves as on a kernel without them (to test the
     fallback)."""
     if os.environ.get("INGERO_FRAME_STORAGE") == "hash":
@@ -74,7 +76,8 @@ def task_storage_available() -> bool:
 
 
 def frame_storage(cfg: "ProbeConfig") -> str:
-    """task or hash: where bpf/nccl.c keeps the per-thread frames (INGERO_TASK_STORAGE)."""
+    """task or hash: where bpf/nccl.c keeps the per-thread frames and bpf/ingero.h the
+    per-thread target verdicts (INGERO_TASK_STORAGE; hash: frames in a hash, verdicts not cached)."""
     if cfg.frame_storage == "auto":
         return "task" if task_storage_available() else "hash"
     return cfg.frame_storage
@@ -105,7 +108,7 @@ class ProbeConfig:
     ringbuf_pages: int = 2048          # per family; 8 MiB with 4 KiB pages (power of 2)
     self_tgid: int = 0                 # the agent itself is never traced
     max_targets: int = 4096            # capacity of each filter map
-    frame_storage: str = "auto"        # NCCL per-thread frames: task (storage), hash, auto
+    frame_storage: str = "auto"        # per-thread NCCL frames and target verdicts: task, hash, auto
 
     def __post_init__(self):
         unknown = [f for f in self.families if f not in ALL_FAMILIES]
@@ -176,10 +179,10 @@ def build_program(cfg: ProbeConfig, src: Path | None = None) -> tuple[str, list[
         f"-DINGERO_RINGBUF_PAGES={int(cfg.ringbuf_pages)}",
         f"-DINGERO_SELF_TGID={int(cfg.self_tgid)}",
         f"-DINGERO_MAX_TARGETS={int(cfg.max_targets)}",
+        f"-DINGERO_TASK_STORAGE={int(frame_storage(cfg) == 'task')}",
     ] + flags
     if "nccl" in cfg.families:
         cflags += abi.cflags()     # where each NCCL argument is on this machine
-        cflags.append(f"-DINGERO_TASK_STORAGE={int(frame_storage(cfg) == 'task')}")
         cflags.append(f"-DINGERO_NCCLPROF_REGS={int(abi.machine().name == 'x86_64')}")
     return "".join(parts), cflags, notes
 
@@ -209,15 +212,17 @@ class Probes:
                     for fn in (b"nccl_enter_ncclAllReduce", b"nccl_return"):   # verify now
                         self.bpf.load_func(fn, BPF.KPROBE)
             except Exception:
-                # Task-local frames chosen by kernel version, yet the kernel refused them
-                # (e.g. a backport without the helper for uprobes): frames in a hash.
+                # Task-local storage chosen by kernel version, yet the kernel refused it
+                # (e.g. a backport without the helper for uprobes or tracepoints): NCCL
+                # frames in a hash, target verdicts not cached.
                 if cfg.frame_storage != "auto" or "-DINGERO_TASK_STORAGE=1" not in self.cflags:
                     raise
                 self.cflags = [("-DINGERO_TASK_STORAGE=0" if f == "-DINGERO_TASK_STORAGE=1" else f)
                                for f in self.cflags]
                 self.bpf = BPF(text=self.text.encode(), cflags=self.cflags)
-                self.notes.append("the kernel refused task-local storage for the NCCL probes' "
-                                  "per-thread frames: they are kept in a hash (slower per call)")
+                self.notes.append("the kernel refused task-local storage for the probes' per-thread "
+                                  "state: NCCL frames are kept in a hash and the target filter runs "
+                                  "uncached (slower per call and per event)")
         except Exception as e:  # bcc raises bare Exception with the compiler output on stderr
             raise IngeroError(f"loading the BPF program failed ({e}); the compiler/verifier "
                               "output above says why") from e
