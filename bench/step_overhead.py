@@ -1,9 +1,11 @@
 """Step-time overhead of tracing: the lab workload with every probe on vs none.
 
-    python -m bench.step_overhead [--rounds 3] [--seconds 8] [--device cpu,gpu] [--baseline DIR] [--bpf-stats]
+    python -m bench.step_overhead [--rounds 3] [--seconds 8] [--device cpu,gpu] [--nodes 2 --ranks-per-node 2]
+                                  [--baseline DIR] [--bpf-stats]
 
-Runs the clean lab scenario (2 nodes x 2 ranks) alternately without and with
-`--trace` (all probes: nccl, tcp, sched; one tracer per lab node), so both
+Runs the clean lab scenario (2 nodes x 2 ranks; `--nodes`, `--ranks-per-node`)
+alternately without and with `--trace` (all probes: nccl, tcp, sched; one
+tracer per lab node), so both
 see the same machine noise, and compares the job's mean step time: the
 median of each set, and the median of the per-round ratios (traced over the
 untraced run just before it), which drifting load on a shared machine
@@ -75,15 +77,18 @@ def bpf_sample(out: Path) -> tuple[int, bool]:
 
 
 def one_run(out: Path, seconds: float, trace: bool, code: Path | None = None, device: str = "cpu",
-            bpf_stats: bool = False) -> tuple[float, float | None, float | None]:
+            bpf_stats: bool = False, shape: tuple[int, int] = (2, 2)
+            ) -> tuple[float, float | None, float | None]:
     """(mean step ms over the ranks, the tracers' CPU while tracing as % of one core, summed,
     the tracers' BPF programs' run time while the ranks ran in microseconds per second, when
     `bpf_stats` and traced).
 
     `code`: run this copy of the repository instead of the installed one. `device` gpu:
-    the GPU-like device, and traced means with the profiler plugin too."""
+    the GPU-like device, and traced means with the profiler plugin too. `shape`: (lab nodes,
+    ranks per node)."""
     cmd = [sys.executable, "-m", "ingero", "lab", "run", "--scenario", "clean",
-           "--seconds", str(seconds), "--out", str(out)] + (["--trace"] if trace else [])
+           "--seconds", str(seconds), "--out", str(out), "--nodes", str(shape[0]),
+           "--ranks-per-node", str(shape[1])] + (["--trace"] if trace else [])
     if device != "cpu":
         cmd += ["--device", device] + (["--profiler"] if trace else [])
     env = None
@@ -137,12 +142,17 @@ def main(argv=None) -> dict:
                     help="the lab device(s); several are alternated in every round (default cpu)")
     ap.add_argument("--baseline", type=Path, metavar="DIR",
                     help="also trace with the code in this copy of the repository (before/after)")
+    ap.add_argument("--nodes", type=int, default=2, help="lab nodes (one tracer each); default 2")
+    ap.add_argument("--ranks-per-node", type=int, default=2, help="default 2")
     ap.add_argument("--bpf-stats", action="store_true",
                     help="also report the tracers' BPF run time (kernel.bpf_stats_enabled for the run)")
     a = ap.parse_args(argv)
     devices = [d.strip() for d in a.device.split(",")]
     if a.rounds < 1 or a.seconds <= 0:
         raise SystemExit("bench.step_overhead: --rounds must be >= 1 and --seconds > 0")
+    if a.nodes < 1 or a.ranks_per_node < 1 or a.nodes * a.ranks_per_node < 2:
+        raise SystemExit("bench.step_overhead: --nodes and --ranks-per-node must be >= 1, with 2 ranks "
+                         "or more in all")
     if not devices or any(d not in DEVICES for d in devices) or len(set(devices)) != len(devices):
         raise SystemExit(f"bench.step_overhead: --device {a.device}: use cpu, gpu or cpu,gpu")
     base = a.baseline.resolve() if a.baseline else None
@@ -171,8 +181,10 @@ def _rounds(a, devices: list[str], base: Path | None) -> dict:
         for i in range(a.rounds):
             for dev in devices:
                 st, d = sets[dev], Path(tmp) / dev
-                st["off"].append(one_run(d / f"off{i}", a.seconds, trace=False, device=dev)[0])
-                step, c, bpf = one_run(d / f"on{i}", a.seconds, trace=True, device=dev, bpf_stats=a.bpf_stats)
+                shape = (a.nodes, a.ranks_per_node)
+                st["off"].append(one_run(d / f"off{i}", a.seconds, trace=False, device=dev, shape=shape)[0])
+                step, c, bpf = one_run(d / f"on{i}", a.seconds, trace=True, device=dev, bpf_stats=a.bpf_stats,
+                                       shape=shape)
                 st["on"].append(step)
                 if c is not None:
                     st["cpu"].append(c)
@@ -184,7 +196,7 @@ def _rounds(a, devices: list[str], base: Path | None) -> dict:
                         + (f", BPF {bpf:.0f} us/s" if bpf is not None else ""))
                 if base is not None:
                     step, c, bpf = one_run(d / f"base{i}", a.seconds, trace=True, code=base, device=dev,
-                                           bpf_stats=a.bpf_stats)
+                                           bpf_stats=a.bpf_stats, shape=shape)
                     st["b_on"].append(step)
                     if c is not None:
                         st["b_cpu"].append(c)
