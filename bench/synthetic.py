@@ -512,7 +512,8 @@ OFFCPU_REASON = {"cpu-contention": "runqueue", "io": "io"}
 def pipeline_session(seg_dir, tp: int, pp: int, dp: int, nodes: int, steps: int = 12,
                      fault: str = "clean", victim: int | None = None, stage_slow: int = 1,
                      slow: float = 1.5, imbalance: float = 1.0, seed: int = 5, lossy_node: int = 0,
-                     loss_ms: float = 2.0, skew_ns=None, gpu: str | None = None, **kw) -> dict:
+                     loss_ms: float = 2.0, skew_ns=None, gpu: str | None = None, busy: float = 0.0,
+                     **kw) -> dict:
     """Write a simulated tp x pp x dp session below `seg_dir` (one folder per node, ranks
     in order over nodes) and return the ground truth: the planted saving per step (the
     same run without the fault, same noise), the victim, stage or lossy node.
@@ -527,7 +528,9 @@ def pipeline_session(seg_dir, tp: int, pp: int, dp: int, nodes: int, steps: int 
     `gpu`: the job runs on GPUs, where an NCCL call returns once its work is queued: the
     host calls (nccl_events) are enqueue times, up to a few ms ahead of the device, 20 us
     long; with "plugin" the profiler plugin's rows (nccl_profiler_events) carry the
-    simulated times as device start/end, NCCL's comm hash and per-function seq."""
+    simulated times as device start/end, NCCL's comm hash and per-function seq.
+    `busy`: a busy machine under the fault: every rank's work x U(1, 1 + busy) per step
+    (other draws than `imbalance`'s); the planted saving's run keeps it."""
     from pathlib import Path
 
     from ingero.store import SegmentWriter
@@ -547,6 +550,10 @@ def pipeline_session(seg_dir, tp: int, pp: int, dp: int, nodes: int, steps: int 
         fac = lambda r, s: float(draws[r, s])
     else:
         fac = None
+    if busy:
+        noise = np.random.default_rng([seed, 98]).uniform(1.0, 1.0 + busy, (world, steps))
+        inner = fac
+        fac = lambda r, s: (inner(r, s) if inner else 1.0) * float(noise[r, s])
     extra = None
     if fault == "network":
         lrng = np.random.default_rng([seed, 7])
@@ -555,7 +562,8 @@ def pipeline_session(seg_dir, tp: int, pp: int, dp: int, nodes: int, steps: int 
             on = {m // rpn == lossy_node for m in members}
             return float(lrng.uniform(0.5, 1.5) * loss_ms * 1e6) if on == {True, False} else 0.0
     run = simulate_pipeline(tp, pp, dp, steps, seed=seed, factor=fac, extra=extra, **kw)
-    fixed = simulate_pipeline(tp, pp, dp, steps, seed=seed, **kw)
+    fixed = simulate_pipeline(tp, pp, dp, steps, seed=seed,
+                              factor=(lambda r, s: float(noise[r, s])) if busy else None, **kw)
     if fault == "imbalance":
         # every rank at the median draw, without the jitter: the engine's "fix everyone" caps
         # each rank's work at its position's median, which removes the jitter above it too
