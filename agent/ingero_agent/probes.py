@@ -402,11 +402,13 @@ class Probes:
         if self.waiter is not None:
             self.waiter.close()
             self.waiter = None
+        names = list(self.bpf.uprobe_fds)
         try:
             self._detach_side_by_side()
             self.bpf.cleanup()
         except Exception:
             pass
+        uprobe_names.remove_left(names)   # any whose removal met a not yet released event
 
     def _detach_side_by_side(self) -> None:
         """Detach every uprobe and tracepoint side by side; bcc's cleanup() then finds none

@@ -16,6 +16,7 @@ per-tracer number for the path and the offset.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 MAX_EVENT_NAME = 64   # the kernel's MAX_EVENT_NAME_LEN for probe events
@@ -67,6 +68,38 @@ def remove_stale(tracer_pid: int, tracefs: Path | None = None) -> list[str]:
         except OSError:
             pass                                   # busy or not ours to remove: leave it
     return removed
+
+
+def remove_left(names: list, tries: int = 20, pause_s: float = 0.05, tracefs: Path | None = None) -> int:
+    """At a tracer's exit, after its probes were detached: remove those of its uprobe events
+    `names` (bcc's event names) that are still defined. bcc closes an event's perf fd and then
+    writes its removal; the kernel refuses that (EBUSY) while the closed event is not yet
+    released, which a busy machine makes likelier, and bcc does not try again. Retried
+    `tries` times, `pause_s` apart; returns how many are left."""
+    events = (tracefs or tracefs_dir()) / "uprobe_events"
+    want = {n.decode() if isinstance(n, bytes) else str(n) for n in names}
+    left: list[str] = []
+    for i in range(tries + 1):
+        try:
+            lines = events.read_text().splitlines()
+        except OSError:
+            return 0
+        left = []
+        for line in lines:
+            head = line.split(None, 1)[0] if line.strip() else ""
+            kind, _, full = head.partition(":")          # p:uprobes/p_ingero_42_0_0x1139
+            if kind in ("p", "r") and full.rpartition("/")[2] in want:
+                left.append(full)
+        if not left or i == tries:
+            break
+        if i:
+            time.sleep(pause_s)
+        for full in left:
+            try:
+                write_events(events, f"-:{full}\n")
+            except OSError:
+                pass                                       # still busy: the next round
+    return len(left)
 
 
 def write_events(events: Path, command: str) -> None:
