@@ -51,16 +51,10 @@ def remove_stale(tracer_pid: int, tracefs: Path | None = None) -> list[str]:
     one has this pid, so none of them is in use; creating one again would fail (EEXIST).
     Returns the names removed."""
     events = (tracefs or tracefs_dir()) / "uprobe_events"
-    try:
-        lines = events.read_text().splitlines()
-    except OSError:
-        return []
     mine = f"_ingero_{tracer_pid}_"
     removed = []
-    for line in lines:
-        head = line.split(None, 1)[0] if line.strip() else ""
-        kind, _, full = head.partition(":")          # p:uprobes/p_ingero_42_0_0x1139
-        if kind not in ("p", "r") or mine not in full:
+    for full in _defined(events) or ():
+        if mine not in full:
             continue
         try:
             write_events(events, f"-:{full}\n")
@@ -78,20 +72,11 @@ def remove_left(names: list, tries: int = 20, pause_s: float = 0.05, tracefs: Pa
     `tries` times, `pause_s` apart; returns how many are left."""
     events = (tracefs or tracefs_dir()) / "uprobe_events"
     want = {n.decode() if isinstance(n, bytes) else str(n) for n in names}
-    left: list[str] = []
-    for i in range(tries + 1):
-        try:
-            lines = events.read_text().splitlines()
-        except OSError:
+    ours = lambda: [f for f in _defined(events) or () if f.rpartition("/")[2] in want]
+    for i in range(tries):
+        left = ours()
+        if not left:
             return 0
-        left = []
-        for line in lines:
-            head = line.split(None, 1)[0] if line.strip() else ""
-            kind, _, full = head.partition(":")          # p:uprobes/p_ingero_42_0_0x1139
-            if kind in ("p", "r") and full.rpartition("/")[2] in want:
-                left.append(full)
-        if not left or i == tries:
-            break
         if i:
             time.sleep(pause_s)
         for full in left:
@@ -99,7 +84,23 @@ def remove_left(names: list, tries: int = 20, pause_s: float = 0.05, tracefs: Pa
                 write_events(events, f"-:{full}\n")
             except OSError:
                 pass                                       # still busy: the next round
-    return len(left)
+    return len(ours())
+
+
+def _defined(events: Path) -> list[str] | None:
+    """The uprobe events defined in tracefs's `events` file (group/name, e.g.
+    uprobes/p_ingero_42_0_0x1139); None when it cannot be read."""
+    try:
+        lines = events.read_text().splitlines()
+    except OSError:
+        return None
+    out = []
+    for line in lines:
+        head = line.split(None, 1)[0] if line.strip() else ""
+        kind, _, full = head.partition(":")          # p:uprobes/p_ingero_42_0_0x1139
+        if kind in ("p", "r"):
+            out.append(full)
+    return out
 
 
 def write_events(events: Path, command: str) -> None:

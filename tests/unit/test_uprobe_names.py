@@ -51,3 +51,35 @@ def test_remove_stale_asks_tracefs_to_remove_only_this_pids_events(tmp_path):
     assert (tmp_path / "uprobe_events").read_text().splitlines()[-2:] == [
         "-:uprobes/p_ingero_42_0_0x10", "-:uprobes/r_ingero_42_0_0x10"]
     assert remove_stale(42, tmp_path / "missing") == []
+
+
+def test_remove_left_retries_an_event_tracefs_refused_while_it_was_busy(tmp_path, monkeypatch):
+    # tracefs as a model: a removal command deletes the line, except that the first one for
+    # each event fails with EBUSY (its perf event closed but not yet released)
+    import errno
+
+    from ingero_agent import uprobe_names
+    events = tmp_path / "uprobe_events"
+    events.write_text("p:uprobes/p_ingero_42_0_0x10 /lib/x.so:0x10\n"
+                      "r:uprobes/r_ingero_42_0_0x10_42 /lib/x.so:0x10\n"
+                      "p:uprobes/p_ingero_42_1_0x20 /lib/y.so:0x20\n")
+    refused = set()
+
+    def write(path, command):
+        name = command.strip()[2:]
+        if name not in refused:
+            refused.add(name)
+            raise OSError(errno.EBUSY, "busy")
+        path.write_text("".join(ln + "\n" for ln in path.read_text().splitlines()
+                                if ln.split()[0].partition(":")[2] != name))
+
+    monkeypatch.setattr(uprobe_names, "write_events", write)
+    left = uprobe_names.remove_left([b"p_ingero_42_0_0x10", b"r_ingero_42_0_0x10_42"], pause_s=0,
+                                    tracefs=tmp_path)
+    assert left == 0 and refused == {"uprobes/p_ingero_42_0_0x10", "uprobes/r_ingero_42_0_0x10_42"}
+    assert events.read_text() == "p:uprobes/p_ingero_42_1_0x20 /lib/y.so:0x20\n"   # not ours: kept
+    # never released: given up after the tries, and said how many are left
+    refused.clear()
+    monkeypatch.setattr(uprobe_names, "write_events", lambda p, c: (_ for _ in ()).throw(OSError(errno.EBUSY, "")))
+    assert uprobe_names.remove_left([b"p_ingero_42_1_0x20"], tries=3, pause_s=0, tracefs=tmp_path) == 1
+    assert uprobe_names.remove_left([b"x"], tracefs=tmp_path / "missing") == 0
