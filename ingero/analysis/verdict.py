@@ -363,15 +363,14 @@ def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int) -> tuple[St
     # its excess is named even where fixing everyone would save more: the kernel shows its cause,
     # the rest is spread over the ranks (a busy machine's jitter: the 3D io-stall victim beside a
     # CI run and a cpu-hog lab saved 48% of "fix everyone", 12.2 of 25.6 ms/step)
-    evidenced = (best is not None and best.kind == "rank" and best.cause in OFFCPU_CAUSES
-                 and pct(best) >= SAVING_FLOOR_PCT)
-    if (evidenced and spread.saving_ns > 0 and pct(spread) >= SPREAD_FLOOR_PCT
-            and best.saving_ns < SPREAD_SHARE * spread.saving_ns):
+    spread_wins = spread.saving_ns > 0 and pct(spread) >= SPREAD_FLOOR_PCT and (
+        best is None or best.saving_ns < SPREAD_SHARE * spread.saving_ns)
+    if spread_wins and best is not None and best.kind == "rank" and best.cause in OFFCPU_CAUSES \
+            and pct(best) >= SAVING_FLOOR_PCT:
         best.why += (f"; the rest is spread over the ranks: fixing every rank's excess own work would "
                      f"save {spread.saving_ns / 1e6:.1f} ms/step, this rank {best.saving_ns / spread.saving_ns:.0%} "
                      "of that")
-    elif spread.saving_ns > 0 and pct(spread) >= SPREAD_FLOOR_PCT and (
-            best is None or best.saving_ns < SPREAD_SHARE * spread.saving_ns):
+    elif spread_wins:
         worst = max(excess, key=excess.get)
         share = (best.saving_ns / spread.saving_ns) if best else 0.0
         spread.why = (f"fixing every rank's excess own work would save {spread.saving_ns / 1e6:.1f} ms/step; "
