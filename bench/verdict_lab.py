@@ -5,7 +5,7 @@
 
 Each case is one real lab run traced with real eBPF (``ingero lab run --trace``,
 the merged trace analysed by ``ingero.analysis``): the data-parallel job (2
-nodes x 2 ranks) with clean, lossy-link, slow-rank, cpu-hog and io-stall, and
+nodes x 2 ranks) with clean, lossy-link, slow-rank, cpu-hog (and a mild one) and io-stall, and
 the tensor x pipeline x data parallel job (tp=2, pp=2, dp=2; 8 ranks) with
 clean, slow-rank at stage 0, slow-stage, imbalance, a slow rank in a middle
 stage (tp=1, pp=4, dp=2), a lossy link between two stages (4 nodes x 2 ranks,
@@ -13,10 +13,11 @@ each stage on its own node), cpu-hog and io-stall; and the data-parallel
 faults again on the lab's GPU-like device with Ingero's profiler plugin in
 every rank (``--device gpu --profiler``: judged on device times), victims
 placed off the last rank. ``--only`` keeps the cases whose name contains one of
-the given words (``--cases all --only cpu-hog``: the three cpu-hog cases); ``--set``
+the given words (``--cases all --only cpu-hog``: the four cpu-hog cases); ``--set``
 overrides a LabConfig field in every case (a number or a word). A verdict is right when
 it names what was planted (rank / stage / spread / nobody) with the planted
-cause; each run prints the verdict, the saving and the job's mean step.
+cause (a clean job: nobody, or a rank the busy machine starved, by the kernel's
+own counts, named cpu-contention: ingero.lab.truth); each run prints the verdict, the saving and the job's mean step.
 Needs root (eBPF, network namespaces, cgroups).
 """
 
@@ -37,21 +38,34 @@ L3 = dict(nodes=2, ranks_per_node=4, layout="tp=2,pp=2,dp=2")
 GPU = dict(DP, device="gpu", profiler=True)       # profiler: built in one() (needs a compiler)
 
 
+def _clean(s, lab):
+    """Nobody, or a rank the busy machine starved, named cpu-contention (ingero.lab.truth)."""
+    from ingero.lab.truth import clean_verdict_problem
+    return not clean_verdict_problem(s, {r["rank"]: r["stats"] for r in lab["ranks"]})
+
+
 def _rank(cause):
     return lambda s, lab: s is not None and s.kind == "rank" and s.rank == lab["victim_rank"] and s.cause == cause
 
 
+def _rank_or_nobody(cause):
+    return lambda s, lab: s is None or _rank(cause)(s, lab)
+
+
 CASES = {
     "dp": [
-        ("clean", dict(DP, scenario="clean"), lambda s, lab: s is None),
+        ("clean", dict(DP, scenario="clean"), _clean),
         ("lossy-link", dict(DP, scenario="lossy-link"),
          lambda s, lab: s is not None and s.node == lab["victim_node"] and s.cause == "network"),
         ("slow-rank", dict(DP, scenario="slow-rank"), _rank("compute/unknown")),
         ("cpu-hog", dict(DP, scenario="cpu-hog", hogs=8), _rank("cpu-contention")),
+        # a neighbour that weighs what a rank does: the victim waits 1.5-3.8x its peers per
+        # off-CPU interval, in its own work; when it costs the job 5% it is cpu-contention
+        ("cpu-hog mild", dict(DP, scenario="cpu-hog", hogs=2, hog_weight=2.0), _rank_or_nobody("cpu-contention")),
         ("io-stall", dict(DP, scenario="io-stall"), _rank("io")),
     ],
     "3d": [
-        ("3d clean", dict(L3, scenario="clean"), lambda s, lab: s is None),
+        ("3d clean", dict(L3, scenario="clean"), _clean),
         ("3d slow-rank stage 0", dict(L3, scenario="slow-rank", victim_rank=1), _rank("compute/unknown")),
         ("3d slow-stage 1", dict(L3, scenario="slow-stage", stage=1, slow_factor=1.5),
          lambda s, lab: s is not None and s.kind == "stage" and s.ranks == lab["stage_ranks"]),
@@ -65,7 +79,7 @@ CASES = {
         ("3d io-stall", dict(L3, scenario="io-stall", io_mb=16, victim_rank=6), _rank("io")),
     ],
     "gpu": [
-        ("gpu clean", dict(GPU, scenario="clean"), lambda s, lab: s is None),
+        ("gpu clean", dict(GPU, scenario="clean"), _clean),
         ("gpu lossy-link", dict(GPU, scenario="lossy-link", victim_rank=1),
          lambda s, lab: s is not None and s.node == lab["victim_node"] and s.cause == "network"),
         ("gpu slow-rank", dict(GPU, scenario="slow-rank", victim_rank=1), _rank("compute/unknown")),

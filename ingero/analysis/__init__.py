@@ -23,7 +23,7 @@ import numpy as np
 from ingero.analysis.calls import device_timing, events, load
 from ingero.analysis.model import RankRow, Report, Straggler
 from ingero.analysis.replay import measure
-from ingero.analysis.stats import add_network, add_offcpu, rank_rows, retransmits, robust_z
+from ingero.analysis.stats import add_network, add_offcpu, rank_rows, retransmits, robust_z, runqueue_tails
 from ingero.analysis.verdict import decide, own_per_rank, timeline, wait_per_rank
 
 __all__ = ["RankRow", "Report", "Straggler", "analyse", "robust_z"]
@@ -94,7 +94,7 @@ def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[
     for r, s in tl.stage_of.items():
         if r in rows:
             rows[r].stage = s
-    straggler, info = decide(c, tl, rows, judged_retx, traced_ns)
+    straggler, info = decide(c, tl, rows, judged_retx, traced_ns, runqueue_tails(con))
     if info.get("stuck_rounds"):
         warnings.append(f"the replay met {info['stuck_rounds']} cycles in the calls' dependencies "
                         "(mismatched send/recv?) and released them")

@@ -238,3 +238,17 @@ def add_offcpu(con, rows: dict) -> None:
             rows[grank].offcpu_ms[reason] = ns / 1e6
             if n:
                 rows[grank].offcpu_waits[reason] = int(n)
+
+
+def runqueue_tails(con) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rank, start, end) of the runnable tail of every recorded off-CPU interval: the wait for
+    a CPU that ends it (the whole interval for a preempted thread). Only the intervals over
+    the tracer's threshold are events; rank -1 where the process has none."""
+    q = """SELECT COALESCE(r.rank, s.rank, -1) AS g, s.timestamp_ns + s.duration_ns AS e, s.runq_ns AS rq
+           FROM sched_events s LEFT JOIN (SELECT node, pid, any_value(rank) AS rank
+                                          FROM ranks GROUP BY ALL) r
+             ON r.node IS NOT DISTINCT FROM s.node AND r.pid = s.pid
+           WHERE s.runq_ns > 0 AND s.timestamp_ns IS NOT NULL AND s.duration_ns IS NOT NULL"""
+    cols = con.execute(q).fetchnumpy()
+    g, e, rq = (np.asarray(cols[k], np.int64) for k in ("g", "e", "rq"))
+    return g, e - rq, e

@@ -51,6 +51,18 @@ STARVED_PER_WAIT = 4.0        # cpu-contention: the rank waits >= 4x its peers' 
                               # woken more often or works longer waits more in total, not per interval
                               # (lossy-link senders 0.9-2.3x, io-stall 0.8-1.5x, slow-rank 1.2-1.7x,
                               # clean and imbalance <= 1.7x: 37 kept lab traces)
+# ... or, below that, where the wait lies says it: the runqueue tails of the rank's off-CPU
+# intervals that fall inside its own work (between its blocking calls, in the step window)
+# exceed its peers' median by OFFCPU_EXPLAINS_RUNQUEUE of its excess own work. Its own work
+# is longer because it waited for a CPU there, not because it computed longer (slow-rank
+# victims: -0.0-0.29 of their excess, io-stall -0.38-0.35; cpu-hog victims 1.0-1.9; a rank
+# of a clean job that a busy machine starved, 1.7x per wait: 2.1; 60 kept lab traces,
+# 2026-11-26). Such a rank is named cpu-contention, but outweighs neither a lossy link nor
+# "spread" (`_own_offcpu`): a sender whose segments are lost is woken to retransmit, inside
+# its own work too (DP lossy-link victims beside a cpu-hog lab: 1.3-2.4, 1.0-2.0x per wait),
+# and on a busy machine the rank with the most excess own work of a clean or imbalanced job
+# often holds more runqueue wait there than its small excess (1.0-2.3), so against those
+# only the per-wait test counts.
 CANDIDATE_RANKS = 3           # ranks with the largest excess own work that are replayed
 CANDIDATE_NODES = 2           # slow nodes replayed (the slowest first)
 NODE_SLOW = 1.05              # a node is slow when each of its ranks works >= 1.05x its reference
@@ -188,8 +200,12 @@ def wait_per_rank(tl: Timeline) -> dict:
     return {int(r): float(v) / tl.steps for r, v in zip(ev.ranks.tolist(), tot.tolist())}
 
 
-def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int) -> tuple[Straggler | None, dict]:
-    """The verdict and the figures behind it (base and predicted step, best candidate)."""
+def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int,
+           tails: tuple | None = None) -> tuple[Straggler | None, dict]:
+    """The verdict and the figures behind it (base and predicted step, best candidate).
+
+    `tails`: the runqueue tails of the ranks' off-CPU intervals, (rank, start, end) arrays
+    (`stats.runqueue_tails`); without them only the per-wait test names cpu-contention."""
     ev, m = tl.ev, tl.m
     base = replay(ev, m.w, m.x)
     base_step = tl.step_ns(base.e)
@@ -243,6 +259,7 @@ def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int) -> tuple[St
         others = [own[k] for k in own if k != r and tl.stage_of.get(k, 0) == role]
         peers_own[r] = float(np.median(others)) if others else v
     excess = {r: own[r] - peers_own[r] for r in own}
+    own_rq = runq_in_own_work(tl, tails) if tails is not None else None
     own_z: dict = {}
     for role in set(tl.stage_of.get(r, 0) for r in own):
         grp = {r: v for r, v in own.items() if tl.stage_of.get(r, 0) == role}
@@ -253,7 +270,8 @@ def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int) -> tuple[St
         if excess[r] <= 0:
             break
         w = np.where(ev.rank == r, fixed_w, m.w)
-        cause, why = _offcpu_cause(rows, r, excess[r] * tl.steps, traced_ns)
+        cause, why = _offcpu_cause(rows, r, excess[r] * tl.steps, traced_ns,
+                                   _own_runq(own_rq, r, excess[r], tl.steps))
         cands.append(Candidate("rank", [r], saving(w), f"rank {r}", cause=cause, why=why,
                                score=round(own_z.get(r, 0.0), 2),
                                extra={"excess_ms": excess[r] / 1e6, "own_ms": own[r] / 1e6,
@@ -285,7 +303,8 @@ def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int) -> tuple[St
                    f"{others / 1e6:.1f} ms for the other stages' median")
             if len(members) == 1:      # a stage of one rank (pure pipeline) is that rank
                 r = members[0]
-                cause, why2 = _offcpu_cause(rows, r, (st_med[s] - others) * tl.steps, traced_ns)
+                cause, why2 = _offcpu_cause(rows, r, (st_med[s] - others) * tl.steps, traced_ns,
+                                            _own_runq(own_rq, r, st_med[s] - others, tl.steps))
                 cands.append(Candidate("rank", members, saving(w), f"rank {r}", cause=cause, why=why2,
                                        score=round(st_med[s] / others, 2),
                                        extra={"own_ms": st_med[s] / 1e6, "peers_ms": others / 1e6,
@@ -336,8 +355,11 @@ def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int) -> tuple[St
         # fix saves a good part of what the network fix would, it is the cause
         netc = next((k for k in specific if k.kind == "network"), None)
         if best.kind == "network":
+            # a sender on a lossy link is woken to retransmit and waits more for a CPU, in its
+            # own work too: against the network only a rank starved at each wait counts
             starved = [k for k in ranks_ if k.cause in ("cpu-contention", "io")
-                       and k.saving_ns >= STARVED_SHARE * best.saving_ns]
+                       and k.saving_ns >= STARVED_SHARE * best.saving_ns
+                       and _own_offcpu(rows, k)]
             if starved:
                 best = starved[0]
             else:
@@ -365,7 +387,7 @@ def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int) -> tuple[St
     # CI run and a cpu-hog lab saved 48% of "fix everyone", 12.2 of 25.6 ms/step)
     spread_wins = spread.saving_ns > 0 and pct(spread) >= SPREAD_FLOOR_PCT and (
         best is None or best.saving_ns < SPREAD_SHARE * spread.saving_ns)
-    if spread_wins and best is not None and best.kind == "rank" and best.cause in OFFCPU_CAUSES \
+    if spread_wins and best is not None and best.kind == "rank" and _own_offcpu(rows, best) \
             and pct(best) >= SAVING_FLOOR_PCT:
         best.why += (f"; the rest is spread over the ranks: fixing every rank's excess own work would "
                      f"save {spread.saving_ns / 1e6:.1f} ms/step, this rank {best.saving_ns / spread.saving_ns:.0%} "
@@ -423,7 +445,62 @@ def _span(members: list) -> str:
     return "ranks " + ", ".join(map(str, members[:16])) + (", …" if len(members) > 16 else "")
 
 
-def _offcpu_cause(rows: dict, r: int, excess_total_ns: float, traced_ns: int) -> tuple[str, str]:
+def runq_in_own_work(tl: Timeline, tails: tuple) -> dict:
+    """Per rank: the runqueue wait (ns per step) that falls inside its own work in the step
+    window, i.e. inside [arrival - own work, arrival] of its sync events.
+
+    `tails`: (rank, start, end) of the runnable tail of each recorded off-CPU interval (the
+    wait for a CPU after a wake-up, or the whole interval of a preempted thread): the events
+    over the tracer's threshold (1 ms by default), of every thread of the rank's process."""
+    ev, m = tl.ev, tl.m
+    rk, ts, te = tails
+    ranks = ev.ranks.astype(np.int64)
+    out = {int(r): 0.0 for r in ranks.tolist()}
+    sel = tl.inwin & (m.w > 0)
+    mine = np.isin(rk, ranks)
+    if tl.steps <= 0 or not sel.any() or not mine.any():
+        return out
+    # one time line for all ranks, rank after rank: a rank's own-work windows do not overlap
+    # (its events are sequential), so the wait inside them is F(end) - F(start), F(t) = the
+    # window time before t on that line
+    we_abs = ev.a[sel].astype(np.int64)
+    ws_abs = we_abs - m.w[sel]
+    t0 = min(int(ws_abs.min()), int(ts[mine].min()))
+    span = max(int(we_abs.max()), int(te[mine].max())) - t0 + 1
+    if span * (len(ranks) + 1) >= np.iinfo(np.int64).max // 2:
+        return out                                   # not on one int64 line: no figure
+    pos = {int(r): i for i, r in enumerate(ranks.tolist())}
+    wi = np.searchsorted(ranks, ev.rank[sel]) * span
+    ws, we = ws_abs - t0 + wi, we_abs - t0 + wi
+    o = np.argsort(ws, kind="stable")
+    ws, we = ws[o], we[o]
+    cum = np.r_[0, np.cumsum(we - ws)]
+
+    def before(t):
+        i = np.searchsorted(ws, t, side="right")
+        j = np.maximum(i - 1, 0)
+        part = np.clip(np.minimum(t, we[j]) - ws[j], 0, None)
+        return np.where(i > 0, cum[j] + part, 0)
+
+    ti = np.searchsorted(ranks, rk[mine]) * span
+    inside = before(te[mine] - t0 + ti) - before(ts[mine] - t0 + ti)
+    tot = np.bincount(np.searchsorted(ranks, rk[mine]), weights=inside.astype(np.float64), minlength=len(ranks))
+    for r, i in pos.items():
+        out[r] = float(tot[i]) / tl.steps
+    return out
+
+
+def _own_runq(own_rq: dict | None, r: int, excess_step_ns: float, steps: int) -> dict | None:
+    """The rank's runqueue wait inside its own work against its peers' median, ns per step,
+    and the difference as a share of its excess own work (None: no runqueue tails, no excess)."""
+    if not own_rq or r not in own_rq or len(own_rq) < 2 or excess_step_ns <= 0 or steps <= 0:
+        return None
+    peers = float(np.median([v for k, v in own_rq.items() if k != r]))
+    return {"mine": own_rq[r], "peers": peers, "share": (own_rq[r] - peers) / excess_step_ns, "steps": steps}
+
+
+def _offcpu_cause(rows: dict, r: int, excess_total_ns: float, traced_ns: int,
+                  own: dict | None = None) -> tuple[str, str]:
     """cpu-contention or io when the rank's off-CPU time of that reason is an outlier among
     the ranks and lines up with its excess own work.
 
@@ -434,8 +511,12 @@ def _offcpu_cause(rows: dict, r: int, excess_total_ns: float, traced_ns: int) ->
     passes alone (an outlier on a scale that also has a share of the excess as floor,
     covering OFFCPU_EXPLAINS, OFFCPU_EXPLAINS_RUNQUEUE for the runqueue), or when the
     weighed waits together cover OFFCPU_EXPLAINS_RUNQUEUE of the excess. Runqueue wait counts
-    only when its wait per off-CPU interval is STARVED_PER_WAIT times its peers' (when the
-    kernel's totals give the number of intervals)."""
+    so only when its wait per off-CPU interval is STARVED_PER_WAIT times its peers' (when the
+    kernel's totals give the number of intervals). Below that it counts, alone, when `own`
+    (`_own_runq`: its runqueue wait inside its own work) exceeds its peers' by
+    OFFCPU_EXPLAINS_RUNQUEUE of its excess own work and by the absolute floor over the
+    session: where it waited says what its excess is, which a handful of ranks' totals (an
+    outlier test on 3 peers) cannot."""
     if r not in rows:
         return "compute/unknown", ""
     # the scale when the peers' times agree closely (a MAD near 0): an absolute floor, a share
@@ -451,7 +532,16 @@ def _offcpu_cause(rows: dict, r: int, excess_total_ns: float, traced_ns: int) ->
         share = extra_ms * 1e6 / max(excess_total_ns, 1)
         per_wait = _per_wait_ratio(rows, r, reason) if reason == "runqueue" else None
         if per_wait is not None and per_wait < STARVED_PER_WAIT:
-            continue                # more waits, not longer ones: woken more often, not starved
+            # more waits, not longer ones: woken more often, or starved where it works
+            if own is not None and own["share"] >= OFFCPU_EXPLAINS_RUNQUEUE \
+                    and (own["mine"] - own["peers"]) * own["steps"] >= base * 1e6:
+                found[reason] = dict(cause=cause, share=own["share"], alone=True,
+                                     ratio=vals[r] / max(peers, OFFCPU_FLOOR_MS),
+                                     why=f"{own['mine'] / 1e6:.1f} ms/step waiting for a CPU inside its own work vs "
+                                         f"a peer median of {own['peers'] / 1e6:.1f} ms, {own['share']:.0%} of its "
+                                         f"excess own work ({vals[r]:.0f} ms of runqueue wait in all vs {peers:.0f} ms, "
+                                         f"{per_wait:.1f}x its peers' per off-CPU interval)")
+            continue
         if robust_z(vals, base)[r] >= OFFCPU_Z and share >= OFFCPU_EXPLAINS_WEAK:
             need = OFFCPU_EXPLAINS_RUNQUEUE if reason == "runqueue" else OFFCPU_EXPLAINS
             z = robust_z(vals, floor)[r]
@@ -472,6 +562,20 @@ def _offcpu_cause(rows: dict, r: int, excess_total_ns: float, traced_ns: int) ->
         why += (f"; also {found[other]['why'].split(' (z')[0]} ({found[other]['ratio']:.1f}x its peers', "
                 f"against {f['ratio']:.1f}x for {reason})")
     return f["cause"], why
+
+
+def _own_offcpu(rows: dict, k: Candidate) -> bool:
+    """Is the rank candidate's cause an off-CPU wait of its own by the kernel's totals, strong
+    enough to outweigh a network or a spread verdict: io, or cpu-contention with each wait
+    STARVED_PER_WAIT times its peers' (or no interval counts to judge by). A rank named
+    cpu-contention only by where it waited (its own work) does not: a lossy link's sender
+    and a busy machine's imbalance put runqueue wait there too."""
+    if k.kind != "rank" or k.cause not in OFFCPU_CAUSES:
+        return False
+    if k.cause == "io":
+        return True
+    per_wait = _per_wait_ratio(rows, k.ranks[0])
+    return per_wait is None or per_wait >= STARVED_PER_WAIT
 
 
 def _per_wait_ratio(rows: dict, r: int, reason: str = "runqueue") -> float | None:

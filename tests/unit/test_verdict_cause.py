@@ -86,3 +86,57 @@ def test_a_starved_rank_whose_peers_are_rarely_preempted_is_cpu_contention():
         rows[r].offcpu_waits = {"runqueue": pre, "sleep": sl}
     cause, why = _offcpu_cause(rows, 0, 85 * 30 * MS, TRACED)
     assert cause == "cpu-contention", why
+
+
+def _clean_starved_rows() -> dict:
+    # the GPU-like clean job beside a cpu-hog lab and a CI run (CI of 058ec6f, 2026-11-25): rank 0
+    # (rank 1 there) waited 851 ms in the runqueue against 354-522 ms, 1.7x its peers per off-CPU
+    # interval, and worked 9.8 ms/step (196 ms over 20 steps) more than its peers. With 3 peers
+    # that total is no outlier (z 3.3 < 3.5)
+    rows = _rows({"runqueue": 851.0}, peer_rq=(354, 438, 522))
+    return _with_waits(rows, {0: 492, 1: 354, 2: 438, 3: 522})
+
+
+def _own(share: float, peers_ms: float = 12.0, excess_ms: float = 9.8, steps: int = 20) -> dict:
+    return {"mine": (peers_ms + share * excess_ms) * MS, "peers": peers_ms * MS, "share": share, "steps": steps}
+
+
+def test_a_rank_waiting_for_a_cpu_inside_its_own_work_is_cpu_contention_below_the_per_wait_test():
+    rows = _clean_starved_rows()
+    # by the kernel's totals alone: more waits, not longer ones, so not cpu-contention
+    assert _offcpu_cause(rows, 0, 196 * MS, TRACED)[0] == "compute/unknown"
+    # where the waits are says it: inside its own work, twice its excess beyond its peers'
+    cause, why = _offcpu_cause(rows, 0, 196 * MS, TRACED, _own(2.1))
+    assert cause == "cpu-contention", why
+    assert "inside its own work" in why and "1.7x" in why, why
+
+
+def test_a_slow_rank_whose_own_work_holds_a_little_more_runqueue_wait_is_not_cpu_contention():
+    # slow-rank victims of the lab: -0.0-0.29 of their excess own work; the floor is 0.5
+    rows = _clean_starved_rows()
+    assert _offcpu_cause(rows, 0, 196 * MS, TRACED, _own(0.29))[0] == "compute/unknown"
+    assert _offcpu_cause(rows, 0, 196 * MS, TRACED, _own(0.49))[0] == "compute/unknown"
+
+
+def test_a_wait_inside_own_work_under_the_absolute_floor_is_no_cause():
+    # 0.4 ms/step over 20 steps is 8 ms in the session: under the 12 ms floor (10 ms, 0.2% of 6 s)
+    rows = _clean_starved_rows()
+    assert _offcpu_cause(rows, 0, 8 * MS, TRACED, _own(1.0, excess_ms=0.4))[0] == "compute/unknown"
+    assert _offcpu_cause(rows, 0, 16 * MS, TRACED, _own(1.0, excess_ms=0.8))[0] == "cpu-contention"
+
+
+def test_only_a_rank_starved_at_each_wait_outweighs_a_network_or_spread_verdict():
+    from ingero.analysis.verdict import Candidate, _own_offcpu
+
+    def rank0(cause):
+        return Candidate("rank", [0], 10 * MS, "rank 0", cause=cause)
+
+    rows = _clean_starved_rows()                      # 1.7x its peers per off-CPU interval
+    assert not _own_offcpu(rows, rank0("cpu-contention"))
+    assert _own_offcpu(rows, rank0("io"))
+    assert not _own_offcpu(rows, rank0("compute/unknown"))
+    rows[0].offcpu_waits = {"runqueue": 100}          # the same total in few long waits: 8.5x
+    assert _own_offcpu(rows, rank0("cpu-contention"))
+    for r in rows.values():                           # no interval counts: the totals' tests decided
+        r.offcpu_waits = {}
+    assert _own_offcpu(rows, rank0("cpu-contention"))

@@ -44,6 +44,7 @@
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <netdb.h>
@@ -224,15 +225,45 @@ static int cmp_double(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
-/* Step times of one rank: kept (the first million) for the final p50 and max. */
+/* The kernel's runqueue wait of this process so far, ns: the sum over its threads of
+ * /proc/self/task/<tid>/schedstat's second field (run_delay: time runnable but waiting for a
+ * CPU; CONFIG_SCHED_INFO). -1 when the kernel does not keep it. The lab reports it so a
+ * test can tell a rank the machine starved from one the tracer only says was starved. */
+static long long runq_ns(void) {
+  DIR *d = opendir("/proc/self/task");
+  if (!d) return -1;
+  long long total = 0;
+  int seen = 0;
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL) {
+    if (e->d_name[0] == '.') continue;
+    char path[64];
+    snprintf(path, sizeof path, "/proc/self/task/%s/schedstat", e->d_name);
+    FILE *f = fopen(path, "r");
+    if (!f) continue;                 /* the thread has exited */
+    unsigned long long cpu, wait;
+    if (fscanf(f, "%llu %llu", &cpu, &wait) == 2) {
+      total += (long long)wait;
+      seen = 1;
+    }
+    fclose(f);
+  }
+  closedir(d);
+  return seen ? total : -1;
+}
+
+/* Step times of one rank: kept (the first million) for the final p50 and max; the
+ * process's runqueue wait when the steps began. */
 struct steps {
   double *times, sum;
   long n, every;
+  long long runq0;
 };
 
 static void steps_init(struct steps *s, long every) {
   s->times = malloc(sizeof(double) * 1000000);
   s->sum = 0;
+  s->runq0 = runq_ns();
   s->n = 0;
   s->every = every;
 }
@@ -248,12 +279,16 @@ static void step_done(struct steps *s, double dt) {
   }
 }
 
-/* The final JSON line's step fields: "steps", "mean_step_ms", "p50_step_ms", "max_step_ms". */
+/* The final JSON line's step fields: "steps", "mean_step_ms", "p50_step_ms", "max_step_ms",
+ * and "runq_ms": the process's runqueue wait during the steps (absent when unknown; a
+ * thread that exited meanwhile takes its share with it). */
 static void print_steps(struct steps *s) {
   long kept = s->n < 1000000 ? s->n : 1000000;
   qsort(s->times, kept, sizeof(double), cmp_double);
   printf("\"steps\": %ld, \"mean_step_ms\": %.3f, \"p50_step_ms\": %.3f, \"max_step_ms\": %.3f", s->n,
          s->n ? s->sum / s->n : 0.0, kept ? s->times[kept / 2] : 0.0, kept ? s->times[kept - 1] : 0.0);
+  long long now = runq_ns();
+  if (s->runq0 >= 0 && now >= s->runq0) printf(", \"runq_ms\": %.3f", (now - s->runq0) / 1e6);
 }
 
 /* [probes] ncclAlltoAll, ncclGather (root 0), ncclScatter (root world-1) on `comm`,
