@@ -207,26 +207,78 @@ def ingest_and_analyse(local: LocalSession, offsets: dict[str, int],
         resolve_split_ranks(con)
         calls, first, last = con.execute(
             "SELECT count(*), min(timestamp_ns), max(timestamp_ns) FROM nccl_events").fetchone()
-        span_ns = (last - first) if first is not None else 0
         _keep_sched_totals(con, last)
+        until, behind = _horizon(con)
+        if until is not None:
+            last = until
+        span_ns = (last - first) if first is not None else 0
         if recent_s and full_max_calls is not None and calls > full_max_calls:
-            rep, window_s = _recent(con, slow_collective_ms, recent_s, span_ns)
+            rep, window_s = _recent(con, slow_collective_ms, recent_s, span_ns, until=until)
             if rep is not None:
                 rep.warnings.insert(0, f"live figures cover the last {window_s:.3g} s of {calls:,} NCCL "
                                        "calls so far; the whole session is judged when it ends")
+                _warn_behind(rep, behind)
                 return rep, world_size(con)
-        rep = analyse(con, slow_collective_ms)
+        rep = _analyse_until(con, slow_collective_ms, until)
         if rep.straggler is not None and (not rep.step_ms or span_ns / (rep.step_ms * 1e6) < RECENT_MIN_STEPS):
             # the first steps of a job (connections, the probes attaching) are not evidence:
             # a live verdict on them named a healthy rank in 1 of 12 lab runs
             rep.straggler = None
         if recent_s:
-            recent, _ = _recent(con, slow_collective_ms, recent_s, span_ns, rep.step_ms)
+            recent, _ = _recent(con, slow_collective_ms, recent_s, span_ns, rep.step_ms, until=until)
             if recent is not None and recent.straggler is not None:
                 rep.straggler = recent.straggler
+        _warn_behind(rep, behind)
         return rep, world_size(con)
     finally:
         con.close()
+
+
+# A node this far behind the newest call is named in the live status's warnings.
+BEHIND_WARN_S = 5.0
+
+
+def _horizon(con) -> tuple[int | None, list[tuple[str, float]]]:
+    """The newest time every node's calls have reached, when the nodes differ (None when
+    they agree, or with one node), and the nodes behind the newest call by more than
+    BEHIND_WARN_S, with how far (s).
+
+    The live database holds each node's segments as they are flushed, one node's later
+    than another's: a refresh may see node a's calls up to now and node b's up to a
+    second ago. Judged as they are, node b's ranks look absent from the last collectives
+    and node a's ranks look slow: a clean job beside a cpu-hog lab got 'node lab-node-b'
+    in its live status that way (CI of cb40ba0, 2026-11-26; replayed on its trace, a lag
+    of 0.6 s names a node at 5.5%, 1 s at 8-12%). So the live verdict judges the calls up
+    to the slowest node's newest one."""
+    rows = con.execute("SELECT node, max(timestamp_ns) FROM nccl_events GROUP BY node").fetchall()
+    ends = {n: t for n, t in rows if t is not None}
+    if len(ends) < 2:
+        return None, []
+    lo, hi = min(ends.values()), max(ends.values())
+    behind = sorted(((n, (hi - t) / 1e9) for n, t in ends.items() if hi - t > BEHIND_WARN_S * 1e9),
+                    key=lambda x: -x[1])
+    return (lo if lo < hi else None), behind
+
+
+def _warn_behind(rep: Report, behind: list[tuple[str, float]]) -> None:
+    for node, lag in behind:
+        rep.warnings.insert(0, f"node {node}'s newest call is {lag:.1f} s older than the newest of the "
+                               "others' (its agent slow to flush, or gone): the live verdict judges up to it")
+
+
+def _analyse_until(con, slow_collective_ms: float | None, until: int | None) -> Report:
+    """`analyse` of the events up to `until` (None: all)."""
+    if until is None:
+        return analyse(con, slow_collective_ms)
+    db = con.execute("SELECT current_database()").fetchone()[0].replace('"', '""')
+    try:
+        for table in schema.EVENT_TABLES:
+            con.execute(f'CREATE OR REPLACE TEMP VIEW {table} AS SELECT * FROM "{db}".main.{table} '
+                        f"WHERE timestamp_ns <= {int(until)}")
+        return analyse(con, slow_collective_ms)
+    finally:
+        for table in schema.EVENT_TABLES:
+            con.execute(f"DROP VIEW IF EXISTS temp.{table}")
 
 
 def _analyse_bounded(con, slow_collective_ms: float | None, max_calls: int | None) -> Report:
@@ -258,20 +310,21 @@ def _analyse_bounded(con, slow_collective_ms: float | None, max_calls: int | Non
 
 
 def _recent(con, slow_collective_ms: float | None, recent_s: float, span_ns: int,
-            step_ms: float | None = None) -> tuple[Report | None, float]:
+            step_ms: float | None = None, until: int | None = None) -> tuple[Report | None, float]:
     """The report of the recent window and its length: `recent_s`, stretched to
     RECENT_MIN_STEPS steps of `step_ms` (unknown: of the step the first `recent_s` show).
     None when the session is not longer than the window. A straggler's evidence says
-    which window it comes from."""
+    which window it comes from. `until`: the window ends there (`_horizon`), not at the
+    newest call."""
     rep = None
     if step_ms is None:
-        rep = _analyse_recent(con, slow_collective_ms, recent_s, span_ns)
+        rep = _analyse_recent(con, slow_collective_ms, recent_s, span_ns, until)
         if rep is None:
             return None, recent_s
         step_ms = rep.step_ms
     window_s = max(recent_s, RECENT_MIN_STEPS * step_ms / 1e3)
     if rep is None or window_s > recent_s * 1.01:
-        rep = _analyse_recent(con, slow_collective_ms, window_s, span_ns)
+        rep = _analyse_recent(con, slow_collective_ms, window_s, span_ns, until)
     if rep is not None and rep.straggler is not None:
         s = rep.straggler
         rep.straggler = dataclasses.replace(s, evidence=f"in the last {window_s:.3g} s: {s.evidence}")
@@ -287,21 +340,24 @@ def _keep_sched_totals(con, newest_call_ns: int | None) -> None:
         con.execute("INSERT INTO _sched_totals_at SELECT ?, * FROM sched_totals", [int(newest_call_ns)])
 
 
-def _analyse_recent(con, slow_collective_ms: float | None, recent_s: float, span_ns: int) -> Report | None:
+def _analyse_recent(con, slow_collective_ms: float | None, recent_s: float, span_ns: int,
+                    until: int | None = None) -> Report | None:
     """The analysis of the events of the last `recent_s` seconds (None if the session,
     `span_ns` long, is not longer than that). Temporary views shadow the event tables for
     the while, and the off-CPU totals by their increase since the window's start (the
     snapshot kept at or before it; older snapshots are dropped)."""
     if span_ns <= recent_s * 1e9:
         return None        # the whole session is recent: already judged
-    since = int(con.execute("SELECT max(timestamp_ns) FROM nccl_events").fetchone()[0] - recent_s * 1e9)
+    newest = until if until is not None else con.execute("SELECT max(timestamp_ns) FROM nccl_events").fetchone()[0]
+    since = int(newest - recent_s * 1e9)
+    upto = f" AND timestamp_ns <= {int(until)}" if until is not None else ""
     db = con.execute("SELECT current_database()").fetchone()[0].replace('"', '""')
     base = con.execute("SELECT max(at_ns) FROM _sched_totals_at WHERE at_ns <= ?", [since]).fetchone()[0]
     shadowed = list(schema.EVENT_TABLES)
     try:
         for table in schema.EVENT_TABLES:
             con.execute(f'CREATE OR REPLACE TEMP VIEW {table} AS SELECT * FROM "{db}".main.{table} '
-                        f"WHERE timestamp_ns >= {since}")
+                        f"WHERE timestamp_ns >= {since}{upto}")
         if base is not None:
             con.execute("DELETE FROM _sched_totals_at WHERE at_ns < ?", [base])
             # a restarted agent counts from 0 again: then the whole new total is recent

@@ -162,7 +162,7 @@ def test_a_large_live_session_is_judged_on_its_recent_window_only(tmp_path):
     local = LocalSession(tmp_path / "ns" / "job")
     lay = session(local.work / "nodes", steps=400, fault="slow-rank", fault_from_step=300)
     whole, _ = ingest_and_analyse(local, {}, recent_s=6.0)
-    calls = sum(r.collectives for r in whole.ranks)          # 400 steps x 2 ops x 4 ranks
+    calls = 400 * 2 * 4                    # 400 steps x 2 ops x 4 ranks (the table ends at the slower node)
     live, world = ingest_and_analyse(local, {}, recent_s=6.0, full_max_calls=calls - 1)
     assert world == 4 and live.straggler.rank == lay["victim"]
     assert live.warnings[0].startswith(f"live figures cover the last 6 s of {calls:,} NCCL calls")
@@ -197,3 +197,42 @@ def test_a_session_that_gathered_no_segment_builds_an_empty_artifact(tmp_path):
     local = LocalSession(tmp_path / "default" / "quick-0123abcd")
     rep, world = build_artifact(local, {})
     assert local.artifact.is_file() and rep.ranks == [] and rep.straggler is None and world is None
+
+
+def _drop_tail(local: LocalSession, node: str, seconds: float) -> None:
+    """Node `node`'s segments as a refresh finds them when its agent flushes later than the
+    others': its last `seconds` of calls not there yet."""
+    from ingero.store import segment_files
+
+    files = segment_files([local.node_dir(node)], "nccl_events")
+    con = duckdb.connect()
+    last = con.execute(f"SELECT max(timestamp_ns) FROM read_parquet({[str(f) for f in files]})").fetchone()[0]
+    for f in files:
+        con.execute(f"COPY (SELECT * FROM read_parquet('{f}') WHERE timestamp_ns <= {last - int(seconds * 1e9)}) "
+                    f"TO '{f}.tmp' (FORMAT parquet)")
+        f.with_name(f.name + ".tmp").replace(f)
+
+
+@pytest.mark.parametrize("lag_s", [1.0, 2.0, 4.0])
+def test_a_node_whose_newest_segment_lags_makes_nobody_a_straggler_live(tmp_path, lag_s):
+    # The calls are judged up to the slowest node's newest one: judged as they were, the
+    # ranks of the node whose last calls are missing looked absent and the others slow
+    from bench.synthetic import session
+
+    local = LocalSession(tmp_path / "ns" / "job")
+    lay = session(local.work / "nodes", steps=400, fault="clean")
+    _drop_tail(local, lay["nodes"][1], lag_s)
+    rep, _ = ingest_and_analyse(local, {}, recent_s=6.0)
+    assert rep.straggler is None, rep.straggler
+    assert not any("older than the newest" in w for w in rep.warnings), rep.warnings
+
+
+def test_a_node_far_behind_is_named_in_the_live_warnings(tmp_path):
+    from bench.synthetic import session
+
+    local = LocalSession(tmp_path / "ns" / "job")
+    lay = session(local.work / "nodes", steps=400, fault="clean")
+    _drop_tail(local, lay["nodes"][0], 8.0)
+    rep, _ = ingest_and_analyse(local, {}, recent_s=6.0)
+    assert rep.straggler is None, rep.straggler
+    assert any(w.startswith(f"node {lay['nodes'][0]}'s newest call is 8.0 s older") for w in rep.warnings), rep.warnings
