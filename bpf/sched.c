@@ -189,7 +189,6 @@ TRACEPOINT_PROBE(sched, sched_switch)
     u32 tid = args->prev_pid;
     if (!tid)
         return 0;  /* the idle task */
-    u64 id = bpf_get_current_pid_tgid();
     u64 cgid = bpf_get_current_cgroup_id();
     u64 now, exec, delay;
 #if INGERO_TASK_STORAGE
@@ -199,7 +198,7 @@ TRACEPOINT_PROBE(sched, sched_switch)
         return 0;  /* no memory, or a nested program holds the task's storage */
     u64 gen = ingero_target_gen() + 1;
     if (s->filter_gen != gen || s->filter_cgid != cgid) {
-        s->target = ingero_is_target(id >> 32, cgid);
+        s->target = ingero_is_target(bpf_get_current_pid_tgid() >> 32, cgid);
         s->filter_gen = gen;
         s->filter_cgid = cgid;
     }
@@ -212,8 +211,9 @@ TRACEPOINT_PROBE(sched, sched_switch)
         s->p.ts = 0;
     }
     if (s->target)
-        sched_open(&s->p, now, exec, delay, cgid, id >> 32, args->prev_state);
+        sched_open(&s->p, now, exec, delay, cgid, bpf_get_current_pid_tgid() >> 32, args->prev_state);
 #else
+    u64 id = bpf_get_current_pid_tgid();
     int target = ingero_is_target(id >> 32, cgid);
     struct sched_pending *p = sched_pending.lookup(&tid);
     if (!p && !target)
