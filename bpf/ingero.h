@@ -326,8 +326,9 @@ static __always_inline int ingero_is_target(u32 tgid, u64 cgid)
  * task-local storage where the kernel has it (-D INGERO_TASK_STORAGE, see
  * bpf/nccl.c): the verdict depends only on the tgid (fixed for a thread), the
  * cgroup (checked) and the target maps (target_gen changes with them). The
- * sched and TCP hooks run for every thread of the machine, on every context
- * switch and socket read or write; a cached verdict costs one storage lookup
+ * TCP hooks run for every thread of the machine, on every socket read or
+ * write (and the sched hook on every context switch: bpf/sched.c keeps the
+ * same cache in its own per-thread slot); a cached verdict costs one storage lookup
  * and one array read instead of two hash lookups and the ancestor walk (up to
  * INGERO_CGROUP_LEVELS helper calls and lookups) for a thread that is no
  * target. Every thread that reaches a hook gets a slot, freed by the kernel

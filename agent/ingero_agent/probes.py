@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ingero.errors import IngeroError
-from ingero_agent import abi, uprobe_names
+from ingero_agent import abi, kbtf, uprobe_names
 from ingero_agent.elfsyms import NCCL_SYMBOLS
 from ingero_agent.records import FAMILIES, FAMILY_RINGS, ringbuf_dtype
 from ingero_agent.ringbuf import PAGE_SIZE, MappedRing, RingWaiter, open_ring
@@ -41,7 +41,7 @@ TRACEFS_EVENTS = (Path("/sys/kernel/tracing/events"), Path("/sys/kernel/debug/tr
 # Tracepoints each family cannot work without.
 REQUIRED_TRACEPOINTS = {
     "tcp": ("tcp/tcp_retransmit_skb", "sock/inet_sock_set_state"),
-    "sched": ("sched/sched_switch", "sched/sched_wakeup"),
+    "sched": ("sched/sched_switch",),
 }
 # Optional tracepoints: -D flag that compiles their hook in.
 OPTIONAL_TRACEPOINTS = {
@@ -161,6 +161,27 @@ def feature_flags(cfg: ProbeConfig) -> tuple[list[str], list[str]]:
     return flags, notes
 
 
+SCHEDSTAT = Path("/proc/self/schedstat")
+SCHED_TASK_FIELDS = {"INGERO_TASK_SUM_EXEC_OFF": "se.sum_exec_runtime",
+                     "INGERO_TASK_RUN_DELAY_OFF": "sched_info.run_delay"}
+
+
+def sched_cflags() -> list[str]:
+    """-D flags placing the task_struct fields bpf/sched.c reads, from the running kernel's
+    BTF (none without kernel BTF: then the headers bcc compiles against must be the kernel's)."""
+    # run_delay exists only with CONFIG_SCHED_INFO, which also makes /proc/<pid>/schedstat
+    if not SCHEDSTAT.exists():
+        raise IngeroError("the sched probes need a kernel built with CONFIG_SCHED_INFO (it has no "
+                          "/proc/self/schedstat); drop 'sched' from --probes on this kernel")
+    try:
+        offs = kbtf.kernel_offsets("task_struct", tuple(SCHED_TASK_FIELDS.values()), KERNEL_BTF)
+    except kbtf.BtfError as e:
+        raise IngeroError(f"reading the kernel's BTF ({KERNEL_BTF}) for the sched probes failed: {e}") from e
+    if offs is None:
+        return []
+    return [f"-D{flag}={offs[field]}" for flag, field in SCHED_TASK_FIELDS.items()]
+
+
 def build_program(cfg: ProbeConfig, src: Path | None = None) -> tuple[str, list[str], list[str]]:
     """(C text, cflags, notes) for the selected families."""
     src = src or bpf_dir()
@@ -181,6 +202,8 @@ def build_program(cfg: ProbeConfig, src: Path | None = None) -> tuple[str, list[
         f"-DINGERO_MAX_TARGETS={int(cfg.max_targets)}",
         f"-DINGERO_TASK_STORAGE={int(frame_storage(cfg) == 'task')}",
     ] + flags
+    if "sched" in cfg.families:
+        cflags += sched_cflags()
     if "nccl" in cfg.families:
         cflags += abi.cflags()     # where each NCCL argument is on this machine
         cflags.append(f"-DINGERO_NCCLPROF_REGS={int(abi.machine().name == 'x86_64')}")

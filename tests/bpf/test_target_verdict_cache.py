@@ -1,4 +1,5 @@
-"""The sched and TCP hooks' cached target verdict (bpf/ingero.h ingero_current_is_target).
+"""The sched and TCP hooks' cached target verdict (bpf/ingero.h ingero_current_is_target; the
+sched hook keeps the same cache in its own per-thread slot, bpf/sched.c).
 
 Those hooks run for every thread of the machine; with task-local storage
 (INGERO_TASK_STORAGE=1) a thread's verdict is kept in its own storage and
