@@ -55,9 +55,11 @@ STARVED_PER_WAIT = 4.0        # cpu-contention: the rank waits >= 4x its peers' 
 # intervals that fall inside its own work (between its blocking calls, in the step window)
 # exceed its peers' median by OFFCPU_EXPLAINS_RUNQUEUE of its excess own work. Its own work
 # is longer because it waited for a CPU there, not because it computed longer (slow-rank
-# victims: -0.0-0.29 of their excess, io-stall -0.38-0.35; cpu-hog victims 1.0-1.9; a rank
-# of a clean job that a busy machine starved, 1.7x per wait: 2.1; 60 kept lab traces,
-# 2026-11-26). Such a rank is named cpu-contention, but outweighs neither a lossy link nor
+# victims: -0.03-0.33 of their excess, io-stall -0.38-0.35; cpu-hog victims 1.0-1.9; mild
+# cpu-hog victims, a neighbour weighing 1-2 ranks, 1.0 at 1.5-3.8x per wait; 74 kept lab
+# traces and 40 runs beside a cpu-hog lab, 2026-11-26; the clean job's rank a busy machine
+# starved in CI, 1.7x per wait, held 2.1x its excess in runqueue wait by the kernel's
+# totals). Such a rank is named cpu-contention, but outweighs neither a lossy link nor
 # "spread" (`_own_offcpu`): a sender whose segments are lost is woken to retransmit, inside
 # its own work too (DP lossy-link victims beside a cpu-hog lab: 1.3-2.4, 1.0-2.0x per wait),
 # and on a busy machine the rank with the most excess own work of a clean or imbalanced job
@@ -511,7 +513,7 @@ def _offcpu_cause(rows: dict, r: int, excess_total_ns: float, traced_ns: int,
     passes alone (an outlier on a scale that also has a share of the excess as floor,
     covering OFFCPU_EXPLAINS, OFFCPU_EXPLAINS_RUNQUEUE for the runqueue), or when the
     weighed waits together cover OFFCPU_EXPLAINS_RUNQUEUE of the excess. Runqueue wait counts
-    so only when its wait per off-CPU interval is STARVED_PER_WAIT times its peers' (when the
+    that way only when its wait per off-CPU interval is STARVED_PER_WAIT times its peers' (when the
     kernel's totals give the number of intervals). Below that it counts, alone, when `own`
     (`_own_runq`: its runqueue wait inside its own work) exceeds its peers' by
     OFFCPU_EXPLAINS_RUNQUEUE of its excess own work and by the absolute floor over the
