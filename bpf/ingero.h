@@ -347,20 +347,29 @@ struct ingero_verdict {
 BPF_TASK_STORAGE(target_verdicts, struct ingero_verdict);
 #endif
 
+#if INGERO_TASK_STORAGE
+/* The current thread's cached verdict `v` (in some task-local slot of its own),
+ * decided again when the targets changed (target_gen) or the thread moved to
+ * another cgroup. The tgid is read only then. */
+static __always_inline u32 ingero_cached_verdict(struct ingero_verdict *v, u64 cgid)
+{
+    u64 gen = ingero_target_gen() + 1;
+    if (v->gen != gen || v->cgid != cgid) {
+        v->target = ingero_is_target(bpf_get_current_pid_tgid() >> 32, cgid);
+        v->gen = gen;
+        v->cgid = cgid;
+    }
+    return v->target;
+}
+#endif
+
 static __always_inline int ingero_current_is_target(u32 tgid, u64 cgid)
 {
 #if INGERO_TASK_STORAGE
     struct ingero_verdict *v = target_verdicts.task_storage_get(bpf_get_current_task_btf(), 0,
                                                                 BPF_LOCAL_STORAGE_GET_F_CREATE);
-    if (v) {
-        u64 gen = ingero_target_gen() + 1;
-        if (v->gen != gen || v->cgid != cgid) {
-            v->target = ingero_is_target(tgid, cgid);
-            v->gen = gen;
-            v->cgid = cgid;
-        }
-        return v->target;
-    }
+    if (v)
+        return ingero_cached_verdict(v, cgid);
 #endif
     return ingero_is_target(tgid, cgid);
 }

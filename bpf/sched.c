@@ -81,10 +81,7 @@ struct sched_pending {
  * one storage lookup, not two). */
 struct sched_slot {
     struct sched_pending p;
-    u64 filter_gen;    /* target_gen + 1 when `target` was decided (0: never) */
-    u64 filter_cgid;   /* the thread's cgroup then */
-    u32 target;
-    u32 _pad;
+    struct ingero_verdict v;
 };
 BPF_TASK_STORAGE(sched_slots, struct sched_slot);
 #else
@@ -196,13 +193,8 @@ TRACEPOINT_PROBE(sched, sched_switch)
                                                         BPF_LOCAL_STORAGE_GET_F_CREATE);
     if (!s)
         return 0;  /* no memory, or a nested program holds the task's storage */
-    u64 gen = ingero_target_gen() + 1;
-    if (s->filter_gen != gen || s->filter_cgid != cgid) {
-        s->target = ingero_is_target(bpf_get_current_pid_tgid() >> 32, cgid);
-        s->filter_gen = gen;
-        s->filter_cgid = cgid;
-    }
-    if (!s->target && !s->p.ts)
+    u32 target = ingero_cached_verdict(&s->v, cgid);
+    if (!target && !s->p.ts)
         return 0;
     now = bpf_ktime_get_ns();
     sched_counters(&exec, &delay);
@@ -210,7 +202,7 @@ TRACEPOINT_PROBE(sched, sched_switch)
         sched_close(&s->p, tid, now, exec, delay);
         s->p.ts = 0;
     }
-    if (s->target)
+    if (target)
         sched_open(&s->p, now, exec, delay, cgid, bpf_get_current_pid_tgid() >> 32, args->prev_state);
 #else
     u64 id = bpf_get_current_pid_tgid();
