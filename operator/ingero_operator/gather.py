@@ -15,6 +15,7 @@ artifact is rebuilt from all segments with the offsets measured at the end.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -266,19 +267,28 @@ def _warn_behind(rep: Report, behind: list[tuple[str, float]]) -> None:
                                "others' (its agent slow to flush, or gone): the live verdict judges up to it")
 
 
+@contextlib.contextmanager
+def _events_where(con, where: str):
+    """For the while, temporary views shadow every event table with its rows matching
+    `where` (SQL, e.g. on timestamp_ns). Yields (the database's name, for a view over
+    another of its tables; the list of views dropped at the end, to add such a view to)."""
+    db = con.execute("SELECT current_database()").fetchone()[0].replace('"', '""')
+    shadowed = list(schema.EVENT_TABLES)
+    try:
+        for table in schema.EVENT_TABLES:
+            con.execute(f'CREATE OR REPLACE TEMP VIEW {table} AS SELECT * FROM "{db}".main.{table} WHERE {where}')
+        yield db, shadowed
+    finally:
+        for table in shadowed:
+            con.execute(f"DROP VIEW IF EXISTS temp.{table}")
+
+
 def _analyse_until(con, slow_collective_ms: float | None, until: int | None) -> Report:
     """`analyse` of the events up to `until` (None: all)."""
     if until is None:
         return analyse(con, slow_collective_ms)
-    db = con.execute("SELECT current_database()").fetchone()[0].replace('"', '""')
-    try:
-        for table in schema.EVENT_TABLES:
-            con.execute(f'CREATE OR REPLACE TEMP VIEW {table} AS SELECT * FROM "{db}".main.{table} '
-                        f"WHERE timestamp_ns <= {int(until)}")
+    with _events_where(con, f"timestamp_ns <= {int(until)}"):
         return analyse(con, slow_collective_ms)
-    finally:
-        for table in schema.EVENT_TABLES:
-            con.execute(f"DROP VIEW IF EXISTS temp.{table}")
 
 
 def _analyse_bounded(con, slow_collective_ms: float | None, max_calls: int | None) -> Report:
@@ -292,15 +302,8 @@ def _analyse_bounded(con, slow_collective_ms: float | None, max_calls: int | Non
     if calls <= max_calls or first is None or last <= first:
         return analyse(con, slow_collective_ms)
     since = int(last - (last - first) * max_calls / calls)
-    db = con.execute("SELECT current_database()").fetchone()[0].replace('"', '""')
-    try:
-        for table in ("nccl_events", "tcp_events", "sched_events"):
-            con.execute(f'CREATE OR REPLACE TEMP VIEW {table} AS SELECT * FROM "{db}".main.{table} '
-                        f"WHERE timestamp_ns >= {since}")
+    with _events_where(con, f"timestamp_ns >= {since}"):
         rep = analyse(con, slow_collective_ms)
-    finally:
-        for table in ("nccl_events", "tcp_events", "sched_events"):
-            con.execute(f"DROP VIEW IF EXISTS temp.{table}")
     window_s = (last - since) / 1e9
     rep.warnings.insert(0, f"the verdict covers the last {window_s:.3g} s of the session ({calls:,} NCCL calls "
                            f"in all, more than the {max_calls:,} the operator analyses at once: "
@@ -351,13 +354,8 @@ def _analyse_recent(con, slow_collective_ms: float | None, recent_s: float, span
     newest = until if until is not None else con.execute("SELECT max(timestamp_ns) FROM nccl_events").fetchone()[0]
     since = int(newest - recent_s * 1e9)
     upto = f" AND timestamp_ns <= {int(until)}" if until is not None else ""
-    db = con.execute("SELECT current_database()").fetchone()[0].replace('"', '""')
     base = con.execute("SELECT max(at_ns) FROM _sched_totals_at WHERE at_ns <= ?", [since]).fetchone()[0]
-    shadowed = list(schema.EVENT_TABLES)
-    try:
-        for table in schema.EVENT_TABLES:
-            con.execute(f'CREATE OR REPLACE TEMP VIEW {table} AS SELECT * FROM "{db}".main.{table} '
-                        f"WHERE timestamp_ns >= {since}{upto}")
+    with _events_where(con, f"timestamp_ns >= {since}{upto}") as (db, shadowed):
         if base is not None:
             con.execute("DELETE FROM _sched_totals_at WHERE at_ns < ?", [base])
             # a restarted agent counts from 0 again: then the whole new total is recent
@@ -372,9 +370,6 @@ def _analyse_recent(con, slow_collective_ms: float | None, recent_s: float, span
                  AND b.pid = c.pid AND b.reason = c.reason""")
             shadowed.append("sched_totals")
         return analyse(con, slow_collective_ms)
-    finally:
-        for table in shadowed:
-            con.execute(f"DROP VIEW IF EXISTS temp.{table}")
 
 
 def _event_view(con, table: str, local: LocalSession, offsets: dict[str, int]) -> list[tuple[list[Path], int]]:
