@@ -21,12 +21,12 @@ import logging
 import numpy as np
 
 from ingero.analysis.calls import device_timing, events, load
-from ingero.analysis.model import RankRow, Report, Straggler
+from ingero.analysis.model import Hang, RankRow, Report, Straggler
 from ingero.analysis.replay import measure
 from ingero.analysis.stats import add_network, add_offcpu, rank_rows, retransmits, robust_z, runqueue_tails
 from ingero.analysis.verdict import decide, own_per_rank, timeline, wait_per_rank
 
-__all__ = ["RankRow", "Report", "Straggler", "analyse", "robust_z"]
+__all__ = ["Hang", "RankRow", "Report", "Straggler", "analyse", "robust_z"]
 
 log = logging.getLogger("ingero.analysis")
 

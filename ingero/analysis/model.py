@@ -45,6 +45,19 @@ class Straggler:
 
 
 @dataclass
+class Hang:
+    """A job stopped in NCCL: ranks wait in a call that one or more ranks never entered."""
+
+    waiting: list                 # [{"rank", "op", "comm", "seq", "since_ns"}]: calls entered, not returned
+    missing: list                 # ranks that never entered the call the others wait in
+    op: str | None                # the call the others wait in (ALL_REDUCE, RECV, ...)
+    comm: str | None              # its communicator (hash, hex)
+    seq: int | None
+    waited_s: float               # how long the longest waiter has waited, at the trace's end
+    evidence: str                 # one sentence: who waits in what, who never came, what its threads do
+
+
+@dataclass
 class Report:
     ranks: list[RankRow]
     straggler: Straggler | None
@@ -57,18 +70,33 @@ class Report:
     best_saving_pct: float = 0.0      # the best single fix's saving, named or not (below the floor)
     best_candidate: str | None = None
     timing: str = "host"              # device (the profiler plugin's GPU times), host, host-enqueue
+    # Why the trace cannot support a verdict (no calls, no steps, ranks or communicators
+    # unknown): then `straggler` is None and that is no all-clear. None: judged.
+    cannot_judge: str | None = None
+    covered_ranks: list | None = None  # the ranks a verdict covers, when not every rank of the job
+    hang: Hang | None = None
+
+    @property
+    def verdict(self) -> str:
+        """hang | cannot-judge | straggler | none (a judged job with nobody to name)."""
+        if self.hang is not None:
+            return "hang"
+        if self.cannot_judge:
+            return "cannot-judge"
+        return "straggler" if self.straggler is not None else "none"
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "verdict": self.verdict}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Report":
         """The report `to_dict` wrote (e.g. the operator's report.json; keys it does not know
         are ignored). Raises ValueError when a required field is missing."""
         try:
-            s = d.get("straggler")
+            s, h = d.get("straggler"), d.get("hang")
             return cls(**{**_known(cls, d), "ranks": [RankRow(**_known(RankRow, r)) for r in d["ranks"]],
-                          "straggler": Straggler(**_known(Straggler, s)) if s else None})
+                          "straggler": Straggler(**_known(Straggler, s)) if s else None,
+                          "hang": Hang(**_known(Hang, h)) if h else None})
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"not a report: {e}") from None
 
