@@ -371,99 +371,168 @@ def scale_session(seg_root, ranks: int = 1024, collectives: int = 100_000, nodes
 # ---- a tensor x pipeline x data parallel job, simulated (tests/unit/test_verdict_pipeline.py) ----
 
 def pipeline_layout(tp: int, pp: int, dp: int) -> dict:
-    """Megatron's rank order (tp fastest, then pp, then dp) and the communicators of each rank."""
+    """Megatron's rank order (tp fastest, then pp, then dp) and the communicators of each rank
+    (the embedding group: the first and last stage of each pipeline)."""
     world = tp * pp * dp
     rank = lambda d, p, t: d * pp * tp + p * tp + t
     groups = {"world": [list(range(world))]}
     groups["tp"] = [[rank(d, p, t) for t in range(tp)] for d in range(dp) for p in range(pp)]
     groups["dp"] = [[rank(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)]
     groups["pp"] = [[rank(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)]
+    groups["emb"] = [[rank(d, 0, t), rank(d, pp - 1, t)] for d in range(dp) for t in range(tp)] if pp > 1 else []
     stage = {rank(d, p, t): p for d in range(dp) for p in range(pp) for t in range(tp)}
     return {"world": world, "groups": groups, "stage": stage, "rank": rank}
 
 
+def _pipeline_program(r: int, stage: int, pp: int, pipe: list, tp: int, micro: int, schedule: str,
+                      fwd, bwd) -> list:
+    """One step of rank `r` (pipeline stage `stage`): its compute ("work", ms) and calls.
+    gpipe: every microbatch's forward, then every backward, send/recv ungrouped. 1f1b: warm-up
+    forwards, one forward and one backward per microbatch, cool-down backwards; each exchange
+    with a neighbour is one group of sends and receives (``batch_isend_irecv``), as Megatron's
+    ``send_forward_recv_backward`` and ``send_backward_recv_forward``."""
+    prev = pipe[stage - 1] if stage > 0 else None
+    nxt = pipe[stage + 1] if stage < pp - 1 else None
+    tpar = [("ALL_REDUCE", "tp", None)] if tp > 1 else []
+    if schedule == "gpipe":
+        prog = []
+        for _ in range(micro):
+            prog += ([("RECV", "pp", prev)] if prev is not None else []) + [("work", fwd())] + tpar
+            prog += [("SEND", "pp", nxt)] if nxt is not None else []
+        for _ in range(micro):
+            prog += ([("RECV", "pp", nxt)] if nxt is not None else []) + [("work", bwd())] + tpar
+            prog += [("SEND", "pp", prev)] if prev is not None else []
+        return prog
+
+    def group(*ops):
+        ops = [o for o in ops if o[2] is not None]
+        return [("GROUP", ops)] if ops else []
+
+    warm = min(pp - stage - 1, micro)
+    prog = []
+    for _ in range(warm):
+        prog += group(("RECV", "pp", prev)) + [("work", fwd())] + tpar + group(("SEND", "pp", nxt))
+    steady = micro - warm
+    if steady:
+        prog += group(("RECV", "pp", prev))
+    for i in range(steady):
+        prog += [("work", fwd())] + tpar + group(("SEND", "pp", nxt), ("RECV", "pp", nxt))
+        prog += [("work", bwd())] + tpar
+        prog += group(("SEND", "pp", prev)) if i == steady - 1 else group(("SEND", "pp", prev), ("RECV", "pp", prev))
+    for _ in range(warm):
+        prog += group(("RECV", "pp", nxt)) + [("work", bwd())] + tpar + group(("SEND", "pp", prev))
+    return prog
+
+
 def simulate_pipeline(tp: int, pp: int, dp: int, steps: int, micro: int = 4, fwd_ms: float = 4.0,
                       bwd_ms: float = 8.0, x_ms: float = 0.3, jitter: float = 0.03, seed: int = 5,
-                      factor=None, extra=None) -> dict:
-    """Run a GPipe schedule per step (forward of every microbatch, then backward) as a
+                      factor=None, extra=None, schedule: str = "gpipe", world: bool = True,
+                      dist_opt: bool = False, embedding: bool = False) -> dict:
+    """Run a pipeline schedule per step (``_pipeline_program``: gpipe or 1f1b) as a
     discrete-event simulation: compute is own work (fwd_ms / bwd_ms per microbatch, times
-    ``factor(rank, step)`` and a jitter), sends are eager, a recv returns when its send
-    was posted, a collective when its last member arrived, each plus a transfer of x_ms.
-    Then the data-parallel all-reduce and a world all-reduce ending the step.
+    ``factor(rank, step)`` and a jitter), sends are eager, a recv (or a group holding recvs)
+    returns when its sends were posted, a collective when its last member arrived, each plus a
+    transfer of x_ms. Then the data-parallel gradient all-reduce (``dist_opt``: the
+    distributed optimizer's reduce-scatter, and its parameter all-gather after the optimizer
+    step), the embedding all-reduce of the first and last stage (``embedding``), and a world
+    all-reduce ending the step (``world``; Megatron and FSDP jobs have none).
     ``extra(members)`` adds nanoseconds to the transfer of an instance among `members`
     (global ranks; a send/recv pair is [src, dst]): a lossy link.
     Returns {"calls": per rank list of (op, group kind, group index, peer global rank or -1,
-    t, d)}, "step_ns": mean step, "slowed": [(transfer start, end, members)] of every
-    instance `extra` slowed}."""
+    t, d)} (group starts and ends have kind None), "step_ns": mean step (the latest rank's
+    step end to step end), "slowed": [(transfer start, end, members)] of every instance
+    `extra` slowed}."""
     lay = pipeline_layout(tp, pp, dp)
-    world, stage = lay["world"], lay["stage"]
+    world_n, stage = lay["world"], lay["stage"]
     gi = {k: {r: i for i, g in enumerate(gs) for r in g} for k, gs in lay["groups"].items()}
     members = {k: {i: g for i, g in enumerate(gs)} for k, gs in lay["groups"].items()}
     rng = np.random.default_rng(seed)
     factor = factor or (lambda r, s: 1.0)
-    prog = {r: [] for r in range(world)}
-    for r in range(world):
+    prog = {r: [] for r in range(world_n)}
+    for r in range(world_n):
         s_, pipe = stage[r], members["pp"][gi["pp"][r]]
         for st in range(steps):
             f = factor(r, st)
-            for m in range(micro):
-                if s_ > 0:
-                    prog[r].append(("RECV", "pp", pipe[s_ - 1]))
-                prog[r].append(("work", fwd_ms * f * (1 + rng.normal(0, jitter))))
-                if tp > 1:
-                    prog[r].append(("ALL_REDUCE", "tp", None))
-                if s_ < pp - 1:
-                    prog[r].append(("SEND", "pp", pipe[s_ + 1]))
-            for m in range(micro):
-                if s_ < pp - 1:
-                    prog[r].append(("RECV", "pp", pipe[s_ + 1]))
-                prog[r].append(("work", bwd_ms * f * (1 + rng.normal(0, jitter))))
-                if tp > 1:
-                    prog[r].append(("ALL_REDUCE", "tp", None))
-                if s_ > 0:
-                    prog[r].append(("SEND", "pp", pipe[s_ - 1]))
+            prog[r] += _pipeline_program(r, s_, pp, pipe, tp, micro, schedule,
+                                         lambda: fwd_ms * f * (1 + rng.normal(0, jitter)),
+                                         lambda: bwd_ms * f * (1 + rng.normal(0, jitter)))
             if dp > 1:
-                prog[r].append(("ALL_REDUCE", "dp", None))
+                prog[r].append(("REDUCE_SCATTER" if dist_opt else "ALL_REDUCE", "dp", None))
+            if embedding and pp > 1 and s_ in (0, pp - 1):
+                prog[r].append(("ALL_REDUCE", "emb", None))
             prog[r].append(("work", 0.5))
-            prog[r].append(("ALL_REDUCE", "world", None))
+            if dp > 1 and dist_opt:
+                prog[r].append(("ALL_GATHER", "dp", None))
+            if world:
+                prog[r].append(("ALL_REDUCE", "world", None))
+            prog[r].append(("step", st))
     x = x_ms * 1e6
     extra = extra or (lambda members: 0.0)
     slowed = []
-    t = {r: 0.0 for r in range(world)}
-    ptr = {r: 0 for r in range(world)}
-    calls = {r: [] for r in range(world)}
+    t = {r: 0.0 for r in range(world_n)}
+    ptr = {r: 0 for r in range(world_n)}
+    calls = {r: [] for r in range(world_n)}
     sent: dict = {}                       # (src, dst) -> [send arrival times]
     got: dict = {}                        # (src, dst) -> recvs done
     coll_n = {}                           # (rank, kind) -> collectives called
     arrivals: dict = {}                   # (kind, group, seq) -> {rank: t}
     ends: dict = {}                       # (kind, group, seq) -> end of the transfer
-    waiting: dict = {}
+    posted: dict = {}                     # rank -> arrival of the group whose sends it posted
+    step_end = {r: [] for r in range(world_n)}
+
+    def recv_end(r, src, a):
+        """End of rank r's next recv from `src` arriving at `a`, or None while unsent."""
+        k = got.get((src, r), 0)
+        if len(sent.get((src, r), [])) <= k:
+            return None
+        more = extra([src, r])
+        end = max(a, sent[(src, r)][k]) + x + more
+        if more:
+            slowed.append((max(a, sent[(src, r)][k]), end, [src, r]))
+        return end
+
     done = 0
     total = sum(len(p) for p in prog.values())
     while done < total:
         progressed = False
-        for r in range(world):
+        for r in range(world_n):
             while ptr[r] < len(prog[r]):
                 op = prog[r][ptr[r]]
                 if op[0] == "work":
                     t[r] += max(op[1], 0) * 1e6
+                elif op[0] == "step":
+                    step_end[r].append(t[r])
                 elif op[0] == "SEND":
-                    key = (r, op[2])
-                    sent.setdefault(key, []).append(t[r])
+                    sent.setdefault((r, op[2]), []).append(t[r])
                     calls[r].append(("SEND", "pp", gi["pp"][r], op[2], t[r], 20_000))
                     t[r] += 20_000
                 elif op[0] == "RECV":
-                    key = (op[2], r)
-                    k = got.get(key, 0)
-                    if len(sent.get(key, [])) <= k:
+                    end = recv_end(r, op[2], t[r])
+                    if end is None:
                         break
-                    a = waiting.pop((r, "recv"), t[r])
-                    more = extra([op[2], r])
-                    end = max(a, sent[key][k]) + x + more
-                    if more:
-                        slowed.append((max(a, sent[key][k]), end, [op[2], r]))
-                    got[key] = k + 1
-                    calls[r].append(("RECV", "pp", gi["pp"][r], op[2], a, end - a))
+                    got[(op[2], r)] = got.get((op[2], r), 0) + 1
+                    calls[r].append(("RECV", "pp", gi["pp"][r], op[2], t[r], end - t[r]))
+                    t[r] = end
+                elif op[0] == "GROUP":
+                    # sends are posted at the group's start, once; the group ends with its recvs
+                    a = posted.get(r)
+                    if a is None:
+                        a = posted[r] = t[r]
+                        for o, _, peer in op[1]:
+                            if o == "SEND":
+                                sent.setdefault((r, peer), []).append(a)
+                    rv = [peer for o, _, peer in op[1] if o == "RECV"]
+                    if any(len(sent.get((src, r), [])) <= got.get((src, r), 0) for src in rv):
+                        break
+                    end = max([recv_end(r, src, a) for src in rv] + [a + 20_000])
+                    for src in rv:
+                        got[(src, r)] = got.get((src, r), 0) + 1
+                    del posted[r]
+                    n = len(op[1])
+                    calls[r].append(("GROUP_START", None, -1, -1, a, 1_000))
+                    for i, (o, _, peer) in enumerate(op[1]):
+                        calls[r].append((o, "pp", gi["pp"][r], peer, a + 1_000 * (i + 1), 1_000))
+                    calls[r].append(("GROUP_END", None, -1, -1, a + 1_000 * (n + 1), end - a - 1_000 * (n + 1)))
                     t[r] = end
                 else:
                     kind = op[1]
@@ -489,21 +558,18 @@ def simulate_pipeline(tp: int, pp: int, dp: int, steps: int, micro: int = 4, fwd
                 progressed = True
         if not progressed:
             raise RuntimeError("the simulated schedule deadlocked")
-    wend = {}
-    for r in range(world):
-        k = 0
-        for c in calls[r]:
-            if c[1] == "world":
-                wend[k] = max(wend.get(k, 0), c[4] + c[5])
-                k += 1
-    step_ns = (wend[steps - 1] - wend[0]) / (steps - 1)
+    last = [max(step_end[r][k] for r in range(world_n)) for k in range(steps)]
+    step_ns = (last[-1] - last[0]) / (steps - 1)
     return {"calls": calls, "step_ns": step_ns, "layout": lay, "slowed": slowed}
 
 
-def pipeline_instances_per_step(tp: int, pp: int, dp: int, micro: int = 4) -> int:
+def pipeline_instances_per_step(tp: int, pp: int, dp: int, micro: int = 4, world: bool = True,
+                                dist_opt: bool = False, embedding: bool = False, **_) -> int:
     """Collective instances per simulated step: a tp all-reduce per microbatch forward and
-    backward in every tp group, a dp all-reduce per dp group, one world all-reduce."""
-    return (2 * micro * pp * dp if tp > 1 else 0) + (tp * pp if dp > 1 else 0) + 1
+    backward in every tp group, a dp all-reduce (or reduce-scatter and all-gather) per dp
+    group, an embedding all-reduce per pipeline, one world all-reduce."""
+    return ((2 * micro * pp * dp if tp > 1 else 0) + (tp * pp * (2 if dist_opt else 1) if dp > 1 else 0)
+            + (dp * tp if embedding and pp > 1 else 0) + (1 if world else 0))
 
 
 OFFCPU_REASON = {"cpu-contention": "runqueue", "io": "io"}
@@ -595,12 +661,16 @@ def pipeline_session(seg_dir, tp: int, pp: int, dp: int, nodes: int, steps: int 
                                     "seq", "peer", "pid", "tid", "global_rank", "ret", "count", "bytes")}
             seqs: dict = {}
             for op, kind, g, peer, a, d in run["calls"][r]:
-                mem = lay["groups"][kind][g]
-                h = hashes[kind][g]
-                seqs[h] = seqs.get(h, 0) + 1
                 cols["timestamp_ns"].append(t0 + int(a) + skew[ni])
                 cols["duration_ns"].append(int(d))
                 cols["op"].append(op)
+                if kind is None:                   # ncclGroupStart / ncclGroupEnd: no communicator
+                    for k, v in (("rank", -1), ("nranks", -1), ("comm_id_hash", 0), ("seq", 0), ("peer", -1)):
+                        cols[k].append(v)
+                    continue
+                mem = lay["groups"][kind][g]
+                h = hashes[kind][g]
+                seqs[h] = seqs.get(h, 0) + 1
                 cols["rank"].append(mem.index(r))
                 cols["nranks"].append(len(mem))
                 cols["comm_id_hash"].append(h)
@@ -621,14 +691,17 @@ def pipeline_session(seg_dir, tp: int, pp: int, dp: int, nodes: int, steps: int 
                         k = (h, o, pe if o in ("SEND", "RECV") else None)   # per function; p2p per peer
                         pseq.append(fseq.get(k, 0))
                         fseq[k] = pseq[-1] + 1
-                    w.append("nccl_profiler_events", {
+                    prof = {
                         "timestamp_ns": cols["timestamp_ns"], "op": cols["op"], "rank": cols["rank"],
                         "nranks": cols["nranks"], "comm_hash": np.asarray(cols["comm_id_hash"], np.uint64),
                         "seq": pseq, "peer": cols["peer"], "count": cols["count"], "bytes": cols["bytes"],
                         "host_duration_ns": [20_000] * n, "device_start_ns": list(dev_t),
                         "device_end_ns": list(dev_t + dev_d), "device_duration_ns": list(dev_d),
                         "unfinished": [False] * n, "global_rank": [r] * n, "pid": [1000 + r] * n,
-                        "tid": [1000 + r] * n, "profiler_api": [5] * n})
+                        "tid": [1000 + r] * n, "profiler_api": [5] * n}
+                    ops_only = [i for i, o in enumerate(cols["op"]) if not o.startswith("GROUP")]
+                    w.append("nccl_profiler_events", {k: np.asarray(v)[ops_only] if k != "op" else
+                                                      [v[i] for i in ops_only] for k, v in prof.items()})
             w.append("nccl_events", {k: np.asarray(v, dtype=np.uint64) if k == "comm_id_hash" else
                                      (np.asarray(v) if k != "op" else v) for k, v in cols.items()})
             ranks_rows.append({"pid": 1000 + r, "rank": r, "local_rank": r % rpn, "world_size": world,

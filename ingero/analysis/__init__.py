@@ -24,7 +24,8 @@ from ingero.analysis.calls import device_timing, events, load
 from ingero.analysis.model import Hang, RankRow, Report, Straggler
 from ingero.analysis.replay import measure
 from ingero.analysis.stats import add_network, add_offcpu, rank_rows, retransmits, robust_z, runqueue_tails
-from ingero.analysis.verdict import decide, own_per_rank, timeline, wait_per_rank
+from ingero.analysis.steps import own_per_rank, timeline, wait_per_rank
+from ingero.analysis.verdict import decide
 
 __all__ = ["Hang", "RankRow", "Report", "Straggler", "analyse", "robust_z"]
 
@@ -137,12 +138,8 @@ def host_synchronous(ev, min_spread_ns: int = 100_000, min_instances: int = 10) 
 
 
 def _median_gap_ms(tl) -> float:
-    """Median gap between consecutive marker instances (their first arrival), ms."""
+    """Median gap between consecutive step boundaries (each marker's first arrivals), ms."""
     if tl is None:
         return 0.0
-    ev = tl.ev
-    first = np.full(int(ev.inst.max()) + 1, np.iinfo(np.int64).max, np.int64)
-    has = ev.inst >= 0
-    np.minimum.at(first, ev.inst[has], ev.a[has])
-    gaps = np.diff(first[tl.marker_inst])
-    return float(np.median(gaps)) / 1e6 if len(gaps) else 0.0
+    gaps = np.diff(tl.first_arrivals(), axis=1)
+    return float(np.median(gaps)) / 1e6 if gaps.size else 0.0

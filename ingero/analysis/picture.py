@@ -20,15 +20,6 @@ OWN, WAIT, XFER = "#4c72b0", "#e3e3e3", "#55a868"
 ROW, GAP, LEFT, WIDTH = 14, 2, 118, 980
 
 
-def step_window(tl, e: np.ndarray, k: int) -> tuple[int, int]:
-    """[end of marker instance k, end of marker instance k + 1] in the timeline `e`."""
-    ev = tl.ev
-    ends = np.full(int(ev.inst.max()) + 1, np.iinfo(np.int64).min, np.int64)
-    has = ev.inst >= 0
-    np.maximum.at(ends, ev.inst[has], e[has])
-    return int(ends[tl.marker_inst[k]]), int(ends[tl.marker_inst[k + 1]])
-
-
 def _segments(tl, a: np.ndarray, e: np.ndarray, x: np.ndarray, lo: int, hi: int) -> dict:
     """rank -> [(start, end, colour)] of its own work, waits and transfers inside [lo, hi]."""
     ev = tl.ev
@@ -70,18 +61,18 @@ def step_svg(report, ctx: dict, step: int | None = None) -> tuple[str, str]:
     tl, base, named = ctx.get("timeline"), ctx.get("base"), ctx.get("named")
     if tl is None or base is None:
         raise ValueError("no step to draw: no collective recurs on all ranks")
-    steps = len(tl.marker_inst) - 1
+    steps = tl.steps
     k = steps // 2 if step is None else step
     if not 0 <= k < steps:
         raise ValueError(f"step {step} is out of range: the trace has {steps} whole steps (0 to {steps - 1})")
     m = tl.m
-    lo, hi = step_window(tl, base.e, k)
+    lo, hi = tl.step_bounds(base.e, k)
     panels = [("measured", _segments(tl, base.a, base.e, m.x, lo, hi), lo, hi)]
     rep_fix = (named.extra.get("replay") if named is not None else None)
     who = set(named.ranks) if named is not None and named.kind != "spread" else set()
     if rep_fix is not None:
         fixed, x = rep_fix
-        flo, fhi = step_window(tl, fixed.e, k)
+        flo, fhi = tl.step_bounds(fixed.e, k)
         panels.append((f"replayed without {named.label}'s excess", _segments(tl, fixed.a, fixed.e, x, flo, fhi),
                        flo, fhi))
     span = max(h - l for _, _, l, h in panels)

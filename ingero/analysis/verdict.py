@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ingero.analysis.calls import Calls, Events, _RECV, _SEND
+from ingero.analysis.calls import Calls
 from ingero.analysis.model import Straggler
-from ingero.analysis.replay import Measured, replay
+from ingero.analysis.replay import replay
 from ingero.analysis.stats import median_of_others, quantile_at, robust_z
+from ingero.analysis.steps import Timeline, own_per_rank
 
 SAVING_FLOOR_PCT = 5.0        # fixing the named rank (or group) must save >= 5% of the step
 SPREAD_FLOOR_PCT = 12.0       # "spread" needs more: a busy machine's jitter alone removes ~5-8%
@@ -81,125 +82,6 @@ class Candidate:
     why: str = ""
     score: float = 0.0
     extra: dict = field(default_factory=dict)
-
-
-@dataclass
-class Timeline:
-    """What the verdict works on: events, their measurement, roles and the step window."""
-
-    ev: Events
-    m: Measured
-    role: np.ndarray          # per event: the rank's role (pipeline stage, 0 without one)
-    key: np.ndarray           # per event: (role, step, ordinal) as one integer, -1 outside the window
-    inwin: np.ndarray         # per event: inside the whole-step window
-    marker_inst: np.ndarray   # the marker instances, in order
-    steps: int                # whole steps in the window
-    stage_of: dict            # rank -> stage (pipelines only)
-    since: np.ndarray | None = None   # per event: its ordinal since the rank's last marker
-    slots: int = 1                    # ordinals per step (bound)
-
-    def step_ns(self, E: np.ndarray) -> float:
-        """(end of the last marker instance - end of the first) / steps, for event ends E."""
-        ends = np.full(int(self.ev.inst.max()) + 1, np.iinfo(np.int64).min, np.int64)
-        has = self.ev.inst >= 0
-        np.maximum.at(ends, self.ev.inst[has], E[has])
-        me = ends[self.marker_inst]
-        return float(me[-1] - me[0]) / self.steps if self.steps else 0.0
-
-
-def stages(c: Calls) -> dict:
-    """rank -> pipeline stage, from communicators used only for send/recv between neighbours
-    (PyTorch/Megatron: one p2p group per pipeline, ordered by stage)."""
-    p2p = (c.op == _SEND) | (c.op == _RECV)
-    if not p2p.any():
-        return {}
-    has_coll = np.zeros(len(c.comm_hash), bool)
-    has_coll[c.comm[c.inst >= 0]] = True
-    out: dict = {}
-    for comm in np.unique(c.comm[p2p]).tolist():
-        if has_coll[comm]:
-            continue
-        mem = c.comm_members.get(comm, [])
-        if len(mem) < 2:
-            continue
-        idx = {g: i for i, g in enumerate(mem)}
-        sel = p2p & (c.comm == comm) & (c.peer >= 0)
-        me = np.array([idx.get(g, -9) for g in c.rank[sel].tolist()])
-        pe = np.array([idx.get(g, -99) for g in c.peer[sel].tolist()])
-        if len(me) and np.mean(np.abs(me - pe) == 1) >= 0.95:
-            for g, i in idx.items():
-                out.setdefault(g, i)
-    return out
-
-
-def timeline(c: Calls, ev: Events, m: Measured) -> Timeline | None:
-    """The step window: from the first to the last instance of the marker collective (the
-    widest communicator's op with the fewest instances: once per step)."""
-    if not (ev.inst >= 0).any():
-        return None
-    size = c.inst_size
-    best = None
-    for comm, op in set(zip(c.inst_comm.tolist(), c.inst_op.tolist())):
-        sel = (c.inst_comm == comm) & (c.inst_op == op)
-        n = int(sel.sum())
-        if n < 2:
-            continue
-        k = (-int(size[sel].max()), n, int(c.comm_hash[comm]), op)
-        if best is None or k < best[0]:
-            best = (k, comm, op)
-    if best is None:
-        return None
-    _, comm, op = best
-    mk = np.zeros(len(size), bool)
-    mk[(c.inst_comm == comm) & (c.inst_op == op)] = True
-    # marker instances in time order (their earliest member event)
-    first = np.full(len(size), np.iinfo(np.int64).max, np.int64)
-    has = ev.inst >= 0
-    np.minimum.at(first, ev.inst[has], ev.a[has])
-    marker_inst = np.flatnonzero(mk)
-    marker_inst = marker_inst[np.argsort(first[marker_inst], kind="stable")]
-    is_mk = has & mk[np.maximum(ev.inst, 0)]
-    n = len(ev.a)
-    # per rank: step index = markers passed before this event; ordinal since the last marker
-    cs = np.cumsum(is_mk)
-    base = np.r_[0, cs][ev.off[:-1]]
-    seg = np.repeat(np.arange(len(ev.ranks)), np.diff(ev.off))
-    before = cs - is_mk - base[seg]                  # markers strictly before
-    idx = np.arange(n)
-    last_mk = np.maximum.accumulate(np.where(is_mk, idx, -1))
-    # restart per rank
-    rank_start = ev.off[:-1][seg]
-    since = np.where(last_mk >= rank_start, idx - last_mk, idx - rank_start + 10**6)
-    nmk = np.r_[cs[ev.off[1:] - 1] - base] if n else np.zeros(0, np.int64)
-    total_mk = np.repeat(nmk, np.diff(ev.off))
-    inwin = (before >= 1) & ((before < total_mk) | is_mk & (before == total_mk - 1))
-    inwin &= ~(is_mk & (before == 0))
-    stage_of = stages(c)
-    role = np.array([stage_of.get(int(r), 0) for r in ev.ranks.tolist()], np.int64)[seg]
-    # one small integer per (role, step, ordinal) inside the window, -1 outside
-    B = int(before[inwin].max()) + 1 if inwin.any() else 1
-    S = int(since[inwin].max()) + 1 if inwin.any() else 1
-    key = np.where(inwin, (role * B + before) * S + since, -1)
-    steps = len(marker_inst) - 1
-    if steps < 1:
-        return None
-    return Timeline(ev=ev, m=m, role=role, key=key, inwin=inwin, marker_inst=marker_inst,
-                    steps=steps, stage_of=stage_of, since=since, slots=S)
-
-
-def own_per_rank(tl: Timeline, w: np.ndarray) -> dict:
-    ev = tl.ev
-    sel = tl.inwin
-    tot = np.bincount(np.searchsorted(ev.ranks, ev.rank[sel]), weights=w[sel], minlength=len(ev.ranks))
-    return {int(r): float(v) / tl.steps for r, v in zip(ev.ranks.tolist(), tot.tolist())}
-
-
-def wait_per_rank(tl: Timeline) -> dict:
-    ev, m = tl.ev, tl.m
-    sel = tl.inwin
-    wait = (m.ready - ev.a)[sel]
-    tot = np.bincount(np.searchsorted(ev.ranks, ev.rank[sel]), weights=wait, minlength=len(ev.ranks))
-    return {int(r): float(v) / tl.steps for r, v in zip(ev.ranks.tolist(), tot.tolist())}
 
 
 def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int,

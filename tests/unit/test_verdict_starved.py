@@ -79,7 +79,8 @@ def test_a_starved_ranks_what_if_shortens_the_transfers_it_takes_part_in_and_no_
 
     from ingero.analysis.calls import Events
     from ingero.analysis.replay import Measured
-    from ingero.analysis.verdict import Timeline, _starved_x
+    from ingero.analysis.steps import Timeline
+    from ingero.analysis.verdict import _starved_x
 
     # events by rank: rank 0 [instance 0, a recv from rank 2], rank 1 [instance 0, instance 1
     # (a collective without rank 2)], rank 2 [instance 0, a send to rank 0]

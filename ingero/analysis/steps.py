@@ -1,0 +1,315 @@
+"""Steps and roles: where each rank's training step begins and ends, and whom it is compared with.
+
+No collective needs to span every rank. Megatron and FSDP jobs have none: a
+data-parallel group per pipeline stage and tensor-parallel position, tensor
+groups inside a stage, an embedding group of the first and last stage, the
+pipeline's send/recv. A *marker* is a recurring collective (one communicator's
+one op); the markers of one *family* (same op, same group size, about as many
+instances) together cover ranks, e.g. every data-parallel group's gradient
+reduce-scatter. The family chosen recurs least (once per step; seen at least
+MIN_INSTANCES times), then covers the most ranks, then spans the widest groups;
+ranks it leaves out are covered by other families that recur as often, then
+through what connects them to covered ranks (``_propagate``: a pure pipeline's
+middle stages get their steps from the send/recv they exchange with the first
+and last stage, which share an embedding group). A rank's step k runs from just
+after its k-th marker instance to its (k+1)-th.
+
+The step numbers of different markers are aligned by time (each marker's
+instances against the reference marker's, at the offset that brings them
+closest), and the window is the run of whole steps that every marker holds.
+A rank's role is its pipeline stage (from the communicators used only for
+send/recv between neighbours, ring neighbours included); peers are compared
+within a role.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ingero.analysis.calls import Calls, Events, _RECV, _SEND
+from ingero.analysis.replay import Measured
+
+ALIKE_COUNT = 1.25        # markers of one family recur within 25% as often (edges of a late or cut trace)
+MIN_INSTANCES = 3         # a marker seen fewer times is one only when nothing else recurs
+MAX_OFFSET_STEPS = 8      # markers are aligned by at most this many steps against the reference
+
+
+@dataclass
+class Timeline:
+    """What the verdict works on: events, their measurement, roles and the step window."""
+
+    ev: Events
+    m: Measured
+    role: np.ndarray          # per event: the rank's role (pipeline stage, 0 without one)
+    key: np.ndarray           # per event: (role, step, ordinal) as one integer, -1 outside the window
+    inwin: np.ndarray         # per event: inside the whole-step window
+    marker_inst: np.ndarray   # (markers, steps + 1): each marker's instance at each step boundary
+    steps: int                # whole steps in the window
+    stage_of: dict            # rank -> stage (pipelines only)
+    since: np.ndarray | None = None   # per event: its ordinal since the rank's last marker
+    slots: int = 1                    # ordinals per step (bound)
+    covered: list | None = None       # the ranks inside the window (None: every rank)
+
+    def marker_ends(self, E: np.ndarray) -> np.ndarray:
+        """(markers, steps + 1): the end of each boundary instance, for event ends E."""
+        ends = np.full(int(self.ev.inst.max()) + 1, np.iinfo(np.int64).min, np.int64)
+        has = self.ev.inst >= 0
+        np.maximum.at(ends, self.ev.inst[has], E[has])
+        return ends[np.atleast_2d(self.marker_inst)]
+
+    def step_ns(self, E: np.ndarray) -> float:
+        """The job's step for event ends E: per marker, (end of its last boundary instance -
+        end of its first) / steps; the slowest marker's (the job waits for it)."""
+        if not self.steps:
+            return 0.0
+        me = self.marker_ends(E)
+        return float((me[:, -1] - me[:, 0]).max()) / self.steps
+
+    def step_bounds(self, E: np.ndarray, k: int) -> tuple[int, int]:
+        """[the earliest marker end at boundary k, the latest at boundary k + 1]."""
+        me = self.marker_ends(E)
+        return int(me[:, k].min()), int(me[:, k + 1].max())
+
+    def first_arrivals(self) -> np.ndarray:
+        """(markers, steps + 1): each boundary instance's earliest arrival."""
+        ev = self.ev
+        first = np.full(int(ev.inst.max()) + 1, np.iinfo(np.int64).max, np.int64)
+        has = ev.inst >= 0
+        np.minimum.at(first, ev.inst[has], ev.a[has])
+        return first[np.atleast_2d(self.marker_inst)]
+
+
+def stages(c: Calls) -> dict:
+    """rank -> pipeline stage, from communicators used only for send/recv between neighbours
+    (PyTorch/Megatron: one p2p group per pipeline, ordered by stage; an interleaved schedule
+    also sends from the last stage to the first)."""
+    p2p = (c.op == _SEND) | (c.op == _RECV)
+    if not p2p.any():
+        return {}
+    has_coll = np.zeros(len(c.comm_hash), bool)
+    has_coll[c.comm[c.inst >= 0]] = True
+    out: dict = {}
+    for comm in np.unique(c.comm[p2p]).tolist():
+        if has_coll[comm]:
+            continue
+        mem = c.comm_members.get(comm, [])
+        if len(mem) < 2:
+            continue
+        idx = {g: i for i, g in enumerate(mem)}
+        sel = p2p & (c.comm == comm) & (c.peer >= 0)
+        me = np.array([idx.get(g, -9) for g in c.rank[sel].tolist()])
+        pe = np.array([idx.get(g, -99) for g in c.peer[sel].tolist()])
+        hop = np.abs(me - pe)
+        if len(me) and np.mean((hop == 1) | ((hop == len(mem) - 1) & (len(mem) > 2))) >= 0.95:
+            for g, i in idx.items():
+                out.setdefault(g, i)
+    return out
+
+
+def markers(c: Calls, visible: np.ndarray) -> list[tuple[int, int]]:
+    """The markers, as [(communicator code, op code)], the reference first; [] when no
+    collective recurs. `visible`: per instance, whether it is a sync event of its own (a
+    collective inside a group is not)."""
+    if not visible.any():
+        return []
+    code = c.inst_comm[visible] * 64 + c.inst_op[visible]
+    n = np.bincount(code)
+    size = np.zeros(len(n), np.int64)
+    np.maximum.at(size, code, c.inst_size[visible])
+    by_shape: dict = {}
+    for k in np.flatnonzero(n >= 2).tolist():
+        by_shape.setdefault((k % 64, int(size[k])), []).append((int(n[k]), k // 64))
+    families = []                     # (op, size, [(instances, comm)])
+    for (op, sz), lst in by_shape.items():
+        lst.sort()
+        cur = [lst[0]]
+        for item in lst[1:]:
+            if item[0] > ALIKE_COUNT * cur[0][0]:
+                families.append((op, sz, cur))
+                cur = []
+            cur.append(item)
+        families.append((op, sz, cur))
+    if not families:
+        return []
+
+    def members(fam) -> set:
+        return set().union(*(c.comm_members.get(comm, []) for _, comm in fam[2]))
+
+    def count(fam) -> float:
+        return float(np.median([k for k, _ in fam[2]]))
+
+    def order(fam, want: set):
+        """Fewest instances (once per step), most of `want` covered, widest groups, then a
+        stable tie-break."""
+        return (count(fam), -len(members(fam) & want), -fam[1], fam[0],
+                min(int(c.comm_hash[comm]) for _, comm in fam[2]))
+
+    left = set(c.rank.tolist())
+    # a collective seen only twice may be a one-off pair (set-up, checkpoint): a step needs 3
+    steady = [f for f in families if count(f) >= MIN_INSTANCES] or families
+    chosen = [min(steady, key=lambda f: order(f, left))]
+    left -= members(chosen[0])
+    n_ref = count(chosen[0])
+    while left:
+        alike = [f for f in families if f not in chosen and members(f) & left
+                 and n_ref / ALIKE_COUNT <= count(f) <= n_ref * ALIKE_COUNT]
+        if not alike:
+            break
+        chosen.append(min(alike, key=lambda f: (-len(members(f) & left), *order(f, left))))
+        left -= members(chosen[-1])
+    return [(comm, op) for op, _, lst in chosen
+            for _, comm in sorted(lst, key=lambda t: (-t[0], int(c.comm_hash[t[1]])))]
+
+
+def _align(first: list[np.ndarray]) -> list[int]:
+    """Step offset of each marker's instances (first arrivals, in order) against the first
+    marker's: the shift that brings them closest in time."""
+    ref = first[0]
+    out = [0]
+    for t in first[1:]:
+        best = None
+        K = min(MAX_OFFSET_STEPS, max(len(t), len(ref)) - 1)
+        for k in range(-K, K + 1):
+            # marker instance i sits at reference step i + k
+            lo, hi = max(0, -k), min(len(t), len(ref) - k)
+            if hi - lo < 1:
+                continue
+            cost = float(np.median(np.abs(t[lo:hi] - ref[lo + k:hi + k])))
+            if best is None or cost < best[0]:
+                best = (cost, k)
+        out.append(best[1] if best else 0)
+    return out
+
+
+def timeline(c: Calls, ev: Events, m: Measured) -> Timeline | None:
+    """The step window from the markers (see the module's docstring); None without two whole
+    boundaries common to every marker."""
+    has = ev.inst >= 0
+    if not has.any():
+        return None
+    # every instance's earliest member event; instances with none are no sync event
+    first = np.full(len(c.inst_size), np.iinfo(np.int64).max, np.int64)
+    np.minimum.at(first, ev.inst[has], ev.a[has])
+    pairs = markers(c, first < np.iinfo(np.int64).max)
+    per, used = [], []
+    for comm, op in pairs:
+        ids = np.flatnonzero((c.inst_comm == comm) & (c.inst_op == op) & (first < np.iinfo(np.int64).max))
+        if len(ids) >= 2:
+            per.append(ids[np.argsort(first[ids], kind="stable")])
+            used.append(comm)
+    if not per:
+        return None
+    off = _align([first[p] for p in per])
+    L = max(off)                                           # the window: reference steps L..H
+    H = min(o + len(p) - 1 for o, p in zip(off, per))
+    steps = H - L
+    if steps < 1:
+        return None
+    marker_inst = np.stack([p[L - o:H - o + 1] for o, p in zip(off, per)])
+    # each rank follows one marker: the first that holds it
+    nr = len(ev.ranks)
+    rank_mk = np.full(nr, -1, np.int64)
+    for g in range(len(per) - 1, -1, -1):
+        mem = np.array(c.comm_members.get(used[g], []), np.int64)
+        rank_mk[np.isin(ev.ranks, mem)] = g
+    mk_of = np.full(len(c.inst_size), -1, np.int64)
+    for g, p in enumerate(per):
+        mk_of[p] = g
+    seg = np.repeat(np.arange(nr), np.diff(ev.off))
+    is_mk = has & (mk_of[np.maximum(ev.inst, 0)] == rank_mk[seg]) & (rank_mk[seg] >= 0)
+    n = len(ev.a)
+    cs = np.cumsum(is_mk)
+    base = np.r_[0, cs][ev.off[:-1]]
+    before = cs - is_mk - base[seg]                        # the rank's markers strictly before
+    # the rank's first marker instance is its marker's step (its position there + offset)
+    pos = np.zeros(len(c.inst_size), np.int64)
+    for g, (o, p) in enumerate(zip(off, per)):
+        pos[p] = np.arange(len(p)) + o
+    first_mk = np.full(nr, -1, np.int64)
+    idx_mk = np.flatnonzero(is_mk)
+    who, at = np.unique(seg[idx_mk], return_index=True)
+    first_mk[who] = idx_mk[at]
+    covered_k = first_mk >= 0
+    start = np.where(covered_k, pos[ev.inst[np.maximum(first_mk, 0)]], 0)
+    gb = np.where(covered_k[seg], before + start[seg], -1)   # markers strictly before, as reference steps
+    idx = np.arange(n)
+    last_mk = np.maximum.accumulate(np.where(is_mk, idx, -1))
+    if not covered_k.all():
+        gb, opened = _propagate(ev, gb, covered_k, seg)
+        last_mk = np.maximum.accumulate(np.where(is_mk | opened, idx, -1))
+    covered_k = np.bincount(seg[gb >= 0], minlength=nr) > 0
+    inwin = (gb >= L + 1) & (gb <= H)
+    rank_start = ev.off[:-1][seg]
+    since = np.where(last_mk >= rank_start, idx - last_mk, idx - rank_start + 10**6)
+    stage_of = stages(c)
+    role = np.array([stage_of.get(int(r), 0) for r in ev.ranks.tolist()], np.int64)[seg]
+    # one small integer per (role, step, ordinal) inside the window, -1 outside
+    step_no = gb - L
+    B = int(step_no[inwin].max()) + 1 if inwin.any() else 1
+    S = int(since[inwin].max()) + 1 if inwin.any() else 1
+    key = np.where(inwin, (role * B + step_no) * S + since, -1)
+    covered = sorted(ev.ranks[covered_k].tolist())
+    return Timeline(ev=ev, m=m, role=role, key=key, inwin=inwin, marker_inst=marker_inst, steps=steps,
+                    stage_of=stage_of, since=since, slots=S,
+                    covered=None if len(covered) == nr else covered)
+
+
+def _propagate(ev: Events, gb: np.ndarray, covered: np.ndarray, seg: np.ndarray):
+    """Steps for the ranks no marker holds, through what connects them to ranks with steps:
+    a send/recv pair or a collective instance shares its step (a recv of step k's
+    activations is in the receiver's step k). A rank's events take the latest step linked so
+    far (steps never go back), rank after rank until nothing changes. Returns (step of every
+    event, -1 unknown; the events that open a step on a propagated rank)."""
+    gb = gb.copy()
+    n = len(gb)
+    src = np.repeat(np.arange(n), np.diff(ev.dep_ptr))
+    dst = ev.dep_idx
+    has = ev.inst >= 0
+    ni = int(ev.inst.max()) + 1 if has.any() else 0
+    done = covered.copy()
+    opened = np.zeros(n, bool)
+    while not done.all():
+        known = done[seg]
+        cand = np.full(n, -1, np.int64)
+        for a, b in ((src, dst), (dst, src)):
+            m = known[b] & ~known[a] & (gb[b] >= 0)
+            np.maximum.at(cand, a[m], gb[b[m]])
+        if ni:
+            step = np.full(ni, -1, np.int64)
+            m = has & known & (gb >= 0)
+            np.maximum.at(step, ev.inst[m], gb[m])
+            m = has & ~known
+            cand[m] = np.maximum(cand[m], step[ev.inst[m]])
+        new = np.bincount(seg[cand >= 0], minlength=len(done)) > 0
+        new &= ~done
+        if not new.any():
+            break
+        for k in np.flatnonzero(new).tolist():
+            lo, hi = ev.off[k], ev.off[k + 1]
+            run = np.maximum.accumulate(cand[lo:hi])
+            gb[lo:hi] = run
+            opened[lo:hi] = (run >= 0) & (run != np.r_[-1, run[:-1]])
+        done |= new
+    return gb, opened
+
+
+def _per_rank(tl: Timeline, values: np.ndarray) -> dict:
+    """Per covered rank: the sum of `values` over its events in the window, per step."""
+    ev = tl.ev
+    sel = tl.inwin
+    tot = np.bincount(np.searchsorted(ev.ranks, ev.rank[sel]), weights=values[sel], minlength=len(ev.ranks))
+    keep = set(tl.covered) if tl.covered is not None else None
+    return {int(r): float(v) / tl.steps for r, v in zip(ev.ranks.tolist(), tot.tolist())
+            if keep is None or r in keep}
+
+
+def own_per_rank(tl: Timeline, w: np.ndarray) -> dict:
+    """Own work per step of each covered rank."""
+    return _per_rank(tl, w.astype(np.float64))
+
+
+def wait_per_rank(tl: Timeline) -> dict:
+    """Time blocked on other ranks per step of each covered rank."""
+    return _per_rank(tl, (tl.m.ready - tl.ev.a).astype(np.float64))
