@@ -579,7 +579,7 @@ def pipeline_session(seg_dir, tp: int, pp: int, dp: int, nodes: int, steps: int 
                      fault: str = "clean", victim: int | None = None, stage_slow: int = 1,
                      slow: float = 1.5, imbalance: float = 1.0, seed: int = 5, lossy_node: int = 0,
                      loss_ms: float = 2.0, skew_ns=None, gpu: str | None = None, busy: float = 0.0,
-                     **kw) -> dict:
+                     untraced=(), **kw) -> dict:
     """Write a simulated tp x pp x dp session below `seg_dir` (one folder per node, ranks
     in order over nodes) and return the ground truth: the planted saving per step (the
     same run without the fault, same noise), the victim, stage or lossy node.
@@ -596,7 +596,8 @@ def pipeline_session(seg_dir, tp: int, pp: int, dp: int, nodes: int, steps: int 
     long; with "plugin" the profiler plugin's rows (nccl_profiler_events) carry the
     simulated times as device start/end, NCCL's comm hash and per-function seq.
     `busy`: a busy machine under the fault: every rank's work x U(1, 1 + busy) per step
-    (other draws than `imbalance`'s); the planted saving's run keeps it."""
+    (other draws than `imbalance`'s); the planted saving's run keeps it.
+    `untraced`: global ranks that run but whose rows are not written (no probe on them)."""
     from pathlib import Path
 
     from ingero.store import SegmentWriter
@@ -656,7 +657,7 @@ def pipeline_session(seg_dir, tp: int, pp: int, dp: int, nodes: int, steps: int 
     for ni, node in enumerate(names):
         w = SegmentWriter(Path(seg_dir) / node, node=node, session_id="pipeline")
         ranks_rows, totals = [], []
-        for r in range(ni * rpn, (ni + 1) * rpn):
+        for r in (r for r in range(ni * rpn, (ni + 1) * rpn) if r not in untraced):
             cols = {k: [] for k in ("timestamp_ns", "duration_ns", "op", "rank", "nranks", "comm_id_hash",
                                     "seq", "peer", "pid", "tid", "global_rank", "ret", "count", "bytes")}
             seqs: dict = {}

@@ -108,3 +108,37 @@ def test_on_a_busy_machine_an_io_stalled_rank_is_named_while_a_rank_without_off_
     if fault == "io":
         assert "the rest is spread over the ranks" in s.evidence and s.ranks == [6]
         assert s.saving_ms_per_step < rep.mean_step_ms
+
+
+MEGATRON = {"schedule": "1f1b", "world": False, "dist_opt": True, "embedding": True}
+
+
+@pytest.mark.parametrize("victim", [0, 4, 14])     # stage 0, a middle stage, the last stage of the second replica
+def test_untraced_tensor_parallel_peers_leave_a_verdict_on_the_traced_ranks(tmp_path, victim):
+    # one rank of every tensor-parallel pair is not traced (tp index 1: the odd ranks)
+    untraced = {r for r in range(16) if r % 2}
+    rep, gt = _run(tmp_path, fault="slow-rank", victim=victim, untraced=untraced, **MEGATRON)
+    s = rep.straggler
+    assert {r.rank for r in rep.ranks} == set(range(0, 16, 2))
+    assert (s.kind, s.rank) == ("rank", victim), s
+    assert s.saving_ms_per_step == pytest.approx(gt["planted_saving_ms"], rel=0.25)
+
+
+def test_a_pure_pipeline_without_world_collective_gets_steps_through_its_send_recv(tmp_path):
+    # tp=1, dp=1: only the first and last stage share a collective (the embedding all-reduce);
+    # the middle stages' steps come from the send/recv that connect them
+    rep, gt = _run(tmp_path, layout=(1, 4, 1), fault="slow-rank", victim=2, **MEGATRON)
+    assert rep.covered_ranks is None and all(r.own_ms > 0 for r in rep.ranks)
+    s = rep.straggler
+    assert (s.kind, s.rank) == ("rank", 2), s
+    assert s.saving_ms_per_step == pytest.approx(gt["planted_saving_ms"], rel=0.25)
+    assert rep.mean_step_ms == pytest.approx(gt["step_ms"], rel=0.05)
+
+
+@pytest.mark.parametrize("victim", [1, 6])
+def test_the_same_job_with_and_without_a_world_collective_gets_the_same_verdict(tmp_path, victim):
+    with_world, gt = _run(tmp_path / "world", fault="slow-rank", victim=victim, schedule="1f1b", world=True)
+    without, _ = _run(tmp_path / "none", fault="slow-rank", victim=victim, schedule="1f1b", world=False)
+    a, b = with_world.straggler, without.straggler
+    assert (a.kind, a.rank, a.cause) == (b.kind, b.rank, b.cause) == ("rank", victim, "compute/unknown")
+    assert b.saving_ms_per_step == pytest.approx(a.saving_ms_per_step, rel=0.25)
