@@ -51,6 +51,12 @@ def test_every_schedule_matches_its_sends_and_receives_and_runs_the_asked_steps(
     assert [s["steps"] for s in stats] == [4] * len(stats)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_grouped_exchanges_settle_on_non_blocking_communicators(bins, schedule):
+    stats = run_layout(bins, (2, 2, 2), schedule, INGERO_LAB_NONBLOCKING=1, INGERO_LAB_DEVICE="gpu")
+    assert [s["steps"] for s in stats] == [4] * 8
+
+
 def test_rank_zero_stops_every_rank_through_the_store_a_margin_of_steps_later(bins, tmp_path):
     stop = tmp_path / "stop"
     stop.touch()   # rank 0 decides at the end of its first step

@@ -481,9 +481,11 @@ static void *stop_serve(void *arg) {
       told[i] = told[nf - 1];
       nf--;
     }
-    if ((pf[0].revents & POLLIN) && nf <= s->clients) {
+    if (pf[0].revents & POLLIN) {
       int fd = accept4(pf[0].fd, NULL, NULL, SOCK_CLOEXEC);
-      if (fd >= 0) {
+      if (fd >= 0 && nf > s->clients) {   /* more connections than readers: not one of ours */
+        close(fd);
+      } else if (fd >= 0) {
         struct timeval tv = {s->timeout_s, 0};
         setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
         told[nf] = 0;
