@@ -15,17 +15,18 @@ import pytest
 
 from ingero.errors import IngeroError
 from tests.unit.test_lab_build import bins, free_port, worker_env  # noqa: F401
+from tests.unit.test_lab_gpu_device import COLL, P2P, events, recorders  # noqa: F401
 
 STOP_MARGIN = 5   # worker.c: rank 0's decision at the end of step s makes s + 5 the last step
 
 
-def run_layout(bins, layout: tuple[int, int, int], schedule: str, **extra) -> list[dict]:
+def run_layout(bins, layout: tuple[int, int, int], schedule: str, env_of=lambda r: {}, **extra) -> list[dict]:
     t, p, d = layout
     n, port = t * p * d, free_port()
     env = dict(INGERO_LAB_LAYOUT=f"{t},{p},{d}", INGERO_LAB_SCHEDULE=schedule, INGERO_LAB_TIMEOUT_S="20",
                INGERO_LAB_STEPS="4", INGERO_LAB_COMPUTE_MS="4")
     env.update({k: str(v) for k, v in extra.items()})
-    procs = [subprocess.Popen([str(bins.worker)], env=worker_env(r, n, port, **env),
+    procs = [subprocess.Popen([str(bins.worker)], env=worker_env(r, n, port, **env, **env_of(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(n)]
     outs = [pr.communicate(timeout=60) for pr in procs]
     assert [pr.returncode for pr in procs] == [0] * n, [e for _, e in outs]
@@ -51,9 +52,10 @@ def test_every_schedule_matches_its_sends_and_receives_and_runs_the_asked_steps(
     assert [s["steps"] for s in stats] == [4] * len(stats)
 
 
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
-def test_grouped_exchanges_settle_on_non_blocking_communicators(bins, schedule):
-    stats = run_layout(bins, (2, 2, 2), schedule, INGERO_LAB_NONBLOCKING=1, INGERO_LAB_DEVICE="gpu")
+def test_grouped_exchanges_settle_on_non_blocking_communicators(bins, schedule, device):
+    stats = run_layout(bins, (2, 2, 2), schedule, INGERO_LAB_NONBLOCKING=1, INGERO_LAB_DEVICE=device)
     assert [s["steps"] for s in stats] == [4] * 8
 
 
@@ -92,3 +94,31 @@ def test_the_lab_refuses_a_schedule_the_layout_cannot_run(kw, why):
     cfg = LabConfig(nodes=2, ranks_per_node=4, **{"layout": "tp=2,pp=2,dp=2", **kw})
     with pytest.raises(IngeroError, match=why.replace("(", r"\(").replace(")", r"\)")):
         LabRun(cfg, log=lambda _m: None)
+
+
+def test_the_profiler_sees_megatrons_groups_grouped_exchanges_and_no_world_collective(bins, recorders, tmp_path):
+    """NCCL's profiler view (the recording plugin, v6) of tp=2,pp=2,dp=2 under 1F1B: every
+    collective is on a 2-rank communicator; per step 8 tensor all-reduces (8192 floats), one
+    embedding all-reduce (4096), one reduce-scatter and one all-gather; 3 launches per step hold
+    a Send and a Recv to the same peer."""
+    steps = 3
+    run_layout(bins, (2, 2, 2), "1f1b", INGERO_LAB_STEPS=steps, INGERO_LAB_DEVICE="gpu",
+               NCCL_PROFILER_PLUGIN=recorders[6], env_of=lambda r: {"RECORD_PROFILER_OUT": str(tmp_path / f"{r}.rec")})
+    for rank in range(8):
+        lines = [ln.split() for ln in (tmp_path / f"{rank}.rec").read_text().splitlines()]
+        nranks = {int(w[2]): int(w[5]) for w in lines if w[0] == "init"}
+        assert sorted(nranks.values()) == [2, 2, 2, 2, 8], nranks    # tensor, data, pipeline, embedding, world
+        ev = events(lines).values()
+        colls = [e for e in ev if e["type"] == COLL]
+        assert {nranks[e["ctx"]] for e in colls} == {2}
+        got = sorted((f[1], f[3]) for f in (e["fields"] for e in colls))
+        want = sorted([("AllReduce", "8192")] * 8 * steps + [("AllReduce", "4096")] * steps
+                      + [("ReduceScatter", "32768")] * steps + [("AllGather", "131072")] * steps)
+        assert got == want, rank
+        by_group: dict[str, list] = {}
+        for e in ev:
+            if e["type"] == P2P:
+                by_group.setdefault(e["fields"][-1], []).append((e["fields"][0], e["fields"][3]))
+        pairs = [g for g in by_group.values()
+                 if sorted(f for f, _ in g) == ["Recv", "Send"] and len({p for _, p in g}) == 1]
+        assert len(pairs) == 3 * steps and len(by_group) == 5 * steps, (rank, by_group)

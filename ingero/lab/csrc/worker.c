@@ -851,13 +851,15 @@ static int run_layout(const char *spec, int world, int node, int local_rank, con
     die(2, "INGERO_LAB_LAYOUT must be T,P,D with T*P*D = WORLD_SIZE, got %s%s", spec, "");
   long M = env_long("INGERO_LAB_MICROBATCHES", 4);
   double imb = env_double("INGERO_LAB_IMBALANCE", 0.0);
-  const char *sched_name = getenv("INGERO_LAB_SCHEDULE") && *getenv("INGERO_LAB_SCHEDULE") ? getenv("INGERO_LAB_SCHEDULE") : "1f1b";
+  const char *sched_name = getenv("INGERO_LAB_SCHEDULE");
+  if (!sched_name || !*sched_name) sched_name = "1f1b";
   int sched = -1;
   for (int i = 0; i < 3; i++)
     if (strcmp(sched_name, SCHEDULE_NAME[i]) == 0) sched = i;
   if (sched < 0) die(2, "INGERO_LAB_SCHEDULE must be 1f1b, gpipe or interleaved, got %s%s", sched_name, "");
   int V = sched == SCHED_INTERLEAVED ? (int)env_long("INGERO_LAB_VIRTUAL_STAGES", 2) : 1;
-  if (M < 1 || M * V > 128) die(2, "INGERO_LAB_MICROBATCHES must be >= 1 and, times the virtual stages, <= 128%s%s", "", "");
+  if (M < 1 || M * V > 128)
+    die(2, "INGERO_LAB_MICROBATCHES must be >= 1 and, times the virtual stages, <= 128%s%s", "", "");
   if (sched == SCHED_INTERLEAVED && (V < 1 || P < 2 || M % P != 0))
     die(2, "the interleaved schedule needs a pipeline (P > 1), INGERO_LAB_VIRTUAL_STAGES >= 1 and "
            "INGERO_LAB_MICROBATCHES a multiple of P%s%s", "", "");
