@@ -36,8 +36,9 @@
  * INGERO_LAB_FAULT_IO_MB (when set) instead.
  *
  * Rank 0 decides when to stop (INGERO_LAB_STEPS steps or INGERO_LAB_SECONDS
- * seconds, or earlier at its first step after INGERO_LAB_STOP_FILE exists) and says so in the last element of every AllReduce, so all ranks
- * run the same number of steps. Every result is checked; wrong data exits 4.
+ * seconds, or earlier at its first step after INGERO_LAB_STOP_FILE exists) and
+ * says so in the last element of every AllReduce (the layout job: through the
+ * store, stop_begin_step), so all ranks run the same number of steps. Every result is checked; wrong data exits 4.
  * A dead peer fails the NCCL call after INGERO_LAB_TIMEOUT_S (default 60 s),
  * exit 3. Prints a line every INGERO_LAB_PRINT_EVERY steps and a final JSON
  * line: {"rank":…, "steps":…, "mean_step_ms":…, …}.
