@@ -20,6 +20,7 @@ EPILOG = """examples:
   ingero lab run --scenario lossy-link --loss-percent 5 --trace --out out/lab
   ingero lab run --scenario cpu-hog --nodes 2 --ranks-per-node 2 --victim-rank 1
   ingero lab run --layout tp=2,pp=2,dp=2 --nodes 2 --ranks-per-node 4 --scenario slow-stage --stage 1
+  ingero lab run --layout tp=1,pp=4,dp=2 --schedule interleaved --virtual-stages 2 --microbatches 8
   ingero lab run --device gpu --profiler --trace --steps 40   # enqueue on a device stream; device times
   ingero lab run --device gpu --nonblocking --scenario slow-rank
   ingero lab run --elastic --steps 10 --trace   # then shrink without rank 1 and grow back (NCCL 2.27/2.29)
@@ -104,11 +105,19 @@ def run(args) -> int:
 
 def add_job_shape_args(r) -> None:
     """The job's shape and its shape-specific faults (`ingero lab run` and `ingero demo`)."""
+    from ingero.lab.faults import SCHEDULES
+
     r.add_argument("--layout", metavar="tp=T,pp=P,dp=D",
-                   help="a tensor x pipeline x data parallel job (Megatron's rank order, communicators split "
-                        "from the world, GPipe microbatches over send/recv); T*P*D = nodes x ranks-per-node; "
-                        "default: the data-parallel job")
+                   help="a tensor x pipeline x data parallel job (Megatron's rank order and groups, "
+                        "communicators split from the world, no collective over every rank in a step); "
+                        "T*P*D = nodes x ranks-per-node; default: the data-parallel job")
     r.add_argument("--microbatches", type=int, default=4, help="microbatches per step with --layout; default 4")
+    r.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
+                   help="pipeline schedule with --layout: 1f1b (default; grouped send+recv as "
+                        "batch_isend_irecv), gpipe (all forwards, then all backwards; single calls) or "
+                        "interleaved (--virtual-stages model chunks per rank)")
+    r.add_argument("--virtual-stages", type=int, default=2,
+                   help="interleaved: model chunks per rank; default 2 (--microbatches a multiple of pp)")
     r.add_argument("--stage", type=int, default=1, help="slow-stage: the stage that is slower; default 1")
     r.add_argument("--slow-factor", type=float, default=None,
                    help="slow-rank / slow-stage: compute multiplier; default 2 (slow-rank), 1.5 (slow-stage)")
@@ -133,7 +142,7 @@ def job_shape(args) -> dict:
     """LabConfig fields from add_job_shape_args' flags (the slow factor checked, its default
     per scenario)."""
     out = {"layout": args.layout, "microbatches": args.microbatches, "stage": args.stage,
-           "imbalance": args.imbalance}
+           "imbalance": args.imbalance, "schedule": args.schedule, "virtual_stages": args.virtual_stages}
     if args.slow_factor is not None:
         if not 1.0 < args.slow_factor <= 100:
             raise IngeroError(f"--slow-factor {args.slow_factor} is out of range: use more than 1, at most 100")
@@ -189,7 +198,8 @@ def _run(args) -> int:
 
 
 def _summary(lab, codes: dict[int, int], trace_db) -> int:
-    lay = f", layout tp={lab.layout[0]},pp={lab.layout[1]},dp={lab.layout[2]}" if lab.layout else ""
+    lay = (f", layout tp={lab.layout[0]},pp={lab.layout[1]},dp={lab.layout[2]}, schedule {lab.cfg.schedule}"
+           if lab.layout else "")
     lay += f", device {lab.cfg.device}" + (", non-blocking" if lab.cfg.nonblocking else "")
     lay += ", elastic" if lab.cfg.elastic else ""
     if lab.cfg.scenario == "slow-stage":

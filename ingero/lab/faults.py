@@ -39,6 +39,7 @@ from ingero.lab import cgroups
 from ingero.lab.netns import in_netns
 
 SCENARIOS = ("clean", "lossy-link", "cpu-hog", "slow-rank", "io-stall", "slow-stage", "imbalance")
+SCHEDULES = ("1f1b", "gpipe", "interleaved")   # the pipeline schedules of a layout job (worker.c)
 
 
 def parse_layout(text: str | None, world: int | None) -> tuple[int, int, int] | None:

@@ -61,6 +61,8 @@ class LabConfig:
     background_load: int = 0       # busy processes keeping the whole machine busy (ingero/lab/load.py)
     layout: str | None = None      # "tp=T,pp=P,dp=D": a tensor x pipeline x data parallel job (worker.c run_layout)
     microbatches: int = 4          # per step, with a layout
+    schedule: str = "1f1b"         # the pipeline schedule of a layout job: 1f1b, gpipe or interleaved
+    virtual_stages: int = 2        # interleaved: model chunks per rank
     stage: int = 1                 # slow-stage: the pipeline stage that computes slow_factor times longer
     imbalance: float = 1.0         # imbalance: each rank's per-step compute factor is drawn from [1, 1 + this]
     device: str = "cpu"            # "gpu": work is enqueued on a device stream per rank (INGERO_LAB_DEVICE)
@@ -109,6 +111,13 @@ class LabRun:
             raise IngeroError("slow-stage needs a pipeline: give --layout tp=T,pp=P,dp=D with P > 1")
         if not 1 <= cfg.microbatches <= 64:
             raise IngeroError(f"--microbatches {cfg.microbatches} is out of range: use 1 to 64")
+        if cfg.schedule not in faults.SCHEDULES:
+            raise IngeroError(f"--schedule {cfg.schedule!r}: use one of {', '.join(faults.SCHEDULES)}")
+        if cfg.schedule == "interleaved" and self.layout is not None and not (
+                self.layout[1] > 1 and cfg.microbatches % self.layout[1] == 0
+                and 1 <= cfg.virtual_stages and cfg.microbatches * cfg.virtual_stages <= 128):
+            raise IngeroError("--schedule interleaved needs pp > 1, --microbatches a multiple of pp and "
+                              "--virtual-stages >= 1 with microbatches x virtual stages <= 128")
         if cfg.elastic and (cfg.world < 2 or self.layout is not None or cfg.elastic_steps < 1):
             raise IngeroError("--elastic needs at least 2 ranks, no --layout and elastic steps >= 1")
         if cfg.device not in DEVICES:
@@ -264,6 +273,8 @@ class LabRun:
         if self.layout is not None:
             env["INGERO_LAB_LAYOUT"] = ",".join(map(str, self.layout))
             env["INGERO_LAB_MICROBATCHES"] = str(c.microbatches)
+            env["INGERO_LAB_SCHEDULE"] = c.schedule
+            env["INGERO_LAB_VIRTUAL_STAGES"] = str(c.virtual_stages)
         env.update(self.plans[rp.rank].env)
         if self._fault_from_ns is not None:
             env["INGERO_LAB_FAULT_FROM_NS"] = str(self._fault_from_ns)

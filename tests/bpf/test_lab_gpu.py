@@ -170,16 +170,20 @@ def test_a_non_blocking_layout_job_has_every_communicator_identified_and_its_cal
     try:
         inits = con.execute("""SELECT op, ret, count(*) FROM nccl_events WHERE op LIKE 'COMM_%'
                                AND op NOT IN ('COMM_DESTROY', 'COMM_ABORT') GROUP BY ALL ORDER BY 1""").fetchall()
-        # every init and split returned ncclInProgress: the non-blocking path, 8 ranks x (1 + 3 splits)
-        assert inits == [("COMM_INIT_RANK_CONFIG", 7, 8), ("COMM_SPLIT", 7, 24)], inits
+        # every init and split returned ncclInProgress: the non-blocking path, 8 ranks x (1 + 4 splits:
+        # tensor, data, pipeline, embedding)
+        assert inits == [("COMM_INIT_RANK_CONFIG", 7, 8), ("COMM_SPLIT", 7, 32)], inits
         assert con.execute("SELECT count(*) FROM nccl_events WHERE op = 'COMM_SPLIT' AND comm <> 0").fetchone() == (0,)
         unknown = con.execute("""SELECT op, count(*) FROM nccl_events WHERE op IN ('ALL_REDUCE', 'ALL_GATHER',
                                  'REDUCE_SCATTER', 'SEND', 'RECV') AND (comm_id_hash = 0 OR rank < 0 OR nranks < 1)
                                  GROUP BY 1""").fetchall()
         assert unknown == []
-        rets = con.execute("""SELECT DISTINCT ret FROM nccl_events WHERE op IN ('ALL_REDUCE', 'ALL_GATHER',
-                              'REDUCE_SCATTER', 'SEND', 'RECV')""").fetchall()
-        assert rets == [(7,)]
+        # a collective returns ncclInProgress; 1F1B's sends and receives are queued in a group
+        # (ncclSuccess, as in NCCL) whose ncclGroupEnd returns ncclInProgress
+        rets = con.execute("""SELECT op IN ('SEND', 'RECV'), in_group, ret, count(*) FROM nccl_events
+                              WHERE op IN ('ALL_REDUCE', 'ALL_GATHER', 'REDUCE_SCATTER', 'SEND', 'RECV', 'GROUP_END')
+                              GROUP BY ALL ORDER BY ALL""").fetchall()
+        assert [r[:3] for r in rets] == [(False, False, 7), (True, True, 0)], rets
         # split children: tensor (2), data (2) and pipeline (2) groups, their ranks resolved
         sizes = con.execute("""SELECT op, min(nranks), max(nranks), min(rank) FROM nccl_events
                                WHERE op IN ('REDUCE_SCATTER', 'SEND') GROUP BY 1 ORDER BY 1""").fetchall()

@@ -1,8 +1,8 @@
 """The verdict on a real tensor x pipeline x data parallel lab job, traced with real eBPF.
 
 `ingero lab run --layout`: 8 ranks on 2 lab nodes, communicators split from the
-world as PyTorch does, GPipe microbatches over send/recv between stages (the
-lab's CPU NCCL, worker.c run_layout). Each fault is aimed at a rank or group
+world as PyTorch does, 1F1B microbatches over grouped send/recv between stages
+and no collective over every rank (the lab's CPU NCCL, worker.c run_layout). Each fault is aimed at a rank or group
 that is not the last rank; the verdict must name it, with a saving under the
 step, and say who is late only because they wait on it."""
 

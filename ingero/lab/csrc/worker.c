@@ -36,8 +36,9 @@
  * INGERO_LAB_FAULT_IO_MB (when set) instead.
  *
  * Rank 0 decides when to stop (INGERO_LAB_STEPS steps or INGERO_LAB_SECONDS
- * seconds, or earlier at its first step after INGERO_LAB_STOP_FILE exists) and says so in the last element of every AllReduce, so all ranks
- * run the same number of steps. Every result is checked; wrong data exits 4.
+ * seconds, or earlier at its first step after INGERO_LAB_STOP_FILE exists) and
+ * says so in the last element of every AllReduce (the layout job: through the
+ * store, stop_begin_step), so all ranks run the same number of steps. Every result is checked; wrong data exits 4.
  * A dead peer fails the NCCL call after INGERO_LAB_TIMEOUT_S (default 60 s),
  * exit 3. Prints a line every INGERO_LAB_PRINT_EVERY steps and a final JSON
  * line: {"rank":…, "steps":…, "mean_step_ms":…, …}.
@@ -47,7 +48,10 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <netdb.h>
+#include <poll.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -413,22 +417,213 @@ static int run_elastic(ncclComm_t A, int world, const char *run_id, int timeout_
   return 0;
 }
 
+/* ---- the stop decision of a layout job, through the store ------------------
+ *
+ * No collective spans every rank inside a step of the layout job, so rank 0's
+ * stop decision travels outside NCCL, as an elastic agent's would: rank 0
+ * serves its state on MASTER_ADDR:MASTER_PORT (the store that handed out the
+ * unique id) and every other rank keeps one connection to it, on a thread of
+ * its own. At the start of each step a rank asks once ("GET stop <run id>")
+ * and goes on without waiting for the answer: (the last step rank 0 finished,
+ * the job's last step or -1). Rank 0 decides at the end of step s (its
+ * seconds are up, or the stop file exists) that the job's last step is
+ * s + STOP_MARGIN (INGERO_LAB_STEPS caps it: every rank knows that one), so a
+ * rank that last heard "rank 0 finished step s', nothing decided" may run any
+ * step up to s' + STOP_MARGIN without hearing more; only a rank that far ahead
+ * of its reader waits. All ranks run the same steps. */
+
+#define STOP_MARGIN 5
+
+struct stopper {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  long want;        /* the step this rank is about to run (a reader asks when it grows) */
+  long seen;        /* the last step rank 0 finished, as last heard (rank 0: its own) */
+  long last;        /* the job's last step; -1 while rank 0 has not decided */
+  long cap;         /* INGERO_LAB_STEPS - 1, or -1 */
+  int failed, quit, clients, timeout_s;
+  const char *run_id;
+  pthread_t thread;
+};
+
+static int stop_request(char *req, size_t len, const char *run_id) {
+  return snprintf(req, len, "GET stop %s\n", run_id);
+}
+
+/* Rank 0: answers every reader until each has heard the last step and hung up. */
+static void *stop_serve(void *arg) {
+  struct stopper *s = arg;
+  char req[256], got[256];
+  int n = stop_request(req, sizeof req, s->run_id), nf = 1, done = 0;
+  struct pollfd *pf = calloc((size_t)s->clients + 1, sizeof *pf);
+  char *told = calloc((size_t)s->clients + 1, 1);
+  pf[0] = (struct pollfd){store_socket(env_req("MASTER_ADDR"), env_req("MASTER_PORT"), 1, s->timeout_s), POLLIN, 0};
+  while (done < s->clients) {
+    int r = poll(pf, (nfds_t)nf, s->timeout_s * 1000);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) break;   /* nobody asked for the whole timeout: a reader is gone */
+    for (int i = nf - 1; i >= 1; i--) {
+      if (!pf[i].revents) continue;
+      ssize_t k = recv(pf[i].fd, got, (size_t)n, MSG_WAITALL);
+      long long ans[2];
+      if (k == n && memcmp(got, req, (size_t)n) == 0) {
+        pthread_mutex_lock(&s->mu);
+        ans[0] = s->seen;
+        ans[1] = s->last;
+        pthread_mutex_unlock(&s->mu);
+        if (send(pf[i].fd, ans, sizeof ans, MSG_NOSIGNAL) == sizeof ans) {
+          told[i] |= ans[1] >= 0;
+          continue;
+        }
+      }
+      done += told[i];   /* hung up (after the answer it needed), or a bad request */
+      close(pf[i].fd);
+      pf[i] = pf[nf - 1];
+      told[i] = told[nf - 1];
+      nf--;
+    }
+    if (pf[0].revents & POLLIN) {
+      int fd = accept4(pf[0].fd, NULL, NULL, SOCK_CLOEXEC);
+      if (fd >= 0 && nf > s->clients) {   /* more connections than readers: not one of ours */
+        close(fd);
+      } else if (fd >= 0) {
+        struct timeval tv = {s->timeout_s, 0};
+        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        told[nf] = 0;
+        pf[nf++] = (struct pollfd){fd, POLLIN, 0};
+      }
+    }
+  }
+  for (int i = 0; i < nf; i++) close(pf[i].fd);
+  free(pf);
+  free(told);
+  return NULL;
+}
+
+/* Any other rank: asks once per step the main thread starts, until it heard the last step. */
+static void *stop_read(void *arg) {
+  struct stopper *s = arg;
+  char req[256];
+  int n = stop_request(req, sizeof req, s->run_id);
+  int fd = store_socket(env_req("MASTER_ADDR"), env_req("MASTER_PORT"), 0, s->timeout_s);
+  long asked = -2;
+  for (;;) {
+    pthread_mutex_lock(&s->mu);
+    while (s->want <= asked && !s->quit) pthread_cond_wait(&s->cv, &s->mu);
+    int again = s->want <= asked;   /* quitting without the answer: ask until it comes */
+    asked = s->want;
+    pthread_mutex_unlock(&s->mu);
+    if (again) usleep(10 * 1000);
+    long long ans[2];
+    int ok = send(fd, req, (size_t)n, MSG_NOSIGNAL) == n && recv(fd, ans, sizeof ans, MSG_WAITALL) == sizeof ans;
+    pthread_mutex_lock(&s->mu);
+    if (ok) {
+      s->seen = (long)ans[0];
+      if (ans[1] >= 0) s->last = (long)ans[1];
+    } else {
+      s->failed = 1;
+    }
+    int finished = !ok || s->last >= 0;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    if (finished) break;
+  }
+  close(fd);
+  return NULL;
+}
+
+static void stop_init(struct stopper *s, int world, const char *run_id, int timeout_s, long steps_max) {
+  memset(s, 0, sizeof *s);
+  pthread_mutex_init(&s->mu, NULL);
+  pthread_cond_init(&s->cv, NULL);
+  s->want = -1;
+  s->seen = -1;
+  s->last = -1;
+  s->cap = steps_max > 0 ? steps_max - 1 : -1;
+  s->clients = world - 1;
+  s->run_id = run_id;
+  s->timeout_s = timeout_s;
+  if (world > 1 && pthread_create(&s->thread, NULL, g_rank == 0 ? stop_serve : stop_read, s) != 0)
+    die(3, "cannot start the stop thread: %s%s", strerror(errno), "");
+}
+
+/* Before step k: tell the reader; wait only if k is beyond what rank 0 allowed so far. */
+static void stop_begin_step(struct stopper *s, long k) {
+  if (g_rank == 0 || s->clients == 0) return;
+  pthread_mutex_lock(&s->mu);
+  s->want = k;
+  pthread_cond_broadcast(&s->cv);
+  struct timespec until;
+  clock_gettime(CLOCK_REALTIME, &until);
+  until.tv_sec += s->timeout_s;
+  while (s->last < 0 && k > s->seen + STOP_MARGIN && !s->failed)
+    if (pthread_cond_timedwait(&s->cv, &s->mu, &until) == ETIMEDOUT) break;
+  int stuck = s->last < 0 && k > s->seen + STOP_MARGIN;
+  pthread_mutex_unlock(&s->mu);
+  if (stuck) die(3, "no word from rank 0 through the store at %s (rank 0 gone?)%s", env_req("MASTER_ADDR"), "");
+}
+
+/* After step k (rank 0: `decide` is its stop decision); 1 when k was the job's last step. */
+static int stop_end_step(struct stopper *s, long k, int decide) {
+  pthread_mutex_lock(&s->mu);
+  if (g_rank == 0) {
+    s->seen = k;
+    if (s->last < 0 && (decide || (s->cap >= 0 && k + STOP_MARGIN >= s->cap)))
+      s->last = s->cap >= 0 && s->cap < k + STOP_MARGIN ? s->cap : k + STOP_MARGIN;
+  }
+  int end = (s->last >= 0 && k >= s->last) || (s->cap >= 0 && k >= s->cap);
+  pthread_mutex_unlock(&s->mu);
+  return end;
+}
+
+static void stop_finish(struct stopper *s) {
+  if (s->clients == 0) return;
+  pthread_mutex_lock(&s->mu);
+  s->quit = 1;
+  pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+  pthread_join(s->thread, NULL);
+}
+
 /* ---- a tensor x pipeline x data parallel job (INGERO_LAB_LAYOUT="T,P,D") ----
  *
  * Ranks in Megatron's order: rank = d*P*T + p*T + t (tensor fastest). The world
- * communicator first (ncclCommInitRank, or ...Scalable above
- * TORCH_NCCL_RANKS_PER_ROOT), then ncclCommSplit of it, as PyTorch's new_group
- * does with split: the tensor group (color d*P+p, key t), the data-parallel
- * group (color p*T+t, key d) and one pipeline group per (d, t) (color d*T+t,
- * key p), used only for send/recv between neighbouring stages.
- * Each step, GPipe: the forward of INGERO_LAB_MICROBATCHES microbatches
- * (recv activations from stage p-1, compute, tensor all-reduce, send to p+1),
- * then their backward (recv gradients from p+1, twice the compute, tensor
- * all-reduce, send to p-1); then the data-parallel gradient reduce-scatter and
- * all-gather, and a world all-reduce carrying rank 0's stop flag. Compute per
- * step is INGERO_LAB_COMPUTE_MS split 1:2 over forward and backward (a sleep,
- * the GPU-like wait), times a per-step factor in [1, 1 + INGERO_LAB_IMBALANCE]
- * drawn from (rank, step). Every received buffer is checked; wrong data exits 4. */
+ * communicator first (ncclCommInitRank, as PyTorch's default group), then
+ * ncclCommSplit of it, as PyTorch's new_group does with split: the tensor group
+ * (color d*P+p, key t), the data-parallel group of the stage (color p*T+t, key
+ * d), one pipeline group per (d, t) (color d*T+t, key p), used only for
+ * send/recv between stages, and with P > 1 the embedding group of the first and
+ * last stage per (d, t) (the other stages pass NCCL_SPLIT_NOCOLOR).
+ *
+ * Each step runs INGERO_LAB_MICROBATCHES microbatches through the pipeline in
+ * the order INGERO_LAB_SCHEDULE says (a forward: compute, tensor all-reduce; a
+ * backward: twice the compute, tensor all-reduce):
+ *   1f1b (default)  Megatron's schedule without interleaving: min(P-p-1, M)
+ *                   warm-up forwards, then one forward and one backward per
+ *                   microbatch, then the cool-down backwards. Every exchange is
+ *                   a group, as batch_isend_irecv makes it (ncclGroupStart,
+ *                   sends and receives, ncclGroupEnd): in the steady state a
+ *                   send to one neighbour and a receive from it in one group
+ *                   (send_forward_recv_backward, send_backward_recv_forward).
+ *   gpipe           every forward, then every backward; each send and receive
+ *                   on its own (no group).
+ *   interleaved     Megatron's interleaved schedule: INGERO_LAB_VIRTUAL_STAGES
+ *                   model chunks per rank (chunk v of stage p is virtual stage
+ *                   v*P+p, so stage P-1 feeds stage 0 around the ring); the
+ *                   exchanges of one iteration (forward and backward, both
+ *                   neighbours) in one group. Needs M a multiple of P.
+ * Then, as Megatron's distributed optimizer and finalize_model_grads do: the
+ * data-parallel reduce-scatter of the gradients, the embedding all-reduce
+ * (stages 0 and P-1), the data-parallel all-gather of the parameters. No
+ * collective spans every rank in a step: the stop decision goes through the
+ * store (stop_begin_step / stop_end_step). Compute per step is
+ * INGERO_LAB_COMPUTE_MS split 1:2 over forward and backward (a sleep, the
+ * GPU-like wait), times a per-step factor in [1, 1 + INGERO_LAB_IMBALANCE]
+ * drawn from (rank, step). Every received buffer is checked after the step's
+ * synchronisation; wrong data exits 4. */
+
+enum schedule { SCHED_1F1B, SCHED_GPIPE, SCHED_INTERLEAVED };
+static const char *const SCHEDULE_NAME[] = {"1f1b", "gpipe", "interleaved"};
 
 static double imbalance_factor(double f, int rank, long step) {
   if (f <= 0) return 1.0;
@@ -443,6 +638,211 @@ static int check_block(const float *b, size_t n, float want, const char *what, l
   return 1;
 }
 
+/* One step's pipeline state. A slot is one (pass, virtual microbatch): pass 0
+ * forward activations, pass 1 backward gradients; vm = chunk * M + microbatch. */
+struct pipe {
+  int T, P, D, V, t, p, d, grouped;
+  long M, step;
+  double fwd_ms, bwd_ms;
+  ncclComm_t TP, PP;
+  size_t act_n, tp_n;
+  float *actr, *acts, *tpb, *want;   /* want[slot]: what the receive must hold; NAN: none */
+};
+
+static size_t slot_of(const struct pipe *j, long vm, int pass) { return (size_t)(pass * j->M * j->V + vm); }
+
+/* The value a block carries: the step, the slot and the sending stage (exact in a float). */
+static float block_tag(long step, size_t slot, int from) {
+  return (float)(((step % 128) * 256 + (long)slot) * 16 + from % 16);
+}
+
+/* One exchange of the schedule: up to four sends/receives on the pipeline group. */
+struct xch {
+  int n;
+  struct { int send, peer; size_t slot; } op[4];
+};
+
+static void xadd(struct xch *x, int send, int peer, size_t slot) {
+  if (peer < 0) return;
+  x->op[x->n].send = send;
+  x->op[x->n].peer = peer;
+  x->op[x->n++].slot = slot;
+}
+
+/* Runs an exchange: one group (batch_isend_irecv), or each call on its own (gpipe). */
+static void exchange(struct pipe *j, const struct xch *x) {
+  if (x->n == 0) return;
+  if (j->grouped) nccl_check(ncclGroupStart(), "ncclGroupStart", j->PP);
+  for (int i = 0; i < x->n; i++) {
+    size_t s = x->op[i].slot;
+    ncclResult_t r;
+    if (x->op[i].send) {
+      float *b = j->acts + s * j->act_n, v = block_tag(j->step, s, j->p);
+      for (size_t e = 0; e < j->act_n; e++) b[e] = v;
+      r = ncclSend(b, j->act_n, ncclFloat32, x->op[i].peer, j->PP, NULL);
+    } else {
+      j->want[s] = block_tag(j->step, s, x->op[i].peer);
+      r = ncclRecv(j->actr + s * j->act_n, j->act_n, ncclFloat32, x->op[i].peer, j->PP, NULL);
+    }
+    if (j->grouped) nccl_check(r, x->op[i].send ? "ncclSend" : "ncclRecv", j->PP);
+    else settle(r, x->op[i].send ? "ncclSend" : "ncclRecv", j->PP);
+  }
+  if (j->grouped) settle(ncclGroupEnd(), "ncclGroupEnd", j->PP);
+}
+
+/* A forward (pass 0) or backward (pass 1) of one virtual microbatch: compute, tensor all-reduce. */
+static void pass_compute(struct pipe *j, long vm, int pass) {
+  compute(pass == 0 ? j->fwd_ms : j->bwd_ms);
+  if (j->T < 2) return;
+  float *tb = j->tpb + slot_of(j, vm, pass) * j->tp_n;
+  for (size_t i = 0; i < j->tp_n; i++) tb[i] = (float)(j->t + 1);
+  settle(ncclAllReduce(tb, tb, j->tp_n, ncclFloat32, ncclSum, j->TP, NULL), "ncclAllReduce(tensor)", j->TP);
+}
+
+static void run_gpipe(struct pipe *j) {
+  int prev = j->p > 0 ? j->p - 1 : -1, next = j->p < j->P - 1 ? j->p + 1 : -1;
+  for (int pass = 0; pass < 2; pass++)
+    for (long m = 0; m < j->M; m++) {
+      struct xch in = {0}, out = {0};
+      xadd(&in, 0, pass == 0 ? prev : next, slot_of(j, m, pass));
+      xadd(&out, 1, pass == 0 ? next : prev, slot_of(j, m, pass));
+      exchange(j, &in);
+      pass_compute(j, m, pass);
+      exchange(j, &out);
+    }
+}
+
+/* Megatron's forward_backward_pipelining_without_interleaving. */
+static void run_1f1b(struct pipe *j) {
+  int prev = j->p > 0 ? j->p - 1 : -1, next = j->p < j->P - 1 ? j->p + 1 : -1;
+  long M = j->M, W = j->P - j->p - 1 < M ? j->P - j->p - 1 : M, R = M - W;
+  for (long i = 0; i < W; i++) {                  /* warm-up: recv_forward, forward, send_forward */
+    struct xch in = {0}, out = {0};
+    xadd(&in, 0, prev, slot_of(j, i, 0));
+    exchange(j, &in);
+    pass_compute(j, i, 0);
+    xadd(&out, 1, next, slot_of(j, i, 0));
+    exchange(j, &out);
+  }
+  if (R > 0) {
+    struct xch in = {0};
+    xadd(&in, 0, prev, slot_of(j, W, 0));
+    exchange(j, &in);
+  }
+  for (long i = 0; i < R; i++) {                  /* steady state: one forward, one backward */
+    struct xch fb = {0}, bf = {0};
+    pass_compute(j, W + i, 0);
+    xadd(&fb, 1, next, slot_of(j, W + i, 0));      /* send_forward_recv_backward */
+    xadd(&fb, 0, next, slot_of(j, i, 1));
+    exchange(j, &fb);
+    pass_compute(j, i, 1);
+    xadd(&bf, 1, prev, slot_of(j, i, 1));          /* send_backward(_recv_forward) */
+    if (i < R - 1) xadd(&bf, 0, prev, slot_of(j, W + i + 1, 0));
+    exchange(j, &bf);
+  }
+  for (long i = R; i < M; i++) {                  /* cool-down: recv_backward, backward, send_backward */
+    struct xch in = {0}, out = {0};
+    xadd(&in, 0, next, slot_of(j, i, 1));
+    exchange(j, &in);
+    pass_compute(j, i, 1);
+    xadd(&out, 1, prev, slot_of(j, i, 1));
+    exchange(j, &out);
+  }
+}
+
+/* Megatron's forward_backward_pipelining_with_interleaving (batched, no overlap):
+ * iteration k runs model chunk chunk_of(k) on microbatch mb_of(k); chunk v of
+ * stage p is virtual stage v*P+p, so the pipeline is a ring (stage P-1's chunk
+ * v feeds stage 0's chunk v+1). The n-th block a rank receives for a chunk is
+ * that chunk's microbatch n (each chunk's inputs and gradients are queues).
+ * In a group: send_next, recv_prev, send_prev, recv_next, so with P = 2 (both
+ * neighbours one rank) the activations go before the gradients each way. */
+static long chunk_of(const struct pipe *j, long k, int forward) {
+  long n = (long)j->P * j->V, c = ((k % n) + n) % n / j->P;
+  return forward ? c : j->V - 1 - c;
+}
+
+static long mb_of(const struct pipe *j, long k) { return k / ((long)j->P * j->V) * j->P + k % j->P; }
+
+static void send_fwd(struct pipe *j, struct xch *x, long c, long m) {
+  if (j->p == j->P - 1 && c == j->V - 1) return;   /* the last virtual stage: the loss */
+  xadd(x, 1, (j->p + 1) % j->P, slot_of(j, (j->p == j->P - 1 ? c + 1 : c) * j->M + m, 0));
+}
+
+static void send_bwd(struct pipe *j, struct xch *x, long c, long m) {
+  if (j->p == 0 && c == 0) return;                  /* the first virtual stage */
+  xadd(x, 1, (j->p + j->P - 1) % j->P, slot_of(j, (j->p == 0 ? c - 1 : c) * j->M + m, 1));
+}
+
+static void recv_fwd(struct pipe *j, struct xch *x, long c, long *nin) {
+  xadd(x, 0, (j->p + j->P - 1) % j->P, slot_of(j, c * j->M + nin[c]++, 0));
+}
+
+static void recv_bwd(struct pipe *j, struct xch *x, long c, long *ngr) {
+  xadd(x, 0, (j->p + 1) % j->P, slot_of(j, c * j->M + ngr[c]++, 1));
+}
+
+static void run_interleaved(struct pipe *j) {
+  long P = j->P, V = j->V, total = j->M * V, nin[128] = {0}, ngr[128] = {0};
+  int first = j->p == 0, last = j->p == P - 1, all_warmup = j->M == P;
+  long Wu = all_warmup ? total : (P - j->p - 1) * 2 + (V - 1) * P;
+  if (Wu > total) Wu = total;
+  long Rm = total - Wu;
+  struct xch x = {0};
+  if (!first) recv_fwd(j, &x, 0, nin);
+  exchange(j, &x);
+  for (long k = 0; k < Wu; k++) {                 /* warm-up forwards */
+    long c = chunk_of(j, k, 1), m = mb_of(j, k), nc = chunk_of(j, k + 1, 1);
+    pass_compute(j, c * j->M + m, 0);
+    memset(&x, 0, sizeof x);
+    send_fwd(j, &x, c, m);
+    if (!(first && nc == 0) && k != total - 1) recv_fwd(j, &x, nc, nin);
+    if (k == Wu - 1 && !all_warmup && !last) recv_bwd(j, &x, V - 1, ngr);
+    exchange(j, &x);
+  }
+  for (long k = 0; k < Rm; k++) {                 /* steady state: a forward and a backward */
+    long fk = k + Wu, fc = chunk_of(j, fk, 1), fm = mb_of(j, fk), bc = chunk_of(j, k, 0), bm = mb_of(j, k);
+    pass_compute(j, fc * j->M + fm, 0);
+    pass_compute(j, bc * j->M + bm, 1);
+    int recv_prev = 1, recv_next = 1;
+    long nfc, nbc;
+    if (first) {   /* the first stage is P-1 iterations ahead of the last */
+      nfc = chunk_of(j, fk - (P - 1), 1);
+      recv_prev = nfc != V - 1;
+      nfc++;
+    } else {
+      nfc = chunk_of(j, fk + 1, 1);
+    }
+    if (last) {
+      nbc = chunk_of(j, k - (P - 1), 0);
+      recv_next = nbc != 0;
+      nbc--;
+    } else {
+      nbc = chunk_of(j, k + 1, 0);
+    }
+    if (k == Rm - 1) recv_prev = 0;
+    memset(&x, 0, sizeof x);
+    send_fwd(j, &x, fc, fm);
+    if (recv_prev) recv_fwd(j, &x, nfc, nin);
+    send_bwd(j, &x, bc, bm);
+    if (recv_next) recv_bwd(j, &x, nbc, ngr);
+    exchange(j, &x);
+  }
+  if (all_warmup && !last) {
+    memset(&x, 0, sizeof x);
+    recv_bwd(j, &x, V - 1, ngr);
+    exchange(j, &x);
+  }
+  for (long k = Rm; k < total; k++) {             /* cool-down backwards */
+    long c = chunk_of(j, k, 0), m = mb_of(j, k), nbc = chunk_of(j, k + 1, 0);
+    pass_compute(j, c * j->M + m, 1);
+    memset(&x, 0, sizeof x);
+    send_bwd(j, &x, c, m);
+    if (!(last && nbc == V - 1) && k != total - 1) recv_bwd(j, &x, nbc, ngr);
+    exchange(j, &x);
+  }
+}
+
 static int run_layout(const char *spec, int world, int node, int local_rank, const char *run_id,
                       int timeout_s, long steps_max, double seconds, double cpu_ms, double compute_ms,
                       long io_mb, const char *io_dir, long long fault_from_ns, double fault_compute_ms,
@@ -452,11 +852,22 @@ static int run_layout(const char *spec, int world, int node, int local_rank, con
     die(2, "INGERO_LAB_LAYOUT must be T,P,D with T*P*D = WORLD_SIZE, got %s%s", spec, "");
   long M = env_long("INGERO_LAB_MICROBATCHES", 4);
   double imb = env_double("INGERO_LAB_IMBALANCE", 0.0);
-  if (M < 1) die(2, "INGERO_LAB_MICROBATCHES must be >= 1%s%s", "", "");
+  const char *sched_name = getenv("INGERO_LAB_SCHEDULE");
+  if (!sched_name || !*sched_name) sched_name = "1f1b";
+  int sched = -1;
+  for (int i = 0; i < 3; i++)
+    if (strcmp(sched_name, SCHEDULE_NAME[i]) == 0) sched = i;
+  if (sched < 0) die(2, "INGERO_LAB_SCHEDULE must be 1f1b, gpipe or interleaved, got %s%s", sched_name, "");
+  int V = sched == SCHED_INTERLEAVED ? (int)env_long("INGERO_LAB_VIRTUAL_STAGES", 2) : 1;
+  if (M < 1 || M * V > 128)
+    die(2, "INGERO_LAB_MICROBATCHES must be >= 1 and, times the virtual stages, <= 128%s%s", "", "");
+  if (sched == SCHED_INTERLEAVED && (V < 1 || P < 2 || M % P != 0))
+    die(2, "the interleaved schedule needs a pipeline (P > 1), INGERO_LAB_VIRTUAL_STAGES >= 1 and "
+           "INGERO_LAB_MICROBATCHES a multiple of P%s%s", "", "");
   int t = g_rank % T, p = (g_rank / T) % P, d = g_rank / (T * P);
   ncclUniqueId id;
   exchange_id(&id, world, run_id, timeout_s);
-  ncclComm_t W = NULL, TP = NULL, DP = NULL, PP = NULL;
+  ncclComm_t W = NULL, TP = NULL, DP = NULL, PP = NULL, EMB = NULL;
   ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER, *split_cfg = NULL;
   double t_init = now_s();
   ncclResult_t r;
@@ -474,17 +885,29 @@ static int run_layout(const char *spec, int world, int node, int local_rank, con
   settle(r, "ncclCommSplit(data)", W);
   r = ncclCommSplit(W, d * T + t, p, &PP, split_cfg);
   settle(r, "ncclCommSplit(pipeline)", W);
+  if (P > 1) {
+    r = ncclCommSplit(W, p == 0 || p == P - 1 ? d * T + t : NCCL_SPLIT_NOCOLOR, p, &EMB, split_cfg);
+    settle(r, "ncclCommSplit(embedding)", W);
+  }
   int rp;
   ncclCommUserRank(PP, &rp);
   if (rp != p) die(3, "pipeline group numbers this rank %s, not its stage%s", rp == p ? "" : "wrongly", "");
-  printf("rank %d/%d (node %d, local %d): layout tp=%d pp=%d dp=%d, stage %d, tp %d, dp %d; communicators ready in %.0f ms\n",
-         g_rank, world, node, local_rank, T, P, D, p, t, d, (now_s() - t_init) * 1e3);
+  printf("rank %d/%d (node %d, local %d): layout tp=%d pp=%d dp=%d, stage %d, tp %d, dp %d, schedule %s; "
+         "communicators ready in %.0f ms\n", g_rank, world, node, local_rank, T, P, D, p, t, d, sched_name,
+         (now_s() - t_init) * 1e3);
   fflush(stdout);
-  /* one buffer per (pass, microbatch): on the GPU-like device the host fills the
-   * next send while earlier work is still queued, and checks only after the sync */
-  size_t act_n = 16384, tp_n = 8192, dp_n = 65536 - 65536 % (size_t)D, slots = 2 * (size_t)M;
-  float *actr = malloc(slots * act_n * 4), *acts = malloc(slots * act_n * 4), *tpb = malloc(slots * tp_n * 4);
-  float *dps = malloc(dp_n * 4), *dpr = malloc(dp_n / D * 4), *dpg = malloc(dp_n * 4), flag[4];
+  struct stopper stp;
+  stop_init(&stp, world, run_id, timeout_s, steps_max);
+  /* one buffer per slot: on the GPU-like device the host fills the next send
+   * while earlier work is still queued, and checks only after the sync */
+  size_t slots = 2 * (size_t)M * (size_t)V, emb_n = 4096, dp_n = 65536 - 65536 % (size_t)D;
+  struct pipe j = {.T = T, .P = P, .D = D, .V = V, .t = t, .p = p, .d = d, .grouped = sched != SCHED_GPIPE,
+                   .M = M, .TP = TP, .PP = PP, .act_n = 16384, .tp_n = 8192};
+  j.actr = malloc(slots * j.act_n * 4);
+  j.acts = malloc(slots * j.act_n * 4);
+  j.tpb = malloc(slots * j.tp_n * 4);
+  j.want = malloc(slots * 4);
+  float *dps = malloc(dp_n * 4), *dpr = malloc(dp_n / D * 4), *dpg = malloc(dp_n * 4), *emb = malloc(emb_n * 4);
   size_t junk_len = 1 << 20;
   char *junk = malloc(junk_len);
   memset(junk, 0xab, junk_len);
@@ -492,69 +915,53 @@ static int run_layout(const char *spec, int world, int node, int local_rank, con
   steps_init(&st, every);
   double t0 = now_s();
   for (long step = 0;; step++) {
+    stop_begin_step(&stp, step);
     double ts = now_s();
     int faulty = fault_from_ns > 0 && wall_ns() >= fault_from_ns;
     double c = (faulty ? fault_compute_ms : compute_ms) * imbalance_factor(imb, g_rank, step);
     busy_ms(cpu_ms);
     long mb = faulty ? fault_io_mb : io_mb;
     if (mb > 0 && !g_async) checkpoint(io_dir, g_rank, mb, junk, junk_len);
-    for (int pass = 0; pass < 2; pass++) {           /* 0: forward, 1: backward */
-      int from = pass == 0 ? p - 1 : p + 1, to = pass == 0 ? p + 1 : p - 1;
-      for (long m = 0; m < M; m++) {
-        size_t slot = (size_t)(pass * M + m);
-        float tag = (float)((step % 1000) * 64 + m * 2 + pass), *ra = actr + slot * act_n;
-        float *sa = acts + slot * act_n, *tb = tpb + slot * tp_n;
-        if (from >= 0 && from < P) settle(ncclRecv(ra, act_n, ncclFloat32, from, PP, NULL), "ncclRecv", PP);
-        compute(c * (pass == 0 ? 1.0 : 2.0) / (3.0 * (double)M));
-        if (T > 1) {
-          for (size_t i = 0; i < tp_n; i++) tb[i] = (float)(t + 1);
-          settle(ncclAllReduce(tb, tb, tp_n, ncclFloat32, ncclSum, TP, NULL), "ncclAllReduce(tensor)", TP);
-        }
-        if (to >= 0 && to < P) {
-          for (size_t i = 0; i < act_n; i++) sa[i] = tag + 0.25f * (float)p;
-          settle(ncclSend(sa, act_n, ncclFloat32, to, PP, NULL), "ncclSend", PP);
-        }
-      }
-    }
-    if (D > 1) {
+    j.step = step;
+    j.fwd_ms = c / (3.0 * (double)(M * V));
+    j.bwd_ms = 2.0 * j.fwd_ms;
+    for (size_t s = 0; s < slots; s++) j.want[s] = NAN;
+    if (sched == SCHED_GPIPE) run_gpipe(&j);
+    else if (sched == SCHED_1F1B) run_1f1b(&j);
+    else run_interleaved(&j);
+    if (D > 1) {   /* the distributed optimizer: gradients reduce-scattered over the stage's replicas */
       for (size_t i = 0; i < dp_n; i++) dps[i] = (float)(d + 1);
       settle(ncclReduceScatter(dps, dpr, dp_n / D, ncclFloat32, ncclSum, DP, NULL), "ncclReduceScatter", DP);
-      settle(ncclAllGather(dpr, dpg, dp_n / D, ncclFloat32, DP, NULL), "ncclAllGather", DP);
     }
-    int stop = stop_now(step, steps_max, t0, seconds);
-    flag[0] = g_rank == 0 ? (float)stop : 0.0f;
-    flag[1] = flag[2] = flag[3] = 1.0f;
-    settle(ncclAllReduce(flag, flag, 4, ncclFloat32, ncclSum, W, NULL), "ncclAllReduce(world)", W);
+    if (EMB) {     /* the tied embedding's gradients, first and last stage */
+      for (size_t i = 0; i < emb_n; i++) emb[i] = (float)(p == 0 ? 1 : 2);
+      settle(ncclAllReduce(emb, emb, emb_n, ncclFloat32, ncclSum, EMB, NULL), "ncclAllReduce(embedding)", EMB);
+    }
+    if (D > 1)     /* and the updated parameters all-gathered */
+      settle(ncclAllGather(dpr, dpg, dp_n / D, ncclFloat32, DP, NULL), "ncclAllGather", DP);
     step_sync();
     if (mb > 0 && g_async) checkpoint(io_dir, g_rank, mb, junk, junk_len);
-    for (int pass = 0; pass < 2; pass++) {
-      int from = pass == 0 ? p - 1 : p + 1;
-      for (long m = 0; m < M; m++) {
-        size_t slot = (size_t)(pass * M + m);
-        float tag = (float)((step % 1000) * 64 + m * 2 + pass);
-        if (from >= 0 && from < P && check_block(actr + slot * act_n, act_n, tag + 0.25f * (float)from, "activations", step))
-          return 4;
-        if (T > 1 && check_block(tpb + slot * tp_n, tp_n, (float)(T * (T + 1) / 2), "tensor all-reduce", step))
-          return 4;
-      }
+    for (size_t s = 0; s < slots; s++) {
+      if (!isnan(j.want[s]) && check_block(j.actr + s * j.act_n, j.act_n, j.want[s], "pipeline block", step))
+        return 4;
+      if (T > 1 && check_block(j.tpb + s * j.tp_n, j.tp_n, (float)(T * (T + 1) / 2), "tensor all-reduce", step))
+        return 4;
     }
     if (D > 1 && (check_block(dpr, dp_n / D, (float)(D * (D + 1) / 2), "data-parallel reduce-scatter", step) ||
                   check_block(dpg, dp_n, (float)(D * (D + 1) / 2), "data-parallel all-gather", step)))
       return 4;
-    if (flag[3] != (float)world) {
-      fprintf(stderr, "ingero-lab-worker: rank %d step %ld: wrong world all-reduce\n", g_rank, step);
-      return 4;
-    }
-    stop = flag[0] != 0.0f;
+    if (EMB && check_block(emb, emb_n, 3.0f, "embedding all-reduce", step)) return 4;
     step_done(&st, (now_s() - ts) * 1e3);
-    if (stop) break;
+    if (stop_end_step(&stp, step, g_rank == 0 && stop_now(step, 0, t0, seconds))) break;
   }
+  stop_finish(&stp);
+  if (EMB) ncclCommDestroy(EMB);
   ncclCommDestroy(PP);
   ncclCommDestroy(DP);
   ncclCommDestroy(TP);
   ncclCommDestroy(W);
   printf("{\"rank\": %d, \"node\": %d, \"local_rank\": %d, \"world_size\": %d, \"layout\": \"%d,%d,%d\", "
-         "\"stage\": %d, ", g_rank, node, local_rank, world, T, P, D, p);
+         "\"stage\": %d, \"schedule\": \"%s\", ", g_rank, node, local_rank, world, T, P, D, p, sched_name);
   print_steps(&st);
   printf(", \"device\": \"%s\", \"elapsed_s\": %.3f, \"verified\": true}\n", g_async ? "gpu" : "cpu", now_s() - t0);
   return 0;
