@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ingero.analysis import Report, analyse
+from ingero.analysis.coverage import span
 from ingero.query_cli import print_table
 from ingero.store import open_source
 
@@ -39,12 +40,15 @@ def render(rep: Report, out=None) -> None:
               "host-enqueue": "host enqueue times only"}.get(rep.timing, rep.timing)
     print(f"\nstep ~{rep.step_ms:.1f} ms (mean {rep.mean_step_ms:.1f} ms), {rep.collectives} collectives, "
           f"{rep.retransmits} retransmits; timing: {timing}", file=out)
+    print(f"verdict: {verdict_line(rep)}", file=out)
+    if rep.hang is not None:
+        print(f"hang: {rep.hang.evidence}", file=out)
     s = rep.straggler
-    if s is None:
+    if rep.verdict == "none":
         best = (f"; the best single fix ({rep.best_candidate}) would save {rep.best_saving_pct:.1f}% "
                 "of the step, under the floor" if rep.best_candidate else "")
         print(f"straggler: none{best}", file=out)
-    else:
+    elif s is not None and rep.verdict == "straggler":
         who = s.group if s.kind != "rank" and s.group else f"rank {s.rank} ({s.pod or s.node})"
         print(f"straggler: {who}, cause {s.cause}, score {s.score}; would save "
               f"~{s.saving_ms_per_step:.1f} ms/step ({s.saving_pct:.1f}%): predicted step "
@@ -54,6 +58,19 @@ def render(rep: Report, out=None) -> None:
             print(f"propagated: {p}", file=out)
     for w in rep.warnings:
         print(f"warning: {w}", file=out)
+
+
+def verdict_line(rep: Report) -> str:
+    """The verdict kind in words: "straggler", "none", "cannot judge: <why>", "hang: <who>";
+    with the ranks it covers when that is not every rank of the job."""
+    if rep.verdict == "cannot-judge":
+        return f"cannot judge: {rep.cannot_judge}"
+    if rep.verdict == "hang":
+        missing = rep.hang.missing
+        return f"hang: {'rank' if len(missing) == 1 else 'ranks'} {span(missing)} never entered " \
+               f"{rep.hang.op or 'the call'} the others wait in" if missing else "hang"
+    covers = f" (covers ranks {span(rep.covered_ranks)} only)" if rep.covered_ranks else ""
+    return rep.verdict + covers
 
 
 def run(args) -> int:

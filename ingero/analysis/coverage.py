@@ -1,0 +1,133 @@
+"""What part of the job a trace lets the verdict judge, and why not, when it cannot.
+
+The analysis places a call when it knows its communicator (``comm_id_hash`` not 0)
+and its global rank (the ranks table, the torchrun RANK, or a communicator rank).
+A verdict needs at least two placed ranks, a step, and no rank or node the trace
+names (the ranks and nodes tables) that placed nothing: such a rank may be the one
+the others wait for, so "nobody" would be a silent all-clear. Ranks the job has
+(WORLD_SIZE) but the trace never saw leave the verdict partial: it says which ranks
+it covers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ingero.analysis.calls import OPS
+from ingero.schema import NCCL_OK_RETS
+
+# Every collective and p2p call that returned, per (node, global rank as calls.load takes
+# it), with the calls it cannot place: an unknown communicator or no seq.
+_COUNTS = f"""
+    SELECT e.node, COALESCE(r.rank, e.global_rank, e.rank) AS grank, count(*) AS calls,
+           count(*) FILTER (WHERE COALESCE(e.comm_id_hash, 0) = 0) AS no_comm,
+           count(*) FILTER (WHERE COALESCE(e.comm_id_hash, 0) <> 0 AND e.seq IS NULL) AS no_seq
+    FROM nccl_events e
+    LEFT JOIN (SELECT node, pid, any_value(rank) AS rank FROM ranks GROUP BY node, pid) r
+      ON r.node IS NOT DISTINCT FROM e.node AND r.pid = e.pid
+    WHERE e.op IN ({', '.join(repr(o) for o in OPS)}) AND e.ret IN ({', '.join(map(str, NCCL_OK_RETS))})
+      AND e.timestamp_ns IS NOT NULL AND e.duration_ns IS NOT NULL
+    GROUP BY ALL"""
+
+
+@dataclass
+class Coverage:
+    calls: int = 0                 # collective and p2p calls that returned
+    no_comm: int = 0               # ... with an unknown communicator (comm_id_hash 0)
+    no_rank: int = 0               # ... of a process of unknown rank (and a known communicator)
+    no_seq: int = 0                # ... with a known communicator but no seq
+    dropped_by_rank: dict = field(default_factory=dict)   # rank -> calls it made that cannot be placed
+    listed: list = field(default_factory=list)            # ranks the ranks table names
+    world: int = 0                 # the largest WORLD_SIZE a traced process gave
+    nodes: list = field(default_factory=list)             # nodes the trace names (nodes, sessions, ranks)
+    nodes_calling: list = field(default_factory=list)     # ... that made a collective or p2p call
+    other_events: dict = field(default_factory=dict)      # table -> rows, when no call was traced
+
+    @property
+    def dropped(self) -> int:
+        return self.no_comm + self.no_rank + self.no_seq
+
+    def why_dropped(self) -> str:
+        parts = [f"{self.no_comm:,} with an unknown communicator (comm_id_hash 0: created before the "
+                 "probes attached)" if self.no_comm else "",
+                 f"{self.no_rank:,} from processes of unknown rank (no torchrun RANK, no ranks row, "
+                 "no communicator rank)" if self.no_rank else "",
+                 f"{self.no_seq:,} without a seq" if self.no_seq else ""]
+        return "; ".join(p for p in parts if p)
+
+
+def coverage(con) -> Coverage:
+    """The counts `judge` weighs, from the trace's tables (one pass over nccl_events)."""
+    cov = Coverage()
+    placed_nodes = set()
+    for node, grank, calls, no_comm, no_seq in con.execute(_COUNTS).fetchall():
+        cov.calls += calls
+        if grank is None or grank < 0:
+            cov.no_rank += calls - no_comm
+            cov.no_comm += no_comm
+            continue
+        cov.no_comm += no_comm
+        cov.no_seq += no_seq
+        if no_comm + no_seq:
+            cov.dropped_by_rank[grank] = cov.dropped_by_rank.get(grank, 0) + no_comm + no_seq
+        if calls > no_comm + no_seq:
+            placed_nodes.add(node)
+    cov.listed = [r for (r,) in con.execute(
+        "SELECT DISTINCT rank FROM ranks WHERE rank >= 0 ORDER BY rank").fetchall()]
+    cov.world = int(con.execute("SELECT max(world_size) FROM ranks").fetchone()[0] or 0)
+    named = set()
+    for table in ("nodes", "sessions", "ranks"):
+        named |= {n for (n,) in con.execute(f"SELECT DISTINCT node FROM {table} WHERE node IS NOT NULL").fetchall()}
+    cov.nodes = sorted(named)
+    cov.nodes_calling = sorted(n for n in placed_nodes if n is not None)
+    if not cov.calls:
+        for table in ("nccl_events", "tcp_events", "sched_events"):
+            cov.other_events[table] = int(con.execute(f"SELECT count(*) FROM {table}").fetchone()[0])
+    return cov
+
+
+def judge(cov: Coverage, judged: list, has_step: bool) -> tuple[str | None, list | None]:
+    """(why the trace cannot support a verdict, or None; the ranks a verdict covers when
+    they are not every rank the job has, or None). `judged`: the ranks the analysis
+    placed calls of; `has_step`: a recurring collective gave it a step."""
+    judged = sorted(judged)
+    known = sorted(set(cov.listed) | set(range(cov.world)) | set(judged))
+    if not cov.calls:
+        ev = cov.other_events
+        return (f"no NCCL collective or point-to-point call was traced ({ev.get('nccl_events', 0):,} other NCCL "
+                f"rows, {ev.get('tcp_events', 0):,} TCP and {ev.get('sched_events', 0):,} scheduler events"
+                f"{'; the trace names ranks ' + span(cov.listed) if cov.listed else ''})"), None
+    if not judged:
+        return f"none of the {cov.calls:,} NCCL calls can be placed: {cov.why_dropped()}", None
+    if len(judged) < 2:
+        more = f"; {cov.dropped:,} more cannot be placed: {cov.why_dropped()}" if cov.dropped else ""
+        return (f"only rank {judged[0]} made NCCL calls the analysis can place, of {len(known)} ranks "
+                f"known; a verdict compares at least 2 ranks{more}"), None
+    silent = sorted(set(cov.listed) - set(judged))
+    if silent:
+        how = [f"rank {r}: {cov.dropped_by_rank[r]:,} calls that cannot be placed" for r in silent
+               if r in cov.dropped_by_rank]
+        return (f"{len(silent)} of {len(known)} ranks are traced but made no NCCL call the analysis can place "
+                f"(ranks {span(silent)}{'; ' + ', '.join(how[:8]) if how else ''}{'; ' + cov.why_dropped() if how else ''}): "
+                "any of them may be the rank the others wait for"), None
+    quiet = sorted(set(cov.nodes) - set(cov.nodes_calling))
+    if quiet:
+        return (f"{len(quiet)} of {len(cov.nodes)} traced nodes sent no NCCL call ({', '.join(quiet[:8])}"
+                f"{', ...' if len(quiet) > 8 else ''}): their ranks may be the ones the others wait for"), None
+    if not has_step:
+        return (f"no collective recurs on all {len(judged)} ranks: no step to judge ({cov.calls - cov.dropped:,} "
+                "calls placed)"), None
+    return None, (judged if len(judged) < len(known) else None)
+
+
+def span(ranks: list) -> str:
+    """'0-3, 6, 8-9' for [0, 1, 2, 3, 6, 8, 9]."""
+    out, ranks = [], sorted(ranks)
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ", ".join(out)
