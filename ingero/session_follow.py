@@ -2,10 +2,12 @@
 
 A `kubectl get --watch -o json` of the session feeds one line per change:
 the phase and its message, the straggler as its StragglerDetected condition
-names it (live, then final), and while tracing a progress line (ranks, nodes
-tracing, events, step time) at most every PROGRESS_EVERY_S. It ends when the
-session does: the verdict and exit 0 when Completed; the reason, on stderr,
-and exit 1 when Failed (or deleted while followed).
+names it (live, then final), a hang as its Hung condition names it, and while
+tracing a progress line (ranks, nodes tracing, events, step time) at most
+every PROGRESS_EVERY_S. It ends when the session does: the verdict (a
+straggler, nobody, a hang, or "cannot judge" and why) and exit 0 when
+Completed; the reason, on stderr, and exit 1 when Failed (or deleted while
+followed).
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ def progress_line(st: dict) -> str:
     parts.append(f"{sum(int(n.get('events') or 0) for n in nodes):,} events")
     if st.get("stepMs"):
         parts.append(f"step ~{st['stepMs']:.1f} ms")
+    v = st.get("verdict") or {}
+    if v.get("kind") == "cannot-judge":
+        parts.append(f"cannot judge yet: {v.get('reason')}")
     return "progress: " + ", ".join(parts)
 
 
@@ -57,6 +62,7 @@ class Lines:
         self.clock = clock
         self.phase: tuple | None = None
         self.straggler: str | None = None
+        self.hang: str | None = None
         self.progress: str | None = None
         self.progress_at: float | None = None
 
@@ -70,6 +76,10 @@ class Lines:
         if strag.get("status") == "True" and strag.get("message") != self.straggler:
             self.straggler = strag.get("message")
             out.append(f"straggler: {self.straggler}")
+        hung = condition(st, "Hung")
+        if hung.get("status") == "True" and hung.get("message") != self.hang:
+            self.hang = hung.get("message")
+            out.append(f"hang: {self.hang}")
         if phase[0] == "Running":
             line, now = progress_line(st), self.clock()
             if line != self.progress and (self.progress_at is None or now - self.progress_at >= PROGRESS_EVERY_S):
@@ -87,14 +97,25 @@ def _pump(stream, q: queue.Queue) -> None:
     q.put(None)
 
 
+def verdict_line(st: dict) -> str:
+    """The final verdict as its conditions give it: a hang, "cannot judge" and why, the
+    straggler, or nobody (with the ranks it covers when not every rank of the job)."""
+    hung, judged, strag = (condition(st, t) for t in ("Hung", "Judged", "StragglerDetected"))
+    if hung.get("status") == "True":
+        return f"hang: {hung.get('message')}"
+    if judged.get("status") == "False":
+        return f"cannot judge: {judged.get('message')}"
+    partial = f" ({judged['message']})" if judged.get("reason") == "PartialRanks" else ""
+    if strag.get("status") == "True":
+        return f"{strag.get('message')}{partial}"
+    return f"no straggler: {strag.get('message') or 'no rank or group stands out'}{partial}"
+
+
 def verdict(ns: str, name: str, st: dict, out) -> int:
     if st.get("phase") == "Failed":
         why = condition(st, "Failed").get("reason") or "Failed"
         raise IngeroError(f"TraceSession {ns}/{name} failed ({why}): {st.get('message')}", exit_code=1)
-    strag = condition(st, "StragglerDetected")
-    named = strag.get("status") == "True"
-    print(f"verdict: {'' if named else 'no straggler: '}{strag.get('message') or 'no rank or group stands out'}",
-          file=out)
+    print(f"verdict: {verdict_line(st)}", file=out)
     print(f"report: kubectl ingero report {name} -n {ns}", file=out, flush=True)
     return 0
 

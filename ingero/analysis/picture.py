@@ -16,6 +16,8 @@ from html import escape
 
 import numpy as np
 
+from ingero.analysis.coverage import span
+
 OWN, WAIT, XFER = "#4c72b0", "#e3e3e3", "#55a868"
 ROW, GAP, LEFT, WIDTH = 14, 2, 118, 980
 
@@ -60,7 +62,7 @@ def step_svg(report, ctx: dict, step: int | None = None) -> tuple[str, str]:
     """(SVG text, one-line summary) of `step` (default: the middle whole step)."""
     tl, base, named = ctx.get("timeline"), ctx.get("base"), ctx.get("named")
     if tl is None or base is None:
-        raise ValueError("no step to draw: no collective recurs on all ranks")
+        raise ValueError(f"no step to draw: {report.cannot_judge or 'the trace holds no step'}")
     steps = tl.steps
     k = steps // 2 if step is None else step
     if not 0 <= k < steps:
@@ -93,6 +95,8 @@ def step_svg(report, ctx: dict, step: int | None = None) -> tuple[str, str]:
     head = (f"straggler: {s.group or f'rank {s.rank}'}, cause {s.cause}, saves {s.saving_ms_per_step:.1f} ms/step "
             f"({s.saving_pct:.1f}%)" if s is not None else
             f"no straggler (best single fix: {report.best_candidate or 'none'}, {report.best_saving_pct:.1f}%)")
+    if report.covered_ranks:
+        head += f"; covers ranks {span(report.covered_ranks)} only"
     svg = "\n".join([
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
         f'font-family="sans-serif" font-size="11">',

@@ -221,13 +221,18 @@ def ingest_and_analyse(local: LocalSession, offsets: dict[str, int],
                 _warn_behind(rep, behind)
                 return rep, world_size(con)
         rep = _analyse_until(con, slow_collective_ms, until)
-        if rep.straggler is not None and (not rep.step_ms or span_ns / (rep.step_ms * 1e6) < RECENT_MIN_STEPS):
+        steps = span_ns / (rep.step_ms * 1e6) if rep.step_ms else 0.0
+        if rep.verdict in ("straggler", "none") and steps < RECENT_MIN_STEPS:
             # the first steps of a job (connections, the probes attaching) are not evidence:
             # a live verdict on them named a healthy rank in 1 of 12 lab runs
             rep.straggler = None
-        if recent_s:
-            recent, _ = _recent(con, slow_collective_ms, recent_s, span_ns, rep.step_ms, until=until)
-            if recent is not None and recent.straggler is not None:
+            rep.cannot_judge = (f"{steps:.0f} steps traced so far; the live verdict waits for "
+                                f"{RECENT_MIN_STEPS}")
+        if recent_s and not rep.cannot_judge:
+            recent, window_s = _recent(con, slow_collective_ms, recent_s, span_ns, rep.step_ms, until=until)
+            if recent is not None and recent.cannot_judge:   # e.g. a rank silent of late
+                rep.straggler, rep.cannot_judge = None, f"in the last {window_s:.3g} s: {recent.cannot_judge}"
+            elif recent is not None and recent.straggler is not None:
                 rep.straggler = recent.straggler
         _warn_behind(rep, behind)
         return rep, world_size(con)

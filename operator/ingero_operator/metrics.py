@@ -17,6 +17,9 @@ SESSIONS = Gauge("ingero_sessions", "TraceSessions this operator serves, by phas
                  registry=REGISTRY)
 STRAGGLER = Gauge("ingero_straggler", "1 for the straggler a session names now (live or final)",
                   ["namespace", "name", "kind", "who", "rank", "pod", "cause"], registry=REGISTRY)
+VERDICT = Gauge("ingero_verdict", "1 for the kind of a session's verdict now (live or final): straggler, none "
+                "(judged, nobody named), cannot-judge (the trace cannot support a verdict), hang",
+                ["namespace", "name", "verdict"], registry=REGISTRY)
 SAVING = Gauge("ingero_straggler_saving_percent",
                "Share of the step the named fix would save (replayed), 0 when nobody is named",
                ["namespace", "name"], registry=REGISTRY)
@@ -70,6 +73,10 @@ def observe(uid: str, namespace: str, name: str, status: dict) -> None:
                 put(STRAGGLER, (namespace, name, str(s.get("kind") or "rank"), str(s.get("who") or ""),
                                 str(s.get("rank")), str(s.get("pod") or ""), str(s.get("cause") or "")), 1)
             put(SAVING, (namespace, name), float((s or {}).get("savingPct") or 0.0))
+        if "verdict" in status:
+            drop(VERDICT)
+            if status["verdict"]:
+                put(VERDICT, (namespace, name, str(status["verdict"].get("kind"))), 1)
         if status.get("meanStepMs") is not None:
             put(STEP, (namespace, name), float(status["meanStepMs"]))
         if "ranksTable" in status:

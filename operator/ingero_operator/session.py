@@ -31,7 +31,7 @@ from ingero_operator.kube import Kube, KubeError
 from ingero_operator.settings import Settings
 from ingero_operator.settings import GROUP, VERSION
 from ingero_operator.status import (bounded_warnings, lifecycle, node_row, now_iso, parse_iso, report_status,
-                                    straggler_message)
+                                    straggler_message, verdict_message)
 
 log = logging.getLogger("ingero.operator")
 ACTIVE = ("running", "starting")
@@ -60,6 +60,7 @@ class Live:
     conditions: list | None = None                 # as last written (None: take the status')
     unreachable: set = field(default_factory=set)  # nodes whose AgentUnreachable was posted
     announced: tuple | None = None                 # (who, cause) of the last StragglerDetected Event
+    hung: str | None = None                        # who the last Hung Event named
     done: bool = False
 
 
@@ -107,7 +108,9 @@ class Controller:
         live = self._state(ref)
         old = live.conditions if live.conditions is not None else (status or {}).get("conditions")
         straggler = fields["straggler"] if "straggler" in fields else (status or {}).get("straggler")
-        conds = lifecycle(phase, reason, message, ref.generation, old, straggler if phase != "Failed" else None)
+        verdict = fields["verdict"] if "verdict" in fields else (status or {}).get("verdict")
+        conds = lifecycle(phase, reason, message, ref.generation, old, straggler if phase != "Failed" else None,
+                          verdict)
         await self.patch(ref, {"phase": phase, "message": message, "observedGeneration": ref.generation,
                                **fields, "conditions": conds})
         live.conditions = conds
@@ -136,6 +139,20 @@ class Controller:
             live.announced = key
             self.event(ref, "Warning", "StragglerDetected",
                        straggler_message(straggler) + ("" if final else " (live verdict)"))
+
+    def _post_verdict(self, ref: Ref, live: Live, verdict: dict | None, final: bool) -> None:
+        """A Hung Event when a verdict finds the job hung (again, or other ranks missing); a
+        CannotJudge Event when the final verdict cannot be reached (live, the Judged
+        condition says so: the first seconds of every session hold too few steps)."""
+        kind = (verdict or {}).get("kind")
+        if kind == "hang" and verdict.get("who") != live.hung:
+            live.hung = verdict.get("who")
+            self.event(ref, "Warning", "Hung", f"{verdict.get('reason') or verdict.get('who')}"
+                                               f"{'' if final else ' (live verdict)'}")
+        elif kind != "hang":
+            live.hung = None
+        if final and kind == "cannot-judge":
+            self.event(ref, "Warning", "CannotJudge", f"no verdict: {verdict.get('reason')}")
 
     async def agents(self) -> dict[str, AgentClient]:
         a = self.s.agent
@@ -298,6 +315,7 @@ class Controller:
             patch["warnings"] = bounded_warnings(live.sticky + warnings, self.s.gather)
             await self.transition(ref, status, "Running", "Tracing", status.get("message") or "tracing", **patch)
             self._post_straggler(ref, live, patch.get("straggler", status.get("straggler")), final=False)
+            self._post_verdict(ref, live, patch.get("verdict"), final=False)
 
     async def _fetch_all(self, ref: Ref, live: Live, nodes: list[str], since_zero: bool = False) -> list[str]:
         agents = await self.agents()
@@ -369,8 +387,8 @@ class Controller:
                        f"({artifact['bytes']:,} bytes)")
             st = verdict.get("straggler")
             self._post_straggler(ref, live, st, final=True)
-            self.event(ref, "Normal", "Completed", msg + (f"; {straggler_message(st)}" if st else
-                                                          "; no straggler: no rank or group slows the job"))
+            self._post_verdict(ref, live, verdict["verdict"], final=True)
+            self.event(ref, "Normal", "Completed", msg + "; " + verdict_message(verdict["verdict"], st))
             for who in self.cap_artifacts(keep=local.root):
                 other = Ref(who.get("namespace", ""), who.get("name", ""), who.get("uid"), None)
                 try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 
 from ingero.analysis import Report
+from ingero.analysis.coverage import span
 from ingero_operator.settings import GatherSettings
 
 
@@ -61,14 +62,39 @@ def who(s) -> str:
     return s.pod or f"rank {s.rank}"
 
 
+def verdict_status(rep: Report, g: GatherSettings) -> dict:
+    """status.verdict: the kind (hang | cannot-judge | straggler | none), what the STRAGGLER
+    column shows ("cannot judge", "hang: rank 2", the straggler, "none"), why (the reason a
+    verdict is impossible, or the hang's evidence) and the ranks a partial verdict covers."""
+    kind, why = rep.verdict, None
+    if kind == "hang":
+        missing = list(rep.hang.missing)
+        col = f"hang: {'rank' if len(missing) == 1 else 'ranks'} {span(missing)}" if missing else "hang"
+        why = rep.hang.evidence
+    elif kind == "cannot-judge":
+        col, why = "cannot judge", rep.cannot_judge
+    else:
+        col = who(rep.straggler) if kind == "straggler" else "none"
+    return {"kind": kind, "who": cut(col, 200), "reason": cut(why, g.evidence_chars),
+            "coveredRanks": list(rep.covered_ranks)[:4096] if rep.covered_ranks else None}
+
+
+def hang_status(h, g: GatherSettings) -> dict:
+    """status.hang: who waits in which call since when, and who never entered it (bounded)."""
+    return {"missing": list(h.missing)[:4096], "op": h.op, "comm": h.comm, "seq": h.seq,
+            "waitedS": _r(h.waited_s, 1), "evidence": cut(h.evidence, g.evidence_chars),
+            "waiting": [{k: w.get(k) for k in ("rank", "op", "comm", "seq", "since_ns")} for w in h.waiting[:16]]}
+
+
 def report_status(rep: Report, world: int | None, g: GatherSettings) -> dict:
     """The analysis part of status. Keys that must disappear are set to None (merge patch)."""
-    s = rep.straggler
+    s = rep.straggler if rep.verdict == "straggler" else None
     out = {"ranks": len(rep.ranks), "worldSize": world or len(rep.ranks) or None,
            "stepMs": _r(rep.step_ms, 3), "meanStepMs": _r(rep.mean_step_ms, 3), "timing": rep.timing,
            "predictedStepMs": _r(rep.predicted_step_ms, 3) if rep.predicted_step_ms is not None else None,
            "bestSavingPct": _r(rep.best_saving_pct, 1), "retransmits": int(rep.retransmits),
-           "ranksTable": ranks_table(rep, g.ranks_table_rows), "straggler": None, "slowdown": None}
+           "ranksTable": ranks_table(rep, g.ranks_table_rows), "straggler": None, "slowdown": None,
+           "verdict": verdict_status(rep, g), "hang": hang_status(rep.hang, g) if rep.hang is not None else None}
     if s is not None:
         out["straggler"] = {
             "rank": s.rank, "pod": s.pod, "node": s.node, "score": _r(s.score), "cause": s.cause,
@@ -129,8 +155,14 @@ def node_row(name: str, reached: bool, state: str | None, pods: int, info: dict 
 # (or Completed) returns after the verdict, not while tracing.
 # StragglerDetected: True (reason from the cause: Network, CpuContention, ...) when the live
 # or final verdict names a rank or group; False (NoStraggler) once the final verdict names
-# none; Unknown before that (NoVerdictYet) or when the session failed (NoVerdict).
-CONDITION_TYPES = ("Completed", "Failed", "Ready", "StragglerDetected", "Tracing")
+# none; Unknown before that (NoVerdictYet), when the trace cannot support a verdict
+# (CannotJudge), when the job is hung (Hung) or when the session failed (NoVerdict).
+# Judged: True once a verdict is reached (reason PartialRanks when it covers only some of
+# the job's ranks), False (CannotJudge, the reason in the message) when the trace cannot
+# support one: no call, no step, ranks or communicators unknown, a rank or node silent.
+# Hung: True (Hang, the evidence in the message) while the verdict is a hang, False
+# (NotHung) once a verdict is in that is not one.
+CONDITION_TYPES = ("Completed", "Failed", "Hung", "Judged", "Ready", "StragglerDetected", "Tracing")
 
 
 def cause_reason(cause: str | None) -> str:
@@ -155,11 +187,26 @@ def straggler_message(s: dict) -> str:
     return f"{name} is the straggler: cause {s.get('cause')}{saving}"
 
 
+def verdict_message(verdict: dict, straggler: dict | None) -> str:
+    """The final verdict in one line, for the Completed Event."""
+    kind = verdict.get("kind")
+    if kind == "straggler" and straggler:
+        return straggler_message(straggler)
+    if kind == "cannot-judge":
+        return f"cannot judge: {verdict.get('reason')}"
+    if kind == "hang":
+        return verdict.get("reason") or str(verdict.get("who"))
+    covered = verdict.get("coveredRanks")
+    return "no straggler: no rank or group slows the job" + (
+        f" (the verdict covers ranks {span(covered)} only)" if covered else "")
+
+
 def lifecycle(phase: str, reason: str | None, message: str, generation: int | None, old: list[dict] | None,
-              straggler: dict | None = None) -> list[dict]:
+              straggler: dict | None = None, verdict: dict | None = None) -> list[dict]:
     """Every lifecycle condition for `phase` (see the table above). `reason` is the CamelCase
     reason of what just happened (Failed: why; Pending: WaitingForPods or AgentUnreachable);
-    `straggler` the status' straggler (None: none named; in phase Completed, the final verdict's)."""
+    `straggler` the status' straggler (None: none named; in phase Completed, the final verdict's);
+    `verdict` the status' verdict (`verdict_status`; None: no analysis yet)."""
     conds = list(old or [])
 
     def put(ctype, ok, why, msg=message):
@@ -183,8 +230,29 @@ def lifecycle(phase: str, reason: str | None, message: str, generation: int | No
         put("Ready", False, reason or "Failed")
     else:
         raise ValueError(f"unknown phase {phase!r}")
+    kind = (verdict or {}).get("kind") if phase != "Failed" else None
+    why = (verdict or {}).get("reason") or ""
+    if kind is None:
+        put("Judged", None, "NoVerdict" if phase == "Failed" else "NoVerdictYet", "no verdict (yet)")
+        put("Hung", None, "NoVerdict" if phase == "Failed" else "NoVerdictYet", "no verdict (yet)")
+    else:
+        covered = verdict.get("coveredRanks")
+        if kind == "cannot-judge":
+            put("Judged", False, "CannotJudge", why)
+        elif covered:
+            put("Judged", True, "PartialRanks", f"the verdict covers ranks {span(covered)} only")
+        else:
+            put("Judged", True, "Judged", "the verdict covers every traced rank")
+        if kind == "hang":
+            put("Hung", True, "Hang", why)
+        else:
+            put("Hung", False, "NotHung", "no rank waits in a call that another never entered")
     if straggler:
         put("StragglerDetected", True, cause_reason(straggler.get("cause")), straggler_message(straggler))
+    elif kind == "cannot-judge":
+        put("StragglerDetected", None, "CannotJudge", why)
+    elif kind == "hang":
+        put("StragglerDetected", None, "Hung", "the job is hung (see the Hung condition)")
     elif phase == "Completed":
         put("StragglerDetected", False, "NoStraggler", "the final verdict names no straggler rank or group")
     elif phase == "Failed":

@@ -216,9 +216,9 @@ def test_kubectl_ingero_report_through_the_service_proxy_is_the_local_report_of_
 
 def test_conditions_follow_the_lifecycle_and_describe_lists_the_events(lossy):
     conds = {c["type"]: c for c in lossy["status"]["conditions"]}
-    assert sorted(conds) == ["Completed", "Failed", "Ready", "StragglerDetected", "Tracing"]
-    assert [conds[t]["status"] for t in ("Completed", "Ready", "StragglerDetected", "Tracing", "Failed")] == \
-        ["True", "True", "True", "False", "False"]
+    assert sorted(conds) == ["Completed", "Failed", "Hung", "Judged", "Ready", "StragglerDetected", "Tracing"]
+    assert [conds[t]["status"] for t in ("Completed", "Ready", "StragglerDetected", "Judged", "Tracing", "Failed",
+                                         "Hung")] == ["True", "True", "True", "True", "False", "False", "False"]
     assert all(c["reason"] and c["lastTransitionTime"] for c in conds.values())
     assert lossy["wait"] == "tracesession.ingero.io/lab-job condition met", lossy["wait"]
     d = lossy["describe"]

@@ -34,6 +34,8 @@ def check_no_straggler(status: dict, ranks: int, nodes: list[str] | None = None,
         assert not problem and st.get("slowdown"), (problem, json.dumps(st.get("straggler")))
     else:
         assert st.get("straggler") is None and st.get("slowdown") is None, json.dumps(st.get("straggler"))
+        # judged, nobody named: not a trace that could not support a verdict
+        assert st["verdict"]["kind"] == "none" and st["verdict"]["who"] == "none", st["verdict"]
     assert all(n["lostEvents"] == 0 for n in st["nodes"]), st["nodes"]
     assert len(st["ranksTable"]) == min(ranks, 8) and all(r["collectives"] > 0 for r in st["ranksTable"])
     return st

@@ -97,11 +97,17 @@ def test_kubectl_shows_the_printer_columns_and_the_schema_error(cluster, tmp_pat
            "KUBECACHEDIR": str(tmp_path / "kube-cache")}
     cluster.patch(f"{TRS}/ok1/status", {"status": {"phase": "Completed", "ranks": 4, "retransmits": 12,
                                                    "slowdown": "7.5%",
-                                                   "straggler": {"who": "w-3", "pod": "w-3", "cause": "network"}}})
+                                                   "straggler": {"who": "w-3", "pod": "w-3", "cause": "network"},
+                                                   "verdict": {"kind": "straggler", "who": "w-3"}}})
     out = subprocess.run(["kubectl", "get", "trs", "ok1"], env=env, capture_output=True, text=True, timeout=30)
     lines = [ln.split() for ln in out.stdout.splitlines()]
     assert lines[0] == ["NAME", "PHASE", "RANKS", "STRAGGLER", "CAUSE", "SLOWDOWN", "RETRANSMITS", "AGE"]
     assert lines[1][:7] == ["ok1", "Completed", "4", "w-3", "network", "7.5%", "12"]
+    # a trace that cannot support a verdict: the column says so instead of staying empty
+    cluster.patch(f"{TRS}/ok1/status", {"status": {"straggler": None, "slowdown": None, "verdict": {
+        "kind": "cannot-judge", "who": "cannot judge", "reason": "no NCCL collective or point-to-point call"}}})
+    out = subprocess.run(["kubectl", "get", "trs", "ok1"], env=env, capture_output=True, text=True, timeout=30)
+    assert out.stdout.splitlines()[1].split()[:5] == ["ok1", "Completed", "4", "cannot", "judge"]
     bad = tmp_path / "bad.yaml"
     bad.write_text("apiVersion: ingero.io/v1alpha1\nkind: TraceSession\nmetadata: {name: bad}\n"
                    "spec: {selector: {matchLabels: {a: b}}, probes: [gpu]}\n")

@@ -163,6 +163,8 @@ def test_a_session_goes_pending_tracing_completed_and_kubectl_wait_returns_with_
     assert (cs["Completed"]["status"], cs["Ready"]["status"], cs["Ready"]["reason"]) == ("True", "True", "VerdictReady")
     assert (cs["Tracing"]["status"], cs["Tracing"]["reason"], cs["Failed"]["status"]) == ("False", "Finished", "False")
     assert (cs["StragglerDetected"]["status"], cs["StragglerDetected"]["reason"]) == ("True", "ComputeUnknown")
+    assert (cs["Judged"]["status"], cs["Judged"]["reason"], cs["Hung"]["status"]) == ("True", "Judged", "False")
+    assert st["verdict"] == {"kind": "straggler", "who": st["straggler"]["who"]} and st.get("hang") is None
     # the pod as the trace names it (fake_tracer writes trace_fixture's job: job-rank-<r>)
     assert cs["StragglerDetected"]["message"].startswith("rank 3 (pod job-rank-3, node node-b) is the straggler")
     assert cs["StragglerDetected"]["lastTransitionTime"] == conds(live)["StragglerDetected"]["lastTransitionTime"]
