@@ -151,12 +151,16 @@ def make_server(root: Path, name: str = "ingero"):
         "compute/unknown), one sentence of evidence, a robust score, the step time it costs (ms and %), whether "
         "a whole node is slow together, plus step time, collective and retransmit counts, warnings and a "
         "per-rank table (p50/p99 collective ms, arrival lateness ms and its robust z, share of collectives "
-        "where it arrived last, retransmits on its own connections, off-CPU ms by reason). straggler is null "
-        "when no rank stands out. Args: session (a name from list_sessions)."))
+        "where it arrived last, retransmits on its own connections, off-CPU ms by reason). verdict: straggler, "
+        "none (judged: no rank stands out), cannot-judge (the trace cannot support a verdict, cannot_judge says "
+        "why: not an all-clear) or hang (hang: who waits in what, who never came); covered_ranks: the ranks a "
+        "verdict on part of the job covers. Args: session (a name from list_sessions)."))
     def straggler_report(session: str) -> dict:
         rep, con = traces.report(session)
         con.close()
-        return {"session": session, "straggler": asdict(rep.straggler) if rep.straggler else None,
+        return {"session": session, "verdict": rep.verdict, "cannot_judge": rep.cannot_judge,
+                "covered_ranks": rep.covered_ranks, "hang": asdict(rep.hang) if rep.hang else None,
+                "straggler": asdict(rep.straggler) if rep.straggler else None,
                 "step_ms": round(rep.step_ms, 3), "collectives": rep.collectives,
                 "retransmits": rep.retransmits, "warnings": rep.warnings,
                 "ranks": [_rank_brief(r) for r in rep.ranks]}

@@ -107,9 +107,9 @@ def judge(cov: Coverage, judged: list, has_step: bool) -> tuple[str | None, list
     if silent:
         how = [f"rank {r}: {cov.dropped_by_rank[r]:,} calls that cannot be placed" for r in silent
                if r in cov.dropped_by_rank]
+        how_text = f"; {', '.join(how[:8])}; {cov.why_dropped()}" if how else ""
         return (f"{len(silent)} of {len(known)} ranks are traced but made no NCCL call the analysis can place "
-                f"(ranks {span(silent)}{'; ' + ', '.join(how[:8]) if how else ''}{'; ' + cov.why_dropped() if how else ''}): "
-                "any of them may be the rank the others wait for"), None
+                f"(ranks {span(silent)}{how_text}): any of them may be the rank the others wait for"), None
     quiet = sorted(set(cov.nodes) - set(cov.nodes_calling))
     if quiet:
         return (f"{len(quiet)} of {len(cov.nodes)} traced nodes sent no NCCL call ({', '.join(quiet[:8])}"

@@ -468,8 +468,9 @@ def run(args) -> int:
                 for w in res.status.get("warnings") or []:
                     print(f"warning: {w}")
             lines = [ln for ln in demo.scrape().splitlines()
-                     if ln.startswith(("ingero_straggler", "ingero_sessions{phase=\"Completed\"}"))]
-            print(f"\n$ curl -s http://127.0.0.1:{demo.metrics_port}/metrics | grep ingero_straggler\n"
+                     if ln.startswith(("ingero_straggler", "ingero_verdict",
+                                       "ingero_sessions{phase=\"Completed\"}"))]
+            print(f"\n$ curl -s http://127.0.0.1:{demo.metrics_port}/metrics | grep -E 'ingero_(straggler|verdict)'\n"
                   + "\n".join(lines))
             for node, text in sorted(res.agent_metrics.items())[:1]:    # one agent, scraped while tracing
                 port = demo.agent_metrics_ports.get(node)

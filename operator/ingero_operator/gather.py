@@ -160,6 +160,19 @@ def _load_state(con, local: LocalSession, offsets: dict[str, int]) -> None:
                     [list(offsets), [int(v) for v in offsets.values()]])
 
 
+def unheard(local: LocalSession, rows: list[dict], rep: Report) -> None:
+    """A verdict without the nodes whose pods the session selected but that sent no segment
+    (their agent unreachable or absent, their tracer failing) is no verdict on the job: their
+    ranks may be the ones the others wait for. `rows`: status.nodes."""
+    have = set(local.nodes())
+    quiet = sorted({r["name"] for r in rows if r.get("pods") and r["name"] not in have})
+    if quiet and rep.verdict in ("straggler", "none"):
+        rep.straggler = None
+        rep.cannot_judge = (f"{len(quiet)} of {len({r['name'] for r in rows})} nodes with selected pods sent no "
+                            f"data ({', '.join(quiet[:8])}{', ...' if len(quiet) > 8 else ''}): their ranks may "
+                            "be the ones the others wait for")
+
+
 def world_size(con) -> int | None:
     row = con.execute("SELECT max(world_size), count(DISTINCT rank) FROM ranks").fetchone()
     return int(row[0] or row[1] or 0) or None

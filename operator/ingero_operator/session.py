@@ -26,7 +26,7 @@ from ingero.http_client import new_session
 from ingero_operator import artifact_server, metrics
 from ingero_operator import plan as planning
 from ingero_operator.agents import AgentClient, AgentUnreachable, agent_tls
-from ingero_operator.gather import LocalSession, build_artifact, fetch_new, ingest_and_analyse
+from ingero_operator.gather import LocalSession, build_artifact, fetch_new, ingest_and_analyse, unheard
 from ingero_operator.kube import Kube, KubeError
 from ingero_operator.settings import Settings
 from ingero_operator.settings import GROUP, VERSION
@@ -308,6 +308,7 @@ class Controller:
                                                      _slow_ms(spec), self.s.timing.live_window_s,
                                                      self.s.timing.live_full_max_calls)
                 metrics.DURATION.labels("live_analysis").observe(time.monotonic() - t_live)
+                unheard(self.local(ref), rows, rep)
                 patch.update(report_status(rep, world, self.s.gather))
                 warnings += rep.warnings
             except Exception as e:  # live analysis is best effort; the final one decides
@@ -361,6 +362,7 @@ class Controller:
                 live.done = True
                 return
             metrics.DURATION.labels("merge_and_analysis").observe(time.monotonic() - t_merge)
+            unheard(local, (status.get("nodes") or []) + rows, rep)    # status: the pods each node had selected
             warnings = bounded_warnings(live.sticky + warnings + rep.warnings, self.s.gather)
             # the report's own warnings are in `warnings` already: they must not replace the
             # operator's (a node unreachable while gathering was lost from report.json)

@@ -72,6 +72,7 @@ def check(got: dict) -> None:
     assert names[ART] == "artifact" and names["raw/node-a"] == "segments" and names["raw/node-b"] == "segments"
     s = got["report"]["straggler"]
     assert (s["rank"], s["node"]) == (3, "node-b") and s["evidence"] and len(got["report"]["ranks"]) == 4
+    assert (got["report"]["verdict"], got["report"]["cannot_judge"], got["report"]["hang"]) == ("straggler", None, None)
     r = got["rank"]
     assert r["rank"] == 3 and r["is_straggler"] and r["per_op"]["ALL_REDUCE"]["calls"] == 20
     assert len(r["latest"]) == 3 and all(x["op"] == "ALL_REDUCE" and x["late_ms"] > 5 for x in r["latest"])

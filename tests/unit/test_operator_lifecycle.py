@@ -224,6 +224,12 @@ def _complete(flow, name: str, job: str, **spec) -> tuple[dict, str]:
 
 def test_retention_the_artifact_cap_deletes_the_oldest_trace_and_the_ttl_deletes_the_session(flow):
     first, _ = _complete(flow, "keep-a", "job-ka")
+    # the job has 4 ranks (WORLD_SIZE), the session traced the 2 on node-a: a partial verdict says so
+    assert first["verdict"] == {"kind": "none", "who": "none", "coveredRanks": [0, 1]}, first["verdict"]
+    judged = conds(first)["Judged"]
+    assert (judged["status"], judged["reason"], judged["message"]) == (
+        "True", "PartialRanks", "the verdict covers ranks 0-1 only")
+    assert conds(first)["StragglerDetected"]["reason"] == "NoStraggler"
     old = Path(first["artifact"]["path"]).parent
     assert (old / "trace.duckdb").is_file() and (old / "owner.json").is_file()
     second, uid_b = _complete(flow, "ttl-b", "job-tb", ttlSecondsAfterFinished=1)

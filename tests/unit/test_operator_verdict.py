@@ -152,3 +152,23 @@ def test_ingero_report_prints_the_verdict_kind_and_a_hang_with_its_evidence(kind
     assert line in text.splitlines()
     assert ("straggler: none" in text) == (kind == "none")
     assert (f"hang: {rep('hang').hang.evidence}" in text) == (kind == "hang")
+
+
+def test_a_node_whose_selected_pods_sent_nothing_leaves_the_operator_unable_to_judge(tmp_path):
+    from ingero_operator.gather import LocalSession, unheard
+
+    local = LocalSession(tmp_path)
+    (local.node_dir("node-a") / "nccl_events").mkdir(parents=True)
+    rows = [{"name": "node-a", "pods": 2}, {"name": "node-b", "pods": 2}, {"name": "node-c", "pods": 0}]
+    for kind in ("none", "straggler"):
+        r = rep(kind)
+        unheard(local, rows, r)
+        assert r.verdict == "cannot-judge" and r.straggler is None
+        assert r.cannot_judge == ("1 of 3 nodes with selected pods sent no data (node-b): their ranks may be the "
+                                  "ones the others wait for")
+    h = rep("hang")
+    unheard(local, rows, h)
+    assert h.verdict == "hang" and h.cannot_judge is None       # a hang stands: it names who is missing
+    ok = rep("straggler")
+    unheard(local, rows[:1] + rows[2:], ok)
+    assert ok.verdict == "straggler"
