@@ -18,7 +18,7 @@ def _report(tmp_path, fault, **kw):
 
 def test_clean_run_names_no_straggler(tmp_path):
     rep, _ = _report(tmp_path, "clean")
-    assert rep.straggler is None
+    assert rep.verdict == "none" and rep.straggler is None and rep.covered_ranks is None
     assert len(rep.ranks) == 4 and all(r.collectives == 400 for r in rep.ranks)
     assert rep.step_ms == pytest.approx(50.0, rel=0.05)
 

@@ -82,7 +82,7 @@ def test_a_fault_starting_mid_session_is_named_from_the_recent_window(tmp_path):
     # on (the last 5 s): 8 ms/step then, 2 ms/step (4%) over the whole session, under the floor.
     lay = session(local.work / "nodes", steps=400, fault="slow-rank", fault_from_step=300, late_ms=4.0)
     whole, _ = ingest_and_analyse(local, {})
-    assert whole.straggler is None and whole.best_candidate == "rank 3"   # 3/4 of it was healthy
+    assert whole.verdict == "none" and whole.best_candidate == "rank 3"   # 3/4 of it was healthy
     live, _ = ingest_and_analyse(local, {}, recent_s=6.0)
     assert live.straggler is not None and live.straggler.rank == lay["victim"]
     assert re.match(r"in the last 6(\.\d+)? s: ", live.straggler.evidence), live.straggler.evidence
@@ -90,7 +90,7 @@ def test_a_fault_starting_mid_session_is_named_from_the_recent_window(tmp_path):
     # a session not much longer than the window is judged whole only
     short = LocalSession(tmp_path / "ns" / "short")
     session(short.work / "nodes", steps=110, fault="slow-rank", fault_from_step=85, late_ms=4.0)   # 5.5 s
-    assert ingest_and_analyse(short, {}, recent_s=6.0)[0].straggler is None
+    assert ingest_and_analyse(short, {}, recent_s=6.0)[0].verdict == "none"
 
 
 def test_a_clean_session_names_nobody_in_its_recent_window_either(tmp_path):
@@ -98,7 +98,7 @@ def test_a_clean_session_names_nobody_in_its_recent_window_either(tmp_path):
 
     local = LocalSession(tmp_path / "ns" / "job")
     session(local.work / "nodes", steps=400, fault="clean")
-    assert ingest_and_analyse(local, {}, recent_s=6.0)[0].straggler is None
+    assert ingest_and_analyse(local, {}, recent_s=6.0)[0].verdict == "none"
 
 
 def test_the_recent_window_stretches_to_forty_steps_for_long_steps(tmp_path):
@@ -109,7 +109,7 @@ def test_the_recent_window_stretches_to_forty_steps_for_long_steps(tmp_path):
     # last 40 hold 25 healthy ones, too few late to name anyone yet.
     local = LocalSession(tmp_path / "ns" / "job")
     session(local.work / "nodes", steps=60, step_ms=150.0, fault="slow-rank", fault_from_step=45)
-    assert ingest_and_analyse(local, {}, recent_s=2.0)[0].straggler is None
+    assert ingest_and_analyse(local, {}, recent_s=2.0)[0].verdict == "none"
     # the last 30 late: most of the last 40 steps are, and the window names the rank
     more = LocalSession(tmp_path / "ns" / "more")
     lay = session(more.work / "nodes", steps=60, step_ms=150.0, fault="slow-rank", fault_from_step=30)
@@ -150,7 +150,10 @@ def test_the_live_status_names_nobody_before_forty_steps(tmp_path):
 
     local = LocalSession(tmp_path / "ns" / "job")
     session(local.work / "nodes", steps=30, fault="slow-rank")
-    assert ingest_and_analyse(local, {}, recent_s=6.0)[0].straggler is None
+    early = ingest_and_analyse(local, {}, recent_s=6.0)[0]
+    # not an all-clear: too few steps to judge yet
+    assert early.verdict == "cannot-judge" and early.straggler is None
+    assert early.cannot_judge == "29 steps traced so far; the live verdict waits for 40"   # 30 calls: 29 gaps
     more = LocalSession(tmp_path / "ns" / "more")
     lay = session(more.work / "nodes", steps=45, fault="slow-rank")
     assert ingest_and_analyse(more, {}, recent_s=6.0)[0].straggler.rank == lay["victim"]
@@ -197,6 +200,7 @@ def test_a_session_that_gathered_no_segment_builds_an_empty_artifact(tmp_path):
     local = LocalSession(tmp_path / "default" / "quick-0123abcd")
     rep, world = build_artifact(local, {})
     assert local.artifact.is_file() and rep.ranks == [] and rep.straggler is None and world is None
+    assert rep.verdict == "cannot-judge" and rep.cannot_judge.startswith("no NCCL collective or point-to-point")
 
 
 def _drop_tail(local: LocalSession, node: str, seconds: float) -> None:
@@ -223,7 +227,7 @@ def test_a_node_whose_newest_segment_lags_makes_nobody_a_straggler_live(tmp_path
     lay = session(local.work / "nodes", steps=400, fault="clean")
     _drop_tail(local, lay["nodes"][1], lag_s)
     rep, _ = ingest_and_analyse(local, {}, recent_s=6.0)
-    assert rep.straggler is None, rep.straggler
+    assert rep.verdict == "none", (rep.straggler, rep.cannot_judge)
     assert not any("older than the newest" in w for w in rep.warnings), rep.warnings
 
 
@@ -234,5 +238,5 @@ def test_a_node_far_behind_is_named_in_the_live_warnings(tmp_path):
     lay = session(local.work / "nodes", steps=400, fault="clean")
     _drop_tail(local, lay["nodes"][0], 8.0)
     rep, _ = ingest_and_analyse(local, {}, recent_s=6.0)
-    assert rep.straggler is None, rep.straggler
+    assert rep.verdict == "none", (rep.straggler, rep.cannot_judge)
     assert any(w.startswith(f"node {lay['nodes'][0]}'s newest call is 8.0 s older") for w in rep.warnings), rep.warnings
