@@ -91,8 +91,8 @@ def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[
     if report.cannot_judge:
         return report, {}
     if cov.dropped:
-        warnings.append(f"{cov.dropped:,} of {cov.calls:,} NCCL calls cannot be placed and were left out: "
-                        f"{cov.why_dropped()}")
+        warnings.append(f"{cov.dropped:,} of {cov.calls:,} NCCL calls cannot be placed, and the verdict does "
+                        f"not weigh them: {cov.why_dropped()}")
     if report.covered_ranks:
         known = max(cov.world, len(set(cov.listed) | set(rows)))
         warnings.append(f"the verdict covers ranks {span(report.covered_ranks)} of the job's {known}: "

@@ -83,7 +83,8 @@ def hang_status(h, g: GatherSettings) -> dict:
     """status.hang: who waits in which call since when, and who never entered it (bounded)."""
     return {"missing": list(h.missing)[:4096], "op": h.op, "comm": h.comm, "seq": h.seq,
             "waitedS": _r(h.waited_s, 1), "evidence": cut(h.evidence, g.evidence_chars),
-            "waiting": [{k: w.get(k) for k in ("rank", "op", "comm", "seq", "since_ns")} for w in h.waiting[:16]]}
+            "waiting": [{k: w[k] for k in ("rank", "op", "comm", "seq", "since_ns") if w.get(k) is not None}
+                        for w in h.waiting[:16]]}    # (no nulls: a list is replaced whole, nulls and all)
 
 
 def report_status(rep: Report, world: int | None, g: GatherSettings) -> dict:
@@ -161,7 +162,7 @@ def node_row(name: str, reached: bool, state: str | None, pods: int, info: dict 
 # the job's ranks), False (CannotJudge, the reason in the message) when the trace cannot
 # support one: no call, no step, ranks or communicators unknown, a rank or node silent.
 # Hung: True (Hang, the evidence in the message) while the verdict is a hang, False
-# (NotHung) once a verdict is in that is not one.
+# (NotHung) once a verdict is in that is not one; Unknown (CannotJudge) with no verdict.
 CONDITION_TYPES = ("Completed", "Failed", "Hung", "Judged", "Ready", "StragglerDetected", "Tracing")
 
 
@@ -245,6 +246,8 @@ def lifecycle(phase: str, reason: str | None, message: str, generation: int | No
             put("Judged", True, "Judged", "the verdict covers every traced rank")
         if kind == "hang":
             put("Hung", True, "Hang", why)
+        elif kind == "cannot-judge":
+            put("Hung", None, "CannotJudge", why)
         else:
             put("Hung", False, "NotHung", "no rank waits in a call that another never entered")
     if straggler:

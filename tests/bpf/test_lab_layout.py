@@ -53,7 +53,9 @@ def test_the_layout_job_pairs_every_send_with_a_recv_and_knows_each_ranks_stage(
     assert {r.rank: r.stage for r in rep.ranks} == {r["rank"]: r["stage"] for r in lab["ranks"]}
     # per pipeline: 4 microbatches x 40 steps each way between stage 0 and stage 1
     assert sorted(n for *_, n in pairs) == [160] * 16, pairs
-    # nobody, or a rank the busy machine starved (ingero.lab.truth), named cpu-contention
+    # judged (a trace that cannot support a verdict is no "nobody"), and nobody, or a rank
+    # the busy machine starved (ingero.lab.truth), named cpu-contention
+    assert rep.cannot_judge is None and rep.covered_ranks is None, rep.cannot_judge
     problem = clean_verdict_problem(rep.straggler, {r["rank"]: r["stats"] for r in lab["ranks"]})
     assert not problem, (problem, rep.straggler)
     assert not any("no matching call" in w for w in rep.warnings), rep.warnings

@@ -155,3 +155,14 @@ def test_a_verdict_on_part_of_the_job_says_which_ranks_it_covers(tmp_path, capsy
 def test_rank_spans_read_compactly(ranks):
     from ingero.analysis.coverage import span
     assert span(ranks) == {7: "0-3, 6, 8-9", 1: "5"}[len(ranks)]
+
+
+def test_calls_that_cannot_be_placed_beside_a_verdict_are_counted_in_a_warning(tmp_path, capsys):
+    late = [(p, g, -1, op, 0, s, t + 500) for p, g, _, op, _, s, t in steps([0], 10)]   # before the attach
+    node(tmp_path, "n1", steps(range(4), 30) + late, ranks=range(4))
+    rep = analyse(open_source(tmp_path))
+    assert rep.verdict == "none" and rep.cannot_judge is None and rep.covered_ranks is None
+    assert ("10 of 130 NCCL calls cannot be placed, and the verdict does not weigh them: 10 with an unknown "
+            "communicator (comm_id_hash 0: created before the probes attached)") in rep.warnings
+    assert main(["report", str(tmp_path)]) == 0
+    assert "verdict: none" in capsys.readouterr().out.splitlines()

@@ -42,8 +42,12 @@ def rep(kind: str) -> Report:
     return r
 
 
+def status_of(r: Report) -> dict:
+    return report_status(r, 4, GatherSettings())
+
+
 def status(kind: str) -> dict:
-    return report_status(rep(kind), 4, GatherSettings())
+    return status_of(rep(kind))
 
 
 @pytest.mark.parametrize("kind,who,reason", [
@@ -63,6 +67,9 @@ def test_a_hang_is_in_status_bounded():
     h = status("hang")["hang"]
     assert h["missing"] == [2] and (h["op"], h["seq"], h["waitedS"]) == ("ALL_REDUCE", 812, 40.0)
     assert [w["rank"] for w in h["waiting"]] == [0, 1, 3]
+    r = rep("hang")
+    r.hang.waiting[0]["seq"] = None          # unknown: left out, never a null inside the list
+    assert "seq" not in status_of(r)["hang"]["waiting"][0]
 
 
 def conds(*args, **kw) -> dict:
@@ -73,7 +80,7 @@ def test_cannot_judge_is_judged_false_with_the_reason_and_never_no_straggler():
     c = conds("Completed", "Completed", "done", 1, None, None, status("cannot-judge")["verdict"])
     assert (c["Judged"]["status"], c["Judged"]["reason"], c["Judged"]["message"]) == ("False", "CannotJudge", WHY)
     assert (c["StragglerDetected"]["status"], c["StragglerDetected"]["reason"]) == ("Unknown", "CannotJudge")
-    assert (c["Hung"]["status"], c["Ready"]["status"]) == ("False", "True")
+    assert (c["Hung"]["status"], c["Hung"]["reason"], c["Ready"]["status"]) == ("Unknown", "CannotJudge", "True")
 
 
 def test_a_hang_sets_hung_true_with_its_evidence_live_and_final():
