@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ingero.analysis import Report, analyse
-from ingero.analysis.coverage import span
+from ingero.analysis.coverage import ranks_text, span
 from ingero.query_cli import print_table
 from ingero.store import open_source
 
@@ -48,7 +48,7 @@ def render(rep: Report, out=None) -> None:
         best = (f"; the best single fix ({rep.best_candidate}) would save {rep.best_saving_pct:.1f}% "
                 "of the step, under the floor" if rep.best_candidate else "")
         print(f"straggler: none{best}", file=out)
-    elif s is not None and rep.verdict == "straggler":
+    elif rep.verdict == "straggler":
         who = s.group if s.kind != "rank" and s.group else f"rank {s.rank} ({s.pod or s.node})"
         print(f"straggler: {who}, cause {s.cause}, score {s.score}; would save "
               f"~{s.saving_ms_per_step:.1f} ms/step ({s.saving_pct:.1f}%): predicted step "
@@ -66,9 +66,9 @@ def verdict_line(rep: Report) -> str:
     if rep.verdict == "cannot-judge":
         return f"cannot judge: {rep.cannot_judge}"
     if rep.verdict == "hang":
-        missing = rep.hang.missing
-        return f"hang: {'rank' if len(missing) == 1 else 'ranks'} {span(missing)} never entered " \
-               f"{rep.hang.op or 'the call'} the others wait in" if missing else "hang"
+        h = rep.hang
+        return f"hang: {ranks_text(h.missing)} never entered {h.op or 'the call'} the others wait in" \
+            if h.missing else "hang"
     covers = f" (covers ranks {span(rep.covered_ranks)} only)" if rep.covered_ranks else ""
     return rep.verdict + covers
 

@@ -131,3 +131,8 @@ def span(ranks: list) -> str:
         out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
         i = j + 1
     return ", ".join(out)
+
+
+def ranks_text(ranks: list) -> str:
+    """'rank 2' or 'ranks 0-1, 3'."""
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {span(ranks)}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 
 from ingero.analysis import Report
-from ingero.analysis.coverage import span
+from ingero.analysis.coverage import ranks_text, span
 from ingero_operator.settings import GatherSettings
 
 
@@ -68,8 +68,7 @@ def verdict_status(rep: Report, g: GatherSettings) -> dict:
     verdict is impossible, or the hang's evidence) and the ranks a partial verdict covers."""
     kind, why = rep.verdict, None
     if kind == "hang":
-        missing = list(rep.hang.missing)
-        col = f"hang: {'rank' if len(missing) == 1 else 'ranks'} {span(missing)}" if missing else "hang"
+        col = f"hang: {ranks_text(rep.hang.missing)}" if rep.hang.missing else "hang"
         why = rep.hang.evidence
     elif kind == "cannot-judge":
         col, why = "cannot judge", rep.cannot_judge
