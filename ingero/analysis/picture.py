@@ -16,7 +16,7 @@ from html import escape
 
 import numpy as np
 
-from ingero.analysis.coverage import span
+from ingero.analysis.coverage import ranks_text
 
 OWN, WAIT, XFER = "#4c72b0", "#e3e3e3", "#55a868"
 ROW, GAP, LEFT, WIDTH = 14, 2, 118, 980
@@ -96,7 +96,7 @@ def step_svg(report, ctx: dict, step: int | None = None) -> tuple[str, str]:
             f"({s.saving_pct:.1f}%)" if s is not None else
             f"no straggler (best single fix: {report.best_candidate or 'none'}, {report.best_saving_pct:.1f}%)")
     if report.covered_ranks:
-        head += f"; covers ranks {span(report.covered_ranks)} only"
+        head += f"; covers {ranks_text(report.covered_ranks)} only"
     svg = "\n".join([
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
         f'font-family="sans-serif" font-size="11">',

@@ -149,6 +149,8 @@ def test_a_verdict_on_part_of_the_job_says_which_ranks_it_covers(tmp_path, capsy
     assert main(["report", str(part)]) == 0
     out = capsys.readouterr().out
     assert "verdict: straggler (covers ranks 0-3 only)" in out and "straggler: rank 3" in out
+    assert main(["export", "step", str(part), "-o", str(tmp_path / "s.svg")]) == 0
+    assert "; covers ranks 0-3 only" in (tmp_path / "s.svg").read_text()
 
 
 @pytest.mark.parametrize("ranks", [[0, 1, 2, 3, 6, 8, 9], [5]])
@@ -166,3 +168,10 @@ def test_calls_that_cannot_be_placed_beside_a_verdict_are_counted_in_a_warning(t
             "communicator (comm_id_hash 0: created before the probes attached)") in rep.warnings
     assert main(["report", str(tmp_path)]) == 0
     assert "verdict: none" in capsys.readouterr().out.splitlines()
+
+
+def test_the_step_picture_of_an_unjudgeable_trace_says_why_there_is_no_step(tmp_path, capsys):
+    node(tmp_path / "t", "n1", steps(range(2), 30), ranks=range(4))
+    assert main(["export", "step", str(tmp_path / "t"), "-o", str(tmp_path / "s.svg")]) == 2
+    err = capsys.readouterr().err
+    assert "no step to draw: 2 of 4 ranks are traced but made no NCCL call" in err and not (tmp_path / "s.svg").exists()
