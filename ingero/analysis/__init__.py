@@ -21,7 +21,7 @@ import logging
 import numpy as np
 
 from ingero.analysis.calls import device_timing, events, load
-from ingero.analysis.coverage import coverage, judge, span
+from ingero.analysis.coverage import coverage, judge
 from ingero.analysis.model import Hang, RankRow, Report, Straggler
 from ingero.analysis.replay import measure
 from ingero.analysis.stats import add_network, add_offcpu, rank_rows, retransmits, robust_z, runqueue_tails
@@ -51,7 +51,7 @@ def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[
     cov = coverage(con)
     if not device and cov.calls == cov.dropped:     # no call to place: nothing to key a rank's row by
         return Report(ranks=[], straggler=None, step_ms=0.0, collectives=0, retransmits=len(retransmits(con)[0]),
-                      warnings=[why] if why else [], cannot_judge=judge(cov, [], False)[0]), {}
+                      warnings=[why] if why else [], cannot_judge=judge(cov, [], None).cannot_judge), {}
     c, warnings = load(con, device=device)
     if why:
         warnings.append(why)
@@ -87,16 +87,16 @@ def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[
     floor = max(LATE_FLOOR_NS, 0.01 * step_ms * 1e6)
     for k, z in robust_z({k: r.late_ms * 1e6 for k, r in rows.items()}, floor).items():
         rows[k].late_z = round(z, 2)
-    report.cannot_judge, report.covered_ranks = judge(cov, [r for r in rows if r >= 0], tl is not None)
+    placed = [r for r in rows if r >= 0]
+    scope = judge(cov, placed, None if tl is None else placed if tl.covered is None else tl.covered)
+    report.cannot_judge, report.covered_ranks = scope.cannot_judge, scope.covered
     if report.cannot_judge:
         return report, {}
     if cov.dropped:
         warnings.append(f"{cov.dropped:,} of {cov.calls:,} NCCL calls cannot be placed, and the verdict does "
                         f"not weigh them: {cov.why_dropped()}")
-    if report.covered_ranks:
-        known = max(cov.world, len(set(cov.listed) | set(rows)))
-        warnings.append(f"the verdict covers ranks {span(report.covered_ranks)} of the job's {known}: "
-                        "the others were not traced")
+    if scope.note:
+        warnings.append(scope.note)
     for r, v in own_per_rank(tl, m.w).items():
         if r in rows:
             rows[r].own_ms = v / 1e6

@@ -12,6 +12,7 @@ it covers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ingero.analysis.calls import OPS
 from ingero.schema import NCCL_OK_RETS
@@ -86,38 +87,57 @@ def coverage(con) -> Coverage:
     return cov
 
 
-def judge(cov: Coverage, judged: list, has_step: bool) -> tuple[str | None, list | None]:
-    """(why the trace cannot support a verdict, or None; the ranks a verdict covers when
-    they are not every rank the job has, or None). `judged`: the ranks the analysis
-    placed calls of; `has_step`: a recurring collective gave it a step."""
-    judged = sorted(judged)
-    known = sorted(set(cov.listed) | set(range(cov.world)) | set(judged))
+class Scope(NamedTuple):
+    cannot_judge: str | None     # why the trace cannot support a verdict (None: it can)
+    covered: list | None         # the ranks a verdict covers, when not every rank of the job
+    note: str | None             # a warning saying which ranks a partial verdict leaves out, and why
+
+
+def judge(cov: Coverage, placed: list, stepped: list | None) -> Scope:
+    """What a verdict on this trace can cover. `placed`: the ranks the analysis placed calls
+    of; `stepped`: the ranks the step window covers (None: no step was found)."""
+    placed = sorted(placed)
+    known = sorted(set(cov.listed) | set(range(cov.world)) | set(placed))
+
+    def no(why: str) -> Scope:
+        return Scope(why, None, None)
+
     if not cov.calls:
         ev = cov.other_events
-        return (f"no NCCL collective or point-to-point call was traced ({ev.get('nccl_events', 0):,} other NCCL "
-                f"rows, {ev.get('tcp_events', 0):,} TCP and {ev.get('sched_events', 0):,} scheduler events"
-                f"{'; the trace names ranks ' + span(cov.listed) if cov.listed else ''})"), None
-    if not judged:
-        return f"none of the {cov.calls:,} NCCL calls can be placed: {cov.why_dropped()}", None
-    if len(judged) < 2:
+        return no(f"no NCCL collective or point-to-point call was traced ({ev.get('nccl_events', 0):,} other NCCL "
+                  f"rows, {ev.get('tcp_events', 0):,} TCP and {ev.get('sched_events', 0):,} scheduler events"
+                  f"{'; the trace names ranks ' + span(cov.listed) if cov.listed else ''})")
+    if not placed:
+        return no(f"none of the {cov.calls:,} NCCL calls can be placed: {cov.why_dropped()}")
+    if len(placed) < 2:
         more = f"; {cov.dropped:,} more cannot be placed: {cov.why_dropped()}" if cov.dropped else ""
-        return (f"only rank {judged[0]} made NCCL calls the analysis can place, of {len(known)} ranks "
-                f"known; a verdict compares at least 2 ranks{more}"), None
-    silent = sorted(set(cov.listed) - set(judged))
+        return no(f"only rank {placed[0]} made NCCL calls the analysis can place, of {len(known)} ranks "
+                  f"known; a verdict compares at least 2 ranks{more}")
+    silent = sorted(set(cov.listed) - set(placed))
     if silent:
         how = [f"rank {r}: {cov.dropped_by_rank[r]:,} calls that cannot be placed" for r in silent
                if r in cov.dropped_by_rank]
         how_text = f"; {', '.join(how[:8])}; {cov.why_dropped()}" if how else ""
-        return (f"{len(silent)} of {len(known)} ranks are traced but made no NCCL call the analysis can place "
-                f"(ranks {span(silent)}{how_text}): any of them may be the rank the others wait for"), None
+        return no(f"{len(silent)} of {len(known)} ranks are traced but made no NCCL call the analysis can place "
+                  f"(ranks {span(silent)}{how_text}): any of them may be the rank the others wait for")
     quiet = sorted(set(cov.nodes) - set(cov.nodes_calling))
     if quiet:
-        return (f"{len(quiet)} of {len(cov.nodes)} traced nodes sent no NCCL call ({', '.join(quiet[:8])}"
-                f"{', ...' if len(quiet) > 8 else ''}): their ranks may be the ones the others wait for"), None
-    if not has_step:
-        return (f"no collective recurs on all {len(judged)} ranks: no step to judge ({cov.calls - cov.dropped:,} "
-                "calls placed)"), None
-    return None, (judged if len(judged) < len(known) else None)
+        return no(f"{len(quiet)} of {len(cov.nodes)} traced nodes sent no NCCL call ({', '.join(quiet[:8])}"
+                  f"{', ...' if len(quiet) > 8 else ''}): their ranks may be the ones the others wait for")
+    if stepped is None:
+        return no(f"no collective recurs often enough on the {len(placed)} ranks to mark whole steps: no step "
+                  f"to judge ({cov.calls - cov.dropped:,} calls placed)")
+    stepped = sorted(stepped)
+    if len(stepped) < 2:
+        return no(f"only {ranks_text(stepped)} of the {len(placed)} ranks with calls has whole steps; a verdict "
+                  "compares at least 2 ranks")
+    if len(stepped) == len(known):
+        return Scope(None, None, None)
+    why = [f"{ranks_text(sorted(set(placed) - set(stepped)))} made calls but have no whole step"
+           if len(stepped) < len(placed) else "",
+           f"{ranks_text(sorted(set(known) - set(placed)))} were not traced" if len(placed) < len(known) else ""]
+    return Scope(None, stepped, f"the verdict covers {ranks_text(stepped)} of the job's {len(known)}: "
+                                + "; ".join(w for w in why if w))
 
 
 def span(ranks: list) -> str:

@@ -130,8 +130,9 @@ def test_calls_that_form_no_recurring_step_cannot_be_judged(tmp_path, capsys):
              for s in range(20)]
     node(tmp_path, "n1", calls, ranks=range(4))
     rep = report(tmp_path)
-    assert rep.cannot_judge == "no collective recurs on all 4 ranks: no step to judge (80 calls placed)"
-    assert "no collective recurs on all 4 ranks" in cli(tmp_path, capsys)
+    assert rep.cannot_judge == ("no collective recurs often enough on the 4 ranks to mark whole steps: no step "
+                                "to judge (80 calls placed)")
+    assert "no collective recurs often enough" in cli(tmp_path, capsys)
 
 
 def test_a_verdict_on_part_of_the_job_says_which_ranks_it_covers(tmp_path, capsys):
@@ -145,7 +146,7 @@ def test_a_verdict_on_part_of_the_job_says_which_ranks_it_covers(tmp_path, capsy
     write_node(part / "node-b", "node-b", [2, 3], steps=30, world=8)
     rep = analyse(open_source(part))
     assert rep.verdict == "straggler" and rep.straggler.rank == 3 and rep.covered_ranks == [0, 1, 2, 3]
-    assert "the verdict covers ranks 0-3 of the job's 8: the others were not traced" in rep.warnings
+    assert "the verdict covers ranks 0-3 of the job's 8: ranks 4-7 were not traced" in rep.warnings
     assert main(["report", str(part)]) == 0
     out = capsys.readouterr().out
     assert "verdict: straggler (covers ranks 0-3 only)" in out and "straggler: rank 3" in out
@@ -175,3 +176,12 @@ def test_the_step_picture_of_an_unjudgeable_trace_says_why_there_is_no_step(tmp_
     assert main(["export", "step", str(tmp_path / "t"), "-o", str(tmp_path / "s.svg")]) == 2
     err = capsys.readouterr().err
     assert "no step to draw: 2 of 4 ranks are traced but made no NCCL call" in err and not (tmp_path / "s.svg").exists()
+
+
+def test_ranks_with_calls_but_no_whole_step_are_left_out_of_the_verdict_and_named(tmp_path):
+    # ranks 4 and 5 only meet once, on a communicator of their own: no step for them
+    once = [(1000 + r, r, r - 4, "ALL_REDUCE", COMM + 1, 0, T0 + 5 * STEP + r) for r in (4, 5)]
+    node(tmp_path, "n1", steps(range(4), 30) + once, ranks=range(6))
+    rep = analyse(open_source(tmp_path))
+    assert rep.verdict == "none" and rep.covered_ranks == [0, 1, 2, 3]
+    assert "the verdict covers ranks 0-3 of the job's 6: ranks 4-5 made calls but have no whole step" in rep.warnings
