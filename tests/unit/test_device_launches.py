@@ -69,8 +69,9 @@ class Trace:
 def pipeline(steps: int = 6, micro: int = 4, grouped: bool = True) -> Trace:
     """pp=2 x dp=2 (rank = 2 * replica + stage): per micro-batch both stages compute, then
     exchange activations and gradients in one group (SEND then RECV on both sides, as
-    Megatron's batched exchange of 1F1B's steady state lists them); per step each stage's data-parallel pair reduce-scatters and all-gathers its
-    gradients in one coalesced launch. Stage 1 computes 1.5x as long as stage 0."""
+    Megatron's batched exchange of 1F1B's steady state lists them); per step each stage's
+    data-parallel pair reduce-scatters and all-gathers its gradients in one coalesced
+    launch. Stage 1 computes 1.5x as long as stage 0."""
     tr = Trace(4)
     for _ in range(steps):
         for _ in range(micro):

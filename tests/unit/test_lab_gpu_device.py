@@ -157,7 +157,9 @@ def test_each_launch_starts_a_group_and_one_task_per_operation_named_and_numbere
         assert colls == [("0", "AllReduce", "ncclFloat32", "100000", "0", "2"),
                          ("1", "AllReduce", "ncclFloat32", "10", "0", "2"),
                          ("0", "AllGather", "ncclInt8", "20", "0", "2"),
-                         ("0", "Broadcast", "ncclInt8", "12", "0", "2")]
+                         ("0", "Broadcast", "ncclInt8", "12", "0", "2"),
+                         ("0", "ReduceScatter", "ncclFloat32", "4", "0", "2"),
+                         ("1", "AllGather", "ncclInt8", "16", "0", "2")]
         p2p = sorted(tuple(e["fields"][:5]) for e in tasks if e["type"] == P2P)
         assert p2p == [("Recv", "ncclFloat32", "64", str(1 - rank), "1"), ("Send", "ncclFloat32", "64", str(1 - rank), "1")]
         groups = {i for i, e in ev.items() if e["type"] == GROUP}
@@ -170,8 +172,8 @@ def test_each_launch_starts_a_group_and_one_task_per_operation_named_and_numbere
                 assert not apis                                              # v4 never sees API events
             else:
                 assert apis[t["parent"]]["type"] == (COLL_API if t["type"] == COLL else P2P_API)
-        if api == 6:   # one GroupApi per group: 5 ungrouped calls and the Send/Recv group
-            assert sum(e["type"] == GROUP_API for e in apis.values()) == 5
+        if api == 6:   # one GroupApi per group: 4 ungrouped calls, the Send/Recv and the coalesced group
+            assert sum(e["type"] == GROUP_API for e in apis.values()) == 6
 
 
 def test_kernel_channels_come_from_the_device_after_the_work_ran_with_gpu_timer_stamps(bins, recorders, tmp_path):
@@ -204,6 +206,27 @@ def test_kernel_channels_come_from_the_device_after_the_work_ran_with_gpu_timer_
         # the first all-reduce ran after the 200 ms kernel queued before it, and the second after it
         assert min(dev[id(ar[0])]) - ar[0]["ns"] >= 190e6
         assert min(dev[id(ar[1])]) >= max(ends[id(ar[0])])
+
+
+@pytest.mark.parametrize("api", [4, 6])
+def test_a_groups_operations_run_as_one_kernel_sharing_its_group_event_and_device_stamps(
+        bins, recorders, tmp_path, api):
+    for lines in record(bins, recorders, tmp_path, api=api):
+        ev = events(lines)
+        by_group = defaultdict(list)      # group event -> [(task, function)]
+        for i, e in ev.items():
+            if e["type"] in (COLL, P2P):
+                group = e["parent"] if api == 4 else int(e["fields"][-1])
+                by_group[group].append((i, e["fields"][0 if e["type"] == P2P else 1]))
+        stamps = {}
+        for i, e in ev.items():
+            if e["type"] == KCH:
+                stamps.setdefault(e["parent"], set()).add((int(e["fields"][1]), e["states"][0][1]))
+        launches = sorted(sorted(f for _, f in ops) for ops in by_group.values())
+        assert launches == sorted([["AllReduce"], ["AllReduce"], ["AllGather"], ["Broadcast"], ["Recv", "Send"],
+                                   ["AllGather", "ReduceScatter"]])
+        for ops in by_group.values():     # every channel of every operation of a launch: one interval
+            assert len(set().union(*(stamps[i] for i, _ in ops))) == 1
 
 
 def test_on_the_cpu_device_kernel_channels_come_from_the_calling_thread(bins, recorders, tmp_path):

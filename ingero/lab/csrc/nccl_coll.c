@@ -195,7 +195,7 @@ ncclResult_t ncpu_broadcast(struct ncclComm *c, const void *s, void *r, size_t c
   struct ncpu_op ops[c->nranks];
   int n = 0;
   for (int p = 0; p < c->nranks; p++)
-    if (p != root) ops[n++] = (struct ncpu_op){c->fds[p], 1, p, r, bytes, 0, 0};
+    if (p != root) ops[n++] = (struct ncpu_op){c->fds[p], 1, p, r, bytes, 0};
   return ncpu_run_ops(c, ops, n);
 }
 
@@ -211,7 +211,7 @@ ncclResult_t ncpu_reduce(struct ncclComm *c, const void *s, void *r, size_t coun
   struct ncpu_op ops[c->nranks];
   int n = 0;
   for (int p = 0; p < c->nranks; p++)
-    if (p != root) { ops[n] = (struct ncpu_op){c->fds[p], 0, p, tmp + bytes * n, bytes, 0, 0}; n++; }
+    if (p != root) { ops[n] = (struct ncpu_op){c->fds[p], 0, p, tmp + bytes * n, bytes, 0}; n++; }
   ncclResult_t res = ncpu_run_ops(c, ops, n);
   if (res == ncclSuccess) {
     if (s != r) memmove(r, s, bytes);

@@ -28,9 +28,11 @@
  * communicator, init and finalize; per call, NCCL 2.28+'s API events; per
  * launch, a group event and one Coll/P2p event per operation, started before
  * and stopped after the enqueue, with NCCL's seqNumber (per communicator and
- * function) and function/datatype names; and from the device, once an
- * operation ran, its kernel channels' start and stop with GPU timer stamps
- * read while it ran: collectives have 2 channels, point-to-point calls 1.
+ * function) and function/datatype names; and from the device, its kernel
+ * channels' start and stop with GPU timer stamps read while it ran:
+ * collectives have 2 channels, point-to-point calls 1. A launch's calls on one
+ * communicator are one kernel (one Group event; NCCL: one plan): their channels
+ * carry the kernel's start and stop stamps, one device interval for all of them.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -461,37 +463,25 @@ static ncclResult_t run_collective(const struct call *k) {
 
 static int is_p2p(const struct call *k) { return k->kind == K_SEND || k->kind == K_RECV; }
 
-/* Kernel channels of an operation that is running (the device's side of the profiler):
- * each channel's start stamp is read, then handed to the plugin; stop likewise. */
-static void kch_start(const struct call *k, void **h, int nch) {
-  for (int ch = 0; ch < nch && k->task; ch++) {
-    uint64_t g = ncpu_dev_timer(ncpu_dev_raw());
-    h[ch] = ncpu_prof_kch_start(k->comm->prof_ctx, k->task, ch, g);
-  }
-}
+static int nchannels(const struct call *k) { return is_p2p(k) ? P2P_CHANNELS : COLL_CHANNELS; }
 
-static void kch_stop(void **h, int nch, uint64_t raw) {
-  for (int ch = 0; ch < nch; ch++) {
-    if (!h[ch]) continue;
-    ncpu_prof_kch_stop(h[ch], ncpu_dev_timer(raw ? raw : ncpu_dev_raw()));
-    raw = 0;   /* a later channel's stop is read when it is handed over */
-  }
-}
-
-/* Runs the calls of one communicator: p2p together, then collectives in order. */
+/* Runs the calls of one communicator as one kernel: p2p together, then collectives
+ * in order. As NCCL's kernel does for the tasks of one plan, every operation's
+ * channels carry the kernel's start stamp (read when it starts) and its stop stamp
+ * (read when all of its work is done): one device interval for the launch. A kernel
+ * that failed reports no stop (its operations stay unfinished). */
 static ncclResult_t run_comm_calls(struct call *calls, int n, struct ncclComm *c) {
   struct ncpu_op *ops = malloc(sizeof *ops * (n ? n : 1));
-  int *op_of = malloc(sizeof(int) * (n ? n : 1));   /* call -> its op, -1: to/from self */
   void **kch = calloc((size_t)(n ? n : 1), sizeof(void *) * COLL_CHANNELS);
-  uint64_t *self_done = calloc((size_t)(n ? n : 1), sizeof(uint64_t));
-  if (!ops || !op_of || !kch || !self_done) { free(ops); free(op_of); free(kch); free(self_done); return ncclSystemError; }
-  int nops = 0, np2p = 0;
+  if (!ops || !kch) { free(ops); free(kch); return ncclSystemError; }
+  int nops = 0;
   ncclResult_t res = ncclSuccess;
+  uint64_t g = ncpu_dev_timer(ncpu_dev_raw());
   for (int i = 0; i < n; i++)
-    if (calls[i].comm == c && is_p2p(&calls[i])) { kch_start(&calls[i], &kch[i * COLL_CHANNELS], P2P_CHANNELS); np2p++; }
+    for (int ch = 0; ch < nchannels(&calls[i]) && calls[i].comm == c && calls[i].task; ch++)
+      kch[i * COLL_CHANNELS + ch] = ncpu_prof_kch_start(c->prof_ctx, calls[i].task, ch, g);
   for (int i = 0; i < n; i++) {
     struct call *k = &calls[i];
-    op_of[i] = -1;
     if (k->comm != c || !is_p2p(k)) continue;
     size_t bytes = k->count * ncpu_type_size(k->type);
     if (k->peer == c->rank) {  /* to self: pair with the first unmatched recv/send to self */
@@ -500,27 +490,20 @@ static ncclResult_t run_comm_calls(struct call *calls, int n, struct ncclComm *c
         if (calls[j].comm == c && calls[j].kind == K_RECV && calls[j].peer == c->rank && calls[j].count != (size_t)-1) {
           memmove(calls[j].rbuf, k->sbuf, bytes);
           calls[j].count = (size_t)-1;  /* matched */
-          self_done[i] = self_done[j] = ncpu_dev_raw();
           break;
         }
       continue;
     }
-    op_of[i] = nops;
     ops[nops++] = (struct ncpu_op){c->fds[k->peer], k->kind == K_SEND, k->peer,
-                                   k->kind == K_SEND ? (char *)k->sbuf : (char *)k->rbuf, bytes, 0, 0};
+                                   k->kind == K_SEND ? (char *)k->sbuf : (char *)k->rbuf, bytes, 0};
   }
   if (nops) res = ncpu_run_ops(c, ops, nops);
-  for (int i = 0; i < n && np2p; i++)
-    if (calls[i].comm == c && is_p2p(&calls[i]))
-      kch_stop(&kch[i * COLL_CHANNELS], P2P_CHANNELS, op_of[i] >= 0 ? ops[op_of[i]].t_done : self_done[i]);
-  for (int i = 0; i < n && res == ncclSuccess; i++) {
-    struct call *k = &calls[i];
-    if (k->comm != c || is_p2p(k)) continue;
-    kch_start(k, &kch[i * COLL_CHANNELS], COLL_CHANNELS);
-    res = run_collective(k);
-    kch_stop(&kch[i * COLL_CHANNELS], COLL_CHANNELS, ncpu_dev_raw());
-  }
-  free(ops); free(op_of); free(kch); free(self_done);
+  for (int i = 0; i < n && res == ncclSuccess; i++)
+    if (calls[i].comm == c && !is_p2p(&calls[i])) res = run_collective(&calls[i]);
+  g = ncpu_dev_timer(ncpu_dev_raw());
+  for (int i = 0; i < n * COLL_CHANNELS && res == ncclSuccess; i++)
+    if (kch[i]) ncpu_prof_kch_stop(kch[i], g);
+  free(ops); free(kch);
   if (res != ncclSuccess) {  /* an asynchronous error of the communicator, as in NCCL */
     int s = atomic_load(&c->state);
     if (s == ncclSuccess || s == ncclInProgress) atomic_store(&c->state, res);

@@ -56,7 +56,6 @@ struct ncpu_op {
   char *buf;
   size_t len;
   size_t done;
-  uint64_t t_done;       /* CLOCK_MONOTONIC_RAW ns when the last byte moved */
 };
 
 /* nccl_net.c */
