@@ -58,6 +58,9 @@ _ORDER = " ORDER BY grank, t, e.event_id"
 # (device start/end, on the host's clock), NCCL's own communicator hash and seq, and the
 # kernel launch it ran in (grp: equal for the operations of one launch of a process on a
 # communicator; NULL from plugins that did not record it: each operation on its own).
+# A process's operations come in the order of its GPU's own stamps (device_start_raw): the
+# plugin puts each on the host clock with the clock fit of the moment it finished, and two
+# fits may disagree by more than the microseconds between a short kernel and the next.
 _DEVICE_QUERY = f"""
     SELECT COALESCE(r.rank, e.global_rank) AS grank, e.node, COALESCE(r.pod, e.pod) AS pod,
            e.pid, e.op, e.comm_hash AS comm, e.seq, e.device_start_ns AS t,
@@ -70,7 +73,8 @@ _DEVICE_QUERY = f"""
     WHERE e.device_start_ns IS NOT NULL AND e.device_end_ns IS NOT NULL
       AND e.device_end_ns >= e.device_start_ns AND NOT COALESCE(e.unfinished, false)
       AND e.op IN ({', '.join(repr(o) for o in OPS)}) AND e.seq IS NOT NULL
-    ORDER BY grank, t, e.event_id"""
+    ORDER BY grank, min(e.device_start_ns) OVER (PARTITION BY grank, e.node, e.pid), e.node, e.pid,
+             e.device_start_raw, t, e.event_id"""
 
 
 def device_timing(con) -> tuple[bool, str | None]:
@@ -184,6 +188,8 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
         rank, t, d, op, comm_h, seq, crank, peer_c, pid, sim_end = (
             a[o] for a in (rank, t, d, op, comm_h, seq, crank, peer_c, pid, sim_end))
         grp = grp[o] if device else None
+    if device:
+        t, d = _monotonic(rank, t, d)
     hashes, comm = _codes(comm_h)
     sim = simulated(rank, op, sim_end)
     simulated_by_rank: dict = {}
@@ -248,6 +254,16 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
                  inst_op=np.asarray(inst_op), inst_size=np.asarray(cnt), comm_members=members,
                  simulated=simulated_by_rank,
                  launch=_launches(rank, pid, comm, grp) if device else None), warnings
+
+
+def _monotonic(rank, t, d) -> tuple[np.ndarray, np.ndarray]:
+    """Device rows in device order: a start that the clock conversion put before the one
+    of an earlier operation of its rank moves up to it (the end stays)."""
+    up = t.copy()
+    bounds = np.flatnonzero(np.r_[True, rank[1:] != rank[:-1], True])
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        up[lo:hi] = np.maximum.accumulate(t[lo:hi])
+    return up, np.maximum(d - (up - t), 0)
 
 
 def _launches(rank, pid, comm, grp) -> np.ndarray:
