@@ -63,9 +63,18 @@
  * fit is updated by one thread at a time (a busy flag another thread skips,
  * never waits on) and read lock-free (sequence counter).
  *
- * Bad settings (INGERO_PROFILER_SLOTS, INGERO_PROFILER_CLOCK_WINDOW_MS): init
- * logs one line and fails, and NCCL runs on without the plugin.
+ * File sink: with INGERO_PROFILER_FILE=<path>, each record is also appended
+ * to that file as one line of key=value words (the same fields, the strings
+ * spelled out; one write per line), for a machine without the eBPF agent
+ * (scripts/gpu-check.sh). Built with -DINGERO_PROFILER_NO_USDT (no
+ * <sys/sdt.h> there), the USDT probe is left out and the file is the only sink.
+ *
+ * Bad settings (INGERO_PROFILER_SLOTS, INGERO_PROFILER_CLOCK_WINDOW_MS, a
+ * file that cannot be opened): init logs one line and fails, and NCCL runs on
+ * without the plugin.
  */
+#include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <math.h>
 #include <stdatomic.h>
@@ -74,12 +83,17 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 #include <linux/types.h>
 
+#ifdef INGERO_PROFILER_NO_USDT
+#define DTRACE_PROBE1(provider, name, arg) ((void)(arg))
+#else
 /* The record's address goes to the probe in a register (not a stack slot):
  * the agent's BPF program reads it from the register the note names. */
 #define STAP_SDT_ARG_CONSTRAINT r
 #include <sys/sdt.h>
+#endif
 
 #include "ingero.h"
 #include "nccl_profiler_abi.h"
@@ -169,6 +183,8 @@ struct ev {
     const char *func, *datatype, *algo, *proto;
     int peer, nch;
 };
+
+static _Atomic int sink_fd = -1;        /* INGERO_PROFILER_FILE, opened by the first init */
 
 static inline uint64_t now_ns(void)
 {
@@ -309,6 +325,35 @@ static void atomic_max_u64(_Atomic uint64_t *p, uint64_t v)
         ;
 }
 
+static const char *str_or(uint64_t p, const char *dflt)
+{
+    return p ? (const char *)(uintptr_t)p : dflt;
+}
+
+/* One line per record: the file sink. */
+static void sink_write(int fd, const struct ingero_nccl_prof_op *r)
+{
+    char line[768];
+    int n = snprintf(line, sizeof(line),
+                     "op api=%u comm=%016llx name=%s rank=%d nranks=%d nnodes=%d kind=%s func=%s seq=%lld "
+                     "peer=%d count=%llu datatype=%s algo=%s proto=%s group=%llu stream=%s%llx "
+                     "host_start=%llu host_stop=%llu dev_start=%llu dev_stop=%llu dev_start_raw=%llu "
+                     "dev_stop_raw=%llu channels=%u nchannels=%u flags=%u clock_samples=%u dropped=%llu\n",
+                     r->api, (unsigned long long)r->comm_hash, str_or(r->comm_name, "-"), r->rank, r->nranks,
+                     r->nnodes, r->kind == NCCL_PROF_COLL ? "coll" : "p2p", str_or(r->func, "-"),
+                     r->seq == UINT64_MAX ? -1LL : (long long)r->seq, r->peer, (unsigned long long)r->count,
+                     str_or(r->datatype, "-"), str_or(r->algo, "-"), str_or(r->proto, "-"),
+                     (unsigned long long)r->group, r->flags & NCCL_PROF_F_STREAM ? "0x" : "-",
+                     (unsigned long long)r->stream, (unsigned long long)r->host_start_ns,
+                     (unsigned long long)r->host_stop_ns, (unsigned long long)r->dev_start_ns,
+                     (unsigned long long)r->dev_stop_ns, (unsigned long long)r->dev_start_raw,
+                     (unsigned long long)r->dev_stop_raw, r->channels, r->nchannels, r->flags, r->clock_samples,
+                     (unsigned long long)r->dropped);
+    if (n > 0 && (size_t)n < sizeof(line) && write(fd, line, (size_t)n) < 0) {
+        /* a full disk loses lines, never the job */
+    }
+}
+
 static void op_finish(struct op *o, uint8_t flags)
 {
     struct ctx *c = o->ctx;
@@ -328,6 +373,9 @@ static void op_finish(struct op *o, uint8_t flags)
     r->flags |= flags;
     r->dropped = atomic_load_explicit(&c->dropped, memory_order_relaxed);
     DTRACE_PROBE1(ingero, nccl_op_v2, r);
+    int fd = atomic_load_explicit(&sink_fd, memory_order_relaxed);
+    if (fd >= 0)
+        sink_write(fd, r);
     atomic_store_explicit(&o->state, SLOT_FREE, memory_order_release);
 }
 
@@ -489,6 +537,26 @@ static int env_number(const char *name, long dflt, long lo, long hi, long *out, 
     return 0;
 }
 
+/* INGERO_PROFILER_FILE: opened once per process (the first init); 0 on success. */
+static int open_sink(ncclDebugLogger_t log)
+{
+    const char *path = getenv("INGERO_PROFILER_FILE");
+    if (!path || !*path || atomic_load(&sink_fd) >= 0)
+        return 0;
+    int fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        char msg[512];
+        snprintf(msg, sizeof(msg), "Ingero profiler: INGERO_PROFILER_FILE=%.300s cannot be opened (%s); "
+                 "the plugin is off", path, strerror(errno));
+        say(log, NCCL_LOG_WARN, msg);
+        return -1;
+    }
+    int none = -1;
+    if (!atomic_compare_exchange_strong(&sink_fd, &none, fd))
+        close(fd);                      /* another communicator's init opened it first */
+    return 0;
+}
+
 static void ctx_free(struct ctx *c)
 {
     if (!c)
@@ -505,7 +573,8 @@ static ncclResult_t init_common(void **context, int *mask, const char *name, uin
     long slots, window_ms;
     *context = NULL;
     if (env_number("INGERO_PROFILER_SLOTS", DEFAULT_SLOTS, 16, 1L << 20, &slots, log) ||
-        env_number("INGERO_PROFILER_CLOCK_WINDOW_MS", DEFAULT_WINDOW_MS, 1, 600000, &window_ms, log))
+        env_number("INGERO_PROFILER_CLOCK_WINDOW_MS", DEFAULT_WINDOW_MS, 1, 600000, &window_ms, log) ||
+        open_sink(log))
         return ncclInvalidArgument;
     struct ctx *c = calloc(1, sizeof(*c));
     if (c) {

@@ -246,3 +246,41 @@ def test_no_plugin_is_loaded_with_nccl_profiler_plugin_none(bins, tmp_path):
     res = run_ranks(bins, "profile", env={"INGERO_LAB_DEVICE": "gpu", "NCCL_PROFILER_PLUGIN": "none",
                                           "RECORD_PROFILER_OUT": str(tmp_path / "x.rec")})
     assert all(r["verified"] for r in res) and not (tmp_path / "x.rec").exists()
+
+
+def sink_lines(path: Path) -> list[dict]:
+    """The plugin's file sink: one dict per `op key=value ...` line."""
+    return [dict(w.split("=", 1) for w in line.split()[1:]) for line in path.read_text().splitlines()]
+
+
+def test_ingeros_plugin_writes_each_operation_with_its_launch_and_stream_to_its_file_sink(bins, tmp_path):
+    """The real plugin (as scripts/gpu-check.sh runs it, with a file sink) in the lab's NCCL:
+    the operations of a launch share its group number and device interval; each other
+    operation is a launch of its own; profiler API v6 carries the call's stream."""
+    from ingero_agent.profiler_build import build_profiler
+
+    lib = build_profiler(tmp_path / "lib", cache_dir=tmp_path / "cache")
+    res = run_ranks(bins, "profile", env={"INGERO_LAB_DEVICE": "gpu", "NCCL_PROFILER_PLUGIN": str(lib)},
+                    env_of=lambda r: {"INGERO_PROFILER_FILE": str(tmp_path / f"rank{r}.ops")})
+    assert all(r["verified"] for r in res)
+    for r in range(2):
+        ops = sink_lines(tmp_path / f"rank{r}.ops")
+        assert {o["api"] for o in ops} == {"6"} and all(o["stream"] == "0x0" for o in ops)
+        launches = defaultdict(list)
+        for o in ops:
+            assert o["flags"] == "2" and o["channels"] == o["nchannels"] and o["dev_start"] <= o["dev_stop"]
+            launches[(o["comm"], o["group"])].append(o)
+        assert sorted(sorted(o["func"] for o in g) for g in launches.values()) == sorted(
+            [["AllReduce"], ["AllReduce"], ["AllGather"], ["Broadcast"], ["Recv", "Send"],
+             ["AllGather", "ReduceScatter"]])
+        for g in launches.values():
+            assert len({(o["dev_start_raw"], o["dev_stop_raw"]) for o in g}) == 1
+
+
+def test_a_file_sink_that_cannot_be_opened_leaves_the_job_running_without_the_plugin(bins, tmp_path):
+    from ingero_agent.profiler_build import build_profiler
+
+    lib = build_profiler(tmp_path / "lib", cache_dir=tmp_path / "cache")
+    res = run_ranks(bins, "profile", env={"INGERO_LAB_DEVICE": "gpu", "NCCL_PROFILER_PLUGIN": str(lib),
+                                          "INGERO_PROFILER_FILE": str(tmp_path / "no" / "such" / "dir")})
+    assert all(r["verified"] for r in res)
