@@ -333,18 +333,19 @@ static const char *str_or(uint64_t p, const char *dflt)
 /* One line per record: the file sink. */
 static void sink_write(int fd, const struct ingero_nccl_prof_op *r)
 {
-    char line[768];
+    char line[768], stream[24] = "-";
+    if (r->flags & NCCL_PROF_F_STREAM)
+        snprintf(stream, sizeof(stream), "0x%llx", (unsigned long long)r->stream);
     int n = snprintf(line, sizeof(line),
                      "op api=%u comm=%016llx name=%s rank=%d nranks=%d nnodes=%d kind=%s func=%s seq=%lld "
-                     "peer=%d count=%llu datatype=%s algo=%s proto=%s group=%llu stream=%s%llx "
+                     "peer=%d count=%llu datatype=%s algo=%s proto=%s group=%llu stream=%s "
                      "host_start=%llu host_stop=%llu dev_start=%llu dev_stop=%llu dev_start_raw=%llu "
                      "dev_stop_raw=%llu channels=%u nchannels=%u flags=%u clock_samples=%u dropped=%llu\n",
                      r->api, (unsigned long long)r->comm_hash, str_or(r->comm_name, "-"), r->rank, r->nranks,
                      r->nnodes, r->kind == NCCL_PROF_COLL ? "coll" : "p2p", str_or(r->func, "-"),
                      r->seq == UINT64_MAX ? -1LL : (long long)r->seq, r->peer, (unsigned long long)r->count,
                      str_or(r->datatype, "-"), str_or(r->algo, "-"), str_or(r->proto, "-"),
-                     (unsigned long long)r->group, r->flags & NCCL_PROF_F_STREAM ? "0x" : "-",
-                     (unsigned long long)r->stream, (unsigned long long)r->host_start_ns,
+                     (unsigned long long)r->group, stream, (unsigned long long)r->host_start_ns,
                      (unsigned long long)r->host_stop_ns, (unsigned long long)r->dev_start_ns,
                      (unsigned long long)r->dev_stop_ns, (unsigned long long)r->dev_start_raw,
                      (unsigned long long)r->dev_stop_raw, r->channels, r->nchannels, r->flags, r->clock_samples,
