@@ -25,7 +25,8 @@
 # enqueue.cc ncclLaunchOneRank; a send to self has no proxy operation, so no
 # kernel-channel events): torch's world-size-1 calls are only counted, and
 # the timed communicators have 2 ranks, on two GPUs or, from NCCL 2.30, both
-# on one (NCCL_MULTI_RANK_GPU_ENABLE=1, set below).
+# on one (NCCL_MULTI_RANK_GPU_ENABLE=1, set below; with torch's own NCCL older
+# than that, LD_PRELOAD a libnccl.so.2 of 2.30 or later).
 #
 # NOT YET RUN ON A GPU: checked for syntax, and its judging on fabricated
 # records, only.

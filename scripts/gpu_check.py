@@ -111,7 +111,8 @@ def main() -> int:
                "versions with device stamps (NCCL 2.27 and later)")
     if ngpu < 2 and ver < NCCL_SAME_GPU:
         cannot(f"one GPU and NCCL {vs}: a 2-rank communicator needs two GPUs, or NCCL 2.30+ "
-               "(NCCL_MULTI_RANK_GPU_ENABLE); a 1-rank one reaches no profiler")
+               "(NCCL_MULTI_RANK_GPU_ENABLE; e.g. LD_PRELOAD=<nvidia-nccl 2.30+>/libnccl.so.2); "
+               "a 1-rank one reaches no profiler")
     devs = [0, 1] if ngpu >= 2 else [0, 0]
     torch.cuda.set_device(0)
     host_colls, torch_note = torch_collectives(dist, torch, torch.device("cuda:0"), work)
