@@ -7,7 +7,8 @@
  * address of a `struct ingero_nccl_prof_op` (bpf/ingero.h): communicator
  * (commHash, rank, size, name), NCCL's sequence number, op, count, datatype,
  * algorithm, the host time NCCL launched and enqueued it, when the GPU ran
- * it, the kernel launch (group) it ran in and the stream it was called on. The agent's eBPF side (bpf/nccl_profiler.c) reads the record; with
+ * it, the kernel launch (group) it ran in and the stream it was called on.
+ * The agent's eBPF side (bpf/nccl_profiler.c) reads the record; with
  * no tracer attached the probe is a single nop and nothing leaves the process.
  *
  * Events (NVIDIA's ABI: nccl_profiler_abi.h, profiler API v4, v5 and v6):
@@ -433,12 +434,13 @@ static struct link *link_new(struct ctx *c, uint64_t tag, uint64_t value)
     return l;
 }
 
-/* The value a Group/API handle carries (`has`: 1), or 0 for another handle. */
-static uint64_t link_value(const void *h, uint64_t tag, uint8_t *has)
+/* The value a Group/API handle carries (and *known = 1 if given), or 0 for another handle. */
+static uint64_t link_value(const void *h, uint64_t tag, uint8_t *known)
 {
     if (!h || ((const struct link *)h)->tag != tag)
         return 0;
-    *has = 1;
+    if (known)
+        *known = 1;
     return ((const struct link *)h)->value;
 }
 
@@ -455,10 +457,10 @@ static ncclResult_t start_event(void *context, void **handle, struct ev *e)
         if (e->type == ncclProfileP2p)
             e->seq = p2p_seq(c, e);
         op_begin(c, o, e);
-        uint8_t has_group = 0, has_stream = 0;
-        o->rec.group = link_value(e->group, TAG_GRP, &has_group);
-        o->rec.stream = link_value(e->parent, TAG_API, &has_stream);
-        if (has_stream)
+        uint8_t known = 0;
+        o->rec.group = link_value(e->group, TAG_GRP, NULL);
+        o->rec.stream = link_value(e->parent, TAG_API, &known);
+        if (known)
             o->rec.flags |= NCCL_PROF_F_STREAM;
         *handle = o;
     } else if (e->type == ncclProfileGroup) {
