@@ -157,3 +157,30 @@ def test_operation_types_the_plugin_never_timed_are_warned_about_with_counts():
     # ALL_REDUCE never reached the plugin; an all-to-all runs as sends and receives there
     assert why is not None and "ALL_REDUCE: 0 of 12 host calls" in why and "ALL_TO_ALL" not in why
     assert "SEND" not in why and "ALL_GATHER" not in why
+
+
+def test_a_rank_s_operations_keep_their_gpu_order_when_the_clock_conversion_swaps_them():
+    """A 10 us broadcast, then a grouped exchange launched 10 us after it: the plugin converts
+    each with the clock fit of the moment it finished, and a fit that moved by 30 us puts the
+    exchange first on the host clock. Read in host order the rank would wait in the exchange
+    for peers that wait for its broadcast (a cycle); in the GPU's own order it does not."""
+    tr = Trace(2)
+    for _ in range(4):
+        for r in range(2):
+            tr.compute(r, 1.0)
+        tr.kernel({0: [("BROADCAST", -1, 0)], 1: [("BROADCAST", -1, 1)]}, 0.01, comm=0x400)
+        for r in range(2):
+            tr.compute(r, 0.01)
+        tr.kernel({0: [("SEND", 1, 0), ("RECV", 1, 0)], 1: [("SEND", 0, 1), ("RECV", 0, 1)]}, 0.2, comm=0x500)
+    con = tr.db()
+    con.execute("UPDATE nccl_profiler_events SET device_start_raw = device_start_ns + 1000000000, "
+                "device_end_raw = device_end_ns + 1000000000")
+    # rank 0's exchanges: converted 30 us early, before the broadcast they followed
+    con.execute("UPDATE nccl_profiler_events SET device_start_ns = device_start_ns - 30000, "
+                "device_end_ns = device_end_ns - 30000 WHERE global_rank = 0 AND op IN ('SEND', 'RECV')")
+    c, _ = load(con, device=True)
+    ev = events(c)
+    r0 = c.op[c.rank == 0][:3].tolist()
+    assert r0[0] == 4 and set(r0[1:]) == {9, 10}        # BROADCAST, then the exchange
+    m = measure(ev)
+    assert replay(ev, m.w, m.x).stuck_rounds == 0
