@@ -11,7 +11,7 @@ round, so they share the machine's noise:
            reads for the fake GPU timestamps);
 * plugin:  Ingero's plugin, no tracer: the USDT probe is a nop;
 * traced:  the plugin with the agent's probe attached to it (bcc USDT, the
-           cgroup filter, one 272-byte ring record per operation), the process
+           cgroup filter, one 288-byte ring record per operation), the process
            targeted by pid, its ring (RING_PAGES) drained by a thread of this
            benchmark every DRAIN_S (on a 2-core machine it competes with the loop).
 

@@ -103,16 +103,17 @@ struct ingero_nccl_event {
  * layout (it is built with -I bpf/). A new layout gets a new version number,
  * so an agent and a plugin of different versions do not meet: the agent looks
  * for the probe name of its own version. */
-#define INGERO_NCCL_PROF_VERSION 1
+#define INGERO_NCCL_PROF_VERSION 2
 
 #define NCCL_PROF_COLL 1          /* ingero_nccl_prof_op.kind */
 #define NCCL_PROF_P2P  2
 
 /* ingero_nccl_prof_op.flags */
 #define NCCL_PROF_F_UNFINISHED 1  /* recorded at finalize: not every kernel channel reported stop */
+#define NCCL_PROF_F_STREAM     2  /* `stream` is known (profiler API v5+: the CollApi/P2pApi event's) */
 
 /* Times are CLOCK_MONOTONIC ns (the clock of bpf_ktime_get_ns); *_raw are the
- * GPU's globaltimer ns as NCCL's kernel wrote them. 152 bytes. */
+ * GPU's globaltimer ns as NCCL's kernel wrote them. 168 bytes. */
 struct ingero_nccl_prof_op {
     __u32 size;            /* sizeof(struct ingero_nccl_prof_op) */
     __u16 version;         /* INGERO_NCCL_PROF_VERSION */
@@ -144,9 +145,13 @@ struct ingero_nccl_prof_op {
     __u8  channels;        /* kernel channels that reported */
     __u8  flags;           /* NCCL_PROF_F_* */
     __u8  _pad;
+    __u64 group;           /* NCCL's Group event the op ran under (one per kernel plan: the ops
+                              of one ncclGroupStart/End or coalesced launch on this communicator
+                              share it), numbered from 1 per communicator; 0: none seen */
+    __u64 stream;          /* the cudaStream_t of the op's API call (NCCL_PROF_F_STREAM) */
 };
 
-/* One record per finished NCCL operation seen by the profiler plugin. 272 bytes. */
+/* One record per finished NCCL operation seen by the profiler plugin. 288 bytes. */
 struct ingero_nccl_prof_event {
     __u64 ts_ns;           /* when the probe fired */
     __u64 cgroup_id;

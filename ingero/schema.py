@@ -189,10 +189,14 @@ NCCL_PROFILER_EVENTS = Table(
         ("profiler_api", "INTEGER"),
         ("ts_mono_ns", "BIGINT"),
         ("global_rank", "INTEGER"),
+        ("group_id", "BIGINT"),
+        ("stream", "UBIGINT"),
     ) + _IDENTITY,
     "One row per NCCL collective or point-to-point operation as Ingero's NCCL profiler plugin saw it: "
     "timestamp_ns when NCCL launched it on the host, device_start_ns/device_end_ns when the GPU ran it "
-    "(wall clock, converted from the GPU timer in the plugin), NCCL's own comm_hash and seq.",
+    "(wall clock, converted from the GPU timer in the plugin), NCCL's own comm_hash and seq; group_id "
+    "the kernel launch it ran in (equal for the operations of one group or coalesced launch on a "
+    "communicator: they share one device interval), stream the CUDA stream it was called on.",
 )
 
 TCP_EVENTS_TABLE = Table(

@@ -21,7 +21,7 @@ import numpy as np
 
 from ingero import schema
 from ingero.store import dict_column
-from ingero_agent.records import (NCCL_F_IN_GROUP, NCCL_PROF_F_UNFINISHED, OWNER_ADDRESS,
+from ingero_agent.records import (NCCL_F_IN_GROUP, NCCL_PROF_F_STREAM, NCCL_PROF_F_UNFINISHED, OWNER_ADDRESS,
                                   OWNER_ADDRESS_AMBIGUOUS, OWNER_PROC, OWNER_SOURCES)
 from ingero_agent.sockowners import SocketOwners, fold_address
 
@@ -254,6 +254,8 @@ def nccl_profiler_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
         "unfinished": (o["flags"] & NCCL_PROF_F_UNFINISHED) != 0,
         "dropped": o["dropped"].astype(np.int64),
         "profiler_api": o["api"].astype(np.int32),
+        "group_id": _masked(o["group"].astype(np.int64), o["group"] == 0),
+        "stream": _masked(o["stream"], (o["flags"] & NCCL_PROF_F_STREAM) == 0),
         "pid": a["pid"].astype(np.int32),
         "tid": a["tid"].astype(np.int32),
         "cgroup_id": a["cgroup_id"],

@@ -32,7 +32,7 @@ from ingero_agent.records import FAMILIES, FAMILY_RINGS, ringbuf_dtype
 from ingero_agent.ringbuf import PAGE_SIZE, MappedRing, RingWaiter, open_ring
 
 ALL_FAMILIES = ("nccl", "tcp", "sched")
-PROFILER_PROBE = "nccl_op_v1"   # ingero:nccl_op_v<INGERO_NCCL_PROF_VERSION> (bpf/ingero.h)
+PROFILER_PROBE = "nccl_op_v2"   # ingero:nccl_op_v<INGERO_NCCL_PROF_VERSION> (bpf/ingero.h)
 PROFILER_REGS = ("ax", "bx", "cx", "dx", "si", "di", "bp", "r8", "r9", "r10", "r11", "r12", "r13", "r14",
                  "r15")     # the ncclprof_<reg> programs of bpf/nccl_profiler.c
 EXEC_TRACEPOINT = "sched/sched_process_exec"   # exec notes (ingero.h); optional

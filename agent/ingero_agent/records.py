@@ -108,7 +108,9 @@ NCCL_PROF_OP = _dtype([
     ("channels", "u1", 149),
     ("flags", "u1", 150),
     ("_pad", "u1", 151),
-], 152)
+    ("group", "<u8", 152),
+    ("stream", "<u8", 160),
+], 168)
 
 NCCL_PROF_EVENT = _dtype([
     ("ts_ns", "<u8", 0),
@@ -121,7 +123,7 @@ NCCL_PROF_EVENT = _dtype([
     ("proto", "S16", 72),
     ("comm_name", "S32", 88),
     ("op", NCCL_PROF_OP, 120),
-], 272)
+], 288)
 
 # ring name -> (C struct name, dtype, ring buffer map name, lost-counter slot)
 FAMILIES: dict[str, tuple[str, np.dtype, str, int]] = {
@@ -144,6 +146,7 @@ NCCL_F_IN_GROUP = 1
 NCCL_F_COMM_UNKNOWN = 2
 NCCL_F_BCAST_ALIAS = 4
 NCCL_PROF_F_UNFINISHED = 1
+NCCL_PROF_F_STREAM = 2
 # 0-2 come from the kernel (OWNER_*); 3-5 are set by the decoder for rows the kernel gave no
 # owner (decode.tcp_columns). Codes are stable: append, never renumber.
 OWNER_SOURCES = {0: "none", 1: "socket", 2: "current", 3: "address", 4: "proc", 5: "address-ambiguous"}

@@ -3,15 +3,27 @@
  * Loaded by NCCL inside the training process (NCCL_PROFILER_PLUGIN=<path> or
  * =ingero with the library on the loader path). It asks NCCL for collective,
  * point-to-point and kernel-channel events, and for every finished operation
- * fires one USDT probe, `ingero:nccl_op_v1`, whose only argument is the
+ * fires one USDT probe, `ingero:nccl_op_v2`, whose only argument is the
  * address of a `struct ingero_nccl_prof_op` (bpf/ingero.h): communicator
  * (commHash, rank, size, name), NCCL's sequence number, op, count, datatype,
- * algorithm, the host time NCCL launched and enqueued it, and when the GPU
- * ran it. The agent's eBPF side (bpf/nccl_profiler.c) reads the record; with
+ * algorithm, the host time NCCL launched and enqueued it, when the GPU ran
+ * it, the kernel launch (group) it ran in and the stream it was called on.
+ * The agent's eBPF side (bpf/nccl_profiler.c) reads the record; with
  * no tracer attached the probe is a single nop and nothing leaves the process.
  *
  * Events (NVIDIA's ABI: nccl_profiler_abi.h, profiler API v4, v5 and v6):
  *   Coll / P2p   start: NCCL launches the op's plan (host); stop: enqueued.
+ *   Group        one per kernel plan (src/plugin/profiler.cc: plan->groupEventHandle),
+ *                the parent of the plan's Coll/P2p events (v4: their parentObj;
+ *                v5+: coll.parentGroup / p2p.parentGroup). The ops of one
+ *                ncclGroupStart/End on a communicator, the per-peer sends and
+ *                receives of an all-to-all and a coalesced launch share a plan,
+ *                so one kernel and one device interval. The plugin numbers the
+ *                Group events of a communicator from 1; the record's `group`.
+ *   CollApi /    v5+: one per API call, carrying its cudaStream_t; the parentObj of
+ *   P2pApi       the op's Coll/P2p event. The record's `stream` (v4 has none).
+ * NCCL starts Group and API events as the parents of the events the plugin
+ * asks for (Coll, P2p, KernelCh), so the mask names only those.
  *   KernelCh     one per channel the op's kernel runs on, started and stopped
  *                by NCCL's proxy thread when it sees the kernel's per-channel
  *                counters move; the start descriptor and the KernelChStop
@@ -52,9 +64,18 @@
  * fit is updated by one thread at a time (a busy flag another thread skips,
  * never waits on) and read lock-free (sequence counter).
  *
- * Bad settings (INGERO_PROFILER_SLOTS, INGERO_PROFILER_CLOCK_WINDOW_MS): init
- * logs one line and fails, and NCCL runs on without the plugin.
+ * File sink: with INGERO_PROFILER_FILE=<path>, each record is also appended
+ * to that file as one line of key=value words (the same fields, the strings
+ * spelled out; one write per line), for a machine without the eBPF agent
+ * (scripts/gpu-check.sh). Built with -DINGERO_PROFILER_NO_USDT (no
+ * <sys/sdt.h> there), the USDT probe is left out and the file is the only sink.
+ *
+ * Bad settings (INGERO_PROFILER_SLOTS, INGERO_PROFILER_CLOCK_WINDOW_MS, a
+ * file that cannot be opened): init logs one line and fails, and NCCL runs on
+ * without the plugin.
  */
+#include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <math.h>
 #include <stdatomic.h>
@@ -63,23 +84,30 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 #include <linux/types.h>
 
+#ifdef INGERO_PROFILER_NO_USDT
+#define DTRACE_PROBE1(provider, name, arg) ((void)(arg))
+#else
 /* The record's address goes to the probe in a register (not a stack slot):
  * the agent's BPF program reads it from the register the note names. */
 #define STAP_SDT_ARG_CONSTRAINT r
 #include <sys/sdt.h>
+#endif
 
 #include "ingero.h"
 #include "nccl_profiler_abi.h"
 
 #define EXPORT __attribute__((visibility("default")))
 
-_Static_assert(INGERO_NCCL_PROF_VERSION == 1, "rename the probe nccl_op_v1 with the record version");
-_Static_assert(sizeof(struct ingero_nccl_prof_op) == 152, "record layout changed: bump its version");
+_Static_assert(INGERO_NCCL_PROF_VERSION == 2, "rename the probe nccl_op_v2 with the record version");
+_Static_assert(sizeof(struct ingero_nccl_prof_op) == 168, "record layout changed: bump its version");
 
 #define TAG_OP  0x504f4f5245474e49ULL   /* "INGEROOP": first word of an op handle */
 #define TAG_KCH 0x434b4f5245474e49ULL   /* "INGEROKC": handle of an op's kernel-channel events */
+#define TAG_GRP 0x50524f5245474e49ULL   /* "INGERORP": handle of a Group event */
+#define TAG_API 0x41504f5245474e49ULL   /* "INGEROPA": handle of a CollApi/P2pApi event */
 #define SLOT_FREE 0u
 #define SLOT_BUSY 1u
 #define ALLOC_TRIES 8                   /* busy slots passed over before an op is dropped */
@@ -106,6 +134,16 @@ struct clock_fit {
 
 struct ctx;
 
+/* A Group or API event's handle: what its children read from their parent
+ * (the group's number, the call's stream). NCCL stops an API event when the
+ * call returns, before the launch starts its ops, so these live in a ring per
+ * communicator, reused in turn; a group of more calls than the ring holds may
+ * read a later call's stream for its first ones. */
+struct link {
+    uint64_t tag;                       /* TAG_GRP / TAG_API */
+    uint64_t value;                     /* group number / cudaStream_t */
+};
+
 struct op {
     uint64_t tag;                       /* TAG_OP */
     uint64_t kch_tag;                   /* TAG_KCH; its address is the kernel-channel handle */
@@ -128,6 +166,9 @@ struct ctx {
     _Atomic uint64_t next;
     _Atomic uint64_t dropped;
     _Atomic uint64_t *p2p_seq;          /* [2 * nranks]: sends to, receives from each peer */
+    struct link *links;                 /* [nslots]: Group and API handles, in turn */
+    _Atomic uint64_t next_link;
+    _Atomic uint64_t groups;            /* Group events so far */
     ncclDebugLogger_t log;
     struct clock_fit clk;
     char name[64];
@@ -136,11 +177,15 @@ struct ctx {
 /* What startEvent needs from a descriptor; the same field names in v4, v5, v6. */
 struct ev {
     uint64_t type;
-    void *parent;
+    void *parent;                       /* KernelCh: its op; Coll/P2p v5+: the API event */
+    void *group;                        /* Coll/P2p: the Group event */
+    void *stream;                       /* CollApi/P2pApi: the call's stream */
     uint64_t seq, count, ptimer;
     const char *func, *datatype, *algo, *proto;
     int peer, nch;
 };
+
+static _Atomic int sink_fd = -1;        /* INGERO_PROFILER_FILE, opened by the first init */
 
 static inline uint64_t now_ns(void)
 {
@@ -281,6 +326,36 @@ static void atomic_max_u64(_Atomic uint64_t *p, uint64_t v)
         ;
 }
 
+static const char *str_or(uint64_t p, const char *dflt)
+{
+    return p ? (const char *)(uintptr_t)p : dflt;
+}
+
+/* One line per record: the file sink. */
+static void sink_write(int fd, const struct ingero_nccl_prof_op *r)
+{
+    char line[768], stream[24] = "-";
+    if (r->flags & NCCL_PROF_F_STREAM)
+        snprintf(stream, sizeof(stream), "0x%llx", (unsigned long long)r->stream);
+    int n = snprintf(line, sizeof(line),
+                     "op api=%u comm=%016llx name=%s rank=%d nranks=%d nnodes=%d kind=%s func=%s seq=%lld "
+                     "peer=%d count=%llu datatype=%s algo=%s proto=%s group=%llu stream=%s "
+                     "host_start=%llu host_stop=%llu dev_start=%llu dev_stop=%llu dev_start_raw=%llu "
+                     "dev_stop_raw=%llu channels=%u nchannels=%u flags=%u clock_samples=%u dropped=%llu\n",
+                     r->api, (unsigned long long)r->comm_hash, str_or(r->comm_name, "-"), r->rank, r->nranks,
+                     r->nnodes, r->kind == NCCL_PROF_COLL ? "coll" : "p2p", str_or(r->func, "-"),
+                     r->seq == UINT64_MAX ? -1LL : (long long)r->seq, r->peer, (unsigned long long)r->count,
+                     str_or(r->datatype, "-"), str_or(r->algo, "-"), str_or(r->proto, "-"),
+                     (unsigned long long)r->group, stream, (unsigned long long)r->host_start_ns,
+                     (unsigned long long)r->host_stop_ns, (unsigned long long)r->dev_start_ns,
+                     (unsigned long long)r->dev_stop_ns, (unsigned long long)r->dev_start_raw,
+                     (unsigned long long)r->dev_stop_raw, r->channels, r->nchannels, r->flags, r->clock_samples,
+                     (unsigned long long)r->dropped);
+    if (n > 0 && (size_t)n < sizeof(line) && write(fd, line, (size_t)n) < 0) {
+        /* a full disk loses lines, never the job */
+    }
+}
+
 static void op_finish(struct op *o, uint8_t flags)
 {
     struct ctx *c = o->ctx;
@@ -299,7 +374,10 @@ static void op_finish(struct op *o, uint8_t flags)
     r->channels = (uint8_t)atomic_load_explicit(&o->reported, memory_order_relaxed);
     r->flags |= flags;
     r->dropped = atomic_load_explicit(&c->dropped, memory_order_relaxed);
-    DTRACE_PROBE1(ingero, nccl_op_v1, r);
+    DTRACE_PROBE1(ingero, nccl_op_v2, r);
+    int fd = atomic_load_explicit(&sink_fd, memory_order_relaxed);
+    if (fd >= 0)
+        sink_write(fd, r);
     atomic_store_explicit(&o->state, SLOT_FREE, memory_order_release);
 }
 
@@ -348,6 +426,24 @@ static uint64_t p2p_seq(struct ctx *c, const struct ev *e)
     return atomic_fetch_add_explicit(&c->p2p_seq[recv * c->nranks + e->peer], 1, memory_order_relaxed);
 }
 
+static struct link *link_new(struct ctx *c, uint64_t tag, uint64_t value)
+{
+    struct link *l = &c->links[atomic_fetch_add_explicit(&c->next_link, 1, memory_order_relaxed) % c->nslots];
+    l->tag = tag;
+    l->value = value;
+    return l;
+}
+
+/* The value a Group/API handle carries (and *known = 1 if given), or 0 for another handle. */
+static uint64_t link_value(const void *h, uint64_t tag, uint8_t *known)
+{
+    if (!h || ((const struct link *)h)->tag != tag)
+        return 0;
+    if (known)
+        *known = 1;
+    return ((const struct link *)h)->value;
+}
+
 static ncclResult_t start_event(void *context, void **handle, struct ev *e)
 {
     struct ctx *c = context;
@@ -361,7 +457,16 @@ static ncclResult_t start_event(void *context, void **handle, struct ev *e)
         if (e->type == ncclProfileP2p)
             e->seq = p2p_seq(c, e);
         op_begin(c, o, e);
+        uint8_t known = 0;
+        o->rec.group = link_value(e->group, TAG_GRP, NULL);
+        o->rec.stream = link_value(e->parent, TAG_API, &known);
+        if (known)
+            o->rec.flags |= NCCL_PROF_F_STREAM;
         *handle = o;
+    } else if (e->type == ncclProfileGroup) {
+        *handle = link_new(c, TAG_GRP, atomic_fetch_add_explicit(&c->groups, 1, memory_order_relaxed) + 1);
+    } else if (e->type == ncclProfileCollApi || e->type == ncclProfileP2pApi) {
+        *handle = link_new(c, TAG_API, (uintptr_t)e->stream);
     } else if (e->type == ncclProfileKernelCh) {
         struct op *o = e->parent;
         uint64_t h = now_ns();
@@ -389,7 +494,7 @@ static ncclResult_t stop_event(void *handle)
         op_release(o);
     } else if (tag == TAG_KCH) {
         op_release(op_of_kch(handle));
-    }
+    }   /* TAG_GRP, TAG_API: the ring reuses them */
     return ncclSuccess;
 }
 
@@ -435,11 +540,32 @@ static int env_number(const char *name, long dflt, long lo, long hi, long *out, 
     return 0;
 }
 
+/* INGERO_PROFILER_FILE: opened once per process (the first init); 0 on success. */
+static int open_sink(ncclDebugLogger_t log)
+{
+    const char *path = getenv("INGERO_PROFILER_FILE");
+    if (!path || !*path || atomic_load(&sink_fd) >= 0)
+        return 0;
+    int fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        char msg[512];
+        snprintf(msg, sizeof(msg), "Ingero profiler: INGERO_PROFILER_FILE=%.300s cannot be opened (%s); "
+                 "the plugin is off", path, strerror(errno));
+        say(log, NCCL_LOG_WARN, msg);
+        return -1;
+    }
+    int none = -1;
+    if (!atomic_compare_exchange_strong(&sink_fd, &none, fd))
+        close(fd);                      /* another communicator's init opened it first */
+    return 0;
+}
+
 static void ctx_free(struct ctx *c)
 {
     if (!c)
         return;
     free(c->slots);
+    free(c->links);
     free((void *)c->p2p_seq);
     free(c);
 }
@@ -450,15 +576,17 @@ static ncclResult_t init_common(void **context, int *mask, const char *name, uin
     long slots, window_ms;
     *context = NULL;
     if (env_number("INGERO_PROFILER_SLOTS", DEFAULT_SLOTS, 16, 1L << 20, &slots, log) ||
-        env_number("INGERO_PROFILER_CLOCK_WINDOW_MS", DEFAULT_WINDOW_MS, 1, 600000, &window_ms, log))
+        env_number("INGERO_PROFILER_CLOCK_WINDOW_MS", DEFAULT_WINDOW_MS, 1, 600000, &window_ms, log) ||
+        open_sink(log))
         return ncclInvalidArgument;
     struct ctx *c = calloc(1, sizeof(*c));
     if (c) {
         c->slots = calloc((size_t)slots, sizeof(struct op));
+        c->links = calloc((size_t)slots, sizeof(struct link));
         if (nranks > 0 && nranks <= (1 << 24))
             c->p2p_seq = calloc(2 * (size_t)nranks, sizeof(uint64_t));
     }
-    if (!c || !c->slots || (nranks > 0 && !c->p2p_seq)) {
+    if (!c || !c->slots || !c->links || (nranks > 0 && !c->p2p_seq)) {
         say(log, NCCL_LOG_WARN, "Ingero profiler: out of memory for the operation slots; the plugin is off");
         ctx_free(c);
         return ncclSystemError;
@@ -504,11 +632,22 @@ static ncclResult_t finalize(void *context)
 
 /* ---- the versioned entry points --------------------------------------- */
 
-#define INGERO_START_EVENT(V)                                                                  \
+/* Where a version's descriptor keeps the group and the stream: v4 has no API
+ * events, and a Coll/P2p event's parentObj is its group; v5 and v6 have them,
+ * parentObj is the API event and the group is coll.parentGroup/p2p.parentGroup. */
+#define LINKS_V4(d, e) ((e).group = (d)->parentObj)
+#define LINKS_V5(d, e)                                                                          \
+    ((e).group = (e).type == ncclProfileColl ? (d)->coll.parentGroup                           \
+               : (e).type == ncclProfileP2p ? (d)->p2p.parentGroup : NULL,                     \
+     (e).stream = (e).type == ncclProfileCollApi ? (d)->collApi.stream                         \
+                : (e).type == ncclProfileP2pApi ? (d)->p2pApi.stream : NULL)
+
+#define INGERO_START_EVENT(V, LINKS)                                                           \
     static ncclResult_t start_event_##V(void *context, void **handle,                          \
                                         ncclProfilerEventDescr_##V##_t *d)                     \
     {                                                                                          \
         struct ev e = {.type = d->type, .parent = d->parentObj, .peer = -1};                   \
+        LINKS(d, e);                                                                           \
         if (e.type == ncclProfileColl) {                                                       \
             e.seq = d->coll.seqNumber;                                                         \
             e.func = d->coll.func;                                                             \
@@ -535,9 +674,9 @@ static ncclResult_t finalize(void *context)
         return record_state(handle, state, args ? args->kernelCh.pTimer : 0);                  \
     }
 
-INGERO_START_EVENT(v4)
-INGERO_START_EVENT(v5)
-INGERO_START_EVENT(v6)
+INGERO_START_EVENT(v4, LINKS_V4)
+INGERO_START_EVENT(v5, LINKS_V5)
+INGERO_START_EVENT(v6, LINKS_V5)
 
 static ncclResult_t init_v4(void **context, int *mask, const char *name, uint64_t hash, int nnodes, int nranks,
                             int rank, ncclDebugLogger_t log)

@@ -1,8 +1,10 @@
 /* profiler_loop PLUGIN|none N: the calls NCCL (2.28+, profiler API v5) makes
  * into a profiler plugin for one collective on 2 channels, N times; prints the
- * mean nanoseconds per operation. Per operation: GroupApi and CollApi events
- * (offered by NCCL, refused by Ingero's plugin), a Group event, the Coll
- * event's start and stop, and per channel a KernelCh start, its KernelChStop
+ * mean nanoseconds per operation. Per operation: a GroupApi event (offered by
+ * NCCL, refused by Ingero's plugin), a CollApi event with its stream, stopped
+ * as the call returns, a Group event, the Coll event (its parentObj the
+ * CollApi event, its parentGroup the Group event) started and stopped, the
+ * Group event stopped, and per channel a KernelCh start, its KernelChStop
  * state and its stop, with GPU timestamps taken from the host clock. "none":
  * no plugin loaded, NCCL skips every call (only the loop's own clock reads
  * remain). Waits for a line on stdin first, so the benchmark can attach
@@ -40,11 +42,17 @@ static void one_op(uint64_t seq)
     d.type = ncclProfileGroupApi;
     start(&d);
     d.type = ncclProfileCollApi;
-    start(&d);
+    d.collApi.stream = (void *)0x7f0000001000;
+    void *api = start(&d);
+    if (p && api)
+        p->stopEvent(api);
+    memset(&d, 0, sizeof(d));
     d.type = ncclProfileGroup;
-    start(&d);
+    void *group = start(&d);
     memset(&d, 0, sizeof(d));
     d.type = ncclProfileColl;
+    d.parentObj = api;
+    d.coll.parentGroup = group;
     d.coll.seqNumber = seq;
     d.coll.func = "AllReduce";
     d.coll.count = 1024;
@@ -55,6 +63,8 @@ static void one_op(uint64_t seq)
     void *op = start(&d);
     if (p && op)
         p->stopEvent(op);
+    if (p && group)
+        p->stopEvent(group);
     void *k[2];
     for (int c = 0; c < 2; c++) {
         memset(&d, 0, sizeof(d));

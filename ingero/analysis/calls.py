@@ -16,6 +16,14 @@ its dependencies:
 Calls in a group whose outermost end is ``ncclGroupSimulateEnd`` never ran: NCCL
 only estimated their time (``groupLaunch`` skips the launch when given simInfo).
 ``load`` leaves them out here, once, for every judgement (see ``simulated``).
+
+On the device (the NCCL profiler plugin's rows) there are no group calls: the
+operations of one kernel launch (a ncclGroupStart/End on a communicator, an
+all-to-all's sends and receives, a coalesced launch) carry one group number and
+run as one kernel with one interval, so they form one sync event, whose
+dependencies are its members' collective instances and p2p pairs. Instances
+launched together are one instance of the replay (every member rank's kernel
+holds all of them; the smallest id stands for them).
 """
 
 from __future__ import annotations
@@ -47,12 +55,17 @@ _QUERY = f"""
 _ORDER = " ORDER BY grank, t, e.event_id"
 
 # The same columns from the NCCL profiler plugin's rows: when the GPU ran each operation
-# (device start/end, on the host's clock), NCCL's own communicator hash and seq. Every
-# operation is its own blocking point on the device stream (no group calls there).
+# (device start/end, on the host's clock), NCCL's own communicator hash and seq, and the
+# kernel launch it ran in (grp: equal for the operations of one launch of a process on a
+# communicator; NULL from plugins that did not record it: each operation on its own).
+# A process's operations come in the order of its GPU's own stamps (device_start_raw): the
+# plugin puts each on the host clock with the clock fit of the moment it finished, and two
+# fits may disagree by more than the microseconds between a short kernel and the next.
 _DEVICE_QUERY = f"""
     SELECT COALESCE(r.rank, e.global_rank) AS grank, e.node, COALESCE(r.pod, e.pod) AS pod,
            e.pid, e.op, e.comm_hash AS comm, e.seq, e.device_start_ns AS t,
-           e.device_end_ns - e.device_start_ns AS d, e.rank AS crank, e.peer, e.event_id
+           e.device_end_ns - e.device_start_ns AS d, e.rank AS crank, e.peer, e.event_id,
+           e.group_id AS grp
     FROM nccl_profiler_events e
     LEFT JOIN (SELECT node, pid, any_value(rank) AS rank, any_value(pod) AS pod
                FROM ranks GROUP BY node, pid) r
@@ -60,12 +73,13 @@ _DEVICE_QUERY = f"""
     WHERE e.device_start_ns IS NOT NULL AND e.device_end_ns IS NOT NULL
       AND e.device_end_ns >= e.device_start_ns AND NOT COALESCE(e.unfinished, false)
       AND e.op IN ({', '.join(repr(o) for o in OPS)}) AND e.seq IS NOT NULL
-    ORDER BY grank, t, e.event_id"""
+    ORDER BY grank, min(e.device_start_ns) OVER (PARTITION BY grank, e.node, e.pid), e.node, e.pid,
+             e.device_start_raw, t, e.event_id"""
 
 
 def device_timing(con) -> tuple[bool, str | None]:
-    """(use the plugin's device times?, why not). Yes when every rank that made NCCL calls
-    has device-timed operations from the profiler plugin."""
+    """(use the plugin's device times?, a warning: why not, or which operations they miss).
+    Yes when every rank that made NCCL calls has device-timed operations from the plugin."""
     try:
         have = con.execute("SELECT count(*) FROM nccl_profiler_events WHERE device_start_ns IS NOT NULL").fetchone()[0]
     except Exception:        # an older trace without the table
@@ -83,7 +97,30 @@ def device_timing(con) -> tuple[bool, str | None]:
         return False, (f"the NCCL profiler plugin's device times cover {len(dev)} of {len(host | dev)} ranks "
                        f"(none from rank {', '.join(map(str, missing[:8]))}{', ...' if len(missing) > 8 else ''}); "
                        "judged on host times")
-    return True, None
+    return True, device_coverage(con)
+
+
+# Host calls whose device work the plugin sees as other operations: NCCL 2.28+ runs an
+# all-to-all, gather or scatter as grouped sends and receives.
+_AS_P2P = ("ALL_TO_ALL", "GATHER", "SCATTER")
+
+
+def device_coverage(con, share: float = 0.5) -> str | None:
+    """A warning naming each operation type of which fewer than `share` of the host calls
+    have device-timed rows (e.g. collectives on symmetric memory, copy-engine collectives
+    and CollNet never reach the plugin's kernel-channel events), with counts; None if none."""
+    host = dict(con.execute(
+        "SELECT op, count(*) FROM nccl_events WHERE op IN (SELECT unnest(?)) AND ret IN "
+        f"({', '.join(map(str, NCCL_OK_RETS))}) GROUP BY op", [[o for o in OPS if o not in _AS_P2P]]).fetchall())
+    dev = dict(con.execute("SELECT op, count(*) FROM nccl_profiler_events WHERE device_start_ns IS NOT NULL "
+                           "AND NOT COALESCE(unfinished, false) GROUP BY op").fetchall())
+    short = sorted((o, n, dev.get(o, 0)) for o, n in host.items() if dev.get(o, 0) < share * n)
+    if not short:
+        return None
+    return ("some operations have no device times from the NCCL profiler plugin (symmetric-memory, "
+            "copy-engine or CollNet collectives never reach its kernel-channel events): "
+            + "; ".join(f"{o}: {d} of {n} host calls" for o, n, d in short)
+            + "; their waits are not on the device timeline")
 
 
 @dataclass
@@ -108,6 +145,7 @@ class Calls:
     inst_size: np.ndarray      # instance -> calls (traced members)
     comm_members: dict         # comm code -> sorted global ranks
     simulated: dict = field(default_factory=dict)   # rank -> calls left out (ncclGroupSimulateEnd)
+    launch: np.ndarray | None = None   # device rows: the kernel launch of each (-1: its own); host: None
 
     @property
     def n(self) -> int:
@@ -144,10 +182,14 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
     crank = col("crank", np.int64, -1)
     peer_c = col("peer", np.int64, -1)
     pid = col("pid", np.int64)
+    grp = col("grp", np.int64, -1) if device else None
     o = np.flatnonzero(keep)           # rows come sorted by (rank, time, event id); NULL ranks last
     if len(o) < len(keep):
         rank, t, d, op, comm_h, seq, crank, peer_c, pid, sim_end = (
             a[o] for a in (rank, t, d, op, comm_h, seq, crank, peer_c, pid, sim_end))
+        grp = grp[o] if device else None
+    if device:
+        t, d = _monotonic(rank, t, d)
     hashes, comm = _codes(comm_h)
     sim = simulated(rank, op, sim_end)
     simulated_by_rank: dict = {}
@@ -210,7 +252,32 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
     return Calls(rank=rank, t=t, d=d, op=op, comm=comm, seq=seq, inst=inst, peer=peer, pid=pid,
                  node_of=node_of, comm_hash=hashes, inst_comm=np.asarray(inst_comm),
                  inst_op=np.asarray(inst_op), inst_size=np.asarray(cnt), comm_members=members,
-                 simulated=simulated_by_rank), warnings
+                 simulated=simulated_by_rank,
+                 launch=_launches(rank, pid, comm, grp) if device else None), warnings
+
+
+def _monotonic(rank, t, d) -> tuple[np.ndarray, np.ndarray]:
+    """Device rows in device order: a start that the clock conversion put before the one
+    of an earlier operation of its rank moves up to it (the end stays)."""
+    up = t.copy()
+    bounds = np.flatnonzero(np.r_[True, rank[1:] != rank[:-1], True])
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        up[lo:hi] = np.maximum.accumulate(t[lo:hi])
+    return up, np.maximum(d - (up - t), 0)
+
+
+def _launches(rank, pid, comm, grp) -> np.ndarray:
+    """Per device row, its kernel launch: a code shared by the rows of one (rank, process,
+    communicator, group number) when there are several; -1 for a row on its own."""
+    out = np.full(len(rank), -1, np.int64)
+    has = np.flatnonzero(grp >= 0)
+    if len(has):
+        key = np.stack([rank[has], pid[has], comm[has], grp[has]], axis=1)
+        _, code, cnt = np.unique(key, axis=0, return_inverse=True, return_counts=True)
+        code = code.ravel()
+        shared = cnt[code] > 1
+        out[has[shared]] = code[shared]
+    return out
 
 
 def simulated_calls(con):
@@ -365,12 +432,11 @@ class Events:
     unpaired: int
 
 
-def events(c: Calls) -> Events:
-    """The sync events of `c` and their p2p dependencies."""
-    n = c.n
-    if n == 0:
-        z = np.zeros(0, np.int64)
-        return Events(z, np.zeros(1, np.int64), z, z, z, z, np.zeros(1, np.int64), z, 0, 0)
+def _group_owners(c: Calls) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Host calls: (first row of each event, event of each row or -1, instance of each
+    event). An event per ungrouped call and per outermost group; a group's calls belong to
+    it. An event's instance is its collective call: ungrouped collectives only (a
+    collective inside a group waits at the group end like any other member)."""
     newrank = np.r_[True, c.rank[1:] != c.rank[:-1]]
     start = (c.op == _GS).astype(np.int64)
     end = (c.op == _GE).astype(np.int64)
@@ -381,24 +447,65 @@ def events(c: Calls) -> Events:
     outer_end = (end == 1) & (depth_after == 0) & (depth_before == 1)
     inside = (depth_before > 0) & (c.op > 0)
     real = c.op > 0
-    # an event per ungrouped call and per outermost group; a group's calls belong to it
     ev_start = (real & ~inside) | outer_start
     gid = np.cumsum(ev_start) - 1                   # event id of each call (calls before any: -1)
     owner = np.where(real | outer_start | outer_end, gid, -1)
     owner[(c.op == _GE) & ~outer_end] = -1
     owner[(c.op == _GS) & ~outer_start] = -1
-    ne = int(ev_start.sum())
-    first_call = np.flatnonzero(ev_start)
+    inst = np.full(int(ev_start.sum()), -1, np.int64)
+    single = real & ~inside & (c.inst >= 0)
+    inst[gid[single]] = c.inst[single]
+    return np.flatnonzero(ev_start), owner, inst
+
+
+def _launch_owners(c: Calls) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Device rows: (first row of each event, event of each row, instance of each event).
+    An event per kernel launch (`c.launch`; a row on its own is one), arriving with its
+    first row. Instances launched together on a rank are joined into one, on every rank:
+    each member's kernel holds them all, so none of them ends before every member of every
+    one of them arrived; the smallest instance id stands for the joined ones."""
+    n = c.n
+    first = np.arange(n)
+    grouped = np.flatnonzero(c.launch >= 0)
+    if len(grouped):
+        lf = np.full(int(c.launch.max()) + 1, n, np.int64)
+        np.minimum.at(lf, c.launch[grouped], grouped)
+        first[grouped] = lf[c.launch[grouped]]
+    ev_start = first == np.arange(n)
+    gid = np.cumsum(ev_start) - 1
+    owner = gid[first]
+    inst = np.full(int(ev_start.sum()), -1, np.int64)
+    coll = np.flatnonzero(c.inst >= 0)
+    if len(coll):
+        ev_of, ins = owner[coll], c.inst[coll]
+        rep = np.arange(int(ins.max()) + 1)
+        while True:                                  # join instances that share an event
+            low = np.full(len(inst), np.iinfo(np.int64).max, np.int64)
+            np.minimum.at(low, ev_of, rep[ins])
+            new = rep.copy()
+            np.minimum.at(new, ins, low[ev_of])
+            new = new[new]
+            if (new == rep).all():
+                break
+            rep = new
+        inst[ev_of] = rep[ins]
+    return np.flatnonzero(ev_start), owner, inst
+
+
+def events(c: Calls) -> Events:
+    """The sync events of `c` and their p2p dependencies."""
+    n = c.n
+    if n == 0:
+        z = np.zeros(0, np.int64)
+        return Events(z, np.zeros(1, np.int64), z, z, z, z, np.zeros(1, np.int64), z, 0, 0)
+    first_call, owner, inst = _group_owners(c) if c.launch is None else _launch_owners(c)
+    ne = len(first_call)
+    real = c.op > 0
     ev_rank = c.rank[first_call]
     a = c.t[first_call].astype(np.int64)
     has = owner >= 0
     e = np.full(ne, np.iinfo(np.int64).min, np.int64)
     np.maximum.at(e, owner[has], (c.t + c.d)[has])
-    # an event's instance: its collective call (ungrouped collectives only; a collective
-    # inside a group waits at the group end like any other member)
-    inst = np.full(ne, -1, np.int64)
-    single = real & ~inside & (c.inst >= 0)
-    inst[gid[single]] = c.inst[single]
     # drop group events that hold no call (an empty group)
     nreal = np.bincount(owner[real & has], minlength=ne)
     live = nreal > 0

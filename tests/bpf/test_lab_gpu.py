@@ -276,3 +276,29 @@ def test_without_the_plugin_a_lossy_link_is_not_judged_from_host_enqueue_windows
         assert rep.retransmits > 0
     finally:
         con.close()
+
+
+def test_a_groups_operations_share_its_launch_number_and_device_interval_and_replay_without_cycles(clean):
+    """The job's Send/Recv ring is one group: on the device one kernel, so the plugin gives
+    both operations the launch's Group event (group_id) and one interval; the analysis makes
+    the launch one sync event, and the replay meets no cycle."""
+    from ingero.analysis import analyse
+
+    con, _ = clean
+    # every row knows its launch, and (profiler API v6) the stream it was called on
+    assert con.execute("SELECT count(*) FROM nccl_profiler_events WHERE group_id IS NULL OR stream IS NULL"
+                       ).fetchone()[0] == 0
+    launches = con.execute("""SELECT list(op ORDER BY op), count(DISTINCT device_start_raw),
+                                     count(DISTINCT device_end_raw), count(DISTINCT stream)
+                              FROM nccl_profiler_events GROUP BY pid, comm_hash, group_id""").fetchall()
+    grouped = [r for r in launches if len(r[0]) > 1]
+    assert len(grouped) >= 4 * STEPS, len(grouped)
+    assert all(ops == ["RECV", "SEND"] and (s, e, st) == (1, 1, 1) for ops, s, e, st in grouped), grouped[:3]
+    assert all(len(ops) == 1 for ops, *_ in launches if ops != ["RECV", "SEND"])
+    # each communicator of a process on a stream of its own (a process group's)
+    streams = con.execute("""SELECT pid, count(DISTINCT comm_hash), count(DISTINCT stream),
+                                    count(DISTINCT (comm_hash, stream))
+                             FROM nccl_profiler_events GROUP BY pid""").fetchall()
+    assert len(streams) == 4 and all(c == s == cs >= 3 for _, c, s, cs in streams), streams
+    rep = analyse(con)
+    assert rep.timing == "device" and not any("cycles" in w for w in rep.warnings), rep.warnings

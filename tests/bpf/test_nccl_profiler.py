@@ -31,7 +31,7 @@ ENV = dict(os.environ, INGERO_PROFILER_CLOCK_WINDOW_MS="100")
 COLS = ("op, seq, rank, nranks, nnodes, comm_hash, comm_name, count, bytes, datatype, peer, algo, proto, "
         "nchannels, channels, unfinished, profiler_api, ts_mono_ns, timestamp_ns - ts_mono_ns, "
         "device_start_ns, device_end_ns, device_start_raw, device_end_raw, device_duration_ns, "
-        "host_duration_ns, clock_samples, dropped, pid, tid")
+        "host_duration_ns, clock_samples, dropped, pid, tid, group_id, stream")
 OPS = {"AllReduce": ("ALL_REDUCE", 2, "float32", 4, None, "RING", "SIMPLE"),
        "Send": ("SEND", 1, "float16", 2, 2, None, None),
        "Recv": ("RECV", 1, "float16", 2, 0, None, None),
@@ -80,10 +80,13 @@ def test_every_operation_is_recorded_with_its_device_times_on_the_host_clock(plu
     rows = t.query(f"SELECT {COLS} FROM nccl_profiler_events ORDER BY ts_mono_ns")
     assert len(rows) == len(want) == 4 * ops + 1
     tids = set()
-    for (func, seq, t0, t1, ds, de, gs, ge), row in zip(want, rows):
+    groups = {}
+    for (func, seq, t0, t1, ds, de, gs, ge, group, stream), row in zip(want, rows):
         (op, rseq, rank, nranks, nnodes, comm_hash, comm_name, count, nbytes, dtype, peer, algo, proto,
          nch, channels, unfinished, papi, mono, offset, dev0, dev1, raw0, raw1, dur, host_dur, samples,
-         dropped, pid, tid) = row
+         dropped, pid, tid, group_id, rstream) = row
+        assert group_id == int(group) and rstream == (None if api == 4 else int(stream))
+        groups.setdefault(group_id, []).append(op)
         name, want_nch, want_dt, size, want_peer, want_algo, want_proto = OPS[func]
         assert (op, rseq, rank, nranks, nnodes, comm_hash, comm_name) == (name, int(seq), 1, 4, 2, HASH, "dp-0")
         assert (dtype, nbytes, peer, algo, proto, nch, papi, pid) == \
@@ -105,6 +108,8 @@ def test_every_operation_is_recorded_with_its_device_times_on_the_host_clock(plu
         assert raw1 == int(ge) and dur == int(ge) - int(gs)
         assert abs(dev1 - offset - int(de)) <= TOLERANCE_NS
     assert tids and h.pid not in tids                             # finished on the "proxy" thread
+    assert sorted(groups.values()) == sorted([["ALL_REDUCE"], ["SEND", "RECV"], ["BROADCAST"]] * ops
+                                             + [["ALL_GATHER"]])   # the grouped send and recv share one
     assert t.query("SELECT lost_nccl_profiler, events_nccl_profiler FROM nodes") == [(0, len(rows))]
 
 

@@ -142,7 +142,8 @@ def scenario_nonblocking(lib, uid, rank, n) -> dict:
 
 def scenario_profile(lib, uid, rank, n) -> dict:
     """Init, split; a 200 ms kernel, then AllReduce x2, AllGather, Broadcast (on the split),
-    a Send/Recv ring in a group; sync; destroy (see test_lab_gpu_device.py)."""
+    a Send/Recv ring in a group, a ReduceScatter and an AllGather coalesced in a group; sync;
+    destroy (see test_lab_gpu_device.py)."""
     A, C = ctypes.c_void_p(), ctypes.c_void_p()
     ok(lib.ncclCommInitRank(ctypes.byref(A), n, uid, rank), lib, "ncclCommInitRank")
     ok(lib.ncclCommSplit(A, 0, rank, ctypes.byref(C), None), lib, "ncclCommSplit")
@@ -160,12 +161,18 @@ def scenario_profile(lib, uid, rank, n) -> dict:
     ok(lib.ncclSend(ptr(s), ctypes.c_size_t(64), FLOAT32, (rank + 1) % n, A, None), lib, "ncclSend")
     ok(lib.ncclRecv(ptr(r), ctypes.c_size_t(64), FLOAT32, (rank - 1) % n, A, None), lib, "ncclRecv")
     ok(lib.ncclGroupEnd(), lib, "ncclGroupEnd")
+    rs_in, rs = np.full(4 * n, rank + 1, np.float32), np.zeros(4, np.float32)
+    ag2 = np.zeros(4 * n, np.float32)
+    lib.ncclGroupStart()
+    ok(lib.ncclReduceScatter(ptr(rs_in), ptr(rs), ctypes.c_size_t(4), FLOAT32, SUM, A, None), lib, "ncclReduceScatter")
+    ok(lib.ncclAllGather(ptr(rs_in), ptr(ag2), ctypes.c_size_t(4), FLOAT32, A, None), lib, "ncclAllGather")
+    ok(lib.ncclGroupEnd(), lib, "ncclGroupEnd")
     ok(lib.labStreamSynchronize(None), lib, "labStreamSynchronize")
     ok(lib.ncclCommDestroy(C), lib, "ncclCommDestroy")
     ok(lib.ncclCommDestroy(A), lib, "ncclCommDestroy")
     want = n * (n + 1) / 2
     return {"verified": bool(a1[0] == want and a2[-1] == want and ag[-1] == n - 1 and bc[0] == 9
-                             and r[0] == (rank - 1) % n)}
+                             and r[0] == (rank - 1) % n and rs[0] == want and ag2[-1] == n)}
 
 
 def main() -> None:

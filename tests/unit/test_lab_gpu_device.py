@@ -157,7 +157,9 @@ def test_each_launch_starts_a_group_and_one_task_per_operation_named_and_numbere
         assert colls == [("0", "AllReduce", "ncclFloat32", "100000", "0", "2"),
                          ("1", "AllReduce", "ncclFloat32", "10", "0", "2"),
                          ("0", "AllGather", "ncclInt8", "20", "0", "2"),
-                         ("0", "Broadcast", "ncclInt8", "12", "0", "2")]
+                         ("0", "Broadcast", "ncclInt8", "12", "0", "2"),
+                         ("0", "ReduceScatter", "ncclFloat32", "4", "0", "2"),
+                         ("1", "AllGather", "ncclInt8", "16", "0", "2")]
         p2p = sorted(tuple(e["fields"][:5]) for e in tasks if e["type"] == P2P)
         assert p2p == [("Recv", "ncclFloat32", "64", str(1 - rank), "1"), ("Send", "ncclFloat32", "64", str(1 - rank), "1")]
         groups = {i for i, e in ev.items() if e["type"] == GROUP}
@@ -170,8 +172,8 @@ def test_each_launch_starts_a_group_and_one_task_per_operation_named_and_numbere
                 assert not apis                                              # v4 never sees API events
             else:
                 assert apis[t["parent"]]["type"] == (COLL_API if t["type"] == COLL else P2P_API)
-        if api == 6:   # one GroupApi per group: 5 ungrouped calls and the Send/Recv group
-            assert sum(e["type"] == GROUP_API for e in apis.values()) == 5
+        if api == 6:   # one GroupApi per group: 4 ungrouped calls, the Send/Recv and the coalesced group
+            assert sum(e["type"] == GROUP_API for e in apis.values()) == 6
 
 
 def test_kernel_channels_come_from_the_device_after_the_work_ran_with_gpu_timer_stamps(bins, recorders, tmp_path):
@@ -206,6 +208,27 @@ def test_kernel_channels_come_from_the_device_after_the_work_ran_with_gpu_timer_
         assert min(dev[id(ar[1])]) >= max(ends[id(ar[0])])
 
 
+@pytest.mark.parametrize("api", [4, 6])
+def test_a_groups_operations_run_as_one_kernel_sharing_its_group_event_and_device_stamps(
+        bins, recorders, tmp_path, api):
+    for lines in record(bins, recorders, tmp_path, api=api):
+        ev = events(lines)
+        by_group = defaultdict(list)      # group event -> [(task, function)]
+        for i, e in ev.items():
+            if e["type"] in (COLL, P2P):
+                group = e["parent"] if api == 4 else int(e["fields"][-1])
+                by_group[group].append((i, e["fields"][0 if e["type"] == P2P else 1]))
+        stamps = {}
+        for i, e in ev.items():
+            if e["type"] == KCH:
+                stamps.setdefault(e["parent"], set()).add((int(e["fields"][1]), e["states"][0][1]))
+        launches = sorted(sorted(f for _, f in ops) for ops in by_group.values())
+        assert launches == sorted([["AllReduce"], ["AllReduce"], ["AllGather"], ["Broadcast"], ["Recv", "Send"],
+                                   ["AllGather", "ReduceScatter"]])
+        for ops in by_group.values():     # every channel of every operation of a launch: one interval
+            assert len(set().union(*(stamps[i] for i, _ in ops))) == 1
+
+
 def test_on_the_cpu_device_kernel_channels_come_from_the_calling_thread(bins, recorders, tmp_path):
     for lines in record(bins, recorders, tmp_path, device="cpu"):
         ev = events(lines)
@@ -223,3 +246,47 @@ def test_no_plugin_is_loaded_with_nccl_profiler_plugin_none(bins, tmp_path):
     res = run_ranks(bins, "profile", env={"INGERO_LAB_DEVICE": "gpu", "NCCL_PROFILER_PLUGIN": "none",
                                           "RECORD_PROFILER_OUT": str(tmp_path / "x.rec")})
     assert all(r["verified"] for r in res) and not (tmp_path / "x.rec").exists()
+
+
+def sink_lines(path: Path) -> list[dict]:
+    """The plugin's file sink: one dict per `op key=value ...` line."""
+    return [dict(w.split("=", 1) for w in line.split()[1:]) for line in path.read_text().splitlines()]
+
+
+def test_ingeros_plugin_writes_each_operation_with_its_launch_and_stream_to_its_file_sink(bins, tmp_path):
+    """The real plugin (as scripts/gpu-check.sh runs it, with a file sink) in the lab's NCCL:
+    the operations of a launch share its group number and device interval; each other
+    operation is a launch of its own; profiler API v6 carries the call's stream, one per
+    communicator (as each PyTorch process group has its own)."""
+    from ingero_agent.profiler_build import build_profiler
+
+    lib = build_profiler(tmp_path / "lib", cache_dir=tmp_path / "cache")
+    res = run_ranks(bins, "profile", env={"INGERO_LAB_DEVICE": "gpu", "NCCL_PROFILER_PLUGIN": str(lib)},
+                    env_of=lambda r: {"INGERO_PROFILER_FILE": str(tmp_path / f"rank{r}.ops")})
+    assert all(r["verified"] for r in res)
+    for r in range(2):
+        ops = sink_lines(tmp_path / f"rank{r}.ops")
+        assert {o["api"] for o in ops} == {"6"}
+        streams = {o["comm"]: set() for o in ops}
+        for o in ops:
+            streams[o["comm"]].add(o["stream"])
+        assert len(streams) == 2 and all(len(v) == 1 and "0x0" not in v for v in streams.values())
+        assert len(set().union(*streams.values())) == 2
+        launches = defaultdict(list)
+        for o in ops:
+            assert o["flags"] == "2" and o["channels"] == o["nchannels"] and o["dev_start"] <= o["dev_stop"]
+            launches[(o["comm"], o["group"])].append(o)
+        assert sorted(sorted(o["func"] for o in g) for g in launches.values()) == sorted(
+            [["AllReduce"], ["AllReduce"], ["AllGather"], ["Broadcast"], ["Recv", "Send"],
+             ["AllGather", "ReduceScatter"]])
+        for g in launches.values():
+            assert len({(o["dev_start_raw"], o["dev_stop_raw"]) for o in g}) == 1
+
+
+def test_a_file_sink_that_cannot_be_opened_leaves_the_job_running_without_the_plugin(bins, tmp_path):
+    from ingero_agent.profiler_build import build_profiler
+
+    lib = build_profiler(tmp_path / "lib", cache_dir=tmp_path / "cache")
+    res = run_ranks(bins, "profile", env={"INGERO_LAB_DEVICE": "gpu", "NCCL_PROFILER_PLUGIN": str(lib),
+                                          "INGERO_PROFILER_FILE": str(tmp_path / "no" / "such" / "dir")})
+    assert all(r["verified"] for r in res)

@@ -40,8 +40,10 @@ for _v, _size, _type in (("v4", 104, (0, 1)), ("v5", 112, (0, 8)), ("v6", 112, (
 for _v in ("v5", "v6"):
     NVIDIA_LAYOUT[(f"ncclProfilerEventDescr_{_v}_t", "coll.parentGroup")] = (104, 8)
     NVIDIA_LAYOUT[(f"ncclProfilerEventDescr_{_v}_t", "p2p.parentGroup")] = (64, 8)
-NVIDIA_ENUMS = {"ncclProfileColl": 2, "ncclProfileP2p": 4, "ncclProfileKernelCh": 64,
-                "ncclProfilerKernelChStop": 22}
+    NVIDIA_LAYOUT[(f"ncclProfilerEventDescr_{_v}_t", "collApi.stream")] = (56, 8)
+    NVIDIA_LAYOUT[(f"ncclProfilerEventDescr_{_v}_t", "p2pApi.stream")] = (48, 8)
+NVIDIA_ENUMS = {"ncclProfileGroup": 1, "ncclProfileColl": 2, "ncclProfileP2p": 4, "ncclProfileKernelCh": 64,
+                "ncclProfileCollApi": 512, "ncclProfileP2pApi": 1024, "ncclProfilerKernelChStop": 22}
 
 
 @pytest.fixture(scope="module")

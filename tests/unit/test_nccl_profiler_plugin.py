@@ -200,3 +200,91 @@ def test_a_bad_setting_turns_the_plugin_off_with_one_line(slots_driver):
     assert got.stdout.splitlines() == ["init 4"]          # ncclInvalidArgument: NCCL runs on without it
     assert got.stderr.splitlines() == ["Ingero profiler: INGERO_PROFILER_SLOTS=lots is not a whole number "
                                        "from 16 to 1048576; the plugin is off"]
+
+
+LINKS_DRIVER = r"""
+#include "ingero_profiler.c"
+static const char *FUNC[3] = {"Send", "Recv", "AllReduce"};
+
+static void show(int v, int i, void *h)
+{
+    struct op *o = h;
+    printf("v%d %s group %llu stream %llx known %d\n", v, FUNC[i], (unsigned long long)o->rec.group,
+           (unsigned long long)o->rec.stream, (o->rec.flags & NCCL_PROF_F_STREAM) != 0);
+}
+
+/* As NCCL launches a group of a Send and a Recv, then an AllReduce: per launch a
+ * Group event, then its tasks (v4: parentObj is the group). */
+static void run_v4(void)
+{
+    void *ctx, *g = NULL, *h;
+    int mask;
+    init_v4(&ctx, &mask, "c", 7, 1, 2, 0, NULL);
+    for (int i = 0; i < 3; i++) {
+        ncclProfilerEventDescr_v4_t d;
+        if (i != 1) {
+            memset(&d, 0, sizeof(d));
+            d.type = ncclProfileGroup;
+            start_event_v4(ctx, &g, &d);
+        }
+        memset(&d, 0, sizeof(d));
+        d.type = i < 2 ? ncclProfileP2p : ncclProfileColl;
+        d.parentObj = g;
+        if (i < 2) d.p2p.func = FUNC[i], d.p2p.peer = 1;
+        else d.coll.func = FUNC[i];
+        start_event_v4(ctx, &h, &d);
+        show(4, i, h);
+    }
+    finalize(ctx);
+}
+
+/* v5: first the calls' API events with their streams (stopped when the call
+ * returns), then the launches; a task's parentObj is its API event. */
+static void run_v5(void)
+{
+    void *ctx, *g = NULL, *a[3], *h;
+    int mask;
+    init_v5(&ctx, 7, &mask, "c", 1, 2, 0, NULL);
+    for (int i = 0; i < 3; i++) {
+        ncclProfilerEventDescr_v5_t d;
+        memset(&d, 0, sizeof(d));
+        d.type = i < 2 ? ncclProfileP2pApi : ncclProfileCollApi;
+        if (i < 2) d.p2pApi.stream = (void *)(uintptr_t)(0x5000 + i);
+        else d.collApi.stream = (void *)(uintptr_t)0x6000;
+        start_event_v5(ctx, &a[i], &d);
+        stop_event(a[i]);
+    }
+    for (int i = 0; i < 3; i++) {
+        ncclProfilerEventDescr_v5_t d;
+        if (i != 1) {
+            memset(&d, 0, sizeof(d));
+            d.type = ncclProfileGroup;
+            start_event_v5(ctx, &g, &d);
+        }
+        memset(&d, 0, sizeof(d));
+        d.type = i < 2 ? ncclProfileP2p : ncclProfileColl;
+        d.parentObj = a[i];
+        if (i < 2) d.p2p.func = FUNC[i], d.p2p.peer = 1, d.p2p.parentGroup = g;
+        else d.coll.func = FUNC[i], d.coll.parentGroup = g;
+        start_event_v5(ctx, &h, &d);
+        show(5, i, h);
+    }
+    finalize(ctx);
+}
+
+int main(void)
+{
+    run_v4();
+    run_v5();
+    return 0;
+}
+"""
+
+
+def test_each_operation_carries_its_launchs_group_number_and_v5_its_calls_stream(tmp_path):
+    exe = build(tmp_path, "links", LINKS_DRIVER)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out == ["v4 Send group 1 stream 0 known 0", "v4 Recv group 1 stream 0 known 0",
+                   "v4 AllReduce group 2 stream 0 known 0",
+                   "v5 Send group 1 stream 5000 known 1", "v5 Recv group 1 stream 5001 known 1",
+                   "v5 AllReduce group 2 stream 6000 known 1"]

@@ -6,13 +6,19 @@
  *
  * Groups are per thread, as in NCCL. Between ncclGroupStart and ncclGroupEnd
  * every call is queued; ncclGroupEnd launches the queue (an ungrouped call is a
- * group of one). A launch is one work item on the device: it runs one thread
- * per distinct communicator (so ncclCommInitAll's communicators can be driven
- * from one thread); per communicator, its sends and receives move together
- * first (no deadlock whatever their order), then its collectives in call
- * order. On the CPU device the item runs before the call returns; on the
- * GPU-like device (INGERO_LAB_DEVICE=gpu) the call returns once it is
- * enqueued, and labStreamSynchronize waits for it.
+ * group of one). A launch runs each distinct communicator's calls at the same
+ * time (so ncclCommInitAll's communicators can be driven from one thread);
+ * per communicator, its sends and receives move together first (no deadlock
+ * whatever their order), then its collectives in call order. On the CPU
+ * device the launch runs (a thread per communicator) before the call returns.
+ * On the GPU-like device (INGERO_LAB_DEVICE=gpu) the call returns once it is
+ * enqueued, and labStreamSynchronize waits for it: each communicator has a
+ * device stream of its own, whatever stream a call names, as each PyTorch
+ * process group passes its own stream to NCCL; and as the process group does
+ * for a synchronous call, that stream first waits for the work the default
+ * stream (the worker's kernels) was given so far, and the default stream's
+ * later work waits for the launch (work.wait()). The profiler's API events
+ * carry that stream.
  *
  * Non-blocking communicators (ncclConfig_t.blocking = 0, as in NCCL): init and
  * split run on a thread of their own and return ncclInProgress; so does a
@@ -28,9 +34,11 @@
  * communicator, init and finalize; per call, NCCL 2.28+'s API events; per
  * launch, a group event and one Coll/P2p event per operation, started before
  * and stopped after the enqueue, with NCCL's seqNumber (per communicator and
- * function) and function/datatype names; and from the device, once an
- * operation ran, its kernel channels' start and stop with GPU timer stamps
- * read while it ran: collectives have 2 channels, point-to-point calls 1.
+ * function) and function/datatype names; and from the device, its kernel
+ * channels' start and stop with GPU timer stamps read while it ran:
+ * collectives have 2 channels, point-to-point calls 1. A launch's calls on one
+ * communicator are one kernel (one Group event; NCCL: one plan): their channels
+ * carry the kernel's start and stop stamps, one device interval for all of them.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -461,37 +469,25 @@ static ncclResult_t run_collective(const struct call *k) {
 
 static int is_p2p(const struct call *k) { return k->kind == K_SEND || k->kind == K_RECV; }
 
-/* Kernel channels of an operation that is running (the device's side of the profiler):
- * each channel's start stamp is read, then handed to the plugin; stop likewise. */
-static void kch_start(const struct call *k, void **h, int nch) {
-  for (int ch = 0; ch < nch && k->task; ch++) {
-    uint64_t g = ncpu_dev_timer(ncpu_dev_raw());
-    h[ch] = ncpu_prof_kch_start(k->comm->prof_ctx, k->task, ch, g);
-  }
-}
+static int nchannels(const struct call *k) { return is_p2p(k) ? P2P_CHANNELS : COLL_CHANNELS; }
 
-static void kch_stop(void **h, int nch, uint64_t raw) {
-  for (int ch = 0; ch < nch; ch++) {
-    if (!h[ch]) continue;
-    ncpu_prof_kch_stop(h[ch], ncpu_dev_timer(raw ? raw : ncpu_dev_raw()));
-    raw = 0;   /* a later channel's stop is read when it is handed over */
-  }
-}
-
-/* Runs the calls of one communicator: p2p together, then collectives in order. */
+/* Runs the calls of one communicator as one kernel: p2p together, then collectives
+ * in order. As NCCL's kernel does for the tasks of one plan, every operation's
+ * channels carry the kernel's start stamp (read when it starts) and its stop stamp
+ * (read when all of its work is done): one device interval for the launch. A kernel
+ * that failed reports no stop (its operations stay unfinished). */
 static ncclResult_t run_comm_calls(struct call *calls, int n, struct ncclComm *c) {
   struct ncpu_op *ops = malloc(sizeof *ops * (n ? n : 1));
-  int *op_of = malloc(sizeof(int) * (n ? n : 1));   /* call -> its op, -1: to/from self */
   void **kch = calloc((size_t)(n ? n : 1), sizeof(void *) * COLL_CHANNELS);
-  uint64_t *self_done = calloc((size_t)(n ? n : 1), sizeof(uint64_t));
-  if (!ops || !op_of || !kch || !self_done) { free(ops); free(op_of); free(kch); free(self_done); return ncclSystemError; }
-  int nops = 0, np2p = 0;
+  if (!ops || !kch) { free(ops); free(kch); return ncclSystemError; }
+  int nops = 0;
   ncclResult_t res = ncclSuccess;
+  uint64_t g = ncpu_dev_timer(ncpu_dev_raw());
   for (int i = 0; i < n; i++)
-    if (calls[i].comm == c && is_p2p(&calls[i])) { kch_start(&calls[i], &kch[i * COLL_CHANNELS], P2P_CHANNELS); np2p++; }
+    for (int ch = 0; ch < nchannels(&calls[i]) && calls[i].comm == c && calls[i].task; ch++)
+      kch[i * COLL_CHANNELS + ch] = ncpu_prof_kch_start(c->prof_ctx, calls[i].task, ch, g);
   for (int i = 0; i < n; i++) {
     struct call *k = &calls[i];
-    op_of[i] = -1;
     if (k->comm != c || !is_p2p(k)) continue;
     size_t bytes = k->count * ncpu_type_size(k->type);
     if (k->peer == c->rank) {  /* to self: pair with the first unmatched recv/send to self */
@@ -500,27 +496,20 @@ static ncclResult_t run_comm_calls(struct call *calls, int n, struct ncclComm *c
         if (calls[j].comm == c && calls[j].kind == K_RECV && calls[j].peer == c->rank && calls[j].count != (size_t)-1) {
           memmove(calls[j].rbuf, k->sbuf, bytes);
           calls[j].count = (size_t)-1;  /* matched */
-          self_done[i] = self_done[j] = ncpu_dev_raw();
           break;
         }
       continue;
     }
-    op_of[i] = nops;
     ops[nops++] = (struct ncpu_op){c->fds[k->peer], k->kind == K_SEND, k->peer,
-                                   k->kind == K_SEND ? (char *)k->sbuf : (char *)k->rbuf, bytes, 0, 0};
+                                   k->kind == K_SEND ? (char *)k->sbuf : (char *)k->rbuf, bytes, 0};
   }
   if (nops) res = ncpu_run_ops(c, ops, nops);
-  for (int i = 0; i < n && np2p; i++)
-    if (calls[i].comm == c && is_p2p(&calls[i]))
-      kch_stop(&kch[i * COLL_CHANNELS], P2P_CHANNELS, op_of[i] >= 0 ? ops[op_of[i]].t_done : self_done[i]);
-  for (int i = 0; i < n && res == ncclSuccess; i++) {
-    struct call *k = &calls[i];
-    if (k->comm != c || is_p2p(k)) continue;
-    kch_start(k, &kch[i * COLL_CHANNELS], COLL_CHANNELS);
-    res = run_collective(k);
-    kch_stop(&kch[i * COLL_CHANNELS], COLL_CHANNELS, ncpu_dev_raw());
-  }
-  free(ops); free(op_of); free(kch); free(self_done);
+  for (int i = 0; i < n && res == ncclSuccess; i++)
+    if (calls[i].comm == c && !is_p2p(&calls[i])) res = run_collective(&calls[i]);
+  g = ncpu_dev_timer(ncpu_dev_raw());
+  for (int i = 0; i < n * COLL_CHANNELS && res == ncclSuccess; i++)
+    if (kch[i]) ncpu_prof_kch_stop(kch[i], g);
+  free(ops); free(kch);
   if (res != ncclSuccess) {  /* an asynchronous error of the communicator, as in NCCL */
     int s = atomic_load(&c->state);
     if (s == ncclSuccess || s == ncclInProgress) atomic_store(&c->state, res);
@@ -581,6 +570,7 @@ static ncclResult_t run_calls(struct call *calls, int n) {
 /* A launch: what the device runs, and owns once enqueued. */
 struct batch {
   int n;
+  _Atomic int parts;     /* gpu device: communicators whose calls have not run yet */
   struct call calls[];
 };
 
@@ -588,6 +578,41 @@ static ncclResult_t batch_run(void *arg, int cancelled) {
   struct batch *b = arg;
   ncclResult_t res = cancelled ? ncclSuccess : run_calls(b->calls, b->n);
   free(b);
+  return res;
+}
+
+struct part {
+  struct batch *b;
+  struct ncclComm *comm;
+};
+
+static ncclResult_t part_run(void *arg, int cancelled) {
+  struct part *p = arg;
+  struct batch *b = p->b;
+  ncclResult_t res = cancelled ? ncclSuccess : run_comm_calls(b->calls, b->n, p->comm);
+  if (atomic_fetch_sub(&b->parts, 1) == 1) free(b);
+  free(p);
+  return res;
+}
+
+/* GPU-like device: each communicator's calls on its stream, after the default stream's
+ * work so far; the default stream's later work after them. The device frees b. */
+static ncclResult_t enqueue_parts(struct batch *b, struct ncclComm **comms, int nc) {
+  ncclResult_t res = ncclSuccess, r;
+  atomic_init(&b->parts, nc);
+  for (int j = 0; j < nc; j++) {
+    struct part *p = malloc(sizeof *p);
+    if (!p) {
+      if (atomic_fetch_sub(&b->parts, 1) == 1) free(b);
+      res = ncclSystemError;
+      continue;
+    }
+    *p = (struct part){b, comms[j]};
+    if ((r = ncpu_dev_join(comms[j]->stream, 0)) != ncclSuccess && res == ncclSuccess) res = r;
+    if ((r = ncpu_dev_enqueue_on(comms[j]->stream, part_run, p)) != ncclSuccess && res == ncclSuccess) res = r;
+  }
+  for (int j = 0; j < nc; j++)
+    if ((r = ncpu_dev_join(0, comms[j]->stream)) != ncclSuccess && res == ncclSuccess) res = r;
   return res;
 }
 
@@ -618,7 +643,7 @@ static ncclResult_t launch_now(struct batch *b) {
         .nchannels = coll ? COLL_CHANNELS : P2P_CHANNELS, .api = k->api, .group = handles[n + g]};
     k->task = handles[i] = ncpu_prof_task_start(c->prof_ctx, &t);
   }
-  ncclResult_t res = ncpu_dev_enqueue(batch_run, b);
+  ncclResult_t res = ncpu_dev_async() ? enqueue_parts(b, comms, nc) : ncpu_dev_enqueue(batch_run, b);
   for (int i = 0; i < 2 * n; i++) ncpu_prof_stop(handles[i]);
   free(handles);
   free(comms);
@@ -700,6 +725,10 @@ static ncclResult_t submit(struct call k) {
   if ((is_p2p(&k) || k.kind == K_BCAST || k.kind == K_REDUCE) && (k.peer < 0 || k.peer >= k.comm->nranks)) {
     ncpu_set_error(k.comm, "peer/root %d out of range [0, %d)", k.peer, k.comm->nranks);
     return ncclInvalidArgument;
+  }
+  if (!internal && ncpu_dev_async()) {   /* the communicator's stream (a process group's) */
+    if (!k.comm->stream) k.comm->stream = ncpu_dev_stream_new();
+    k.stream = (cudaStream_t)(uintptr_t)k.comm->stream;
   }
   if (!internal) api_events(&k);
   if (group_depth == 0) {  /* a group of one */

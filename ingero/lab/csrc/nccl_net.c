@@ -423,7 +423,6 @@ ncclResult_t ncpu_run_ops(struct ncclComm *comm, struct ncpu_op *ops, int nops) 
                         : recv(o->fd, o->buf + o->done, o->len - o->done, 0);
       if (got > 0) {
         o->done += (size_t)got;
-        if (o->done == o->len) o->t_done = ncpu_dev_raw();
         continue;
       }
       if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;

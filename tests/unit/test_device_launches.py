@@ -1,0 +1,186 @@
+"""Device times of grouped and coalesced operations: one kernel, one sync event.
+
+On a GPU the send and recv of one ncclGroupStart/End (PyTorch's batch_isend_irecv) and
+coalesced collectives run in one kernel, and NCCL stamps every operation of it with the
+kernel's interval. The plugin records the launch (its Group event) per operation
+(nccl_profiler_events.group_id); the analysis makes each launch one sync event.
+
+The traces here are written as NCCL's plugin reports such a job: per rank, a kernel starts
+when its stream reaches it (the rank's own arrival) and ends when the last member of every
+operation in it has arrived, plus the transfer. Replaying the measured own work and
+transfers must give the measured steps back, and meet no cycle. The same trace without
+group numbers (each operation on its own, as before the plugin recorded them) is the
+control: grouped exchanges then form cycles and coalesced ones inflate the step.
+"""
+
+from __future__ import annotations
+
+import random
+
+import duckdb
+import numpy as np
+
+from ingero import schema
+from ingero.analysis.calls import device_timing, events, load
+from ingero.analysis.replay import measure, replay
+
+MS = 1_000_000
+COLS = ("event_id", "node", "pid", "global_rank", "rank", "nranks", "comm_hash", "seq", "op", "peer",
+        "device_start_ns", "device_end_ns", "unfinished", "group_id", "stream", "timestamp_ns")
+
+
+class Trace:
+    """Device rows of a job, kernel by kernel."""
+
+    def __init__(self, ranks: int, seed: int = 3):
+        self.rows: list[tuple] = []
+        self.at = [0] * ranks                   # each rank's device stream: free from
+        self.groups = [0] * ranks
+        self.seq: dict = {}
+        self.rnd = random.Random(seed)
+
+    def compute(self, r: int, ms: float) -> None:
+        self.at[r] += int(ms * MS * (1 + 0.05 * self.rnd.random()))
+
+    def kernel(self, members: dict, xfer_ms: float, comm: int, grouped: bool = True) -> None:
+        """One launch per rank in `members` ({rank: [(op, comm rank of peer or -1, comm rank)]}),
+        all on `comm`: each rank's kernel starts at its arrival and ends when every member
+        has arrived, plus the transfer."""
+        end = max(self.at[r] for r in members) + int(xfer_ms * MS)
+        for r, ops in members.items():
+            self.groups[r] += 1
+            for op, peer, crank in ops:
+                key = (r, comm, op, peer if op in ("SEND", "RECV") else -1)
+                seq = self.seq.get(key, 0)
+                self.seq[key] = seq + 1
+                self.rows.append((len(self.rows) + 1, f"node-{r // 2}", 1000 + r, r, crank, len(members),
+                                  comm, seq, op, peer if peer >= 0 else None, self.at[r], end, False,
+                                  self.groups[r] if grouped else None, 0x7000 + comm, self.at[r] - 20_000))
+            self.at[r] = end
+
+    def db(self) -> duckdb.DuckDBPyConnection:
+        con = duckdb.connect()
+        schema.create_all(con)
+        con.executemany(f"INSERT INTO nccl_profiler_events ({', '.join(COLS)}) VALUES "
+                        f"({', '.join('?' * len(COLS))})", self.rows)
+        return con
+
+
+def pipeline(steps: int = 6, micro: int = 4, grouped: bool = True) -> Trace:
+    """pp=2 x dp=2 (rank = 2 * replica + stage): per micro-batch both stages compute, then
+    exchange activations and gradients in one group (SEND then RECV on both sides, as
+    Megatron's batched exchange of 1F1B's steady state lists them); per step each stage's
+    data-parallel pair reduce-scatters and all-gathers its gradients in one coalesced
+    launch. Stage 1 computes 1.5x as long as stage 0."""
+    tr = Trace(4)
+    for _ in range(steps):
+        for _ in range(micro):
+            for r in range(4):
+                tr.compute(r, 2.0 * (1.5 if r % 2 else 1.0))
+            for d in range(2):
+                tr.kernel({2 * d: [("SEND", 1, 0), ("RECV", 1, 0)], 2 * d + 1: [("SEND", 0, 1), ("RECV", 0, 1)]},
+                          0.4, comm=0x100 + d, grouped=grouped)
+        for p in range(2):
+            tr.kernel({p: [("REDUCE_SCATTER", -1, 0), ("ALL_GATHER", -1, 0)],
+                       2 + p: [("REDUCE_SCATTER", -1, 1), ("ALL_GATHER", -1, 1)]}, 0.8, comm=0x200 + p,
+                      grouped=grouped)
+    return tr
+
+
+def replayed_steps(con) -> tuple[int, float]:
+    """(stuck rounds, largest error of a replayed step against the measured one, as a
+    share of the step), with each rank's steps measured between its coalesced launches."""
+    c, _ = load(con, device=True)
+    ev = events(c)
+    m = measure(ev)
+    rp = replay(ev, m.w, m.x)
+    worst = 0.0
+    for k, r in enumerate(ev.ranks):
+        lo, hi = ev.off[k], ev.off[k + 1]
+        coal = np.flatnonzero(ev.inst[lo:hi] >= 0) + lo       # the step-ending collectives:
+        coal = coal[np.r_[ev.e[coal][1:] != ev.e[coal][:-1], True]]   # the last of a kernel's
+        meas, got = np.diff(ev.e[coal]), np.diff(rp.e[coal])
+        worst = max(worst, float(np.max(np.abs(got - meas) / meas)))
+    return rp.stuck_rounds, worst
+
+
+def test_a_grouped_exchange_and_a_coalesced_launch_are_one_sync_event_each():
+    c, _ = load(pipeline(steps=2).db(), device=True)
+    ev = events(c)
+    # per rank and step: 4 grouped exchanges and 1 coalesced launch, not 10 operations
+    assert [int((ev.rank == r).sum()) for r in range(4)] == [10] * 4
+    assert ev.p2p_pairs == 2 * 2 * 4 * 2 and ev.unpaired == 0
+    # the coalesced launch's two collectives are one instance of both data-parallel members
+    has = ev.inst >= 0
+    assert has.sum() == 2 * 2 * 2 and np.bincount(ev.inst[has]).max() == 2
+
+
+def test_replaying_grouped_and_coalesced_launches_meets_no_cycle_and_gives_the_steps_back():
+    stuck, err = replayed_steps(pipeline().db())
+    assert stuck == 0
+    assert err < 0.02
+
+
+def test_without_launch_numbers_the_same_trace_meets_cycles_and_misses_the_step():
+    stuck, err = replayed_steps(pipeline(grouped=False).db())
+    assert stuck > 0 and err >= 0.02
+
+
+def test_a_coalesced_launch_alone_replays_to_the_measured_step():
+    def fsdp(grouped):
+        tr = Trace(4, seed=5)
+        for _ in range(8):
+            for r in range(4):
+                tr.compute(r, 3.0 if r != 2 else 3.6)
+            tr.kernel({r: [("ALL_GATHER", -1, r), ("REDUCE_SCATTER", -1, r)] for r in range(4)}, 1.0,
+                      comm=0x300, grouped=grouped)
+        return tr.db()
+
+    assert replayed_steps(fsdp(True)) == (0, 0.0)
+    stuck, err = replayed_steps(fsdp(False))
+    assert err > 0.1          # each collective its own event: the shared interval counted twice
+
+
+def test_operation_types_the_plugin_never_timed_are_warned_about_with_counts():
+    con = pipeline(steps=1).db()
+    host = [("ALL_REDUCE", 12), ("SEND", 8), ("RECV", 8), ("REDUCE_SCATTER", 2), ("ALL_GATHER", 2),
+            ("ALL_TO_ALL", 3)]
+    eid = 0
+    for op, n in host:
+        for i in range(n):
+            eid += 1
+            con.execute("INSERT INTO nccl_events (event_id, node, pid, global_rank, rank, op, ret, timestamp_ns, "
+                        "duration_ns, comm_id_hash, seq) VALUES (?, 'node-0', ?, ?, 0, ?, 0, ?, 1000, 1, ?)",
+                        [eid, 1000 + i % 4, i % 4, op, eid * 1000, i])
+    device, why = device_timing(con)
+    assert device
+    # ALL_REDUCE never reached the plugin; an all-to-all runs as sends and receives there
+    assert why is not None and "ALL_REDUCE: 0 of 12 host calls" in why and "ALL_TO_ALL" not in why
+    assert "SEND" not in why and "ALL_GATHER" not in why
+
+
+def test_a_rank_s_operations_keep_their_gpu_order_when_the_clock_conversion_swaps_them():
+    """A 10 us broadcast, then a grouped exchange launched 10 us after it: the plugin converts
+    each with the clock fit of the moment it finished, and a fit that moved by 30 us puts the
+    exchange first on the host clock. Read in host order the rank would wait in the exchange
+    for peers that wait for its broadcast (a cycle); in the GPU's own order it does not."""
+    tr = Trace(2)
+    for _ in range(4):
+        for r in range(2):
+            tr.compute(r, 1.0)
+        tr.kernel({0: [("BROADCAST", -1, 0)], 1: [("BROADCAST", -1, 1)]}, 0.01, comm=0x400)
+        for r in range(2):
+            tr.compute(r, 0.01)
+        tr.kernel({0: [("SEND", 1, 0), ("RECV", 1, 0)], 1: [("SEND", 0, 1), ("RECV", 0, 1)]}, 0.2, comm=0x500)
+    con = tr.db()
+    con.execute("UPDATE nccl_profiler_events SET device_start_raw = device_start_ns + 1000000000, "
+                "device_end_raw = device_end_ns + 1000000000")
+    # rank 0's exchanges: converted 30 us early, before the broadcast they followed
+    con.execute("UPDATE nccl_profiler_events SET device_start_ns = device_start_ns - 30000, "
+                "device_end_ns = device_end_ns - 30000 WHERE global_rank = 0 AND op IN ('SEND', 'RECV')")
+    c, _ = load(con, device=True)
+    ev = events(c)
+    r0 = c.op[c.rank == 0][:3].tolist()
+    assert r0[0] == 4 and set(r0[1:]) == {9, 10}        # BROADCAST, then the exchange
+    m = measure(ev)
+    assert replay(ev, m.w, m.x).stuck_rounds == 0
