@@ -1,0 +1,326 @@
+"""Communicators created before tracing began, recovered from what their calls show.
+
+A call on a communicator the probes did not see created has no identity
+(bpf/nccl.c: comm_id_hash 0, rank -1, a seq counted from the first call seen),
+only its handle, the ``ncclComm_t`` pointer. Per handle, (node, pid, pointer),
+the calls show a sequence of collectives (op, count, datatype) and when each
+ended. The handles of one communicator share that sequence, and on a blocking
+NCCL the members of one collective instance end together: none returns before
+the last member has arrived. So:
+
+1. Pair handles of different ranks: each collective of one is matched to the
+   other's call that ended nearest to it. The pair agrees when most matches
+   have the same op, count and datatype and the same seq offset (after a late
+   start each rank's first seen instance differs, by a constant); its gap is
+   the median end-time difference of those matches.
+2. Group handles into communicators, tightest pairs first (complete linkage):
+   a rank is in a group once, every pair across two groups must agree on the
+   same offsets, and two groups join only when their pairs are not much looser
+   than their own (two node-local communicators in lockstep agree on their
+   sequence but end further apart than members of one do).
+3. Give each group a synthetic id, each member its rank in it (the order of
+   the global ranks: a world communicator's, and a split's keyed by rank;
+   checked against the peers of its sends and receives), and seq numbers
+   shifted so that one instance has one number on every member. Sends and
+   receives of a pair of ranks that the trace cut apart at its start (one side
+   was inside the call at attach) are dropped, so they pair in order again.
+
+Confidence of a group: the mean agreement of its pairs times its separation,
+1 - (its widest gap / the narrowest gap to a handle outside it with the same
+sequence); 1 when nothing outside looks like it. Handles that match nobody
+(one traced rank, a communicator of one) stay unknown and are left out, with
+a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pyarrow as pa
+
+MIN_AGREE = 0.8     # share of matched collectives that must agree (op, count, datatype, seq offset)
+GAP = 4.0           # a group joins another only within this many times its own end-time gap
+NOISE_NS = 20_000   # end-time noise any pair has: a uprobe costs 5-20 us (DESIGN.md)
+MIN_CALLS = 3       # collectives a handle needs in the trace to be matched
+# every member of these needs every other member's data: on a blocking NCCL no call of an
+# instance returns before every member has entered it (a broadcast's root may leave first)
+SYMMETRIC = ("ALL_REDUCE", "ALL_GATHER", "REDUCE_SCATTER", "ALL_TO_ALL")
+MAX_APART = 0.02    # blocking calls: share of a pair's symmetric calls that may not overlap (clock noise)
+SURE_APART = 0.1    # ... a share that proves two handles are not one communicator
+MIN_OVERLAP_CALLS = 10   # symmetric calls a pair needs to tell blocking calls from enqueued ones
+P2P_SHIFT = 2       # leading sends/receives of a rank pair the trace may have cut apart
+
+
+def communicators(con, tbl: pa.Table, ops: list[str], warnings: list[str]) -> pa.Table:
+    """`tbl` (calls.load's rows, with ``ptr``, ``cnt``, ``dtype``) with every call on an
+    unknown communicator given the identity its group recovers, or left out."""
+    if tbl.num_rows == 0 or "ptr" not in tbl.column_names:
+        return tbl
+    comm = tbl.column("comm").fill_null(0).to_numpy().astype(np.uint64)
+    ptr = tbl.column("ptr").fill_null(0).to_numpy().astype(np.uint64)
+    opname = np.asarray(tbl.column("op").to_pylist(), dtype=object)
+    data = np.isin(opname, ops)
+    grank = tbl.column("grank").fill_null(-1).to_numpy().astype(np.int64)
+    unknown = data & (comm == 0)
+    if not unknown.any():
+        return tbl
+    usable = unknown & (ptr != 0) & (grank >= 0)
+    idx = np.flatnonzero(usable)
+    node = np.asarray(tbl.column("node").to_pylist(), dtype=object)
+    pid = tbl.column("pid").fill_null(0).to_numpy().astype(np.int64)
+    handles: dict[tuple, list[int]] = {}
+    for i in idx.tolist():
+        handles.setdefault((node[i], int(pid[i]), int(ptr[i])), []).append(i)
+    t = tbl.column("t").to_numpy().astype(np.int64)
+    d = tbl.column("d").to_numpy().astype(np.int64)
+    seq = tbl.column("seq").fill_null(0).to_numpy().astype(np.int64)
+    p2p = np.isin(opname, ("SEND", "RECV"))
+    callkey = _call_keys(opname, tbl.column("cnt").fill_null(-1).to_numpy().astype(np.int64),
+                         np.asarray(tbl.column("dtype").to_pylist(), dtype=object))
+    sym = np.isin(opname, SYMMETRIC)
+    hs = [_Handle(k, np.asarray(rows), grank[rows[0]], t, d, seq, callkey, p2p, sym)
+          for k, rows in handles.items()]
+    groups, pairs, blocking = _group([h for h in hs if len(h.coll) >= MIN_CALLS])
+
+    new_comm, new_seq = comm.copy(), seq.copy()
+    crank = tbl.column("crank").fill_null(-1).to_numpy().astype(np.int64)
+    keep = ~unknown
+    lines, recovered_ranks = [], set()
+    for g in groups:
+        members = sorted(g.members, key=lambda h: h.grank)
+        cid = _synthetic_id(members)
+        order = {h.grank: i for i, h in enumerate(members)}
+        base = min(int(seq[h.coll].min()) + g.base[h] for h in members if len(h.coll))
+        for h in members:
+            new_comm[h.rows] = cid
+            crank[h.rows] = order[h.grank]
+            new_seq[h.coll] = seq[h.coll] + g.base[h] - base
+            keep[h.rows] = True
+        fit = _p2p_fit(members, opname, tbl.column("peer").fill_null(-1).to_numpy().astype(np.int64),
+                       order, t, keep)
+        conf = g.agree * _separation(g, pairs, blocking) * fit
+        recovered_ranks.update(order)
+        lines.append(f"communicator {cid:#018x}: recovered from call sequences, {len(members)} ranks "
+                     f"({_ranks(order)}), confidence {conf:.2f}"
+                     + ("" if fit == 1.0 else f" (its sends and receives fit the rank order at {fit:.2f})"))
+    warnings += lines[:8]
+    if len(lines) > 8:
+        warnings.append(f"{len(lines) - 8} more communicators recovered from call sequences")
+    lost = unknown & ~keep
+    if lost.any():
+        lost_h = {(node[i], int(pid[i]), int(ptr[i])) for i in np.flatnonzero(lost).tolist()}
+        who = sorted({int(grank[i]) for i in np.flatnonzero(lost).tolist() if grank[i] >= 0})
+        warnings.append(f"{int(lost.sum())} calls on {len(lost_h)} communicators created before tracing "
+                        f"began matched no other rank's calls and were left out"
+                        + (f" (ranks {_ranks(who)})" if who else "")
+                        + ": trace every rank of the job, or start tracing before the job")
+    if recovered_ranks:
+        _device_note(con, sorted(recovered_ranks), warnings)
+    out = tbl
+    for name, arr in (("comm", new_comm), ("seq", new_seq), ("crank", crank)):
+        j = out.column_names.index(name)
+        out = out.set_column(j, name, pa.array(arr, type=out.schema.field(name).type))
+    return out.filter(pa.array(keep)) if not keep.all() else out
+
+
+class _Handle:
+    """One process's calls on one unknown communicator handle."""
+
+    def __init__(self, key, rows, grank, t, d, seq, callkey, p2p, sym):
+        self.key, self.rows, self.grank = key, rows, int(grank)
+        self.coll = rows[~p2p[rows]]
+        self.send_recv = rows[p2p[rows]]
+        o = np.argsort(t[self.coll] + d[self.coll], kind="stable")
+        self.end = (t[self.coll] + d[self.coll])[o]
+        self.start = t[self.coll][o]
+        self.seq = seq[self.coll][o]
+        self.ck = callkey[self.coll][o]
+        self.sym = sym[self.coll][o]
+
+    def __repr__(self):
+        return f"_Handle(rank {self.grank}, {self.key})"
+
+
+class _Pair:
+    __slots__ = ("agree", "offset", "gap", "apart", "nsym")
+
+    def __init__(self, agree: float, offset: int, gap: float, apart: float = 0.0, nsym: int = 0):
+        self.agree, self.offset, self.gap, self.apart, self.nsym = agree, offset, gap, apart, nsym
+
+    def flipped(self) -> "_Pair":
+        return _Pair(self.agree, -self.offset, self.gap, self.apart, self.nsym)
+
+
+def match(a: _Handle, b: _Handle) -> _Pair:
+    """How well `b`'s collectives line up with `a`'s: each of `a`'s calls is matched to `b`'s
+    call of the same op, count and datatype that ended nearest to it. (agreement: the share
+    of matches with the most common seq offset; that offset, b - a; the median end-time gap
+    of those matches; the share of them whose calls did not overlap in time)."""
+    jb = np.full(len(a.end), -1, np.int64)
+    for k in np.intersect1d(a.ck, b.ck).tolist():
+        ia, ib = np.flatnonzero(a.ck == k), np.flatnonzero(b.ck == k)
+        e = b.end[ib]
+        j = np.searchsorted(e, a.end[ia])
+        lo, hi = np.clip(j - 1, 0, len(e) - 1), np.clip(j, 0, len(e) - 1)
+        jb[ia] = ib[np.where(np.abs(e[lo] - a.end[ia]) <= np.abs(e[hi] - a.end[ia]), lo, hi)]
+    same = jb >= 0
+    if not same.any():
+        return _Pair(0.0, 0, float("inf"))
+    off = np.where(same, b.seq[jb] - a.seq, 0)
+    vals, cnts = np.unique(off[same], return_counts=True)
+    k = int(vals[np.argmax(cnts)])
+    ok = np.flatnonzero(same & (off == k))
+    agree = len(np.unique(jb[ok])) / min(len(a.end), len(b.end))
+    sym = ok[a.sym[ok]]
+    apart = (a.end[sym] < b.start[jb[sym]]) | (b.end[jb[sym]] < a.start[sym])
+    return _Pair(float(agree), k, float(np.median(np.abs(b.end[jb[ok]] - a.end[ok]))),
+                 float(apart.mean()) if len(sym) else 0.0, len(sym))
+
+
+class _Group:
+    def __init__(self, h: _Handle):
+        self.members = [h]
+        self.base = {h: 0}        # aligned seq = seq + base
+        self.gap = 0.0            # widest end-time gap of its pairs
+        self.agrees: list[float] = []
+
+    @property
+    def agree(self) -> float:
+        return float(np.mean(self.agrees)) if self.agrees else 1.0
+
+
+def _group(hs: list[_Handle]) -> tuple[list[_Group], dict, bool]:
+    """Recovered communicators (groups of 2 or more handles), every agreeing pair, and
+    whether the calls block (the overlap test holds for some pair)."""
+    pairs: dict[tuple[int, int], _Pair] = {}
+    for i, a in enumerate(hs):
+        for j in range(i + 1, len(hs)):
+            b = hs[j]
+            if a.grank == b.grank or not np.isin(a.ck[:64], b.ck).any():
+                continue
+            p = match(a, b)
+            if p.agree >= MIN_AGREE:
+                pairs[(id(a), id(b))], pairs[(id(b), id(a))] = p, p.flipped()
+    blocking = any(p.nsym >= MIN_OVERLAP_CALLS and p.apart <= MAX_APART for p in pairs.values())
+    edges = {k: p for k, p in pairs.items() if not (blocking and p.apart > MAX_APART)}
+    group = {id(h): _Group(h) for h in hs}
+    for (ia, ib), p in sorted(edges.items(), key=lambda kv: kv[1].gap):
+        ga, gb = group[ia], group[ib]
+        if ga is gb or {h.grank for h in ga.members} & {h.grank for h in gb.members}:
+            continue
+        cross = [(x, y, edges.get((id(x), id(y)))) for x in ga.members for y in gb.members]
+        if any(q is None for _, _, q in cross):
+            continue
+        widest = max(q.gap for _, _, q in cross)
+        if (not blocking and len(ga.members) + len(gb.members) > 2
+                and widest > GAP * max(ga.gap, gb.gap) + NOISE_NS):
+            continue
+        x0, y0, q0 = cross[0]
+        shift = ga.base[x0] - q0.offset - gb.base[y0]
+        if any(ga.base[x] - q.offset != gb.base[y] + shift for x, y, q in cross):
+            continue          # the pairs disagree on which calls are one instance
+        for y in gb.members:
+            ga.base[y] = gb.base[y] + shift
+            group[id(y)] = ga
+        ga.members += gb.members
+        ga.gap = max(ga.gap, gb.gap, widest)
+        ga.agrees += gb.agrees + [q.agree for _, _, q in cross]
+    out, seen = [], set()
+    for g in group.values():
+        if id(g) not in seen and len(g.members) > 1:
+            seen.add(id(g))
+            out.append(g)
+    return out, pairs, blocking
+
+
+def _separation(g: _Group, pairs: dict, blocking: bool) -> float:
+    """How clearly the look-alikes outside `g` (handles whose calls agree with a member's)
+    are not members: per look-alike, its overlap test (blocking calls: a share of calls
+    that did not overlap, conclusive from SURE_APART) or its end-time gap against g's own;
+    the weakest of them. 1.0 when nothing outside looks like g."""
+    ids = {id(h) for h in g.members}
+    worst = 1.0
+    for (a, b), p in pairs.items():
+        if a in ids and b not in ids:
+            by_gap = max(0.0, 1.0 - (g.gap + NOISE_NS) / (p.gap + NOISE_NS))
+            by_overlap = min(1.0, p.apart / SURE_APART) if blocking else 0.0
+            worst = min(worst, max(by_gap, by_overlap))
+    return worst
+
+
+def _p2p_fit(members: list[_Handle], opname, peer, order: dict, t, keep) -> float:
+    """Share of sends/receives whose peer is a member under the assumed rank order and whose
+    (sender, receiver) pair is seen from both ends; trims leading calls the trace start cut
+    apart (clears them in `keep`). 1.0 with no sends or receives."""
+    rows = {}
+    for h in members:
+        for i in h.send_recv.tolist():
+            p = int(peer[i])
+            me = order[h.grank]
+            pair = (me, p) if opname[i] == "SEND" else (p, me)
+            rows.setdefault((opname[i], pair), []).append(i)
+    total = sum(len(v) for v in rows.values())
+    if not total:
+        return 1.0
+    n = len(members)
+    good = 0
+    for (op, pair), idx in rows.items():
+        other = rows.get(("RECV" if op == "SEND" else "SEND", pair))
+        if max(pair) < n and min(pair) >= 0 and other:
+            good += len(idx)
+            if op == "SEND":
+                _trim(np.asarray(idx), np.asarray(other), t, keep)
+    return good / total
+
+
+def _trim(sends: np.ndarray, recvs: np.ndarray, t, keep) -> None:
+    """Drop the leading sends or receives of one rank pair that have no partner in the trace,
+    so that calls.events pairs them in order: the shift (of up to P2P_SHIFT calls) that puts
+    partners closest in time."""
+    s, r = sends[np.argsort(t[sends], kind="stable")], recvs[np.argsort(t[recvs], kind="stable")]
+    best, best_k = None, 0
+    for k in range(-P2P_SHIFT, P2P_SHIFT + 1):
+        a, b = (s[-k:], r) if k < 0 else (s, r[k:])
+        m = min(len(a), len(b))
+        if m < 3:
+            continue
+        cost = float(np.median(np.abs(t[a[:m]] - t[b[:m]])))
+        if best is None or cost < best:
+            best, best_k = cost, k
+    keep[s[:-best_k] if best_k < 0 else s[:0]] = False
+    keep[r[:best_k] if best_k > 0 else r[:0]] = False
+
+
+def _call_keys(op, cnt, dtype) -> np.ndarray:
+    """One integer per (op, count, datatype)."""
+    names = {}
+    codes = np.array([names.setdefault((o, dt), len(names)) for o, dt in zip(op.tolist(), dtype.tolist())],
+                     dtype=np.int64)
+    return codes * (1 << 44) + (cnt & ((1 << 44) - 1))
+
+
+def _synthetic_id(members: list[_Handle]) -> int:
+    """A stable non-zero 64-bit id from the members' handles."""
+    text = ";".join(f"{h.key[0]}/{h.key[1]}/{h.key[2]:x}" for h in members)
+    v = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+    return v or 1
+
+
+def _ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+
+
+def _device_note(con, ranks: list[int], warnings: list[str]) -> None:
+    """Late-attached ranks without device times: say why (the plugin loads at NCCL init)."""
+    try:
+        dev = {r[0] for r in con.execute("SELECT DISTINCT global_rank FROM nccl_profiler_events "
+                                         "WHERE device_start_ns IS NOT NULL").fetchall()}
+    except Exception:        # a trace without the table
+        dev = set()
+    missing = [r for r in ranks if r not in dev]
+    if missing:
+        warnings.append(f"ranks {_ranks(missing)} were traced after their NCCL communicators were created: "
+                        "no device times (NCCL loads a profiler plugin only when it creates a communicator; "
+                        "start the job with NCCL_PROFILER_PLUGIN set to Ingero's plugin to have them)")
