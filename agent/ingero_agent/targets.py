@@ -205,6 +205,13 @@ class TargetSet:
                               f"(under {self.mount or 'the cgroup2 mount'}) or a path relative to it")
         return p
 
+    def pids_gone(self) -> list[int] | None:
+        """With only --pid targets: those that have exited (all of them: nothing is left to
+        trace); None when other targets (cgroups, pods, everything) can still gain processes."""
+        if not self.pids or self.cgroup_dirs or self.pods or self.trace_all:
+            return None
+        return [p for p in self.pids if not (p in self.processes and self.processes[p].alive)]
+
     def describe(self) -> str:
         parts = []
         if self.trace_all:
@@ -291,8 +298,10 @@ class TargetSet:
         fresh, fresh_procs = 0, []
         for pid, (cg_dir, pod) in members.items():
             ticks = start_time_ticks(pid, self.proc)
-            if ticks is None:
-                continue   # exited while we looked
+            if ticks is None:   # exited (a --pid target stays listed in members)
+                if pid in self.processes:
+                    self.processes[pid].alive = False
+                continue
             p = self.processes.get(pid)
             if p is None or p.start_ticks != ticks:
                 p = self._new_process(pid, ticks, cg_dir, pod, wall)
