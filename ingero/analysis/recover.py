@@ -21,9 +21,11 @@ the last member has arrived. So:
 3. Give each group a synthetic id, each member its rank in it (the order of
    the global ranks: a world communicator's, and a split's keyed by rank;
    checked against the peers of its sends and receives), and seq numbers
-   shifted so that one instance has one number on every member. Sends and
-   receives of a pair of ranks that the trace cut apart at its start (one side
-   was inside the call at attach) are dropped, so they pair in order again.
+   shifted so that one instance has one number on every member. Calls made
+   before every member was traced (the probes reach the ranks, or the nodes,
+   at different times) are left out: collective instances before the first
+   one every member was traced in, and leading sends or receives of a pair of
+   ranks whose partner calls were not traced, so the rest pair in order.
 
 Confidence of a group: the mean agreement of its pairs times its separation,
 1 - (its widest gap / the narrowest gap to a handle outside it with the same
@@ -49,7 +51,6 @@ SYMMETRIC = ("ALL_REDUCE", "ALL_GATHER", "REDUCE_SCATTER", "ALL_TO_ALL")
 MAX_APART = 0.02    # blocking calls: share of a pair's symmetric calls that may not overlap (clock noise)
 SURE_APART = 0.1    # ... a share that proves two handles are not one communicator
 MIN_OVERLAP_CALLS = 10   # symmetric calls a pair needs to tell blocking calls from enqueued ones
-P2P_SHIFT = 2       # leading sends/receives of a rank pair the trace may have cut apart
 
 
 def communicators(con, tbl: pa.Table, ops: list[str], warnings: list[str]) -> pa.Table:
@@ -86,24 +87,30 @@ def communicators(con, tbl: pa.Table, ops: list[str], warnings: list[str]) -> pa
     new_comm, new_seq = comm.copy(), seq.copy()
     crank = tbl.column("crank").fill_null(-1).to_numpy().astype(np.int64)
     keep = ~unknown
+    cut = np.zeros(len(keep), bool)      # calls whose partners the trace had not reached yet
+    peer = tbl.column("peer").fill_null(-1).to_numpy().astype(np.int64)
     lines, recovered_ranks = [], set()
     for g in groups:
         members = sorted(g.members, key=lambda h: h.grank)
         cid = _synthetic_id(members)
         order = {h.grank: i for i, h in enumerate(members)}
-        base = min(int(seq[h.coll].min()) + g.base[h] for h in members if len(h.coll))
+        firsts = [int(seq[h.coll].min()) + g.base[h] for h in members]
+        base, full = min(firsts), max(firsts)   # full: the first instance every member was traced in
         for h in members:
             new_comm[h.rows] = cid
             crank[h.rows] = order[h.grank]
             new_seq[h.coll] = seq[h.coll] + g.base[h] - base
             keep[h.rows] = True
-        fit = _p2p_fit(members, opname, tbl.column("peer").fill_null(-1).to_numpy().astype(np.int64),
-                       order, t, keep)
+            cut[h.coll[new_seq[h.coll] < full - base]] = True
+        fit = _p2p_fit(members, opname, peer, order, t, cut)
         conf = g.agree * _separation(g, pairs, blocking) * fit
         recovered_ranks.update(order)
         lines.append(f"communicator {cid:#018x}: recovered from call sequences, {len(members)} ranks "
                      f"({_ranks(order)}), confidence {conf:.2f}"
                      + ("" if fit == 1.0 else f" (its sends and receives fit the rank order at {fit:.2f})"))
+    if cut.any():
+        lines.append(f"{int(cut.sum())} calls on recovered communicators made before every member was "
+                     "traced were left out (the probes reached the ranks at different times)")
     warnings += lines[:8]
     if len(lines) > 8:
         warnings.append(f"{len(lines) - 8} more communicators recovered from call sequences")
@@ -121,6 +128,7 @@ def communicators(con, tbl: pa.Table, ops: list[str], warnings: list[str]) -> pa
     for name, arr in (("comm", new_comm), ("seq", new_seq), ("crank", crank)):
         j = out.column_names.index(name)
         out = out.set_column(j, name, pa.array(arr, type=out.schema.field(name).type))
+    keep &= ~cut
     return out.filter(pa.array(keep)) if not keep.all() else out
 
 
@@ -249,10 +257,10 @@ def _separation(g: _Group, pairs: dict, blocking: bool) -> float:
     return worst
 
 
-def _p2p_fit(members: list[_Handle], opname, peer, order: dict, t, keep) -> float:
+def _p2p_fit(members: list[_Handle], opname, peer, order: dict, t, cut) -> float:
     """Share of sends/receives whose peer is a member under the assumed rank order and whose
-    (sender, receiver) pair is seen from both ends; trims leading calls the trace start cut
-    apart (clears them in `keep`). 1.0 with no sends or receives."""
+    (sender, receiver) pair is seen from both ends; marks in `cut` the leading calls of a
+    pair whose partners the trace start did not reach. 1.0 with no sends or receives."""
     rows = {}
     for h in members:
         for i in h.send_recv.tolist():
@@ -270,26 +278,25 @@ def _p2p_fit(members: list[_Handle], opname, peer, order: dict, t, keep) -> floa
         if max(pair) < n and min(pair) >= 0 and other:
             good += len(idx)
             if op == "SEND":
-                _trim(np.asarray(idx), np.asarray(other), t, keep)
+                _trim(np.asarray(idx), np.asarray(other), t, cut)
     return good / total
 
 
-def _trim(sends: np.ndarray, recvs: np.ndarray, t, keep) -> None:
-    """Drop the leading sends or receives of one rank pair that have no partner in the trace,
-    so that calls.events pairs them in order: the shift (of up to P2P_SHIFT calls) that puts
-    partners closest in time."""
+def _trim(sends: np.ndarray, recvs: np.ndarray, t, cut) -> None:
+    """Mark the leading sends or receives of one rank pair that have no partner in the
+    trace (one side was traced from a later call), so that calls.events pairs the rest in
+    order: the shift that most sends have to the receive nearest them in time."""
     s, r = sends[np.argsort(t[sends], kind="stable")], recvs[np.argsort(t[recvs], kind="stable")]
-    best, best_k = None, 0
-    for k in range(-P2P_SHIFT, P2P_SHIFT + 1):
-        a, b = (s[-k:], r) if k < 0 else (s, r[k:])
-        m = min(len(a), len(b))
-        if m < 3:
-            continue
-        cost = float(np.median(np.abs(t[a[:m]] - t[b[:m]])))
-        if best is None or cost < best:
-            best, best_k = cost, k
-    keep[s[:-best_k] if best_k < 0 else s[:0]] = False
-    keep[r[:best_k] if best_k > 0 else r[:0]] = False
+    ts, tr = t[s], t[r]
+    j = np.clip(np.searchsorted(tr, ts), 0, len(tr) - 1)
+    lo = np.maximum(j - 1, 0)
+    j = np.where(np.abs(tr[lo] - ts) < np.abs(tr[j] - ts), lo, j)
+    vals, cnts = np.unique(j - np.arange(len(s)), return_counts=True)
+    k = int(vals[np.argmax(cnts)])
+    if k > 0:
+        cut[r[:k]] = True
+    elif k < 0:
+        cut[s[:-k]] = True
 
 
 def _call_keys(op, cnt, dtype) -> np.ndarray:

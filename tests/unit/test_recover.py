@@ -98,7 +98,7 @@ def test_handles_of_one_communicator_are_grouped_and_lookalikes_kept_apart():
     assert sorted(map(tuple, _groups(c).values())) == [(0, 1), (0, 1, 2, 3), (2, 3)]
     assert sum("recovered from call sequences" in w for w in warnings) == 3, warnings
     # each node-local group is told from the other by calls that did not overlap in time
-    assert all("confidence 1.00" in w for w in warnings if "recovered" in w), warnings
+    assert all("confidence 1.00" in w for w in warnings if "recovered from" in w), warnings
 
 
 def test_seq_numbers_are_aligned_across_ranks_after_a_late_start():
@@ -137,7 +137,7 @@ def test_enqueued_calls_are_matched_by_time_with_a_lower_confidence_when_lookali
     # reduce-scatter runs 3 ms after node 0's, so end-time gaps still tell them apart
     c, warnings = load(_job(blocking=False))
     assert sorted(map(tuple, _groups(c).values())) == [(0, 1), (0, 1, 2, 3), (2, 3)]
-    conf = [float(w.rsplit("confidence ", 1)[1].split()[0]) for w in warnings if "recovered" in w]
+    conf = [float(w.rsplit("confidence ", 1)[1].split()[0]) for w in warnings if "recovered from" in w]
     assert len(conf) == 3 and min(conf) < 1.0, warnings
 
 
@@ -154,7 +154,7 @@ def test_known_communicators_are_left_alone():
     c, warnings = load(con)
     w = int(np.flatnonzero(c.comm_hash == 7)[0])
     assert c.comm_members[w] == [0, 1, 2, 3]
-    assert sum("recovered" in x for x in warnings) == 2, warnings   # L0 and L1
+    assert sum("recovered from" in x for x in warnings) == 2, warnings   # L0 and L1
 
 
 @pytest.mark.parametrize("victim", [1, 3])
