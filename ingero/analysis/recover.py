@@ -50,6 +50,7 @@ MIN_CALLS = 3       # collectives a handle needs in the trace to be matched
 SYMMETRIC = ("ALL_REDUCE", "ALL_GATHER", "REDUCE_SCATTER", "ALL_TO_ALL")
 MAX_APART = 0.02    # blocking calls: share of a pair's symmetric calls that may not overlap (clock noise)
 SURE_APART = 0.1    # ... a share that proves two handles are not one communicator
+P2P_SHIFT = 2       # shifts tried around the nearest-in-time one when pairing sends with receives
 MIN_OVERLAP_CALLS = 10   # symmetric calls a pair needs to tell blocking calls from enqueued ones
 
 
@@ -83,29 +84,37 @@ def communicators(con, tbl: pa.Table, ops: list[str], warnings: list[str]) -> pa
     hs = [_Handle(k, np.asarray(rows), grank[rows[0]], t, d, seq, callkey, p2p, sym)
           for k, rows in handles.items()]
     groups, pairs, blocking = _group([h for h in hs if len(h.coll) >= MIN_CALLS])
+    peer = tbl.column("peer").fill_null(-1).to_numpy().astype(np.int64)
+    count = tbl.column("cnt").fill_null(-1).to_numpy().astype(np.int64)
+    groups += _p2p_groups([h for h in hs if len(h.coll) < MIN_CALLS and len(h.send_recv) >= MIN_CALLS],
+                          opname, peer, count, t, d)
 
     new_comm, new_seq = comm.copy(), seq.copy()
     crank = tbl.column("crank").fill_null(-1).to_numpy().astype(np.int64)
     keep = ~unknown
     cut = np.zeros(len(keep), bool)      # calls whose partners the trace had not reached yet
-    peer = tbl.column("peer").fill_null(-1).to_numpy().astype(np.int64)
     lines, recovered_ranks = [], set()
     for g in groups:
         members = sorted(g.members, key=lambda h: h.grank)
         cid = _synthetic_id(members)
-        order = {h.grank: i for i, h in enumerate(members)}
-        firsts = [int(seq[h.coll].min()) + g.base[h] for h in members]
-        base, full = min(firsts), max(firsts)   # full: the first instance every member was traced in
+        if g.crank is None:
+            order = {h.grank: i for i, h in enumerate(members)}
+        else:
+            order = {h.grank: g.crank[h] for h in members}
+        firsts = [int(seq[h.coll].min()) + g.base[h] for h in members if len(h.coll)]
+        base, full = min(firsts, default=0), max(firsts, default=0)   # full: first instance all were traced in
         for h in members:
             new_comm[h.rows] = cid
             crank[h.rows] = order[h.grank]
-            new_seq[h.coll] = seq[h.coll] + g.base[h] - base
             keep[h.rows] = True
-            cut[h.coll[new_seq[h.coll] < full - base]] = True
-        fit = _p2p_fit(members, opname, peer, order, t, cut)
-        conf = g.agree * _separation(g, pairs, blocking) * fit
+            if len(h.coll):
+                new_seq[h.coll] = seq[h.coll] + g.base[h] - base
+                cut[h.coll[new_seq[h.coll] < full - base]] = True
+        fit = _p2p_fit(members, opname, peer, order, t, d, cut)
+        conf = (g.agree * _separation(g, pairs, blocking) if g.crank is None else g.sep) * fit
         recovered_ranks.update(order)
-        lines.append(f"communicator {cid:#018x}: recovered from call sequences, {len(members)} ranks "
+        how = "call sequences" if g.crank is None else "send/receive pairs"
+        lines.append(f"communicator {cid:#018x}: recovered from {how}, {len(members)} ranks "
                      f"({_ranks(order)}), confidence {conf:.2f}"
                      + ("" if fit == 1.0 else f" (its sends and receives fit the rank order at {fit:.2f})"))
     if cut.any():
@@ -113,7 +122,7 @@ def communicators(con, tbl: pa.Table, ops: list[str], warnings: list[str]) -> pa
                      "traced were left out (the probes reached the ranks at different times)")
     warnings += lines[:8]
     if len(lines) > 8:
-        warnings.append(f"{len(lines) - 8} more communicators recovered from call sequences")
+        warnings.append(f"{len(lines) - 8} more communicators recovered from their calls")
     lost = unknown & ~keep
     if lost.any():
         lost_h = {(node[i], int(pid[i]), int(ptr[i])) for i in np.flatnonzero(lost).tolist()}
@@ -192,6 +201,8 @@ class _Group:
         self.base = {h: 0}        # aligned seq = seq + base
         self.gap = 0.0            # widest end-time gap of its pairs
         self.agrees: list[float] = []
+        self.crank: dict | None = None   # handle -> its rank in the communicator, from p2p peers
+        self.sep = 1.0                   # p2p groups: the weakest margin of their links
 
     @property
     def agree(self) -> float:
@@ -242,6 +253,78 @@ def _group(hs: list[_Handle]) -> tuple[list[_Group], dict, bool]:
     return out, pairs, blocking
 
 
+def _p2p_groups(hs: list[_Handle], opname, peer, count, t, d) -> list[_Group]:
+    """Communicators of handles that only send and receive (a pipeline's), each member's rank
+    from the peers: a send of `count` to peer q on handle X is received on some handle Y
+    whose receive names X's rank as its peer, so linking X's sends to Y's receives gives
+    X rank p (Y's peer) and Y rank q. Per (X, peer, count), the Y whose receives pair best
+    with the sends: no receive that ended before its send began (where calls block), then
+    the smallest end-time gap; its margin over the next candidate is the link's confidence."""
+    chans: dict[tuple, np.ndarray] = {}
+    for h in hs:
+        for i in h.send_recv.tolist():
+            chans.setdefault((h, opname[i], int(peer[i]), int(count[i])), []).append(i)
+    chans = {k: np.asarray(sorted(v, key=lambda i: t[i])) for k, v in chans.items()}
+    recvs = [(k, v) for k, v in chans.items() if k[1] == "RECV" and len(v) >= MIN_CALLS]
+    links = []
+    for (x, op, q, c), s in chans.items():
+        if op != "SEND" or len(s) < MIN_CALLS:
+            continue
+        cands = []
+        for (y, _, p, c2), r in recvs:
+            if c2 == c and y.grank != x.grank:
+                agree, early, gap = _p2p_match(s, r, t, d)
+                if agree >= MIN_AGREE:
+                    cands.append((early > MAX_APART, gap, y, p))
+        if not cands:
+            continue
+        cands.sort(key=lambda z: (z[0], z[1]))
+        bad, gap, y, p = cands[0]
+        sep = 1.0
+        if len(cands) > 1 and not (cands[1][0] and not bad):
+            sep = max(0.0, 1.0 - (gap + NOISE_NS) / (cands[1][1] + NOISE_NS))
+        links.append((gap, x, y, p, q, sep))
+    group = {h: _Group(h) for h in hs}
+    for g in group.values():
+        g.crank = {g.members[0]: None}
+    for gap, x, y, p, q, sep in sorted(links, key=lambda z: z[0]):
+        gx, gy = group[x], group[y]
+        if gx.crank[x] not in (None, p) or gy.crank[y] not in (None, q):
+            continue
+        merged = {**gx.crank, x: p} if gx is gy else {**gx.crank, **gy.crank, x: p}
+        merged[y] = q
+        ranks = [r for r in merged.values() if r is not None]
+        if len(set(ranks)) < len(ranks) or len({h.grank for h in merged}) < len(merged):
+            continue
+        gx.crank = merged
+        if gx is not gy:
+            gx.members += gy.members
+            for h in gy.members:
+                group[h] = gx
+        gx.sep = min(gx.sep, sep)
+    out = []
+    for g in {id(g): g for g in group.values()}.values():
+        if len(g.members) > 1 and all(r is not None for r in g.crank.values()):
+            out.append(g)
+    return out
+
+
+def _p2p_match(s: np.ndarray, r: np.ndarray, t, d) -> tuple[float, float, float]:
+    """(agreement, share of receives that ended before their send began, median end-time gap)
+    of sends `s` against receives `r` (rows, in time order): each send is matched to the
+    receive that ended nearest to it; they agree at the most common index offset."""
+    es, er = t[s] + d[s], t[r] + d[r]
+    j = np.clip(np.searchsorted(er, es), 0, len(er) - 1)
+    lo = np.maximum(j - 1, 0)
+    j = np.where(np.abs(er[lo] - es) < np.abs(er[j] - es), lo, j)
+    off = j - np.arange(len(s))
+    vals, cnts = np.unique(off, return_counts=True)
+    ok = np.flatnonzero(off == vals[np.argmax(cnts)])
+    agree = len(np.unique(j[ok])) / min(len(s), len(r))
+    early = float(np.mean(er[j[ok]] < t[s[ok]] - NOISE_NS))
+    return agree, early, float(np.median(np.abs(er[j[ok]] - es[ok])))
+
+
 def _separation(g: _Group, pairs: dict, blocking: bool) -> float:
     """How clearly the look-alikes outside `g` (handles whose calls agree with a member's)
     are not members: per look-alike, its overlap test (blocking calls: a share of calls
@@ -257,7 +340,7 @@ def _separation(g: _Group, pairs: dict, blocking: bool) -> float:
     return worst
 
 
-def _p2p_fit(members: list[_Handle], opname, peer, order: dict, t, cut) -> float:
+def _p2p_fit(members: list[_Handle], opname, peer, order: dict, t, d, cut) -> float:
     """Share of sends/receives whose peer is a member under the assumed rank order and whose
     (sender, receiver) pair is seen from both ends; marks in `cut` the leading calls of a
     pair whose partners the trace start did not reach. 1.0 with no sends or receives."""
@@ -278,21 +361,34 @@ def _p2p_fit(members: list[_Handle], opname, peer, order: dict, t, cut) -> float
         if max(pair) < n and min(pair) >= 0 and other:
             good += len(idx)
             if op == "SEND":
-                _trim(np.asarray(idx), np.asarray(other), t, cut)
+                _trim(np.asarray(idx), np.asarray(other), t, d, cut)
     return good / total
 
 
-def _trim(sends: np.ndarray, recvs: np.ndarray, t, cut) -> None:
+def _trim(sends: np.ndarray, recvs: np.ndarray, t, d, cut) -> None:
     """Mark the leading sends or receives of one rank pair that have no partner in the
     trace (one side was traced from a later call), so that calls.events pairs the rest in
-    order: the shift that most sends have to the receive nearest them in time."""
+    order. The shift: near the one most sends have to the receive ending nearest them, the
+    one with the fewest receives ending before their send began (data cannot arrive before
+    it is sent), then the shortest median wait from send to receive end."""
     s, r = sends[np.argsort(t[sends], kind="stable")], recvs[np.argsort(t[recvs], kind="stable")]
-    ts, tr = t[s], t[r]
-    j = np.clip(np.searchsorted(tr, ts), 0, len(tr) - 1)
+    ts, er = t[s], t[r] + d[r]
+    j = np.clip(np.searchsorted(er, ts), 0, len(er) - 1)
     lo = np.maximum(j - 1, 0)
-    j = np.where(np.abs(tr[lo] - ts) < np.abs(tr[j] - ts), lo, j)
+    j = np.where(np.abs(er[lo] - ts) < np.abs(er[j] - ts), lo, j)
     vals, cnts = np.unique(j - np.arange(len(s)), return_counts=True)
-    k = int(vals[np.argmax(cnts)])
+    k0 = int(vals[np.argmax(cnts)])
+    best = None
+    for k in range(k0 - P2P_SHIFT, k0 + P2P_SHIFT + 1):
+        a, b = (ts[-k:], er) if k < 0 else (ts, er[k:])
+        m = min(len(a), len(b))
+        if m < MIN_CALLS:
+            continue
+        lag = b[:m] - a[:m]
+        score = (float(np.mean(lag < -NOISE_NS)), float(np.median(np.abs(lag))))
+        if best is None or score < best[0]:
+            best = (score, k)
+    k = best[1] if best else k0
     if k > 0:
         cut[r[:k]] = True
     elif k < 0:

@@ -161,3 +161,49 @@ def test_known_communicators_are_left_alone():
 def test_a_late_attached_trace_names_the_slow_rank(victim):
     rep = analyse(_job(slow_rank=victim, missed=(0, 2, 1, 0)))
     assert rep.straggler is not None and rep.straggler.rank == victim, rep.warnings
+
+
+def _pipeline(steps=20, micro=4, missed=(0, 0, 2, 1)):
+    """Two 2-stage pipelines (ranks 0 -> 2 and 1 -> 3) that only send and receive, on handles
+    the probes never saw created; stage 1's crank is 1. `missed[r]`: microbatches rank r
+    ran before tracing began. The second pipeline runs 2 ms behind the first."""
+    con = duckdb.connect()
+    schema.create_all(con)
+    rows, seqs, n = [], {}, {r: 0 for r in range(4)}
+
+    def call(r, op, t, d, peer):
+        n[r] += 1
+        if n[r] <= 2 * missed[r]:
+            return
+        s = seqs.get(r, 0)
+        seqs[r] = s + 1
+        rows.append((len(rows) + 1, f"n{r % 2}", 100 + r, r, -1, -1, 0, s, int(t), int(d), op, 0xC000 + r,
+                     4096, 4096 * 4, "float32", peer))
+
+    for step in range(steps):
+        for pipe, (first, second) in enumerate(((0, 2), (1, 3))):
+            base = T0 + step * STEP + pipe * 2 * MS
+            for m in range(micro):
+                t = base + m * 12 * MS
+                call(first, "SEND", t, 20_000, 1)                   # activations, eager
+                call(second, "RECV", t + 3 * MS, 30_000, 0)          # posted later: data is there
+                call(second, "SEND", t + 8 * MS, 20_000, 0)          # gradients back
+                call(first, "RECV", t + 5 * MS, 3 * MS + 40_000, 1)  # waits for them
+    names = ("event_id", "node", "pid", "global_rank", "rank", "nranks", "comm_id_hash", "seq", "timestamp_ns",
+             "duration_ns", "op", "comm", "count", "bytes", "datatype", "peer")
+    con.register("calls", pa.table({k: [row[i] for row in rows] for i, k in enumerate(names)}))
+    con.execute(f"INSERT INTO nccl_events ({', '.join(names)}, ret) SELECT *, 0 FROM calls")
+    return con
+
+
+def test_communicators_that_only_send_and_receive_get_members_and_ranks_from_their_peers():
+    c, warnings = load(_pipeline())
+    assert sorted(map(tuple, c.comm_members.values())) == [(0, 2), (1, 3)], warnings
+    assert sum("recovered from send/receive pairs" in w for w in warnings) == 2, warnings
+    # the peers, as global ranks: stage 0 sends to its own stage 1, never the other pipeline's
+    from ingero.analysis.calls import _SEND
+    send = c.op == _SEND
+    assert {(int(a), int(b)) for a, b in zip(c.rank[send], c.peer[send])} == {(0, 2), (2, 0), (1, 3), (3, 1)}
+    ev = events(c)
+    assert ev.unpaired == 0, ev.unpaired
+    assert ev.p2p_pairs == 2 * (2 * 20 * 4) - 2 * 2 - 2 * 1   # less what ranks 2 and 3 missed
