@@ -1,6 +1,7 @@
 """Late attach on real eBPF: one lab job (data-parallel, CPU device, 2 nodes x 2 ranks)
 traced from its start (a tracer per node, as `ingero lab run --trace`) and, ~10 s after
-its ranks started, by `ingero trace --pid <the four workers>`. The late trace sees no
+its ranks started, by `ingero trace --pid <its workers>` per node (or `--pods`, as the
+agent of a TraceSession created on running pods). The late trace sees no
 communicator created (every call has rank -1, comm hash 0): the analysis recovers them
 from the calls (ingero/analysis/recover.py) and must name the same rank and cause.
 
@@ -35,7 +36,9 @@ def _verdict(db):
         con.close()
 
 
-def _run(tmp_path, scenario: str, **kw):
+def _run(tmp_path, scenario: str, by: str = "pid", **kw):
+    """The lab job, its trace from the start and its late trace (`by`: "pid", the workers'
+    pids; "pods", the pods file, as the agent of a TraceSession created on running pods)."""
     from ingero.lab import tracers as tr
     from ingero.lab.runner import LabConfig, LabRun
     from ingero.store import build_duckdb
@@ -50,12 +53,15 @@ def _run(tmp_path, scenario: str, **kw):
         time.sleep(ATTACH_AFTER_S)
         late = {}          # an `ingero trace --pid` per lab node, as an agent per node would run
         for node in lab.nodes:
-            pids = [str(rp.proc.pid) for rp in lab.ranks if rp.node is node]
+            if by == "pid":
+                targets = ["--pid", *[str(rp.proc.pid) for rp in lab.ranks if rp.node is node]]
+            else:
+                targets = ["--pods", str(lab.pods_file(node))]
             out = tmp_path / "late" / f"{node.name}.duckdb"
             out.parent.mkdir(exist_ok=True)
             log = open(out.with_suffix(".log"), "wb")
             late[node.name] = (out, subprocess.Popen(
-                [sys.executable, "-m", "ingero", "trace", "--pid", *pids, "--node", node.name, "--out", str(out),
+                [sys.executable, "-m", "ingero", "trace", *targets, "--node", node.name, "--out", str(out),
                  "--duration", f"{LATE_TRACE_S}s", "--ready-file", str(out.with_suffix(".ready")), "--quiet"],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
             log.close()
@@ -89,9 +95,10 @@ LAYOUT = sorted(["0, 1, 2, 3, 4, 5, 6, 7"] + [f"{a}, {a + 1}" for a in (0, 2, 4,
 
 @pytest.mark.parametrize("scenario,kw,comms", [
     ("slow-rank", {}, DP),
+    ("slow-rank", {"by": "pods"}, DP),
     ("lossy-link", {}, DP),
     ("slow-stage", {"layout": "tp=2,pp=2,dp=2", "ranks_per_node": 4, "stage": 1}, LAYOUT),
-], ids=["slow-rank", "lossy-link", "slow-stage-3d"])
+], ids=["slow-rank", "slow-rank-pods", "lossy-link", "slow-stage-3d"])
 def test_a_job_attached_late_gets_the_verdict_of_one_traced_from_its_start(tmp_path, scenario, kw, comms):
     reason = bpf_reason()
     if reason:
