@@ -9,16 +9,21 @@ NCCL the members of one collective instance end together: none returns before
 the last member has arrived. So:
 
 1. Pair handles of different ranks: each collective of one is matched to the
-   other's call that ended nearest to it. The pair agrees when most matches
-   have the same op, count and datatype and the same seq offset (after a late
+   other's call of the same op, count and datatype that ended nearest to it.
+   The pair agrees when most matches have the same seq offset (after a late
    start each rank's first seen instance differs, by a constant); its gap is
-   the median end-time difference of those matches.
+   the median end-time difference of those matches. Where calls block until
+   their collective completes, the calls of one all-reduce, all-gather,
+   reduce-scatter or all-to-all instance overlap in time on every member: a
+   pair whose matched calls often do not overlap is two communicators (two
+   node-local ones in lockstep agree on their sequence but fail this).
 2. Group handles into communicators, tightest pairs first (complete linkage):
-   a rank is in a group once, every pair across two groups must agree on the
-   same offsets, and two groups join only when their pairs are not much looser
-   than their own (two node-local communicators in lockstep agree on their
-   sequence but end further apart than members of one do).
-3. Give each group a synthetic id, each member its rank in it (the order of
+   a rank is in a group once, and every pair across two groups must agree on
+   the same offsets (and, where calls only enqueue work, not be much looser
+   than the groups' own pairs).
+3. Handles that only send and receive (a pipeline's) are linked by their
+   peers instead (``_p2p_groups``), which also give each member its rank.
+4. Give each group a synthetic id, each member its rank in it (the order of
    the global ranks: a world communicator's, and a split's keyed by rank;
    checked against the peers of its sends and receives), and seq numbers
    shifted so that one instance has one number on every member. Calls made
@@ -27,11 +32,11 @@ the last member has arrived. So:
    one every member was traced in, and leading sends or receives of a pair of
    ranks whose partner calls were not traced, so the rest pair in order.
 
-Confidence of a group: the mean agreement of its pairs times its separation,
-1 - (its widest gap / the narrowest gap to a handle outside it with the same
-sequence); 1 when nothing outside looks like it. Handles that match nobody
-(one traced rank, a communicator of one) stay unknown and are left out, with
-a warning.
+Confidence of a group: the mean agreement of its pairs times how clearly the
+look-alikes outside it are not members (``_separation``), times the share of
+its sends and receives that fit its rank order; 1 when nothing outside looks
+like it. Handles that match nobody (one traced rank, a communicator of one)
+stay unknown and are left out, with a warning.
 """
 
 from __future__ import annotations
@@ -91,7 +96,7 @@ def communicators(con, tbl: pa.Table, ops: list[str], warnings: list[str]) -> pa
 
     new_comm, new_seq = comm.copy(), seq.copy()
     crank = tbl.column("crank").fill_null(-1).to_numpy().astype(np.int64)
-    keep = ~unknown
+    keep = ~unknown | (grank < 0)       # calls without a rank: calls.load leaves them out and says so
     cut = np.zeros(len(keep), bool)      # calls whose partners the trace had not reached yet
     lines, recovered_ranks = [], set()
     for g in groups:
@@ -117,12 +122,12 @@ def communicators(con, tbl: pa.Table, ops: list[str], warnings: list[str]) -> pa
         lines.append(f"communicator {cid:#018x}: recovered from {how}, {len(members)} ranks "
                      f"({_ranks(order)}), confidence {conf:.2f}"
                      + ("" if fit == 1.0 else f" (its sends and receives fit the rank order at {fit:.2f})"))
-    if cut.any():
-        lines.append(f"{int(cut.sum())} calls on recovered communicators made before every member was "
-                     "traced were left out (the probes reached the ranks at different times)")
     warnings += lines[:8]
     if len(lines) > 8:
         warnings.append(f"{len(lines) - 8} more communicators recovered from their calls")
+    if cut.any():
+        warnings.append(f"{int(cut.sum())} calls on recovered communicators made before every member was "
+                        "traced were left out (the probes reached the ranks at different times)")
     lost = unknown & ~keep
     if lost.any():
         lost_h = {(node[i], int(pid[i]), int(ptr[i])) for i in np.flatnonzero(lost).tolist()}

@@ -1,4 +1,4 @@
-"""Late attach on real eBPF: one lab job (data-parallel, CPU device, 2 nodes x 2 ranks)
+"""Late attach on real eBPF: one lab job (CPU device, 2 nodes; data-parallel or tp=2,pp=2,dp=2)
 traced from its start (a tracer per node, as `ingero lab run --trace`) and, ~10 s after
 its ranks started, by `ingero trace --pid <its workers>` per node (or `--pods`, as the
 agent of a TraceSession created on running pods). The late trace sees no
