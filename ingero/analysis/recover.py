@@ -57,6 +57,10 @@ MAX_APART = 0.02    # blocking calls: share of a pair's symmetric calls that may
 SURE_APART = 0.1    # ... a share that proves two handles are not one communicator
 P2P_SHIFT = 2       # shifts tried around the nearest-in-time one when pairing sends with receives
 MIN_OVERLAP_CALLS = 10   # symmetric calls a pair needs to tell blocking calls from enqueued ones
+# where calls only enqueue work nothing proves that handles with one sequence are one
+# communicator rather than several in step (the lab's per-node pairs on its GPU-like device
+# were merged into one of 4): the confidence says so
+ENQUEUED_CONF = 0.5
 
 
 def communicators(con, tbl: pa.Table, ops: list[str], warnings: list[str]) -> pa.Table:
@@ -117,11 +121,16 @@ def communicators(con, tbl: pa.Table, ops: list[str], warnings: list[str]) -> pa
                 cut[h.coll[new_seq[h.coll] < full - base]] = True
         fit = _p2p_fit(members, opname, peer, order, t, d, cut)
         conf = (g.agree * _separation(g, pairs, blocking) if g.crank is None else g.sep) * fit
+        unproven = g.crank is None and not blocking
+        if unproven:
+            conf = min(conf, ENQUEUED_CONF)
         recovered_ranks.update(order)
         how = "call sequences" if g.crank is None else "send/receive pairs"
         lines.append(f"communicator {cid:#018x}: recovered from {how}, {len(members)} ranks "
                      f"({_ranks(order)}), confidence {conf:.2f}"
-                     + ("" if fit == 1.0 else f" (its sends and receives fit the rank order at {fit:.2f})"))
+                     + ("" if fit == 1.0 else f" (its sends and receives fit the rank order at {fit:.2f})")
+                     + (" (calls only enqueue work: look-alike communicators with the same sequence, "
+                        "e.g. one per node, cannot be told apart by time)" if unproven else ""))
     warnings += lines[:8]
     if len(lines) > 8:
         warnings.append(f"{len(lines) - 8} more communicators recovered from their calls")
