@@ -211,3 +211,11 @@ def test_communicators_that_only_send_and_receive_get_members_and_ranks_from_the
     ev = events(c)
     assert ev.unpaired == 0, ev.unpaired
     assert ev.p2p_pairs == 2 * (2 * 20 * 4) - 2 * 2 - 2 * 1   # less what ranks 2 and 3 missed
+
+
+def test_a_late_attached_trace_whose_calls_match_nobody_cannot_be_judged_and_says_why():
+    rep = analyse(_job(ranks=(0,), missed=(0, 0, 0, 0)))
+    assert rep.verdict == "cannot-judge"
+    assert rep.cannot_judge == ("none of the 120 NCCL calls can be placed: 120 on communicators created before "
+                                "the probes attached that no other rank's calls matched"), rep.cannot_judge
+    assert any("matched no other rank's calls and were left out (ranks 0)" in w for w in rep.warnings), rep.warnings
