@@ -106,6 +106,7 @@ def communicators(con, tbl: pa.Table, ops: list[str], warnings: list[str]) -> pa
     crank = tbl.column("crank").fill_null(-1).to_numpy().astype(np.int64)
     keep = ~unknown | (grank < 0)       # calls without a rank: calls.load leaves them out and says so
     cut = np.zeros(len(keep), bool)      # calls whose partners the trace had not reached yet
+    guessed = np.zeros(len(keep), bool)  # calls of groups too unsure to use
     lines, guesses, recovered_ranks = [], [], set()
     for g in groups:
         members = sorted(g.members, key=lambda h: h.grank)
@@ -114,21 +115,24 @@ def communicators(con, tbl: pa.Table, ops: list[str], warnings: list[str]) -> pa
             order = {h.grank: i for i, h in enumerate(members)}
         else:
             order = {h.grank: g.crank[h] for h in members}
-        firsts = [int(seq[h.coll].min()) + g.base[h] for h in members if len(h.coll)]
+        aligned = [h for h in members if len(h.coll) and h in g.base]   # (send/receive groups: none)
+        firsts = [int(seq[h.coll].min()) + g.base[h] for h in aligned]
         base, full = min(firsts, default=0), max(firsts, default=0)   # full: first instance all were traced in
         for h in members:
             new_comm[h.rows] = cid
             crank[h.rows] = order[h.grank]
             keep[h.rows] = True
-            if len(h.coll):
+            if h in aligned:
                 new_seq[h.coll] = seq[h.coll] + g.base[h] - base
                 cut[h.coll[new_seq[h.coll] < full - base]] = True
+            else:
+                cut[h.coll] = True    # a stray collective or two on a send/receive handle: unaligned
         fit = _p2p_fit(members, opname, peer, order, t, d, cut)
         conf = (g.agree * _separation(g, pairs, blocking) if g.crank is None else g.sep) * fit
         if conf < MIN_CONF:
             for h in members:
-                keep[h.rows] = False
-                cut[h.rows] = False
+                keep[h.rows] = cut[h.rows] = False
+                guessed[h.rows] = True
             guesses.append(f"{_ranks(order)} ({conf:.2f})")
             continue
         unproven = g.crank is None and not blocking
@@ -145,13 +149,13 @@ def communicators(con, tbl: pa.Table, ops: list[str], warnings: list[str]) -> pa
     if len(lines) > 8:
         warnings.append(f"{len(lines) - 8} more communicators recovered from their calls")
     if guesses:
-        warnings.append(f"{len(guesses)} groups of handles whose calls agree were not taken as communicators: "
-                        f"handles outside them matched nearly as well (ranks {'; '.join(guesses[:8])}, "
+        warnings.append(f"{int(guessed.sum())} calls on {len(guesses)} groups of handles whose calls agree were left "
+                        f"out: handles outside them matched nearly as well (ranks {'; '.join(guesses[:8])}; "
                         f"confidence below {MIN_CONF})")
     if cut.any():
         warnings.append(f"{int(cut.sum())} calls on recovered communicators made before every member was "
                         "traced were left out (the probes reached the ranks at different times)")
-    lost = unknown & ~keep
+    lost = unknown & ~keep & ~guessed
     if lost.any():
         lost_h = {(node[i], int(pid[i]), int(ptr[i])) for i in np.flatnonzero(lost).tolist()}
         who = sorted({int(grank[i]) for i in np.flatnonzero(lost).tolist() if grank[i] >= 0})

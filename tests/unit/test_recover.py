@@ -131,7 +131,7 @@ def test_a_handle_no_other_rank_shares_is_left_out_with_a_warning():
     assert c.comm_members == {}
     assert any("matched no other rank's calls and were left out" in w and "ranks 0, 2" in w
                for w in warnings), warnings
-    assert any("were not taken as communicators" in w and "ranks 0, 2 (0." in w for w in warnings), warnings
+    assert any("groups of handles whose calls agree were left out" in w and "(ranks 0, 2 (0." in w for w in warnings), warnings
 
 
 def test_enqueued_calls_are_matched_by_time_and_their_confidence_says_nothing_proves_them():
