@@ -400,9 +400,9 @@ def _p2p_fit(members: list[_Handle], opname, peer, order: dict, t, d, cut) -> fl
 def _trim(sends: np.ndarray, recvs: np.ndarray, t, d, cut) -> None:
     """Mark the leading sends or receives of one rank pair that have no partner in the
     trace (one side was traced from a later call), so that calls.events pairs the rest in
-    order. The shift: near the one most sends have to the receive ending nearest them, the
-    one with the fewest receives ending before their send began (data cannot arrive before
-    it is sent), then the shortest median wait from send to receive end."""
+    order. The shift: near the one most sends have to the receive ending nearest them, one
+    whose receives (but a few, MAX_APART) do not end before their send began (data cannot
+    arrive before it is sent), then the shortest median wait from send to receive end."""
     s, r = sends[np.argsort(t[sends], kind="stable")], recvs[np.argsort(t[recvs], kind="stable")]
     ts, er = t[s], t[r] + d[r]
     j = np.clip(np.searchsorted(er, ts), 0, len(er) - 1)
@@ -417,7 +417,7 @@ def _trim(sends: np.ndarray, recvs: np.ndarray, t, d, cut) -> None:
         if m < MIN_CALLS:
             continue
         lag = b[:m] - a[:m]
-        score = (float(np.mean(lag < -NOISE_NS)), float(np.median(np.abs(lag))))
+        score = (float(np.mean(lag < -NOISE_NS)) > MAX_APART, float(np.median(np.abs(lag))))
         if best is None or score < best[0]:
             best = (score, k)
     k = best[1] if best else k0

@@ -221,3 +221,19 @@ def test_a_late_attached_trace_whose_calls_match_nobody_cannot_be_judged_and_say
     assert rep.cannot_judge == ("none of the 120 NCCL calls can be placed: 120 on communicators created before "
                                 "the probes attached that no other rank's calls matched"), rep.cannot_judge
     assert any("matched no other rank's calls and were left out (ranks 0)" in w for w in rep.warnings), rep.warnings
+
+
+def test_one_receive_ending_a_little_before_its_send_does_not_shift_the_pairing():
+    from ingero.analysis.recover import _trim
+
+    # a receive one call ahead (the trace began inside the pair's exchange), partners end
+    # 0.1 ms after their sends, and one receive's end is 30 us before its send's start
+    # (clock noise): the shift is one receive, not none
+    sends = np.arange(100) * 20 * MS
+    recv_ends = np.r_[-10 * MS, sends + 100_000]
+    recv_ends[50] = sends[49] - 30_000
+    t = np.r_[sends, recv_ends].astype(np.int64)
+    d = np.zeros(len(t), np.int64)
+    cut = np.zeros(len(t), bool)
+    _trim(np.arange(100), np.arange(100, 201), t, d, cut)
+    assert np.flatnonzero(cut).tolist() == [100]
