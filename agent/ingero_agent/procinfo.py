@@ -229,12 +229,19 @@ def process_name(pid: int, proc: Path = PROC) -> str | None:
 
 def start_time_ticks(pid: int, proc: Path = PROC) -> int | None:
     """Field 22 of /proc/<pid>/stat: tells a reused pid from the process we saw."""
+    got = process_stat(pid, proc)
+    return got[1] if got else None
+
+
+def process_stat(pid: int, proc: Path = PROC) -> tuple[str, int] | None:
+    """(state, start time in ticks): fields 3 and 22 of /proc/<pid>/stat; None when gone.
+    State Z or X: the process has exited (a zombie waits for its parent to reap it)."""
     try:
         stat = (proc / str(pid) / "stat").read_text()
     except OSError:
         return None
     rest = stat[stat.rfind(")") + 2:].split()
-    return int(rest[19]) if len(rest) > 19 else None
+    return (rest[0], int(rest[19])) if len(rest) > 19 else None
 
 
 def read_config_value(path: Path, key: str) -> str | None:

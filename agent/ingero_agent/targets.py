@@ -36,8 +36,8 @@ from pathlib import Path
 
 from ingero.errors import IngeroError
 from ingero_agent import cgroups
-from ingero_agent.procinfo import (LibraryFinder, host_path, int_or_none, process_name, read_environ,
-                                   start_time_ticks)
+from ingero_agent.procinfo import (LibraryFinder, host_path, int_or_none, process_name, process_stat,
+                                   read_environ, start_time_ticks)
 
 AF_INET, AF_INET6 = 2, 10
 LIB_RECHECK_FAST_S = 60.0   # look for a library at every scan while a process is this young
@@ -205,6 +205,13 @@ class TargetSet:
                               f"(under {self.mount or 'the cgroup2 mount'}) or a path relative to it")
         return p
 
+    def pids_gone(self) -> list[int] | None:
+        """With only --pid targets: those that have exited (all of them: nothing is left to
+        trace); None when other targets (cgroups, pods, everything) can still gain processes."""
+        if not self.pids or self.cgroup_dirs or self.pods or self.trace_all:
+            return None
+        return [p for p in self.pids if not (p in self.processes and self.processes[p].alive)]
+
     def describe(self) -> str:
         parts = []
         if self.trace_all:
@@ -290,9 +297,13 @@ class TargetSet:
             p.alive = p.pid in members
         fresh, fresh_procs = 0, []
         for pid, (cg_dir, pod) in members.items():
-            ticks = start_time_ticks(pid, self.proc)
-            if ticks is None:
-                continue   # exited while we looked
+            st = process_stat(pid, self.proc)
+            if st is None or (st[0] in "ZX" and not self._threads_left(pid)):
+                # exited (a --pid target stays listed in members)
+                if pid in self.processes:
+                    self.processes[pid].alive = False
+                continue
+            ticks = st[1]
             p = self.processes.get(pid)
             if p is None or p.start_ticks != ticks:
                 p = self._new_process(pid, ticks, cg_dir, pod, wall)
@@ -339,6 +350,13 @@ class TargetSet:
         return Snapshot(cgroup_ids=ids, tgids=set(self.pids), ips=ips, new_libraries=new_libs,
                         new_profilers=new_plugins, new_processes=fresh, awaiting_library=awaiting,
                         notes=notes)
+
+    def _threads_left(self, pid: int) -> bool:
+        """A zombie leader whose other threads still run (it called pthread_exit) lives on."""
+        try:
+            return sum(1 for _ in os.scandir(self.proc / str(pid) / "task")) > 1
+        except OSError:
+            return False
 
     def learn(self, pids, cgroup_of: dict[int, int] | None = None) -> int:
         """Add processes the kernel reported as targets before a scan listed them.

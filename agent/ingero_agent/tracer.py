@@ -110,6 +110,7 @@ class Tracer:
         old[signal.SIGHUP] = signal.signal(signal.SIGHUP, self.request_reload if self.opts.pods_file
                                            else self.request_stop)
         self.started_ns = time.time_ns()
+        t_load = time.monotonic()
         try:
             self.probes = Probes(self.opts.probe_config)
             for note in self.probes.notes:
@@ -124,11 +125,17 @@ class Tracer:
                 self.targets.mark_library_attached(key)
             self.offset_ns, self.clock_rtt_ns = mono_to_wall()
             self._scan()
+            gone = self.targets.pids_gone()
+            if gone is not None and len(gone) == len(self.targets.pids):
+                raise IngeroError(f"pid {', '.join(map(str, gone))} exited before the probes were attached "
+                                  f"(loading them took {time.monotonic() - t_load:.1f} s); start the trace "
+                                  "earlier, or trace the job's cgroup (--cgroup) to follow new processes")
             if self.opts.ready_file:
                 Path(self.opts.ready_file).touch()
             self.log(f"tracing {','.join(self.opts.probe_config.families)} for "
                      f"{self.targets.describe()} on node {self.opts.node}, session "
-                     f"{self.opts.session_id}; Ctrl-C to stop")
+                     f"{self.opts.session_id} (probes loaded in {time.monotonic() - t_load:.1f} s); "
+                     "Ctrl-C to stop")
             cpu0, wall0 = _cpu_seconds(), time.monotonic()
             self._loop()
             self.loop_cpu_s, self.loop_wall_s = _cpu_seconds() - cpu0, time.monotonic() - wall0
@@ -156,6 +163,7 @@ class Tracer:
         next_scan = t0 + o.scan_s
         next_quick = t0 + o.quick_scan_s
         last_exec_scan, exec_pending = -float("inf"), False
+        gone_since = None        # since when every --pid target has exited
         next_roll = t0 + o.roll_s
         next_poll = t0 + o.poll_s if waiter is None else float("inf")
         next_progress = t0 + o.progress_s if not o.quiet else float("inf")
@@ -190,6 +198,14 @@ class Tracer:
             if now >= next_scan:
                 self._scan()
                 next_scan = now + o.scan_s
+                gone = self.targets.pids_gone()
+                if not gone or len(gone) < len(self.targets.pids):
+                    gone_since = None
+                elif gone_since is None:
+                    gone_since = now
+                elif now - gone_since >= o.scan_s:   # a scan later: their last events are drained
+                    self.log(f"every target process exited (pid {', '.join(map(str, gone))}); stopping")
+                    break
                 next_quick = now + self._next_quick_period()
             elif now >= next_quick:
                 self._scan(quick=True)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ingero.analysis import recover
 from ingero.errors import IngeroError
 from ingero.schema import COLLECTIVE_OPS, NCCL_OK_RETS, P2P_OPS
 
@@ -43,14 +44,14 @@ _GS, _GE = -1, -2
 _QUERY = f"""
     SELECT COALESCE(r.rank, e.global_rank, e.rank) AS grank, e.node, COALESCE(r.pod, e.pod) AS pod,
            e.pid, e.op, e.comm_id_hash AS comm, e.seq, e.timestamp_ns AS t, e.duration_ns AS d,
-           e.rank AS crank, e.peer, e.event_id, e.ret
+           e.rank AS crank, e.peer, e.event_id, e.ret, e.comm AS ptr, e.count AS cnt, e.datatype AS dtype
     FROM nccl_events e
     LEFT JOIN (SELECT node, pid, any_value(rank) AS rank, any_value(pod) AS pod
                FROM ranks GROUP BY node, pid) r
       ON r.node IS NOT DISTINCT FROM e.node AND r.pid = e.pid
     WHERE e.ret IN ({', '.join(map(str, NCCL_OK_RETS))}) AND e.timestamp_ns IS NOT NULL
       AND e.duration_ns IS NOT NULL
-      AND ((e.op IN ({', '.join(repr(o) for o in OPS)}) AND e.comm_id_hash <> 0 AND e.seq IS NOT NULL)
+      AND ((e.op IN ({', '.join(repr(o) for o in OPS)}) AND (e.comm_id_hash <> 0 OR e.comm <> 0) AND e.seq IS NOT NULL)
            OR e.op IN ('GROUP_START', 'GROUP_END', 'GROUP_SIMULATE_END'))"""
 _ORDER = " ORDER BY grank, t, e.event_id"
 
@@ -159,6 +160,8 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
     with warnings_.catch_warnings():     # (DuckDB notes the Arrow copy of a DB-API result)
         warnings_.simplefilter("ignore", UserWarning)
         tbl = con.execute(_DEVICE_QUERY if device else _QUERY + _ORDER).to_arrow_table()
+    if not device:       # communicators created before tracing: identity from the calls
+        tbl = recover.communicators(con, tbl, OPS, warnings)
     if tbl.num_rows == 0:
         z = np.zeros(0, np.int64)
         return Calls(z, z, z, z.astype(np.int8), z, z, z, z, z, {}, z.astype(np.uint64), z, z, z, {}), warnings
@@ -293,6 +296,7 @@ def simulated_calls(con):
         warnings_.simplefilter("ignore", UserWarning)
         tbl = con.execute(f"SELECT * FROM ({_QUERY}) q WHERE grank IS NOT NULL "
                           "ORDER BY grank, t, event_id").to_arrow_table()
+    tbl = recover.communicators(con, tbl, OPS, [])
     op, sim_end = _op_codes(tbl)
     rank = tbl.column("grank").to_numpy().astype(np.int64)
     seq = tbl.column("seq").fill_null(0).to_numpy().astype(np.int64)

@@ -18,11 +18,14 @@ from ingero.analysis.calls import OPS
 from ingero.schema import NCCL_OK_RETS
 
 # Every collective and p2p call that returned, per (node, global rank as calls.load takes
-# it), with the calls it cannot place: an unknown communicator or no seq.
+# it), with the calls it cannot place: an unknown communicator or no seq; and those on a
+# communicator created before the probes attached whose handle is known, which calls.load
+# may place yet (ingero/analysis/recover.py matches them across ranks).
 _COUNTS = f"""
     SELECT e.node, COALESCE(r.rank, e.global_rank, e.rank) AS grank, count(*) AS calls,
-           count(*) FILTER (WHERE COALESCE(e.comm_id_hash, 0) = 0) AS no_comm,
-           count(*) FILTER (WHERE COALESCE(e.comm_id_hash, 0) <> 0 AND e.seq IS NULL) AS no_seq
+           count(*) FILTER (WHERE COALESCE(e.comm_id_hash, 0) = 0 AND COALESCE(e.comm, 0) = 0) AS no_comm,
+           count(*) FILTER (WHERE COALESCE(e.comm_id_hash, 0) <> 0 AND e.seq IS NULL) AS no_seq,
+           count(*) FILTER (WHERE COALESCE(e.comm_id_hash, 0) = 0 AND COALESCE(e.comm, 0) <> 0) AS handles
     FROM nccl_events e
     LEFT JOIN (SELECT node, pid, any_value(rank) AS rank FROM ranks GROUP BY node, pid) r
       ON r.node IS NOT DISTINCT FROM e.node AND r.pid = e.pid
@@ -37,6 +40,7 @@ class Coverage:
     no_comm: int = 0               # ... with an unknown communicator (comm_id_hash 0)
     no_rank: int = 0               # ... of a process of unknown rank (and a known communicator)
     no_seq: int = 0                # ... with a known communicator but no seq
+    handles: int = 0               # ... on a communicator created before tracing, its handle known
     dropped_by_rank: dict = field(default_factory=dict)   # rank -> calls it made that cannot be placed
     listed: list = field(default_factory=list)            # ranks the ranks table names
     world: int = 0                 # the largest WORLD_SIZE a traced process gave
@@ -61,8 +65,9 @@ def coverage(con) -> Coverage:
     """The counts `judge` weighs, from the trace's tables (one pass over nccl_events)."""
     cov = Coverage()
     placed_nodes = set()
-    for node, grank, calls, no_comm, no_seq in con.execute(_COUNTS).fetchall():
+    for node, grank, calls, no_comm, no_seq, handles in con.execute(_COUNTS).fetchall():
         cov.calls += calls
+        cov.handles += handles
         if grank is None or grank < 0:
             cov.no_rank += calls - no_comm
             cov.no_comm += no_comm
@@ -108,7 +113,10 @@ def judge(cov: Coverage, placed: list, stepped: list | None) -> Scope:
                   f"rows, {ev.get('tcp_events', 0):,} TCP and {ev.get('sched_events', 0):,} scheduler events"
                   f"{'; the trace names ranks ' + span(cov.listed) if cov.listed else ''})")
     if not placed:
-        return no(f"none of the {cov.calls:,} NCCL calls can be placed: {cov.why_dropped()}")
+        unmatched = (f"{cov.handles:,} on communicators created before the probes attached that no other "
+                     "rank's calls matched" if cov.handles else "")
+        why = "; ".join(p for p in (cov.why_dropped(), unmatched) if p)
+        return no(f"none of the {cov.calls:,} NCCL calls can be placed: {why}")
     if len(placed) < 2:
         more = f"; {cov.dropped:,} more cannot be placed: {cov.why_dropped()}" if cov.dropped else ""
         return no(f"only rank {placed[0]} made NCCL calls the analysis can place, of {len(known)} ranks "

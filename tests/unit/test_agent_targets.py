@@ -143,3 +143,29 @@ def test_a_process_gone_before_any_scan_gets_its_pod_from_the_cgroup_its_events_
     ts.scan()                                              # stays known, not alive
     assert ts.processes[777].pod.name == "w-0" and not ts.processes[777].alive
     assert ts.learn([779]) == 0                            # without the events' cgroup: skipped, as before
+
+
+def test_pid_targets_that_exited_are_reported_gone_and_other_targets_never_are(tmp_path):
+    root, pod, _cont = _pod_tree(tmp_path)
+    for pid in (4242, 4243):
+        _proc(tmp_path, pid, b"RANK=0\0", "", root)
+    ts = TargetSet(pids=[4242, 4243], proc=tmp_path / "proc", self_pid=1)
+    ts.scan()
+    assert ts.pids_gone() == []
+    shutil.rmtree(tmp_path / "proc" / "4243")
+    ts.scan()
+    assert ts.pids_gone() == [4243]
+    shutil.rmtree(tmp_path / "proc" / "4242")
+    ts.scan()
+    assert ts.pids_gone() == [4242, 4243]
+    # a zombie (exited, not yet reaped by its parent) is gone; a zombie leader with threads left is not
+    for pid in (4242, 4243):
+        _proc(tmp_path, pid, b"RANK=0\0", "", root)
+        stat = tmp_path / "proc" / str(pid) / "stat"
+        stat.write_text(stat.read_text().replace(" S ", " Z "))
+        for tid in ((pid, 4250) if pid == 4243 else (pid,)):
+            (tmp_path / "proc" / str(pid) / "task" / str(tid)).mkdir(parents=True)
+    ts.scan()
+    assert ts.pids_gone() == [4242]
+    # a cgroup can gain processes again: never "all gone"
+    assert TargetSet(cgroup_paths=[pod], proc=tmp_path / "proc", self_pid=1).pids_gone() is None
