@@ -54,6 +54,7 @@ class DemoConfig:
     background_load: int = 0               # busy processes keeping the whole machine busy (lab --background-load)
     shape: dict = field(default_factory=dict)   # LabConfig's layout, microbatches, stage, imbalance, slow_factor
     fault_after_s: float | None = None     # the fault starts this long after the ranks (None: before)
+    attach_late_s: float | None = None     # apply the session this long after the ranks started (None: before)
     kill_agent_node: str | None = None     # tests: SIGKILL this node's agent ...
     kill_agent_after_s: float = 5.0        # ... this long after the ranks started
     restart_agent_after_s: float | None = None    # ... and start it again (same port and data)
@@ -88,6 +89,7 @@ class Demo:
         self.cluster: EmbeddedCluster | None = None
         self.lab = None
         self.session_name = None
+        self.t_ranks = 0.0                   # when the ranks started (monotonic)
         self.agent_metrics_ports: dict[str, int] = {}
         self.extra_env: dict[str, dict[str, str]] = {}
 
@@ -229,6 +231,12 @@ class Demo:
         `kubectl wait --for=condition=Completed` runs from the start beside it; its answer
         and when it came (timings["kubectl_wait"], from the job's end) are in the result."""
         res, t0 = DemoResult(), time.monotonic()
+        if self.cfg.attach_late_s is not None:
+            # what a user does first: the job is already running (and slow) when the session is applied
+            self.lab.start_ranks()
+            self.t_ranks = time.monotonic()
+            self.log(f"demo: the job runs; the TraceSession comes {self.cfg.attach_late_s:g} s later")
+            time.sleep(self.cfg.attach_late_s)
         self.apply_session()
         env = dict(os.environ, KUBECONFIG=str(self.cluster.kubeconfig), KUBECACHEDIR=str(self.out / "kube-cache"))
         waiter = subprocess.Popen(["kubectl", "wait", "--for=condition=Completed", f"tracesession/{self.session_name}",
@@ -247,8 +255,10 @@ class Demo:
             s.get("phase") == "Running" and sum(n.get("state") == "running" for n in s.get("nodes", [])) == nodes),
             90, "the agents to attach their probes")
         res.timings["tracing_ready"] = time.monotonic() - t0
-        self.lab.start_ranks()
-        t_ranks = time.monotonic()
+        if self.cfg.attach_late_s is None:
+            self.lab.start_ranks()
+            self.t_ranks = time.monotonic()
+        t_ranks = self.t_ranks
         events = self._disruptions()
         t_saved = t_ranks
         while any(rp.proc.poll() is None for rp in self.lab.ranks):
@@ -416,6 +426,9 @@ def add_parser(sub):
     p.add_argument("--hogs", type=int, default=8, help="cpu-hog: busy loops on the victim's CPU; default 8")
     p.add_argument("--background-load", type=int, default=0, metavar="N",
                    help="N busy processes keep the whole machine busy (as on a shared node); default 0")
+    p.add_argument("--attach-late", type=float, default=None, metavar="SECONDS",
+                   help="start the job first and apply the TraceSession SECONDS later, as a user does on "
+                        "a job that is already slow (default: the session before the job)")
     add_job_shape_args(p)
     p.add_argument("--out", type=Path, default=Path("out/demo"), help="default out/demo")
     p.add_argument("--metrics-out", type=Path, default=None, metavar="DIR",
@@ -438,6 +451,9 @@ def run(args) -> int:
         raise IngeroError("--seconds must be > 0")
     if args.nodes < 1:
         raise IngeroError("--nodes must be >= 1")
+    if args.attach_late is not None and not 0 <= args.attach_late < args.seconds:
+        raise IngeroError(f"--attach-late must be >= 0 and less than --seconds ({args.seconds:g}): the job "
+                          "would end before the session starts")
     if args.metrics_out is not None:
         try:
             args.metrics_out.mkdir(parents=True, exist_ok=True)
@@ -448,7 +464,7 @@ def run(args) -> int:
     cfg = DemoConfig(scenario=args.scenario, seconds=args.seconds, nodes=args.nodes,
                      ranks_per_node=ranks_per_node(args), out=args.out, loss_percent=args.loss_percent,
                      victim_rank=args.victim_rank, hogs=args.hogs, background_load=args.background_load,
-                     shape=job_shape(args), metrics_out=args.metrics_out)
+                     shape=job_shape(args), metrics_out=args.metrics_out, attach_late_s=args.attach_late)
     old = signal.signal(signal.SIGTERM, _interrupt)
     try:
         with Demo(cfg, log=lambda m: print(m, flush=True)) as demo:
