@@ -22,6 +22,9 @@
   pipeline stage computes ``slow_factor`` times longer (stage imbalance).
 - ``imbalance``: every rank, every step, computes a factor drawn from
   [1, 1 + ``imbalance``] longer: a slowdown spread over all ranks, no culprit.
+- ``hang``: the victim's process is stopped (SIGSTOP) ``fault_after_s`` after the
+  ranks start, for good (or for ``hang_s``, then continued): the others block in
+  their next collective until the lab NCCL's timeout fails it (``stop_ranks``).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from ingero.errors import IngeroError
 from ingero.lab import cgroups
 from ingero.lab.netns import in_netns
 
-SCENARIOS = ("clean", "lossy-link", "cpu-hog", "slow-rank", "io-stall", "slow-stage", "imbalance")
+SCENARIOS = ("clean", "lossy-link", "cpu-hog", "slow-rank", "io-stall", "slow-stage", "imbalance", "hang")
 SCHEDULES = ("1f1b", "gpipe", "interleaved")   # the pipeline schedules of a layout job (worker.c)
 
 
@@ -242,6 +245,24 @@ def start_hogs(count: int, cpu: str, cgroup: Path, weight: float = 1.0,
         (cgroup / "cpu.weight").write_text(str(w))
         done["cpu_weight"] = w
     return [leader], done
+
+
+def default_victim(scenario: str, world: int) -> int:
+    """The victim rank when none is given: the last rank, but for a hang a middle one (a job
+    rarely hangs on its last rank, and rank 0 serves the bootstrap)."""
+    return world // 2 if scenario == "hang" else world - 1
+
+
+def signal_pod(cgroup: Path, sig: int) -> list[int]:
+    """Send `sig` to every process of a pod's cgroup; returns the pids signalled."""
+    done = []
+    for pid in cgroups.procs(cgroup):
+        try:
+            os.kill(pid, sig)
+            done.append(pid)
+        except ProcessLookupError:
+            pass
+    return done
 
 
 def stop_hogs(procs: list[subprocess.Popen]) -> None:
