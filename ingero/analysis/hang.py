@@ -1,5 +1,5 @@
-"""A hung job: ranks wait in an NCCL call that another rank of the communicator never
-entered (or entered and then stopped).
+"""A hung job: ranks wait in an NCCL call that another rank never entered (or entered and
+then stopped).
 
 A wait is a call that was in flight for long: a row of ``nccl_inflight`` (the tracer saw
 the thread inside the call; the call never returned before the trace ended or the process
@@ -7,11 +7,14 @@ died) or a call that returned an error after that long (NCCL gave up on a peer: 
 A call that returned success is no hang, however long it took: the job moved on (a rank
 stopped for a while and then continued is a straggler, judged elsewhere).
 
-The waits are grouped by the collective instance they wait in (communicator, op, seq); the
-instance with the most waiting ranks is the hang. Every other member of the communicator
-is then named by what it did: it never entered the instance (its last call ended when,
-and what its threads were doing: stopped, on a CPU, in I/O, asleep), or it is inside it
-with its threads stopped (both are in ``Hang.missing``: the ranks the others wait for).
+The collective waits are grouped by the instance they wait in (communicator, op, seq); the
+instance with the most waiting ranks is the hang (with no collective waits: the longest
+point-to-point or group wait, among every traced rank). Every other member is then named
+by what it did: it never entered the instance (its last call ended when, and what its
+threads were doing: stopped, on a CPU, in I/O, asleep), it waits in another call (a send,
+a receive or a group with someone else: not the cause), it finished the instance, or it is
+inside a call with its threads stopped. ``Hang.missing`` holds the ranks the others wait
+for: those that never entered it and wait in nothing, and those stopped inside a call.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import duckdb
 
 from ingero.analysis.model import Hang
-from ingero.schema import COLLECTIVE_OPS, NCCL_OK_RETS
+from ingero.schema import COLLECTIVE_OPS, NCCL_OK_RETS, P2P_OPS
 
 # A call this long in flight may be a hang: a healthy collective takes milliseconds to
 # seconds, while NCCL's and PyTorch's watchdogs give up only after minutes.
@@ -28,29 +31,30 @@ HANG_MIN_S = 10.0
 # that communicator (its p99): a job whose collectives take seconds is not hung at 10 s.
 USUAL_FACTOR = 20.0
 STOPPED_STATES = ("T", "t")     # /proc state letters: stopped by a signal, stopped by a tracer
+# an open call matches its returned event by thread, op and entry time: the two wall-clock
+# times come from one monotonic reading, converted with offsets taken apart (microseconds)
+SAME_ENTRY_NS = 1_000_000
 
 _OK = ", ".join(map(str, NCCL_OK_RETS))
-_COLL = ", ".join(repr(o) for o in COLLECTIVE_OPS)
+_CALLS = ", ".join(repr(o) for o in COLLECTIVE_OPS + P2P_OPS + ("GROUP_END", "GROUP_SIMULATE_END"))
 _RANK_OF = """LEFT JOIN (SELECT node, pid, any_value(rank) AS rank FROM ranks GROUP BY node, pid) r
               ON r.node IS NOT DISTINCT FROM {a}.node AND r.pid = {a}.pid"""
 
 # calls in flight the trace never saw return
 _OPEN = f"""
-    SELECT COALESCE(r.rank, i.rank) AS grank, i.node, i.pid, i.op, i.comm_id_hash AS comm, i.seq,
+    SELECT COALESCE(r.rank, i.rank) AS grank, i.op, COALESCE(i.comm_id_hash, 0) AS comm, i.seq,
            i.since_ns AS since, i.seen_ns - i.since_ns AS waited, i.state, NULL::INTEGER AS ret
     FROM nccl_inflight i {_RANK_OF.format(a="i")}
-    WHERE i.op IN ({_COLL}) AND i.comm_id_hash IS NOT NULL AND i.seq IS NOT NULL
-      AND i.seen_ns - i.since_ns >= $min_ns
+    WHERE i.op IN ({_CALLS}) AND i.seen_ns - i.since_ns >= $min_ns
       AND NOT EXISTS (SELECT 1 FROM nccl_events e
                       WHERE e.node IS NOT DISTINCT FROM i.node AND e.pid = i.pid AND e.tid = i.tid
-                        AND e.op = i.op AND e.comm_id_hash = i.comm_id_hash AND e.seq = i.seq)"""
+                        AND e.op = i.op AND abs(e.timestamp_ns - i.since_ns) < {SAME_ENTRY_NS})"""
 # calls that failed after a long wait
 _FAILED = f"""
-    SELECT COALESCE(r.rank, e.global_rank) AS grank, e.node, e.pid, e.op, e.comm_id_hash AS comm, e.seq,
+    SELECT COALESCE(r.rank, e.global_rank) AS grank, e.op, COALESCE(e.comm_id_hash, 0) AS comm, e.seq,
            e.timestamp_ns AS since, e.duration_ns AS waited, NULL AS state, e.ret
     FROM nccl_events e {_RANK_OF.format(a="e")}
-    WHERE e.op IN ({_COLL}) AND e.ret NOT IN ({_OK}) AND e.duration_ns >= $min_ns
-      AND e.comm_id_hash <> 0 AND e.seq IS NOT NULL"""
+    WHERE e.op IN ({_CALLS}) AND e.ret NOT IN ({_OK}) AND e.duration_ns >= $min_ns"""
 
 
 def find_hang(con) -> Hang | None:
@@ -61,57 +65,87 @@ def find_hang(con) -> Hang | None:
     if not waits:
         return None
     usual = _usual_ns(con, {(w["grank"], w["op"], w["comm"]) for w in waits})
-    waits = [w for w in waits if w["waited"] >= USUAL_FACTOR * usual.get((w["grank"], w["op"], w["comm"]), 0)]
+    waits = [w for w in waits if w["waited"] >= USUAL_FACTOR * usual[(w["grank"], w["op"], w["comm"])]]
     if not waits:
         return None
-    # the instance most ranks wait in (then the longest wait)
+    # each rank's longest wait, and per collective instance the ranks waiting in it
+    longest: dict[int, dict] = {}
     by_inst: dict[tuple, dict[int, dict]] = {}
-    for w in waits:
-        inst = by_inst.setdefault((w["comm"], w["op"], w["seq"]), {})
-        if w["grank"] not in inst or w["waited"] > inst[w["grank"]]["waited"]:
-            inst[w["grank"]] = w
-    (comm, op, seq), held = max(by_inst.items(), key=lambda kv: (len(kv[1]), max(w["waited"] for w in kv[1].values())))
-    end_ns = max(w["since"] + w["waited"] for w in held.values())
-    members = _members(con, comm)
-    entered = _entered(con, comm, op, seq)
-    states = _thread_states(con)
+    for w in sorted(waits, key=lambda w: w["waited"]):
+        longest[w["grank"]] = w
+        if w["op"] in COLLECTIVE_OPS and w["comm"] and w["seq"] is not None:
+            by_inst.setdefault((w["comm"], w["op"], w["seq"]), {})[w["grank"]] = w
+    if by_inst:
+        (comm, op, seq), held = max(by_inst.items(),
+                                    key=lambda kv: (len(kv[1]), max(w["waited"] for w in kv[1].values())))
+        members, entered = _members(con, comm), _entered(con, comm, op, seq)
+    else:       # only sends, receives and groups wait: the longest of them, among every rank
+        w = max(waits, key=lambda w: w["waited"])
+        comm, op, seq = w["comm"], w["op"], w["seq"]
+        held = {r: x for r, x in longest.items() if x["state"] not in STOPPED_STATES}
+        members, entered = _members(con, None), set()
     stopped_inside = sorted(r for r, w in held.items() if w["state"] in STOPPED_STATES)
     waiting = sorted(r for r in held if r not in stopped_inside)
     if not waiting:
         return None     # only stopped ranks inside: nobody waits on them (yet)
-    never = sorted(m for m in members if m not in held and m not in entered)
-    passed = sorted(m for m in members if m not in held and m in entered)
+    others = sorted(m for m in members if m not in held)
+    elsewhere = [m for m in others if m in longest and m not in entered]
+    stopped_inside += [m for m in elsewhere if longest[m]["state"] in STOPPED_STATES]
+    elsewhere = [m for m in elsewhere if m not in stopped_inside]
+    never = [m for m in others if m not in entered and m not in longest]
+    passed = [m for m in others if m in entered]
+    end_ns = max(w["since"] + w["waited"] for w in list(held.values()) + [longest[m] for m in others
+                                                                          if m in longest])
     last_end = _last_call_end(con, never)
+    states = _thread_states(con)
     waited_s = max(held[r]["waited"] for r in waiting) / 1e9
     failed = sorted(r for r in waiting if held[r]["ret"] is not None)
 
     # times "ago" are counted back from the end of the longest wait (as last seen)
-    where = f"{op} #{seq} of communicator {comm:016x}"
+    where = _call(op, comm, seq)
     gave_up = ("" if not failed else " and gave up with an NCCL error" if len(failed) == len(waiting)
                else f" ({_ranks(failed)} gave up with an NCCL error)")
     parts = [f"{_ranks(waiting)} wait{'s' if len(waiting) == 1 else ''} in {where} for {waited_s:.0f} s{gave_up}"]
     for r in never:
         ago = (f"its last call ended {(end_ns - last_end[r]) / 1e9:.0f} s ago" if r in last_end
                else "it made no traced call")
-        parts.append(f"rank {r} never entered it ({ago}; its threads {_doing(states.get(r))})")
-    for r in stopped_inside:
-        parts.append(f"rank {r} entered it {(end_ns - held[r]['since']) / 1e9:.0f} s ago and its threads "
+        parts.append(f"rank {r} {'never entered it' if by_inst else 'waits in no call'} "
+                     f"({ago}; its threads {_doing(states.get(r))})")
+    for r in sorted(stopped_inside):
+        w = held.get(r) or longest[r]
+        inside = "it" if r in held else _call(w["op"], w["comm"], w["seq"])
+        parts.append(f"rank {r} entered {inside} {(end_ns - w['since']) / 1e9:.0f} s ago and its threads "
                      f"{_doing(states.get(r))}")
+    for r in elsewhere:
+        w = longest[r]
+        parts.append(f"rank {r} waits in {_call(w['op'], w['comm'], w['seq'])} for {w['waited'] / 1e9:.0f} s")
     for r in passed:
         parts.append(f"rank {r} finished it and went on")
     if not never and not stopped_inside:
-        parts.append("every traced member entered it and none is stopped: the data does not move "
-                     "(a peer outside the trace, or the network)")
-    unknown = _size(con, comm) - len(members | set(held))
+        parts.append("every traced member entered it or waits elsewhere, and none is stopped: the data does "
+                     "not move (a peer outside the trace, or the network)")
+    unknown = _size(con, comm) - len(set(members) | set(held)) if comm else 0
     if unknown > 0:
         parts.append(f"{unknown} member{'s' if unknown > 1 else ''} of the communicator "
                      f"{'were' if unknown > 1 else 'was'} not traced")
     return Hang(
-        waiting=[{"rank": r, "op": op, "comm": f"{comm:016x}", "seq": seq, "since_ns": held[r]["since"],
+        waiting=[{"rank": r, "op": held[r]["op"], "comm": _hex(held[r]["comm"]), "seq": held[r]["seq"],
+                  "since_ns": held[r]["since"],
                   "waited_s": round(held[r]["waited"] / 1e9, 3), "state": held[r]["state"],
                   "ret": held[r]["ret"]} for r in waiting],
-        missing=never + stopped_inside, op=op, comm=f"{comm:016x}", seq=seq, waited_s=round(waited_s, 3),
+        missing=sorted(never + stopped_inside), op=op, comm=_hex(comm), seq=seq, waited_s=round(waited_s, 3),
         evidence="; ".join(parts))
+
+
+def _hex(comm: int) -> str | None:
+    return f"{comm:016x}" if comm else None
+
+
+def _call(op: str, comm: int, seq) -> str:
+    """ALL_REDUCE #812 of communicator ab12... / GROUP_END"""
+    if op in COLLECTIVE_OPS and comm and seq is not None:
+        return f"{op} #{seq} of communicator {comm:016x}"
+    return f"{op} on communicator {comm:016x}" if comm else op
 
 
 def _rows(con, sql: str, params: dict, inflight: bool = False) -> list[dict]:
@@ -130,16 +164,17 @@ def _usual_ns(con, keys: set) -> dict:
     out = {}
     for grank, op, comm in keys:
         v = con.execute(f"""SELECT quantile_cont(e.duration_ns, 0.99) FROM nccl_events e {_RANK_OF.format(a="e")}
-                            WHERE COALESCE(r.rank, e.global_rank) = ? AND e.op = ? AND e.comm_id_hash = ?
+                            WHERE COALESCE(r.rank, e.global_rank) = ? AND e.op = ?
+                              AND COALESCE(e.comm_id_hash, 0) = ?
                               AND e.ret IN ({_OK})""", [grank, op, comm]).fetchone()[0]
         out[(grank, op, comm)] = v or 0
     return out
 
 
-def _members(con, comm: int) -> set:
-    """Global ranks seen calling on (or creating) the communicator."""
+def _members(con, comm: int | None) -> set:
+    """Global ranks seen calling on (or creating) the communicator; None: every traced rank."""
     rows = con.execute(f"""SELECT DISTINCT COALESCE(r.rank, e.global_rank) FROM nccl_events e {_RANK_OF.format(a="e")}
-                           WHERE e.comm_id_hash = ?""", [comm]).fetchall()
+                           WHERE $comm IS NULL OR e.comm_id_hash = $comm""", {"comm": comm}).fetchall()
     return {g for (g,) in rows if g is not None}
 
 

@@ -125,7 +125,7 @@ def test_every_rank_inside_and_none_stopped_is_a_hang_with_nobody_missing():
         inflight(con, r, "S", END + 31 * S, op="ALL_REDUCE", seq=20, since=END + S)
     h = find_hang(con)
     assert h.missing == [] and len(h.waiting) == 4
-    assert "every traced member entered it and none is stopped" in h.evidence
+    assert "every traced member entered it or waits elsewhere, and none is stopped" in h.evidence
 
 
 def test_a_member_that_finished_the_call_and_an_untraced_member_are_said():
@@ -185,6 +185,36 @@ def test_some_waiters_gave_up_and_some_still_wait():
     h = find_hang(con)
     assert h.missing == [2, 3] and round(h.waited_s) == 24
     assert "ranks 0, 1 wait in ALL_REDUCE #20" in h.evidence and "(rank 0 gave up with an NCCL error)" in h.evidence
+
+
+def test_a_rank_waiting_in_a_group_with_the_stopped_rank_is_not_missing():
+    # rank 2 stopped inside its send/recv group with ranks 1 and 3; rank 1 and 3 wait in
+    # that group, rank 0 went on and waits in the next ALL_REDUCE
+    con = trace()
+    for r in range(4):
+        con.execute("INSERT INTO nccl_events (event_id, node, pid, tid, global_rank, op, comm_id_hash, ret, "
+                    "timestamp_ns, duration_ns) VALUES (?, ?, ?, ?, ?, 'GROUP_END', 0, 0, ?, 1000000)",
+                    [next(_EID), NODE_OF[r], 100 + r, 100 + r, r, END - S])
+    inflight(con, 0, "S", END + 41 * S, op="ALL_REDUCE", seq=20, since=END + S)
+    for r in (1, 3):
+        inflight(con, r, "S", END + 41 * S, op="GROUP_END", since=END, comm=None)
+    inflight(con, 2, "T", END + 41 * S, op="GROUP_END", since=END, comm=None)
+    h = find_hang(con)
+    assert h.missing == [2] and [w["rank"] for w in h.waiting] == [0]
+    assert "rank 2 entered GROUP_END 41 s ago and its threads are stopped" in h.evidence
+    assert "rank 1 waits in GROUP_END for 41 s" in h.evidence and "rank 3 waits in GROUP_END" in h.evidence
+
+
+def test_only_receives_waiting_judge_among_every_rank():
+    con = trace()
+    inflight(con, 1, "S", END + 30 * S, op="RECV", seq=7, since=END)
+    inflight(con, 2, "S", END + 30 * S, op="RECV", seq=3, since=END + S)
+    inflight(con, 0, "T", END + 30 * S)
+    h = find_hang(con)
+    assert (h.op, h.seq, h.comm) == ("RECV", 7, f"{COMM:016x}")
+    assert [(w["rank"], w["seq"]) for w in h.waiting] == [(1, 7), (2, 3)] and h.missing == [0, 3]
+    assert "rank 0 waits in no call" in h.evidence and "its threads are stopped" in h.evidence
+    assert f"ranks 1, 2 wait in RECV on communicator {COMM:016x} for 30 s" in h.evidence
 
 
 @pytest.mark.parametrize("states, words", [
