@@ -76,8 +76,16 @@ def find_hang(con) -> Hang | None:
         if w["op"] in COLLECTIVE_OPS and w["comm"] and w["seq"] is not None:
             by_inst.setdefault((w["comm"], w["op"], w["seq"]), {})[w["grank"]] = w
     if by_inst:
-        (comm, op, seq), held = max(by_inst.items(),
-                                    key=lambda kv: (len(kv[1]), max(w["waited"] for w in kv[1].values())))
+        # the instance a cause can be seen in (a member that never entered it and waits in
+        # nothing, or is stopped; others only wait on a wait), then most waiters, longest wait
+        def pick(kv):
+            (c, o, q), held = kv
+            members, entered = _members(con, c), _entered(con, c, o, q)
+            cause = any(m not in held and m not in entered
+                        and (m not in longest or longest[m]["state"] in STOPPED_STATES) for m in members)
+            cause |= any(w["state"] in STOPPED_STATES for w in held.values())
+            return cause, len(held), max(w["waited"] for w in held.values())
+        (comm, op, seq), held = max(by_inst.items(), key=pick)
         members, entered = _members(con, comm), _entered(con, comm, op, seq)
     else:       # only sends, receives and groups wait: the longest of them, among every rank
         w = max(waits, key=lambda w: w["waited"])
@@ -121,6 +129,10 @@ def find_hang(con) -> Hang | None:
         parts.append(f"rank {r} waits in {_call(w['op'], w['comm'], w['seq'])} for {w['waited'] / 1e9:.0f} s")
     for r in passed:
         parts.append(f"rank {r} finished it and went on")
+    also = sorted(r for r in longest if r not in held and r not in members)
+    if also:
+        ops = sorted({longest[r]["op"] for r in also})
+        parts.append(f"{_ranks(also)} also wait{'s' if len(also) == 1 else ''}, in {', '.join(ops)}")
     if not never and not stopped_inside:
         parts.append("every traced member entered it or waits elsewhere, and none is stopped: the data does "
                      "not move (a peer outside the trace, or the network)")

@@ -217,6 +217,22 @@ def test_only_receives_waiting_judge_among_every_rank():
     assert f"ranks 1, 2 wait in RECV on communicator {COMM:016x} for 30 s" in h.evidence
 
 
+def test_the_instance_that_shows_the_cause_wins_over_a_longer_wait_on_a_waiter():
+    # 3D-like: rank 1 waits (longest) on rank 3, which itself waits in a receive; rank 0
+    # waits on rank 2, which is stopped: the cause is seen through rank 0's wait
+    con = trace()
+    x, y = 0x1111, 0x2222
+    for r, comm in ((1, x), (3, x), (0, y), (2, y)):
+        call(con, r, 0, T0, 1_000_000, op="REDUCE_SCATTER", comm=comm, nranks=2)
+    inflight(con, 1, "S", END + 32 * S, op="REDUCE_SCATTER", seq=1, since=END, comm=x)
+    inflight(con, 3, "S", END + 32 * S, op="RECV", seq=9, since=END + S)
+    inflight(con, 0, "S", END + 31 * S, op="REDUCE_SCATTER", seq=1, since=END, comm=y)
+    inflight(con, 2, "T", END + 31 * S)
+    h = find_hang(con)
+    assert h.comm == f"{y:016x}" and h.missing == [2] and [w["rank"] for w in h.waiting] == [0]
+    assert "ranks 1, 3 also wait, in RECV, REDUCE_SCATTER" in h.evidence
+
+
 @pytest.mark.parametrize("states, words", [
     (None, "were not seen"), (["T", "T"], "are stopped"), (["T", "S"], "are partly stopped"),
     (["S", "R"], "run (on a CPU or waiting for one) outside NCCL"), (["S", "D"], "wait in I/O"),
