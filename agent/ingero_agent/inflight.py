@@ -106,7 +106,8 @@ class FrameReader:
         if not self.threads_readable and tid != pid:
             return None
         f = self._lookup(pid, tid)
-        if f is None or not f.sp or not f.target or f.op not in _CALL_OPS:
+        # (task storage keeps a slot for untraced threads too, target 0; the hash only for traced ones)
+        if f is None or not f.sp or (self.task_storage and not f.target) or f.op not in _CALL_OPS:
             return None
         return Open(tid=tid, op=schema.NCCL_OPS[f.op], since_mono_ns=int(f.ts), comm_hash=int(f.hash),
                     seq=int(f.seq), comm_rank=int(f.rank), nranks=int(f.nranks), peer=int(f.peer),
