@@ -62,12 +62,11 @@ def find_hang(con) -> Hang | None:
     params = {"min_ns": int(HANG_MIN_S * 1e9)}
     waits = [w for w in _rows(con, _FAILED, params) + _rows(con, _OPEN, params, inflight=True)
              if w["grank"] is not None]
+    if waits:
+        usual = _usual_ns(con, {(w["grank"], w["op"], w["comm"]) for w in waits})
+        waits = [w for w in waits if w["waited"] >= USUAL_FACTOR * usual[(w["grank"], w["op"], w["comm"])]]
     if not waits:
-        return None
-    usual = _usual_ns(con, {(w["grank"], w["op"], w["comm"]) for w in waits})
-    waits = [w for w in waits if w["waited"] >= USUAL_FACTOR * usual[(w["grank"], w["op"], w["comm"])]]
-    if not waits:
-        return None
+        return _standstill(con)
     # each rank's longest wait, and per collective instance the ranks waiting in it
     longest: dict[int, dict] = {}
     by_inst: dict[tuple, dict[int, dict]] = {}
@@ -147,6 +146,51 @@ def find_hang(con) -> Hang | None:
                   "ret": held[r]["ret"]} for r in waiting],
         missing=sorted(never + stopped_inside), op=op, comm=_hex(comm), seq=seq, waited_s=round(waited_s, 3),
         evidence="; ".join(parts))
+
+
+# per rank: its last call's end, its threads' last sight, the p99 gap between its calls
+_QUIET = f"""
+    WITH c AS (SELECT COALESCE(r.rank, e.global_rank) AS g, e.timestamp_ns + e.duration_ns AS t
+               FROM nccl_events e {_RANK_OF.format(a="e")} WHERE e.op IN ({_CALLS}) AND e.duration_ns IS NOT NULL),
+         gaps AS (SELECT g, t, t - lag(t) OVER (PARTITION BY g ORDER BY t) AS gap FROM c),
+         calls AS (SELECT g, max(t) AS last_end, quantile_cont(gap, 0.99) AS p99_gap FROM gaps GROUP BY g),
+         seen AS (SELECT COALESCE(r.rank, i.rank) AS g, max(i.seen_ns) AS seen,
+                         bool_and(i.state IN ('T', 't')) AS stopped, bool_or(i.op IS NOT NULL) AS in_call
+                  FROM nccl_inflight i {_RANK_OF.format(a="i")} GROUP BY g)
+    SELECT calls.g, last_end, p99_gap, seen, stopped, in_call
+    FROM calls JOIN seen ON seen.g = calls.g ORDER BY calls.g"""
+
+
+def _standstill(con) -> Hang | None:
+    """No call waits, yet no rank has made an NCCL call for long while every one was still
+    seen, and some rank's threads are stopped: the job stands still around it. (On a GPU the
+    host only queues a collective and then waits in the stream's synchronisation, outside
+    NCCL, so a hung collective leaves no call in flight.) Without a stopped rank such a quiet
+    spell may be work without collectives (a checkpoint, an evaluation): no verdict."""
+    try:
+        rows = con.execute(_QUIET).fetchall()
+    except duckdb.CatalogException:
+        return None
+    if len(rows) < 2 or any(in_call for *_, in_call in rows):
+        return None     # a call in flight, not yet long enough to be a wait (find_hang)
+    quiet = {g: (seen - end, p99 or 0) for g, end, p99, seen, _, _ in rows}
+    if any(q < HANG_MIN_S * 1e9 or q < USUAL_FACTOR * p99 for q, p99 in quiet.values()):
+        return None
+    stopped = [g for g, _, _, _, st, _ in rows if st]
+    if not stopped:
+        return None
+    states = _thread_states(con)
+    others = [g for g, *_ in rows if g not in stopped]
+    usual_s = max(p99 for _, p99 in quiet.values()) / 1e9
+    quiet_s = min(q for q, _ in quiet.values()) / 1e9
+    parts = [f"no rank made an NCCL call for {quiet_s:.0f} s before its threads were last seen (before, "
+             f"at most {usual_s:.2g} s passed between its calls): the job stands still",
+             f"{_ranks(stopped)}: {'its' if len(stopped) == 1 else 'their'} threads are stopped"]
+    parts += [f"rank {g}: its threads {_doing(states.get(g))}" for g in others]
+    return Hang(waiting=[{"rank": g, "op": None, "comm": None, "seq": None, "since_ns": None,
+                          "waited_s": round(quiet[g][0] / 1e9, 3), "state": None, "ret": None} for g in others],
+                missing=stopped, op=None, comm=None, seq=None, waited_s=round(quiet_s, 3),
+                evidence="; ".join(parts))
 
 
 def _hex(comm: int) -> str | None:

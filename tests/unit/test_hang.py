@@ -233,6 +233,41 @@ def test_the_instance_that_shows_the_cause_wins_over_a_longer_wait_on_a_waiter()
     assert "ranks 1, 3 also wait, in RECV, REDUCE_SCATTER" in h.evidence
 
 
+def _quiet(con, seen_after_s: float, stopped=(2,)):
+    """Every rank's threads seen `seen_after_s` after the last calls (END), `stopped` ones stopped."""
+    for r in range(4):
+        inflight(con, r, "T" if r in stopped else "S", END + int(seen_after_s * S))
+
+
+def test_a_job_standing_still_around_a_stopped_rank_is_a_hang_without_a_call_in_flight():
+    # a GPU: the others queued their collectives and wait in the stream synchronisation
+    con = trace()
+    _quiet(con, 20)
+    h = find_hang(con)
+    assert h.missing == [2] and h.op is None and [w["rank"] for w in h.waiting] == [0, 1, 3]
+    assert h.evidence.startswith("no rank made an NCCL call for 20 s before its threads were last seen")
+    assert "rank 2: its threads are stopped; rank 0: its threads sleep outside NCCL" in h.evidence
+
+
+@pytest.mark.parametrize("seen_after_s, stopped", [(20, ()), (8, (2,))], ids=["nobody-stopped", "short"])
+def test_a_quiet_spell_without_a_stopped_rank_or_too_short_is_no_hang(seen_after_s, stopped):
+    con = trace()
+    _quiet(con, seen_after_s, stopped)
+    assert find_hang(con) is None
+
+
+def test_a_quiet_spell_is_no_hang_while_a_rank_still_calls_or_the_job_calls_rarely():
+    con = trace()
+    call(con, 0, 20, END + 15 * S, 1_000_000)
+    _quiet(con, 20)
+    assert find_hang(con) is None
+    con = trace(step_ms=2000)                   # a call every 2 s: 20 s quiet is not 20x that
+    end = T0 + 20 * 2 * S
+    for r in range(4):
+        inflight(con, r, "T" if r == 2 else "S", end + 20 * S)
+    assert find_hang(con) is None
+
+
 @pytest.mark.parametrize("states, words", [
     (None, "were not seen"), (["T", "T"], "are stopped"), (["T", "S"], "are partly stopped"),
     (["S", "R"], "run (on a CPU or waiting for one) outside NCCL"), (["S", "D"], "wait in I/O"),
