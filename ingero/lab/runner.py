@@ -73,6 +73,7 @@ class LabConfig:
     profiler_plugin: Path | None = None  # an NCCL profiler plugin every rank loads (NCCL_PROFILER_PLUGIN)
     timeout_s: int = 60            # a rank whose peer stops answering fails after this
     hang_s: float | None = None    # hang: continue the stopped victim after this long (None: for good)
+    hang_mode: str = "stop"        # hang: stop (SIGSTOP) or sleep (lives, calls NCCL no more)
     master_port: int = 29500
     progress_every_s: float = 3.0
 
@@ -126,8 +127,10 @@ class LabRun:
             raise IngeroError(f"--device {cfg.device!r}: use one of {', '.join(DEVICES)}")
         if cfg.scenario == "hang" and cfg.fault_after_s is None:
             raise IngeroError("the hang scenario stops a rank once it runs: give --fault-after SECONDS")
-        if cfg.hang_s is not None and (cfg.scenario != "hang" or cfg.hang_s <= 0):
-            raise IngeroError("--hang-for needs --scenario hang and a time > 0")
+        if cfg.hang_s is not None and (cfg.scenario != "hang" or cfg.hang_s <= 0 or cfg.hang_mode != "stop"):
+            raise IngeroError("--hang-for needs --scenario hang, --hang-mode stop and a time > 0")
+        if cfg.hang_mode not in faults.HANG_MODES:
+            raise IngeroError(f"--hang-mode {cfg.hang_mode!r}: use one of {', '.join(faults.HANG_MODES)}")
         if cfg.timeout_s < 1:
             raise IngeroError(f"--timeout {cfg.timeout_s} is out of range: use 1 s or more")
         if cfg.profiler_plugin is not None and not Path(cfg.profiler_plugin).is_file():
@@ -217,7 +220,7 @@ class LabRun:
         self.plans = faults.plan_ranks(c.scenario, c.world, self.victim, compute_ms=c.compute_ms,
                                        slow_factor=c.slow_factor, io_mb=c.io_mb, io_dir=self.out / "io",
                                        delayed=delayed, layout=self.layout, stage=c.stage,
-                                       imbalance=c.imbalance)
+                                       imbalance=c.imbalance, hang_mode=c.hang_mode)
         if c.scenario == "cpu-hog":
             # the victim and the hogs in one v1 cpu group: the hogs' weight holds against the
             # victim only (faults.start_hogs); None without a v1 cpu controller
@@ -238,7 +241,7 @@ class LabRun:
             self.hogs, self.notes["cpu_hog"] = faults.start_hogs(
                 c.hogs, cpu, cgroups.make_plain(self.run_id, "hogs"), c.hog_weight,
                 share=self.cpu_share["hogs"] if self.cpu_share else None)
-        elif c.scenario == "hang":
+        elif c.scenario == "hang" and c.hang_mode == "stop":
             self.notes["hang"] = {"stopped_pids": faults.signal_pod(self.ranks[self.victim].pod.cgroup,
                                                                    signal.SIGSTOP),
                                   "for_s": c.hang_s, "continued_ns": None}
@@ -314,7 +317,7 @@ class LabRun:
         c = self.cfg
         if c.fault_after_s is not None and c.scenario != "clean":
             self._fault_from_ns = time.time_ns() + int(c.fault_after_s * 1e9)
-            if c.scenario in ("slow-rank", "io-stall"):
+            if c.scenario in ("slow-rank", "io-stall") or (c.scenario, c.hang_mode) == ("hang", "sleep"):
                 self.times["fault_injected_ns"] = self._fault_from_ns
                 self.log(f"lab {self.run_id}: fault {c.scenario} on rank {self.victim} "
                          f"({self.victim_node.name}) from {c.fault_after_s:g} s after the ranks start")

@@ -1,7 +1,8 @@
 """A hung lab job under real eBPF: `ingero lab run --scenario hang --trace`.
 
-One rank is stopped (SIGSTOP) 6 s into the job, for good: the others block in their next
-collective until the lab NCCL's 20 s timeout fails it. The tracer's calls in flight
+One rank is stopped (SIGSTOP) 6 s into the job, for good (or, `--hang-mode sleep`, lives on
+but calls NCCL no more): the others block in their next collective until the lab NCCL's
+20 s timeout fails it. The tracer's calls in flight
 (`nccl_inflight`) and the failed calls must make the verdict "hang", naming the stopped
 rank as the one the others wait for. The same rank stopped for 15 s and then continued is
 no hang (ingero.lab.truth.hang_problem judges both against the lab's lab.json).
@@ -48,8 +49,8 @@ def _report(db) -> dict:
     return json.loads(p.stdout)
 
 
-@pytest.mark.parametrize("shape", [{}, {"layout": "tp=2,pp=2,dp=2", "ranks_per_node": 4}, {"device": "gpu"}],
-                         ids=["dp", "3d", "dp-gpu"])
+@pytest.mark.parametrize("shape", [{}, {"layout": "tp=2,pp=2,dp=2", "ranks_per_node": 4}, {"device": "gpu"},
+                                   {"hang_mode": "sleep"}], ids=["dp", "3d", "dp-gpu", "dp-sleep"])
 def test_a_rank_stopped_for_good_is_named_as_the_hang(tmp_path, shape):
     run = _run(tmp_path, **shape)
     victim = run.report["victim_rank"]
@@ -62,7 +63,8 @@ def test_a_rank_stopped_for_good_is_named_as_the_hang(tmp_path, shape):
     assert not problem, (problem, rep["hang"])
     h = rep["hang"]
     assert h["waited_s"] >= 15, h
-    assert "threads are stopped" in h["evidence"], h["evidence"]
+    sleeps = shape.get("hang_mode") == "sleep"
+    assert ("its threads sleep outside NCCL" if sleeps else "threads are stopped") in h["evidence"], h["evidence"]
     if shape.get("device") == "gpu":
         assert h["op"] is None and "the job stands still" in h["evidence"], h
         return
@@ -76,7 +78,7 @@ def test_a_rank_stopped_for_good_is_named_as_the_hang(tmp_path, shape):
                                 WHERE rank <> ? AND op IS NOT NULL""", [victim]).fetchone()[0]
     finally:
         con.close()
-    assert states == {"T"}, states
+    assert states == ({"S"} if sleeps else {"T"}), states
     # every other rank was seen inside its call well into the wait, before its timeout
     assert waited is not None and waited >= 14, waited
 

@@ -101,12 +101,23 @@ def test_hang_stops_a_middle_rank_by_default_and_others_the_last():
     ({"scenario": "clean", "hang_s": 5.0}, "--hang-for needs --scenario hang"),
     ({"scenario": "hang", "fault_after_s": 2.0, "hang_s": 0.0}, "--hang-for"),
     ({"scenario": "hang", "fault_after_s": 2.0, "timeout_s": 0}, "--timeout 0"),
+    ({"scenario": "hang", "fault_after_s": 2.0, "hang_mode": "sleep", "hang_s": 5.0}, "--hang-mode stop"),
+    ({"scenario": "hang", "fault_after_s": 2.0, "hang_mode": "nap"}, "--hang-mode 'nap'"),
 ])
 def test_hang_settings_are_checked(kw, msg):
     from ingero.lab.runner import LabConfig, LabRun
 
     with pytest.raises(IngeroError, match=msg):
         LabRun(LabConfig(**kw))
+
+
+def test_a_sleeping_hang_makes_only_the_victim_compute_for_a_day_from_the_fault(tmp_path):
+    plans = faults.plan_ranks("hang", 4, 2, compute_ms=40, slow_factor=2, io_mb=8, io_dir=tmp_path,
+                              delayed=True, hang_mode="sleep")
+    assert plans[2].env == {"INGERO_LAB_FAULT_COMPUTE_MS": str(faults.HANG_SLEEP_MS)}
+    assert all(not plans[r].env for r in (0, 1, 3))
+    assert not faults.plan_ranks("hang", 4, 2, compute_ms=40, slow_factor=2, io_mb=8, io_dir=tmp_path,
+                                 delayed=True)[2].env
 
 
 def test_signal_pod_signals_every_process_of_the_cgroup(tmp_path, monkeypatch):
