@@ -57,16 +57,17 @@ _FAILED = f"""
     WHERE e.op IN ({_CALLS}) AND e.ret NOT IN ({_OK}) AND e.duration_ns >= $min_ns"""
 
 
-def find_hang(con) -> Hang | None:
-    """The hang in the trace on `con` (a DuckDB connection), or None."""
-    params = {"min_ns": int(HANG_MIN_S * 1e9)}
+def find_hang(con, min_s: float = HANG_MIN_S) -> Hang | None:
+    """The hang in the trace on `con` (a DuckDB connection), or None. `min_s`: how long a
+    call must be in flight (or a job stand still) to count (a live status may want less)."""
+    params = {"min_ns": int(min_s * 1e9)}
     waits = [w for w in _rows(con, _FAILED, params) + _rows(con, _OPEN, params, inflight=True)
              if w["grank"] is not None]
     if waits:
         usual = _usual_ns(con, {(w["grank"], w["op"], w["comm"]) for w in waits})
         waits = [w for w in waits if w["waited"] >= USUAL_FACTOR * usual[(w["grank"], w["op"], w["comm"])]]
     if not waits:
-        return _standstill(con)
+        return _standstill(con, min_s)
     # each rank's longest wait, and per collective instance the ranks waiting in it
     longest: dict[int, dict] = {}
     by_inst: dict[tuple, dict[int, dict]] = {}
@@ -161,7 +162,7 @@ _QUIET = f"""
     FROM calls JOIN seen ON seen.g = calls.g ORDER BY calls.g"""
 
 
-def _standstill(con) -> Hang | None:
+def _standstill(con, min_s: float) -> Hang | None:
     """No call waits, yet no rank has made an NCCL call for long while every one was still
     seen, and some rank's threads are stopped: the job stands still around it. (On a GPU the
     host only queues a collective and then waits in the stream's synchronisation, outside
@@ -174,7 +175,7 @@ def _standstill(con) -> Hang | None:
     if len(rows) < 2 or any(in_call for *_, in_call in rows):
         return None     # a call in flight, not yet long enough to be a wait (find_hang)
     quiet = {g: (seen - end, p99 or 0) for g, end, p99, seen, _, _ in rows}
-    if any(q < HANG_MIN_S * 1e9 or q < USUAL_FACTOR * p99 for q, p99 in quiet.values()):
+    if any(q < min_s * 1e9 or q < USUAL_FACTOR * p99 for q, p99 in quiet.values()):
         return None
     stopped = [g for g, _, _, _, st, _ in rows if st]
     if not stopped:

@@ -111,6 +111,15 @@ def test_a_wait_under_the_minimum_is_no_hang():
     assert find_hang(con) is None
 
 
+def test_a_shorter_minimum_finds_a_hang_sooner():
+    con = trace()
+    for r in (0, 1, 3):
+        inflight(con, r, "S", END + 7 * S, op="ALL_REDUCE", seq=20, since=END + S)
+    inflight(con, 2, "T", END + 7 * S)
+    assert find_hang(con) is None
+    assert find_hang(con, min_s=5).missing == [2]
+
+
 def test_a_wait_not_far_beyond_the_ranks_usual_call_is_no_hang():
     con = trace(call_ms=1000, step_ms=1100)     # collectives of 1 s: 12 s is not 20x that
     end = T0 + 20 * 1_100_000_000
