@@ -19,6 +19,8 @@ for: those that never entered it and wait in nothing, and those stopped inside a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import duckdb
 
 from ingero.analysis.model import Hang
@@ -60,93 +62,134 @@ _FAILED = f"""
 def find_hang(con, min_s: float = HANG_MIN_S) -> Hang | None:
     """The hang in the trace on `con` (a DuckDB connection), or None. `min_s`: how long a
     call must be in flight (or a job stand still) to count (a live status may want less)."""
+    waits = _waits(con, min_s)
+    if not waits:
+        return _standstill(con, min_s)
+    longest: dict[int, dict] = {}               # each rank's longest wait
+    for w in sorted(waits, key=lambda w: w["waited"]):
+        longest[w["grank"]] = w
+    at = _choose(con, waits, longest)
+    roles = _roles(at, longest)
+    return None if roles is None else _hang(con, at, roles, longest)
+
+
+def _waits(con, min_s: float) -> list[dict]:
+    """Calls in flight or failed after at least `min_s`, and at least USUAL_FACTOR times the
+    rank's own p99 of that op on that communicator."""
     params = {"min_ns": int(min_s * 1e9)}
     waits = [w for w in _rows(con, _FAILED, params) + _rows(con, _OPEN, params, inflight=True)
              if w["grank"] is not None]
-    if waits:
-        usual = _usual_ns(con, {(w["grank"], w["op"], w["comm"]) for w in waits})
-        waits = [w for w in waits if w["waited"] >= USUAL_FACTOR * usual[(w["grank"], w["op"], w["comm"])]]
-    if not waits:
-        return _standstill(con, min_s)
-    # each rank's longest wait, and per collective instance the ranks waiting in it
-    longest: dict[int, dict] = {}
+    usual = _usual_ns(con, {(w["grank"], w["op"], w["comm"]) for w in waits})
+    return [w for w in waits if w["waited"] >= USUAL_FACTOR * usual[(w["grank"], w["op"], w["comm"])]]
+
+
+@dataclass
+class _At:
+    """The call the hang is judged at, and who is in it."""
+
+    comm: int
+    op: str
+    seq: int | None
+    held: dict                  # rank -> its wait in this call
+    members: set                # the communicator's ranks (every traced rank: not a collective)
+    entered: set                # ranks that called it and saw it return
+    collective: bool
+
+
+def _choose(con, waits: list[dict], longest: dict) -> _At:
+    """The collective instance a cause can be seen in (a member that never entered it and
+    waits in nothing, or is stopped; others only wait on a wait), then the one most ranks
+    wait in, then the longest wait. With no collective waiting: the longest send, receive
+    or group wait, among every traced rank."""
     by_inst: dict[tuple, dict[int, dict]] = {}
     for w in sorted(waits, key=lambda w: w["waited"]):
-        longest[w["grank"]] = w
         if w["op"] in COLLECTIVE_OPS and w["comm"] and w["seq"] is not None:
             by_inst.setdefault((w["comm"], w["op"], w["seq"]), {})[w["grank"]] = w
-    if by_inst:
-        # the instance a cause can be seen in (a member that never entered it and waits in
-        # nothing, or is stopped; others only wait on a wait), then most waiters, longest wait
-        def pick(kv):
-            (c, o, q), held = kv
-            members, entered = _members(con, c), _entered(con, c, o, q)
-            cause = any(m not in held and m not in entered
-                        and (m not in longest or longest[m]["state"] in STOPPED_STATES) for m in members)
-            cause |= any(w["state"] in STOPPED_STATES for w in held.values())
-            return cause, len(held), max(w["waited"] for w in held.values())
-        (comm, op, seq), held = max(by_inst.items(), key=pick)
-        members, entered = _members(con, comm), _entered(con, comm, op, seq)
-    else:       # only sends, receives and groups wait: the longest of them, among every rank
+    if not by_inst:
         w = max(waits, key=lambda w: w["waited"])
-        comm, op, seq = w["comm"], w["op"], w["seq"]
         held = {r: x for r, x in longest.items() if x["state"] not in STOPPED_STATES}
-        members, entered = _members(con, None), set()
-    stopped_inside = sorted(r for r, w in held.items() if w["state"] in STOPPED_STATES)
-    waiting = sorted(r for r in held if r not in stopped_inside)
-    if not waiting:
-        return None     # only stopped ranks inside: nobody waits on them (yet)
-    others = sorted(m for m in members if m not in held)
-    elsewhere = [m for m in others if m in longest and m not in entered]
-    stopped_inside += [m for m in elsewhere if longest[m]["state"] in STOPPED_STATES]
-    elsewhere = [m for m in elsewhere if m not in stopped_inside]
-    never = [m for m in others if m not in entered and m not in longest]
-    passed = [m for m in others if m in entered]
-    end_ns = max(w["since"] + w["waited"] for w in list(held.values()) + [longest[m] for m in others
-                                                                          if m in longest])
-    last_end = _last_call_end(con, never)
-    states = _thread_states(con)
-    waited_s = max(held[r]["waited"] for r in waiting) / 1e9
-    failed = sorted(r for r in waiting if held[r]["ret"] is not None)
+        return _At(w["comm"], w["op"], w["seq"], held, _members(con, None), set(), False)
+    cands = [_At(c, o, q, held, _members(con, c), _entered(con, c, o, q), True)
+             for (c, o, q), held in by_inst.items()]
 
-    # times "ago" are counted back from the end of the longest wait (as last seen)
-    where = _call(op, comm, seq)
-    gave_up = ("" if not failed else " and gave up with an NCCL error" if len(failed) == len(waiting)
+    def rank(at: _At):
+        cause = any(m not in at.held and m not in at.entered
+                    and (m not in longest or longest[m]["state"] in STOPPED_STATES) for m in at.members)
+        cause |= any(w["state"] in STOPPED_STATES for w in at.held.values())
+        return cause, len(at.held), max(w["waited"] for w in at.held.values())
+    return max(cands, key=rank)
+
+
+@dataclass
+class _Roles:
+    waiting: list               # wait in the call, threads not stopped
+    never: list                 # never entered it and wait in nothing
+    stopped_inside: list        # inside it, or inside another call, with their threads stopped
+    elsewhere: list             # never entered it: wait in another call
+    passed: list                # finished it
+    also: list                  # not members, waiting in other calls
+
+
+def _roles(at: _At, longest: dict) -> _Roles | None:
+    """Every member's part; None when nobody waits but stopped ranks (nobody waits on them yet)."""
+    stopped_inside = sorted(r for r, w in at.held.items() if w["state"] in STOPPED_STATES)
+    waiting = sorted(r for r in at.held if r not in stopped_inside)
+    if not waiting:
+        return None
+    others = sorted(m for m in at.members if m not in at.held)
+    elsewhere = [m for m in others if m in longest and m not in at.entered]
+    stopped_inside += [m for m in elsewhere if longest[m]["state"] in STOPPED_STATES]
+    return _Roles(waiting=waiting, never=[m for m in others if m not in at.entered and m not in longest],
+                  stopped_inside=sorted(stopped_inside),
+                  elsewhere=[m for m in elsewhere if m not in stopped_inside],
+                  passed=[m for m in others if m in at.entered],
+                  also=sorted(r for r in longest if r not in at.held and r not in at.members))
+
+
+def _hang(con, at: _At, ro: _Roles, longest: dict) -> Hang:
+    """The Hang and its sentence. Times "ago" count back from the end of the longest wait
+    (as last seen)."""
+    held = at.held
+    end_ns = max(w["since"] + w["waited"] for w in list(held.values()) + [longest[m] for m in at.members
+                                                                          if m in longest and m not in held])
+    last_end = _last_call_end(con, ro.never)
+    states = _thread_states(con)
+    waited_s = max(held[r]["waited"] for r in ro.waiting) / 1e9
+    failed = sorted(r for r in ro.waiting if held[r]["ret"] is not None)
+    gave_up = ("" if not failed else " and gave up with an NCCL error" if len(failed) == len(ro.waiting)
                else f" ({_ranks(failed)} gave up with an NCCL error)")
-    parts = [f"{_ranks(waiting)} wait{'s' if len(waiting) == 1 else ''} in {where} for {waited_s:.0f} s{gave_up}"]
-    for r in never:
+    parts = [f"{_ranks(ro.waiting)} wait{'s' if len(ro.waiting) == 1 else ''} in {_call(at.op, at.comm, at.seq)} "
+             f"for {waited_s:.0f} s{gave_up}"]
+    for r in ro.never:
         ago = (f"its last call ended {(end_ns - last_end[r]) / 1e9:.0f} s ago" if r in last_end
                else "it made no traced call")
-        parts.append(f"rank {r} {'never entered it' if by_inst else 'waits in no call'} "
+        parts.append(f"rank {r} {'never entered it' if at.collective else 'waits in no call'} "
                      f"({ago}; its threads {_doing(states.get(r))})")
-    for r in sorted(stopped_inside):
+    for r in ro.stopped_inside:
         w = held.get(r) or longest[r]
         inside = "it" if r in held else _call(w["op"], w["comm"], w["seq"])
         parts.append(f"rank {r} entered {inside} {(end_ns - w['since']) / 1e9:.0f} s ago and its threads "
                      f"{_doing(states.get(r))}")
-    for r in elsewhere:
+    for r in ro.elsewhere:
         w = longest[r]
         parts.append(f"rank {r} waits in {_call(w['op'], w['comm'], w['seq'])} for {w['waited'] / 1e9:.0f} s")
-    for r in passed:
-        parts.append(f"rank {r} finished it and went on")
-    also = sorted(r for r in longest if r not in held and r not in members)
-    if also:
-        ops = sorted({longest[r]["op"] for r in also})
-        parts.append(f"{_ranks(also)} also wait{'s' if len(also) == 1 else ''}, in {', '.join(ops)}")
-    if not never and not stopped_inside:
+    parts += [f"rank {r} finished it and went on" for r in ro.passed]
+    if ro.also:
+        ops = sorted({longest[r]["op"] for r in ro.also})
+        parts.append(f"{_ranks(ro.also)} also wait{'s' if len(ro.also) == 1 else ''}, in {', '.join(ops)}")
+    if not ro.never and not ro.stopped_inside:
         parts.append("every traced member entered it or waits elsewhere, and none is stopped: the data does "
                      "not move (a peer outside the trace, or the network)")
-    unknown = _size(con, comm) - len(set(members) | set(held)) if comm else 0
+    unknown = _size(con, at.comm) - len(at.members | set(held)) if at.comm else 0
     if unknown > 0:
         parts.append(f"{unknown} member{'s' if unknown > 1 else ''} of the communicator "
                      f"{'were' if unknown > 1 else 'was'} not traced")
     return Hang(
         waiting=[{"rank": r, "op": held[r]["op"], "comm": _hex(held[r]["comm"]), "seq": held[r]["seq"],
-                  "since_ns": held[r]["since"],
-                  "waited_s": round(held[r]["waited"] / 1e9, 3), "state": held[r]["state"],
-                  "ret": held[r]["ret"]} for r in waiting],
-        missing=sorted(never + stopped_inside), op=op, comm=_hex(comm), seq=seq, waited_s=round(waited_s, 3),
-        evidence="; ".join(parts))
+                  "since_ns": held[r]["since"], "waited_s": round(held[r]["waited"] / 1e9, 3),
+                  "state": held[r]["state"], "ret": held[r]["ret"]} for r in ro.waiting],
+        missing=sorted(ro.never + ro.stopped_inside), op=at.op, comm=_hex(at.comm), seq=at.seq,
+        waited_s=round(waited_s, 3), evidence="; ".join(parts))
 
 
 # per rank: its last call's end, its threads' last sight, the p99 gap between its calls
