@@ -60,7 +60,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="default: the last rank (hang: the middle one, world/2)")
     r.add_argument("--fault-after", type=float, default=None, metavar="SECONDS",
                    help="start the fault this long after the ranks start (time in lab.json: fault_injected_ns); "
-                        "default: before they start")
+                        "default: before they start (hang: 6 s after)")
     r.add_argument("--timeout", type=int, default=None, metavar="SECONDS",
                    help="a rank whose peers stop answering fails its NCCL call after this; default 60 "
                         "(hang: 20)")

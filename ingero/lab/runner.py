@@ -23,7 +23,7 @@ import signal
 import subprocess
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -125,8 +125,8 @@ class LabRun:
             raise IngeroError("--elastic needs at least 2 ranks, no --layout and elastic steps >= 1")
         if cfg.device not in DEVICES:
             raise IngeroError(f"--device {cfg.device!r}: use one of {', '.join(DEVICES)}")
-        if cfg.scenario == "hang" and cfg.fault_after_s is None:
-            raise IngeroError("the hang scenario stops a rank once it runs: give --fault-after SECONDS")
+        if cfg.scenario == "hang" and cfg.fault_after_s is None:   # a rank stops once the job runs
+            cfg = replace(cfg, fault_after_s=faults.HANG_AFTER_S)
         if cfg.hang_s is not None and (cfg.scenario != "hang" or cfg.hang_s <= 0 or cfg.hang_mode != "stop"):
             raise IngeroError("--hang-for needs --scenario hang, --hang-mode stop and a time > 0")
         if cfg.hang_mode not in faults.HANG_MODES:

@@ -91,13 +91,19 @@ def test_slow_stage_slows_every_rank_of_that_stage_and_imbalance_every_rank(tmp_
         plan_ranks("slow-stage", 8, 7, layout=(2, 2, 2), stage=2, **kw)
 
 
+def test_a_hang_without_fault_after_stops_its_rank_once_the_job_runs():
+    from ingero.lab.runner import LabConfig, LabRun
+
+    assert LabRun(LabConfig(scenario="hang")).cfg.fault_after_s == faults.HANG_AFTER_S
+    assert LabRun(LabConfig(scenario="hang", fault_after_s=2.0)).cfg.fault_after_s == 2.0
+
+
 def test_hang_stops_a_middle_rank_by_default_and_others_the_last():
     assert faults.default_victim("hang", 4) == 2 and faults.default_victim("hang", 8) == 4
     assert faults.default_victim("slow-rank", 4) == 3
 
 
 @pytest.mark.parametrize("kw, msg", [
-    ({"scenario": "hang"}, "--fault-after"),
     ({"scenario": "clean", "hang_s": 5.0}, "--hang-for needs --scenario hang"),
     ({"scenario": "hang", "fault_after_s": 2.0, "hang_s": 0.0}, "--hang-for"),
     ({"scenario": "hang", "fault_after_s": 2.0, "timeout_s": 0}, "--timeout 0"),
