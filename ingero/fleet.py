@@ -24,7 +24,7 @@ from ingero.fleet_targets import Target
 from ingero.http_client import Agent, AgentError, Tls, new_session
 
 # Columns that hold wall-clock instants (ns since the epoch) in Ingero's tables.
-WALL_CLOCK_COLUMNS = ("timestamp_ns", "started_ns", "ended_ns", "first_seen_ns")
+WALL_CLOCK_COLUMNS = ("timestamp_ns", "started_ns", "ended_ns", "first_seen_ns", "seen_ns", "since_ns")
 _INT_TYPES = ("BIGINT", "HUGEINT", "INTEGER", "UBIGINT", "UHUGEINT")
 SOCKET_MARGIN_S = 1.0     # beyond the query timeout, for the agent's own "interrupted" answer to arrive
 

@@ -43,6 +43,7 @@ KEYS = {
     "comms": (("node", "session_id", "pid", "comm", "comm_id_hash", "op"), "rank DESC NULLS LAST"),
     "ranks": (("node", "session_id", "pid"), "first_seen_ns NULLS LAST"),
     "sched_totals": (("node", "session_id", "pid", "reason"), "total_ns DESC NULLS LAST"),
+    "nccl_inflight": (("node", "session_id", "pid", "tid"), "seen_ns DESC NULLS LAST"),
     "nodes": (("node", "session_id"), "ended_ns DESC NULLS LAST, "
               "coalesce(events_nccl, 0) + coalesce(events_tcp, 0) + coalesce(events_sched, 0) "
               "+ coalesce(events_nccl_profiler, 0) DESC"),

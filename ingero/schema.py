@@ -293,6 +293,32 @@ COMMS = Table(
     "Communicators seen being created, with rank and size (split children are resolved across ranks).",
 )
 
+NCCL_INFLIGHT = Table(
+    "nccl_inflight",
+    (
+        ("node", "VARCHAR"),
+        ("session_id", "VARCHAR"),
+        ("pid", "INTEGER"),
+        ("tid", "INTEGER"),
+        ("rank", "INTEGER"),
+        ("seen_ns", "BIGINT"),
+        ("state", "VARCHAR"),
+        ("op", "VARCHAR"),
+        ("comm_id_hash", "UBIGINT"),
+        ("seq", "BIGINT"),
+        ("comm_rank", "INTEGER"),
+        ("nranks", "INTEGER"),
+        ("peer", "INTEGER"),
+        ("in_group", "BOOLEAN"),
+        ("since_ns", "BIGINT"),
+    ),
+    "Each thread of a traced NCCL process as the tracer last saw it (every roll and at stop; a "
+    "thread that is gone keeps its last row): seen_ns when, state its /proc state letter (R on a "
+    "CPU or runnable, S sleeping, D in I/O, T stopped, ...), and, when it was inside a traced NCCL "
+    "call then, the call: op, comm_id_hash, seq, comm_rank and nranks, since_ns when it entered. "
+    "rank is the process's torchrun RANK.",
+)
+
 NODES = Table(
     "nodes",
     (
@@ -335,13 +361,13 @@ SESSIONS = Table(
 TABLES: dict[str, Table] = {
     t.name: t
     for t in (NCCL_EVENTS, NCCL_PROFILER_EVENTS, TCP_EVENTS_TABLE, SCHED_EVENTS, SCHED_TOTALS, RANKS, COMMS,
-              NODES, SESSIONS)
+              NCCL_INFLIGHT, NODES, SESSIONS)
 }
 EVENT_TABLES = ("nccl_events", "nccl_profiler_events", "tcp_events", "sched_events")
 # Wall-clock columns per table: what a node's clock offset shifts (gather, merge).
 CLOCK_COLUMNS: dict[str, tuple[str, ...]] = {
     "nccl_events": ("timestamp_ns",), "tcp_events": ("timestamp_ns",), "sched_events": ("timestamp_ns",),
-    "comms": ("timestamp_ns",),
+    "comms": ("timestamp_ns",), "nccl_inflight": ("seen_ns", "since_ns"),
     "nccl_profiler_events": ("timestamp_ns", "device_start_ns", "device_end_ns"),
 }
 

@@ -33,6 +33,7 @@ from ingero import __version__, schema
 from ingero.errors import IngeroError, NotPermitted
 from ingero.store import SegmentWriter, build_duckdb
 from ingero_agent.decode import COLUMNS, TABLES, Identity, Registry, mono_to_wall
+from ingero_agent.inflight import FrameReader, snapshot
 from ingero_agent.probes import ProbeConfig, Probes
 from ingero_agent.procinfo import int_or_none
 from ingero_agent.records import FAMILIES, FAMILY_RINGS
@@ -91,6 +92,10 @@ class Tracer:
         self.status = "running"
         self.probes: Probes | None = None
         self.writer: SegmentWriter | None = None
+        self.frames: FrameReader | None = None           # open NCCL calls (ingero_agent.inflight)
+        self.inflight: dict[tuple[int, int], dict] = {}  # (pid, tid) -> its last nccl_inflight row
+        self.inflight_s = 0.0                            # time spent reading them, all rolls
+        self._noted_threads = False
 
     # ---- lifecycle -----------------------------------------------------------
     def request_stop(self, *_):
@@ -115,6 +120,8 @@ class Tracer:
             self.probes = Probes(self.opts.probe_config)
             for note in self.probes.notes:
                 self.log(f"note: {note}")
+            if "nccl" in self.opts.probe_config.families:
+                self.frames = FrameReader(self.probes.bpf, "-DINGERO_TASK_STORAGE=1" in self.probes.cflags)
             self.writer = SegmentWriter(self.opts.segments, self.opts.node, self.opts.session_id,
                                         roll_seconds=self.opts.roll_s)
             for path, key, syms in self.opts.nccl_libs:
@@ -405,6 +412,7 @@ class Tracer:
             })
         self._put_rows("ranks", rows)
         self._put_rows("comms", self.comm_rows)
+        self._put_inflight()
         totals = []
         for tgid, reason, total, intervals in self.probes.sched_totals():
             ident = self.registry.by_pid.get(tgid)
@@ -431,6 +439,25 @@ class Tracer:
             "targets": self.targets.describe(), "status": self.status,
         }])
 
+    def _put_inflight(self) -> None:
+        """Each NCCL process's threads now: state, and the NCCL call each is inside, if any
+        (a thread that is gone keeps its last row: a rank killed inside a call shows it)."""
+        if self.frames is None:
+            return
+        t0 = time.perf_counter()
+        pids = [p.pid for p in self.targets.processes.values()
+                if p.alive and (p.nccl_key is not None or p.pid in self.nccl_pids)]
+        mono = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        for row in snapshot(self.frames, getattr(self.targets, "proc", Path("/proc")), pids, self.offset_ns,
+                            mono + self.offset_ns, lambda pid: getattr(self.registry.by_pid.get(pid), "rank", None)):
+            self.inflight[(row["pid"], row["tid"])] = row
+        if not self.frames.threads_readable and not self._noted_threads:
+            self._noted_threads = True
+            self.log("note: this kernel opens no pidfd of a thread (PIDFD_THREAD, Linux 6.9): calls in "
+                     "flight are seen on each process's main thread only")
+        self._put_rows("nccl_inflight", list(self.inflight.values()))
+        self.inflight_s += time.perf_counter() - t0
+
     def _progress(self, elapsed: float) -> None:
         lost = self.probes.lost()
         ev = " ".join(f"{r} {self.events[r]}" for r in self._rings())
@@ -449,7 +476,7 @@ class Tracer:
         if self.loop_cpu_s is not None and self.loop_wall_s:
             self.log(f"tracing used {self.loop_cpu_s:.2f} s CPU in {self.loop_wall_s:.1f} s "
                      f"({100 * self.loop_cpu_s / self.loop_wall_s:.2f}% of a core), "
-                     f"{self.drains} ring drains")
+                     f"{self.drains} ring drains, {self.inflight_s * 1e3:.0f} ms reading calls in flight")
 
 
 def _cpu_seconds() -> float:

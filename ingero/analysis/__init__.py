@@ -22,6 +22,7 @@ import numpy as np
 
 from ingero.analysis.calls import device_timing, events, load
 from ingero.analysis.coverage import coverage, judge
+from ingero.analysis.hang import find_hang
 from ingero.analysis.model import Hang, RankRow, Report, Straggler
 from ingero.analysis.replay import measure
 from ingero.analysis.stats import add_network, add_offcpu, rank_rows, retransmits, robust_z, runqueue_tails
@@ -84,6 +85,7 @@ def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[
     step_ms = _median_gap_ms(tl)
     report = Report(ranks=sorted(rows.values(), key=lambda r: r.rank), straggler=None, step_ms=step_ms,
                     collectives=collectives, retransmits=total_retx, warnings=warnings, timing=timing)
+    report.hang = find_hang(con)
     floor = max(LATE_FLOOR_NS, 0.01 * step_ms * 1e6)
     for k, z in robust_z({k: r.late_ms * 1e6 for k, r in rows.items()}, floor).items():
         rows[k].late_z = round(z, 2)

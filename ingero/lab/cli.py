@@ -23,6 +23,7 @@ EPILOG = """examples:
   ingero lab run --layout tp=1,pp=4,dp=2 --schedule interleaved --virtual-stages 2 --microbatches 8
   ingero lab run --device gpu --profiler --trace --steps 40   # enqueue on a device stream; device times
   ingero lab run --device gpu --nonblocking --scenario slow-rank
+  ingero lab run --scenario hang --fault-after 6 --timeout 20 --trace
   ingero lab run --elastic --steps 10 --trace   # then shrink without rank 1 and grow back (NCCL 2.27/2.29)
   ingero lab cleanup        # remove namespaces/cgroups left by a crashed run
 
@@ -34,6 +35,9 @@ scenarios:
   io-stall    the victim writes and fsyncs a checkpoint every step
   slow-stage  every rank of one pipeline stage computes longer (needs --layout with pp > 1)
   imbalance   every rank, every step, computes a random factor longer: no single culprit
+  hang        the victim (default: rank world/2) is stopped (SIGSTOP) at --fault-after, for good or
+              for --hang-for seconds (--hang-mode sleep: it lives but calls NCCL no more); the
+              others wait in their next collective until --timeout
 """
 
 
@@ -52,10 +56,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--seconds", type=float, default=20.0, help="training time; default 20")
     r.add_argument("--steps", type=int, default=0, help="stop after this many steps instead of --seconds")
     r.add_argument("--loss-percent", type=float, default=5.0, help="lossy-link drop rate; default 5")
-    r.add_argument("--victim-rank", type=int, default=None, help="default: the last rank")
+    r.add_argument("--victim-rank", type=int, default=None,
+                   help="default: the last rank (hang: the middle one, world/2)")
     r.add_argument("--fault-after", type=float, default=None, metavar="SECONDS",
                    help="start the fault this long after the ranks start (time in lab.json: fault_injected_ns); "
-                        "default: before they start")
+                        "default: before they start (hang: 6 s after)")
+    r.add_argument("--timeout", type=int, default=None, metavar="SECONDS",
+                   help="a rank whose peers stop answering fails its NCCL call after this; default 60 "
+                        "(hang: 20)")
+    r.add_argument("--hang-for", type=float, default=None, metavar="SECONDS",
+                   help="hang: continue the stopped rank after this long; default: stopped for good")
+    r.add_argument("--hang-mode", choices=("stop", "sleep"), default="stop",
+                   help="hang: stop the victim's process (SIGSTOP; default), or let it live and sleep in "
+                        "its compute for good, calling NCCL no more")
     r.add_argument("--compute-ms", type=float, default=40.0, help="compute kernel per step; default 40")
     r.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                    help="cpu: every NCCL call and kernel runs when it is called (default); gpu: they are "
@@ -173,7 +186,8 @@ def _run(args) -> int:
                     victim_rank=args.victim_rank, ipv6=args.ipv6, out_dir=args.out,
                     compute_ms=args.compute_ms, fault_after_s=args.fault_after,
                     background_load=args.background_load, device=args.device, nonblocking=args.nonblocking,
-                    elastic=args.elastic,
+                    elastic=args.elastic, hang_s=args.hang_for, hang_mode=args.hang_mode,
+                    timeout_s=args.timeout if args.timeout is not None else (20 if args.scenario == "hang" else 60),
                     profiler_plugin=profiler_plugin() if args.profiler else None, **job_shape(args))
     if cfg.fault_after_s is not None and cfg.fault_after_s < 0:
         raise IngeroError("--fault-after must be >= 0")
@@ -224,6 +238,12 @@ def _summary(lab, codes: dict[int, int], trace_db) -> int:
     if trace_db:
         print(f"  trace  {trace_db}")
     bad = {r: c for r, c in codes.items() if c != 0}
+    if lab.cfg.scenario == "hang" and lab.cfg.hang_s is None:
+        # the others fail their call at the timeout (exit 3), the stopped (or sleeping) rank is killed
+        bad = {r: c for r, c in bad.items() if c not in (3, -9) or (r == lab.victim) != (c == -9)}
+        if not bad:
+            print(f"  the hang ended as it should: rank {lab.victim} hung ({lab.cfg.hang_mode}) and was killed, the others "
+                  f"timed out after {lab.cfg.timeout_s} s")
     if bad:
         print(f"ingero: ranks failed: {bad}; logs in {lab.out / 'logs'}", file=sys.stderr)
         return 1

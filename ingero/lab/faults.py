@@ -22,6 +22,11 @@
   pipeline stage computes ``slow_factor`` times longer (stage imbalance).
 - ``imbalance``: every rank, every step, computes a factor drawn from
   [1, 1 + ``imbalance``] longer: a slowdown spread over all ranks, no culprit.
+- ``hang``: the victim's process is stopped (SIGSTOP) ``fault_after_s`` after the
+  ranks start, for good (or for ``hang_s``, then continued); or, ``hang_mode``
+  "sleep", it lives on but computes for a day from its next step and calls NCCL no
+  more. The others block in their next collective until the lab NCCL's timeout
+  fails it.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from ingero.errors import IngeroError
 from ingero.lab import cgroups
 from ingero.lab.netns import in_netns
 
-SCENARIOS = ("clean", "lossy-link", "cpu-hog", "slow-rank", "io-stall", "slow-stage", "imbalance")
+SCENARIOS = ("clean", "lossy-link", "cpu-hog", "slow-rank", "io-stall", "slow-stage", "imbalance", "hang")
 SCHEDULES = ("1f1b", "gpipe", "interleaved")   # the pipeline schedules of a layout job (worker.c)
 
 
@@ -67,6 +72,9 @@ def stage_of(rank: int, layout: tuple[int, int, int] | None) -> int | None:
     t, p, _ = layout
     return (rank // t) % p
 NFT_TABLE = "ingero_lab"
+HANG_MODES = ("stop", "sleep")
+HANG_AFTER_S = 6.0              # hang without --fault-after: the victim stops this long after the start
+HANG_SLEEP_MS = 86_400_000      # hang_mode "sleep": the victim's compute from the fault on (a day)
 
 
 @dataclass
@@ -125,7 +133,7 @@ def cpu_split() -> tuple[str, str]:
 
 def plan_ranks(scenario: str, world: int, victim: int, *, compute_ms: float, slow_factor: float,
                io_mb: int, io_dir: Path, delayed: bool = False, layout: tuple | None = None,
-               stage: int = 1, imbalance: float = 1.0) -> dict[int, RankPlan]:
+               stage: int = 1, imbalance: float = 1.0, hang_mode: str = "stop") -> dict[int, RankPlan]:
     """Per-rank changes for `scenario` (ranks not listed run unchanged).
 
     `delayed`: the slow-rank and io-stall settings go into the worker's
@@ -136,6 +144,8 @@ def plan_ranks(scenario: str, world: int, victim: int, *, compute_ms: float, slo
     prefix = "INGERO_LAB_FAULT_" if delayed else "INGERO_LAB_"
     if scenario == "slow-stage" and (layout is None or layout[1] < 2):
         raise IngeroError("slow-stage needs a pipeline: give --layout tp=T,pp=P,dp=D with P > 1")
+    if scenario == "hang" and hang_mode == "sleep":
+        plans[victim].env["INGERO_LAB_FAULT_COMPUTE_MS"] = str(HANG_SLEEP_MS)
     if scenario == "slow-rank":
         plans[victim].env[prefix + "COMPUTE_MS"] = str(compute_ms * slow_factor)
     elif scenario == "slow-stage":
@@ -242,6 +252,24 @@ def start_hogs(count: int, cpu: str, cgroup: Path, weight: float = 1.0,
         (cgroup / "cpu.weight").write_text(str(w))
         done["cpu_weight"] = w
     return [leader], done
+
+
+def default_victim(scenario: str, world: int) -> int:
+    """The victim rank when none is given: the last rank, but for a hang a middle one (a job
+    rarely hangs on its last rank, and rank 0 serves the bootstrap)."""
+    return world // 2 if scenario == "hang" else world - 1
+
+
+def signal_pod(cgroup: Path, sig: int) -> list[int]:
+    """Send `sig` to every process of a pod's cgroup; returns the pids signalled."""
+    done = []
+    for pid in cgroups.procs(cgroup):
+        try:
+            os.kill(pid, sig)
+            done.append(pid)
+        except ProcessLookupError:
+            pass
+    return done
 
 
 def stop_hogs(procs: list[subprocess.Popen]) -> None:

@@ -19,10 +19,11 @@ import json
 import os
 import re
 import secrets
+import signal
 import subprocess
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -47,7 +48,7 @@ class LabConfig:
     steps: int = 0                 # > 0: stop after this many steps instead
     stop_file: Path | None = None  # rank 0 also stops the job at its first step after this file exists
     loss_percent: float = 5.0      # lossy-link: % of the victim node's TCP data segments dropped
-    victim_rank: int | None = None  # default: the last rank (on the last node)
+    victim_rank: int | None = None  # default: the last rank (on the last node); hang: world // 2
     ipv6: bool = False             # rendezvous (and so all NCCL traffic) over IPv6
     out_dir: Path = Path("out/lab")
     compute_ms: float = 40.0       # GPU-like wait per step (a sleep)
@@ -71,6 +72,8 @@ class LabConfig:
     elastic_steps: int = 3         # checked steps on the shrunk and on the grown communicator each
     profiler_plugin: Path | None = None  # an NCCL profiler plugin every rank loads (NCCL_PROFILER_PLUGIN)
     timeout_s: int = 60            # a rank whose peer stops answering fails after this
+    hang_s: float | None = None    # hang: continue the stopped victim after this long (None: for good)
+    hang_mode: str = "stop"        # hang: stop (SIGSTOP) or sleep (lives, calls NCCL no more)
     master_port: int = 29500
     progress_every_s: float = 3.0
 
@@ -122,9 +125,17 @@ class LabRun:
             raise IngeroError("--elastic needs at least 2 ranks, no --layout and elastic steps >= 1")
         if cfg.device not in DEVICES:
             raise IngeroError(f"--device {cfg.device!r}: use one of {', '.join(DEVICES)}")
+        if cfg.scenario == "hang" and cfg.fault_after_s is None:   # a rank stops once the job runs
+            cfg = replace(cfg, fault_after_s=faults.HANG_AFTER_S)
+        if cfg.hang_s is not None and (cfg.scenario != "hang" or cfg.hang_s <= 0 or cfg.hang_mode != "stop"):
+            raise IngeroError("--hang-for needs --scenario hang, --hang-mode stop and a time > 0")
+        if cfg.hang_mode not in faults.HANG_MODES:
+            raise IngeroError(f"--hang-mode {cfg.hang_mode!r}: use one of {', '.join(faults.HANG_MODES)}")
+        if cfg.timeout_s < 1:
+            raise IngeroError(f"--timeout {cfg.timeout_s} is out of range: use 1 s or more")
         if cfg.profiler_plugin is not None and not Path(cfg.profiler_plugin).is_file():
             raise IngeroError(f"profiler plugin {cfg.profiler_plugin} is not a file")
-        self.victim = cfg.world - 1 if cfg.victim_rank is None else cfg.victim_rank
+        self.victim = faults.default_victim(cfg.scenario, cfg.world) if cfg.victim_rank is None else cfg.victim_rank
         if not 0 <= self.victim < cfg.world:
             raise IngeroError(f"--victim-rank {self.victim} is out of range: use 0 to {cfg.world - 1}")
         self.cfg = cfg
@@ -143,6 +154,7 @@ class LabRun:
         self.notes: dict = {}
         self._extra_pods: dict[str, list[cgroups.Pod]] = {}
         self._fault_timer: threading.Timer | None = None
+        self._continue_timer: threading.Timer | None = None
         self._fault_from_ns: int | None = None
         self._closed = False
 
@@ -208,7 +220,7 @@ class LabRun:
         self.plans = faults.plan_ranks(c.scenario, c.world, self.victim, compute_ms=c.compute_ms,
                                        slow_factor=c.slow_factor, io_mb=c.io_mb, io_dir=self.out / "io",
                                        delayed=delayed, layout=self.layout, stage=c.stage,
-                                       imbalance=c.imbalance)
+                                       imbalance=c.imbalance, hang_mode=c.hang_mode)
         if c.scenario == "cpu-hog":
             # the victim and the hogs in one v1 cpu group: the hogs' weight holds against the
             # victim only (faults.start_hogs); None without a v1 cpu controller
@@ -229,9 +241,25 @@ class LabRun:
             self.hogs, self.notes["cpu_hog"] = faults.start_hogs(
                 c.hogs, cpu, cgroups.make_plain(self.run_id, "hogs"), c.hog_weight,
                 share=self.cpu_share["hogs"] if self.cpu_share else None)
+        elif c.scenario == "hang" and c.hang_mode == "stop":
+            self.notes["hang"] = {"stopped_pids": faults.signal_pod(self.ranks[self.victim].pod.cgroup,
+                                                                   signal.SIGSTOP),
+                                  "for_s": c.hang_s, "continued_ns": None}
+            if c.hang_s is not None:
+                self._continue_timer = threading.Timer(c.hang_s, self._continue_victim)
+                self._continue_timer.daemon = True
+                self._continue_timer.start()
         if c.scenario != "clean":
             self.times["fault_injected_ns"] = time.time_ns()
             self.log(f"lab {self.run_id}: fault {c.scenario} on rank {self.victim} ({self.victim_node.name})")
+
+    def _continue_victim(self) -> None:
+        """hang with hang_s: the stopped victim runs on."""
+        if self._closed:
+            return
+        faults.signal_pod(self.ranks[self.victim].pod.cgroup, signal.SIGCONT)
+        self.notes["hang"]["continued_ns"] = time.time_ns()
+        self.log(f"lab {self.run_id}: rank {self.victim} continued after {self.cfg.hang_s:g} s")
 
     # ---- processes -----------------------------------------------------------
 
@@ -289,7 +317,7 @@ class LabRun:
         c = self.cfg
         if c.fault_after_s is not None and c.scenario != "clean":
             self._fault_from_ns = time.time_ns() + int(c.fault_after_s * 1e9)
-            if c.scenario in ("slow-rank", "io-stall"):
+            if c.scenario in ("slow-rank", "io-stall") or (c.scenario, c.hang_mode) == ("hang", "sleep"):
                 self.times["fault_injected_ns"] = self._fault_from_ns
                 self.log(f"lab {self.run_id}: fault {c.scenario} on rank {self.victim} "
                          f"({self.victim_node.name}) from {c.fault_after_s:g} s after the ranks start")
@@ -415,9 +443,10 @@ class LabRun:
             return []
         self._closed = True
         errors: list[str] = []
-        if self._fault_timer is not None:
-            self._fault_timer.cancel()
-            self._fault_timer.join()
+        for timer in (self._fault_timer, self._continue_timer):
+            if timer is not None:
+                timer.cancel()
+                timer.join()
         for cb in self.on_close:
             try:
                 cb()
@@ -428,6 +457,7 @@ class LabRun:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+                p.send_signal(signal.SIGCONT)   # a stopped rank (hang) dies at once either way
         for p in procs:
             p.wait()
         for rp in self.ranks:

@@ -57,3 +57,27 @@ def clean_verdict_problem(straggler, stats: dict) -> str:
         return f"a clean job named {kind} {group or rank} ({cause})"
     why = machine_starved(stats, rank, saving)
     return f"a clean job named rank {rank} cpu-contention, but {why}" if why else ""
+
+
+def hang_problem(hang, lab: dict) -> str:
+    """'' when `hang` is right for the lab run `lab` (its lab.json): a hang scenario that
+    stopped its victim for good is a hang that names the victim, and only it, as the rank
+    the others wait for; any other run (the victim continued, or no hang scenario) has no
+    hang. Otherwise what is wrong, in one line. `hang`: an ingero.analysis Hang, a report's
+    "hang" (a dict), or None."""
+    if isinstance(hang, dict) or hang is None:
+        missing, waiting = (hang or {}).get("missing"), (hang or {}).get("waiting")
+    else:
+        missing, waiting = hang.missing, hang.waiting
+    cfg = lab.get("config") or {}
+    stopped = lab.get("scenario") == "hang" and cfg.get("hang_s") is None
+    if not stopped:
+        return f"a run that did not hang was judged a hang: missing {missing}" if hang else ""
+    victim = lab.get("victim_rank")
+    if not hang:
+        return f"rank {victim} was stopped for good, yet no hang was found"
+    if missing != [victim]:
+        return f"rank {victim} was stopped for good, yet the hang names {missing} as missing"
+    if not waiting or any(w["rank"] == victim for w in waiting):
+        return f"the hang's waiting ranks are wrong: {[w['rank'] for w in waiting or []]}"
+    return ""

@@ -89,3 +89,58 @@ def test_slow_stage_slows_every_rank_of_that_stage_and_imbalance_every_rank(tmp_
         plan_ranks("slow-stage", 8, 7, layout=(8, 1, 1), **kw)
     with pytest.raises(IngeroError, match="--stage 2 is out of range"):
         plan_ranks("slow-stage", 8, 7, layout=(2, 2, 2), stage=2, **kw)
+
+
+def test_a_hang_without_fault_after_stops_its_rank_once_the_job_runs():
+    from ingero.lab.runner import LabConfig, LabRun
+
+    assert LabRun(LabConfig(scenario="hang")).cfg.fault_after_s == faults.HANG_AFTER_S
+    assert LabRun(LabConfig(scenario="hang", fault_after_s=2.0)).cfg.fault_after_s == 2.0
+
+
+def test_hang_stops_a_middle_rank_by_default_and_others_the_last():
+    assert faults.default_victim("hang", 4) == 2 and faults.default_victim("hang", 8) == 4
+    assert faults.default_victim("slow-rank", 4) == 3
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({"scenario": "clean", "hang_s": 5.0}, "--hang-for needs --scenario hang"),
+    ({"scenario": "hang", "fault_after_s": 2.0, "hang_s": 0.0}, "--hang-for"),
+    ({"scenario": "hang", "fault_after_s": 2.0, "timeout_s": 0}, "--timeout 0"),
+    ({"scenario": "hang", "fault_after_s": 2.0, "hang_mode": "sleep", "hang_s": 5.0}, "--hang-mode stop"),
+    ({"scenario": "hang", "fault_after_s": 2.0, "hang_mode": "nap"}, "--hang-mode 'nap'"),
+])
+def test_hang_settings_are_checked(kw, msg):
+    from ingero.lab.runner import LabConfig, LabRun
+
+    with pytest.raises(IngeroError, match=msg):
+        LabRun(LabConfig(**kw))
+
+
+def test_a_sleeping_hang_makes_only_the_victim_compute_for_a_day_from_the_fault(tmp_path):
+    plans = faults.plan_ranks("hang", 4, 2, compute_ms=40, slow_factor=2, io_mb=8, io_dir=tmp_path,
+                              delayed=True, hang_mode="sleep")
+    assert plans[2].env == {"INGERO_LAB_FAULT_COMPUTE_MS": str(faults.HANG_SLEEP_MS)}
+    assert all(not plans[r].env for r in (0, 1, 3))
+    assert not faults.plan_ranks("hang", 4, 2, compute_ms=40, slow_factor=2, io_mb=8, io_dir=tmp_path,
+                                 delayed=True)[2].env
+
+
+def test_signal_pod_signals_every_process_of_the_cgroup(tmp_path, monkeypatch):
+    import signal
+    import subprocess
+
+    p = subprocess.Popen(["sleep", "30"])
+    try:
+        monkeypatch.setattr(faults.cgroups, "procs", lambda cg: [p.pid] if cg == tmp_path else [])
+        assert faults.signal_pod(tmp_path, signal.SIGSTOP) == [p.pid]
+        import time
+
+        deadline = time.monotonic() + 5   # the signal is delivered when the process next runs
+        while Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            assert time.monotonic() < deadline, "the process did not stop"
+            time.sleep(0.01)
+        faults.signal_pod(tmp_path, signal.SIGCONT)
+    finally:
+        p.kill()
+        p.wait()

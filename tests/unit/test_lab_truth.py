@@ -54,3 +54,21 @@ def test_a_status_straggler_is_judged_alike():
     st = {"rank": 1, "kind": "rank", "cause": "cpu-contention", "group": None, "savingMsPerStep": 8.4}
     assert clean_verdict_problem(st, _stats(354, 851, 438, 522)) == ""
     assert clean_verdict_problem(dict(st, cause="compute/unknown"), _stats(354, 851, 438, 522))
+
+
+def test_hang_truth_wants_the_victim_named_only_when_it_stopped_for_good():
+    from ingero.analysis.model import Hang
+    from ingero.lab.truth import hang_problem
+
+    lab = {"scenario": "hang", "victim_rank": 2, "config": {"hang_s": None}}
+    named = Hang(waiting=[{"rank": 0}, {"rank": 1}, {"rank": 3}], missing=[2], op="ALL_REDUCE", comm="ab",
+                 seq=5, waited_s=20.0, evidence="")
+    assert hang_problem(named, lab) == ""
+    assert hang_problem({"missing": [2], "waiting": [{"rank": 0}]}, lab) == ""
+    assert "no hang was found" in hang_problem(None, lab)
+    assert "names [1] as missing" in hang_problem(Hang([{"rank": 0}], [1], None, None, None, 1.0, ""), lab)
+    assert "waiting ranks are wrong" in hang_problem(Hang([{"rank": 2}], [2], None, None, None, 1.0, ""), lab)
+    continued = {"scenario": "hang", "victim_rank": 2, "config": {"hang_s": 15.0}}
+    assert hang_problem(None, continued) == ""
+    assert "did not hang was judged a hang" in hang_problem(named, continued)
+    assert hang_problem(None, {"scenario": "clean", "victim_rank": 3, "config": {}}) == ""

@@ -1,0 +1,93 @@
+"""A hung lab job under real eBPF: `ingero lab run --scenario hang --trace`.
+
+One rank is stopped (SIGSTOP) 6 s into the job, for good (or, `--hang-mode sleep`, lives on
+but calls NCCL no more): the others block in their next collective until the lab NCCL's
+20 s timeout fails it. The tracer's calls in flight
+(`nccl_inflight`) and the failed calls must make the verdict "hang", naming the stopped
+rank as the one the others wait for. The same rank stopped for 15 s and then continued is
+no hang (ingero.lab.truth.hang_problem judges both against the lab's lab.json).
+
+On the GPU-like device (`--device gpu`) the others do not wait inside an NCCL call: their
+calls only queue the work, and they wait in the step's stream synchronisation. Nothing is
+in flight on the host; the job standing still around a stopped rank is the hang there.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ingero.lab.truth import hang_problem
+from ingero.schema import COLLECTIVE_OPS
+from tests.conftest import background_load, bpf_reason
+
+pytestmark = pytest.mark.bpf
+
+
+def _run(out, hang_s=None, **kw):
+    reason = bpf_reason()
+    if reason:
+        pytest.skip(reason)
+    from ingero.lab.runner import LabConfig
+    from ingero.lab.tracers import run_traced
+
+    cfg = LabConfig(scenario="hang", nodes=2, seconds=30, fault_after_s=6.0, timeout_s=20, hang_s=hang_s,
+                    out_dir=out, background_load=background_load(), **kw)
+    run = run_traced(cfg)
+    assert set(run.stops.values()) == {0}, f"tracer exit codes {run.stops}; logs in {out / 'nodes'}"
+    return run
+
+
+def _report(db) -> dict:
+    """`ingero report --json` on the trace."""
+    p = subprocess.run([sys.executable, "-m", "ingero", "report", "--json", str(db)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+@pytest.mark.parametrize("shape", [{}, {"layout": "tp=2,pp=2,dp=2", "ranks_per_node": 4}, {"device": "gpu"},
+                                   {"hang_mode": "sleep"}], ids=["dp", "3d", "dp-gpu", "dp-sleep"])
+def test_a_rank_stopped_for_good_is_named_as_the_hang(tmp_path, shape):
+    run = _run(tmp_path, **shape)
+    victim = run.report["victim_rank"]
+    assert victim == len(run.codes) // 2
+    # the others gave up at the timeout (exit 3), the stopped rank was killed at the end
+    assert run.codes == {r: (-9 if r == victim else 3) for r in run.codes}
+    rep = _report(run.db)
+    assert rep["verdict"] == "hang", rep["verdict"]
+    problem = hang_problem(rep["hang"], run.report)
+    assert not problem, (problem, rep["hang"])
+    h = rep["hang"]
+    assert h["waited_s"] >= 15, h
+    sleeps = shape.get("hang_mode") == "sleep"
+    assert ("its threads sleep outside NCCL" if sleeps else "threads are stopped") in h["evidence"], h["evidence"]
+    if shape.get("device") == "gpu":
+        assert h["op"] is None and "the job stands still" in h["evidence"], h
+        return
+    assert h["op"] in COLLECTIVE_OPS, h
+    from ingero.store import open_source
+
+    con = open_source(run.db)
+    try:
+        states = {s for (s,) in con.execute("SELECT state FROM nccl_inflight WHERE rank = ?", [victim]).fetchall()}
+        waited = con.execute("""SELECT min((seen_ns - since_ns) / 1e9) FROM nccl_inflight
+                                WHERE rank <> ? AND op IS NOT NULL""", [victim]).fetchone()[0]
+    finally:
+        con.close()
+    assert states == ({"S"} if sleeps else {"T"}), states
+    # every other rank was seen inside its call well into the wait, before its timeout
+    assert waited is not None and waited >= 14, waited
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_a_rank_stopped_for_15_s_and_continued_is_no_hang(tmp_path, device):
+    run = _run(tmp_path, hang_s=15.0, device=device)
+    assert set(run.codes.values()) == {0}, f"rank exit codes {run.codes}; logs in {tmp_path / 'logs'}"
+    assert run.report["hang"]["continued_ns"] is not None
+    rep = _report(run.db)
+    assert rep["verdict"] != "hang" and rep["hang"] is None, rep["hang"]
+    assert not hang_problem(rep["hang"], run.report)
