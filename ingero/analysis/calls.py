@@ -173,11 +173,10 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
         a = c.to_numpy()
         return a.astype(dtype) if dtype is not None else a
 
-    grank = tbl.column("grank")
-    keep = ~grank.is_null().to_numpy(zero_copy_only=False)
+    rank = col("grank", np.int64, -1)
+    keep = rank >= 0                   # no ranks row, no torchrun RANK, no rank in the communicator
     if not keep.all():
         warnings.append(f"{int((~keep).sum())} calls of processes without a rank were left out")
-    rank = col("grank", np.int64, -1)
     t, d = col("t", np.int64), col("d", np.int64)
     op, sim_end = _op_codes(tbl)
     comm_h = col("comm", np.uint64)

@@ -185,3 +185,13 @@ def test_ranks_with_calls_but_no_whole_step_are_left_out_of_the_verdict_and_name
     rep = analyse(open_source(tmp_path))
     assert rep.verdict == "none" and rep.covered_ranks == [0, 1, 2, 3]
     assert "the verdict covers ranks 0-3 of the job's 6: ranks 4-5 made calls but have no whole step" in rep.warnings
+
+
+def test_calls_of_a_process_without_any_rank_are_left_out_not_a_crash(tmp_path):
+    # two ranked ranks, and a process with no ranks row, no torchrun RANK and no rank in its
+    # communicator (-1) calling on the same, known communicator
+    stray = [(2000, None, -1, "ALL_REDUCE", COMM, s, T0 + s * STEP + 5000) for s in range(20)]
+    node(tmp_path, "a", steps([0, 1]) + stray, ranks=[0, 1])
+    rep = analyse(open_source(tmp_path))
+    assert rep.verdict == "none" and {r.rank for r in rep.ranks} == {0, 1}
+    assert any("20 calls of processes without a rank were left out" in w for w in rep.warnings)
