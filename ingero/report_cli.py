@@ -67,8 +67,11 @@ def verdict_line(rep: Report) -> str:
         return f"cannot judge: {rep.cannot_judge}"
     if rep.verdict == "hang":
         h = rep.hang
-        return f"hang: {ranks_text(h.missing)} never entered {h.op or 'the call'} the others wait in" \
-            if h.missing else "hang"
+        if not h.missing:
+            return "hang"
+        # missing: ranks that never entered the call, or are stopped inside it (the evidence says which)
+        return (f"hang: {ranks_text(h.missing)} holds up the {h.op} the others wait in" if h.op
+                else f"hang: {ranks_text(h.missing)} stopped, and no rank calls NCCL")
     covers = f" (covers ranks {span(rep.covered_ranks)} only)" if rep.covered_ranks else ""
     return rep.verdict + covers
 

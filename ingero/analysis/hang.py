@@ -70,7 +70,20 @@ def find_hang(con, min_s: float = HANG_MIN_S) -> Hang | None:
         longest[w["grank"]] = w
     at = _choose(con, waits, longest)
     roles = _roles(at, longest)
-    return None if roles is None else _hang(con, at, roles, longest)
+    if roles is None or _unseen_since(con, roles.never, min(w["since"] for w in at.held.values())):
+        return None
+    return _hang(con, at, roles, longest)
+
+
+def _unseen_since(con, ranks: list, t_ns: int) -> bool:
+    """Was one of `ranks` last looked at (its threads' snapshot) before `t_ns`? Then whether it
+    entered the call is not known yet: its node's snapshot has not arrived (a live status reads
+    each node's as it comes)."""
+    if not ranks:
+        return False
+    seen = {x["g"]: x["seen"] for x in _rows(con, f"""SELECT COALESCE(r.rank, i.rank) AS g, max(i.seen_ns) AS seen
+        FROM nccl_inflight i {_RANK_OF.format(a="i")} GROUP BY g""", {}, inflight=True)}
+    return any(seen[r] < t_ns for r in ranks if seen.get(r) is not None)
 
 
 def _waits(con, min_s: float) -> list[dict]:

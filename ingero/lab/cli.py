@@ -187,7 +187,7 @@ def _run(args) -> int:
                     compute_ms=args.compute_ms, fault_after_s=args.fault_after,
                     background_load=args.background_load, device=args.device, nonblocking=args.nonblocking,
                     elastic=args.elastic, hang_s=args.hang_for, hang_mode=args.hang_mode,
-                    timeout_s=args.timeout if args.timeout is not None else (20 if args.scenario == "hang" else 60),
+                    timeout_s=args.timeout,
                     profiler_plugin=profiler_plugin() if args.profiler else None, **job_shape(args))
     if cfg.fault_after_s is not None and cfg.fault_after_s < 0:
         raise IngeroError("--fault-after must be >= 0")

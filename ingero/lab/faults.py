@@ -73,6 +73,8 @@ def stage_of(rank: int, layout: tuple[int, int, int] | None) -> int | None:
     return (rank // t) % p
 NFT_TABLE = "ingero_lab"
 HANG_MODES = ("stop", "sleep")
+TIMEOUT_S = 60                 # a rank whose peer stops answering fails its NCCL call after this
+HANG_TIMEOUT_S = 20            # ... in the hang scenario (the waiters must have waited; the run ends sooner)
 HANG_AFTER_S = 6.0              # hang without --fault-after: the victim stops this long after the start
 HANG_SLEEP_MS = 86_400_000      # hang_mode "sleep": the victim's compute from the fault on (a day)
 

@@ -71,7 +71,7 @@ class LabConfig:
     elastic: bool = False          # after the steps: shrink the world without a rank, grow it back (worker.c)
     elastic_steps: int = 3         # checked steps on the shrunk and on the grown communicator each
     profiler_plugin: Path | None = None  # an NCCL profiler plugin every rank loads (NCCL_PROFILER_PLUGIN)
-    timeout_s: int = 60            # a rank whose peer stops answering fails after this
+    timeout_s: int | None = None   # a rank whose peer stops answering fails after this (None: 60 s; hang: 20 s)
     hang_s: float | None = None    # hang: continue the stopped victim after this long (None: for good)
     hang_mode: str = "stop"        # hang: stop (SIGSTOP) or sleep (lives, calls NCCL no more)
     master_port: int = 29500
@@ -127,6 +127,8 @@ class LabRun:
             raise IngeroError(f"--device {cfg.device!r}: use one of {', '.join(DEVICES)}")
         if cfg.scenario == "hang" and cfg.fault_after_s is None:   # a rank stops once the job runs
             cfg = replace(cfg, fault_after_s=faults.HANG_AFTER_S)
+        if cfg.timeout_s is None:     # a hang ends when the others time out: sooner than a minute
+            cfg = replace(cfg, timeout_s=faults.HANG_TIMEOUT_S if cfg.scenario == "hang" else faults.TIMEOUT_S)
         if cfg.hang_s is not None and (cfg.scenario != "hang" or cfg.hang_s <= 0 or cfg.hang_mode != "stop"):
             raise IngeroError("--hang-for needs --scenario hang, --hang-mode stop and a time > 0")
         if cfg.hang_mode not in faults.HANG_MODES:

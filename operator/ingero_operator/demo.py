@@ -39,6 +39,7 @@ from ingero_operator.tables import custom_columns
 
 REPO = Path(__file__).resolve().parents[2]
 TERMINAL = ("Completed", "Failed")
+GRACE_S = 5.0          # once a rank failed, the others get this long before they are killed (as torchrun)
 
 
 @dataclass
@@ -90,6 +91,7 @@ class Demo:
         self.lab = None
         self.session_name = None
         self.t_ranks = 0.0                   # when the ranks started (monotonic)
+        self._first_failure: float | None = None   # when a rank first exited non-zero (monotonic)
         self.agent_metrics_ports: dict[str, int] = {}
         self.extra_env: dict[str, dict[str, str]] = {}
 
@@ -261,11 +263,14 @@ class Demo:
         t_ranks = self.t_ranks
         events = self._disruptions()
         t_saved = t_ranks
-        while any(rp.proc.poll() is None for rp in self.lab.ranks):
+        while any(rp.proc.poll() is None for rp in self.lab.ranks) and not self._failed_for(GRACE_S):
             st = self.status()
             if st.get("straggler") and "first_straggler" not in res.timings:
                 res.timings["first_straggler"] = time.monotonic() - t_ranks
                 res.timings["first_straggler_pod"] = st["straggler"].get("pod")
+            if (st.get("verdict") or {}).get("kind") == "hang" and "first_hang" not in res.timings:
+                res.timings["first_hang"] = time.monotonic() - t_ranks
+                res.timings["first_hang_who"] = st["verdict"].get("who")
             while events and time.monotonic() - t_ranks >= events[0][0]:
                 events.pop(0)[1]()
             if "error" in res.agent_metrics or (not res.agent_metrics and time.monotonic() - t_ranks >= 3.0):
@@ -277,7 +282,7 @@ class Demo:
                 t_saved = time.monotonic()
                 self.save_scrapes(t_saved - t_ranks)
             time.sleep(0.25)
-        res.codes = self.lab.wait()
+        res.codes = self.lab.wait(grace_s=0.0 if self._failed_for(GRACE_S) else GRACE_S)
         res.timings["training"] = time.monotonic() - t_ranks
         for rp in self.lab.ranks:
             phase = "Succeeded" if res.codes[rp.rank] == 0 else "Failed"
@@ -297,6 +302,15 @@ class Demo:
         res.lab = {"run_id": self.lab.run_id, "victim_rank": self.lab.victim, "victim_node": self.lab.victim_node.name,
                    "node_tcp": self.lab.notes.get("node_tcp")}
         return res
+
+    def _failed_for(self, seconds: float) -> bool:
+        """Has a rank exited non-zero at least `seconds` ago? (A hung rank never exits by itself:
+        like torchrun, the lab then kills the rest.)"""
+        now = time.monotonic()
+        for rp in self.lab.ranks:
+            if rp.proc.poll() not in (None, 0):
+                self._first_failure = self._first_failure or now
+        return self._first_failure is not None and now - self._first_failure >= seconds
 
     def _disruptions(self) -> list:
         """(seconds after the ranks start, action) for the failure tests, in time order."""
@@ -499,7 +513,8 @@ def run(args) -> int:
             print(f"\ndemo: tracing ready {t['tracing_ready']:.1f} s, training {t['training']:.1f} s, "
                   f"gather {t['gather']:.1f} s"
                   + (f", straggler in status {t['first_straggler']:.1f} s after the ranks started"
-                     if "first_straggler" in t else ""))
+                     if "first_straggler" in t else "")
+                  + (f", hang in status {t['first_hang']:.1f} s after the ranks started" if "first_hang" in t else ""))
             if args.keep_running:
                 print(f"demo: still running; export KUBECONFIG={demo.cluster.kubeconfig}; Ctrl-C to stop",
                       flush=True)

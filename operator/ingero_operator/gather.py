@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 from ingero import schema
 from ingero.comms import grow_links, resolve_split_ranks, with_grow_ids, with_split_ranks
 from ingero.analysis import Report, analyse
+from ingero.analysis.hang import find_hang
 from ingero.store import segment_files
 from ingero_operator.agents import AgentClient, AgentUnreachable
 
@@ -232,7 +233,7 @@ def ingest_and_analyse(local: LocalSession, offsets: dict[str, int],
                 rep.warnings.insert(0, f"live figures cover the last {window_s:.3g} s of {calls:,} NCCL "
                                        "calls so far; the whole session is judged when it ends")
                 _warn_behind(rep, behind)
-                return rep, world_size(con)
+                return _live_hang(con, rep), world_size(con)
         rep = _analyse_until(con, slow_collective_ms, until)
         steps = span_ns / (rep.step_ms * 1e6) if rep.step_ms else 0.0
         if rep.verdict in ("straggler", "none") and steps < RECENT_MIN_STEPS:
@@ -248,13 +249,23 @@ def ingest_and_analyse(local: LocalSession, offsets: dict[str, int],
             elif recent is not None and recent.straggler is not None:
                 rep.straggler = recent.straggler
         _warn_behind(rep, behind)
-        return rep, world_size(con)
+        return _live_hang(con, rep), world_size(con)
     finally:
         con.close()
 
 
+# The live status names a hang once ranks wait this long in a call (the final verdict: 10 s,
+# ingero.analysis.hang.HANG_MIN_S): the status should say so within 10 s of the hang.
+LIVE_HANG_MIN_S = 5.0
 # A node this far behind the newest call is named in the live status's warnings.
 BEHIND_WARN_S = 5.0
+
+
+def _live_hang(con, rep: Report) -> Report:
+    """`rep` with a hang whose waits are LIVE_HANG_MIN_S long, when it names none yet."""
+    if rep.hang is None:
+        rep.hang = find_hang(con, LIVE_HANG_MIN_S)
+    return rep
 
 
 def _horizon(con) -> tuple[int | None, list[tuple[str, float]]]:

@@ -79,7 +79,7 @@ def verdict_status(rep: Report, g: GatherSettings) -> dict:
 
 
 def hang_status(h, g: GatherSettings) -> dict:
-    """status.hang: who waits in which call since when, and who never entered it (bounded)."""
+    """status.hang: who waits in which call since when, and who holds it up (bounded)."""
     return {"missing": list(h.missing)[:4096], "op": h.op, "comm": h.comm, "seq": h.seq,
             "waitedS": _r(h.waited_s, 1), "evidence": cut(h.evidence, g.evidence_chars),
             "waiting": [{k: w[k] for k in ("rank", "op", "comm", "seq", "since_ns") if w.get(k) is not None}

@@ -258,6 +258,23 @@ def test_cpu_hog_names_that_rank_with_cpu_contention(tmp_path):
     assert_named(flow, "cpu-contention")
 
 
+def test_a_hung_job_shows_hang_and_the_stopped_rank_in_kubectl_get_while_it_hangs(tmp_path):
+    # one rank is stopped (SIGSTOP) 6 s into the job, for good; the others wait in their next
+    # collective until the lab NCCL's 20 s timeout fails them
+    flow = run_flow(tmp_path, "hang", seconds=30.0)
+    st, victim = flow["status"], flow["lab"]["victim_rank"]
+    assert st["phase"] == "Completed" and st["verdict"]["kind"] == "hang", json.dumps(st.get("verdict"))
+    assert st["verdict"]["who"] == f"hang: rank {victim}" and st["hang"]["missing"] == [victim], st["hang"]
+    # stopped before it entered the collective, or inside it: the evidence says which
+    assert (f"rank {victim} never entered it" in st["hang"]["evidence"]
+            or f"rank {victim} entered it" in st["hang"]["evidence"]) and "stopped" in st["hang"]["evidence"]
+    assert f"hang: rank {victim}" in flow["table"]
+    hung = next(c for c in st["conditions"] if c["type"] == "Hung")
+    assert hung["status"] == "True" and hung["reason"] == "Hang", hung
+    # live, before the others gave up at their timeout (6 s + 20 s after the ranks started)
+    assert flow["timings"]["first_hang"] < 26.0, flow["timings"]
+
+
 def test_slow_rank_names_that_rank_late_with_compute_cause_across_an_operator_restart(tmp_path):
     # The operator is SIGKILLed 3 s into the job and started again: it carries on from status.
     flow = run_flow(tmp_path, "slow-rank", restart_operator_after_s=3.0)
@@ -265,9 +282,13 @@ def test_slow_rank_names_that_rank_late_with_compute_cause_across_an_operator_re
     assert "own work" in s["evidence"] and "replayed without it" in s["evidence"]
 
 
-def test_io_stall_names_that_rank_with_io_cause(tmp_path):
-    flow = run_flow(tmp_path, "io-stall")
+def test_io_stall_names_that_rank_with_io_cause_with_the_session_applied_late(tmp_path):
+    # The TraceSession comes 4 s after the job started, as a user applies it to a job that is
+    # already slow: the communicators exist before the probes and are recovered from the
+    # calls. (Loading the probes takes 6 s on an idle machine, up to 20 s beside a CI run.)
+    flow = run_flow(tmp_path, "io-stall", seconds=30.0, attach_late_s=4.0)
     assert "io wait" in assert_named(flow, "io")["evidence"]
+    assert any("recovered from call sequences" in w for w in flow["status"]["warnings"]), flow["status"]["warnings"]
 
 
 def test_a_killed_agent_gives_a_completed_partial_report_naming_its_node(tmp_path):

@@ -74,6 +74,18 @@ def test_ranks_waiting_for_a_stopped_rank_that_never_entered_name_it():
     assert r.verdict == "hang" and r.to_dict()["hang"]["missing"] == [2]
 
 
+def test_a_rank_whose_threads_were_last_seen_before_the_others_waited_is_not_named_yet():
+    # a live status reads each node's snapshot as it arrives: rank 2's last one is older than
+    # the call the others wait in, so whether it entered that call is not known yet
+    con = trace()
+    for r in (0, 1, 3):
+        inflight(con, r, "S", END + 12 * S, op="ALL_REDUCE", seq=20, since=END + S)
+    inflight(con, 2, "S", END)
+    assert find_hang(con) is None
+    con.execute("UPDATE nccl_inflight SET seen_ns = ? WHERE rank = 2", [END + 12 * S])
+    assert find_hang(con).missing == [2]
+
+
 def test_a_rank_stopped_inside_the_call_while_the_others_gave_up_is_named():
     con = trace()
     for r in (0, 1, 3):

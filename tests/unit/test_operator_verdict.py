@@ -150,7 +150,7 @@ def test_kubectl_ingero_trace_prints_hang_and_cannot_judge_never_no_straggler():
 
 @pytest.mark.parametrize("kind,line", [
     ("cannot-judge", f"verdict: cannot judge: {WHY}"),
-    ("hang", "verdict: hang: rank 2 never entered ALL_REDUCE the others wait in"),
+    ("hang", "verdict: hang: rank 2 holds up the ALL_REDUCE the others wait in"),
     ("partial", "verdict: straggler (covers ranks 0-3 only)"), ("none", "verdict: none")])
 def test_ingero_report_prints_the_verdict_kind_and_a_hang_with_its_evidence(kind, line):
     out = io.StringIO()
