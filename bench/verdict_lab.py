@@ -1,18 +1,21 @@
 """How often the verdict is right on real lab jobs: every fault, quiet and under load.
 
-    python -m bench.verdict_lab [--runs 3] [--background-load 0,2] [--cases all|dp|3d|gpu] [--steps 40]
+    python -m bench.verdict_lab [--runs 3] [--background-load 0,2] [--cases all|dp|3d|gpu|3d-gpu] [--steps 40]
                                 [--only cpu-hog,clean] [--set hog_weight=16]
 
 Each case is one real lab run traced with real eBPF (``ingero lab run --trace``,
 the merged trace analysed by ``ingero.analysis``): the data-parallel job (2
 nodes x 2 ranks) with clean, lossy-link, slow-rank, cpu-hog (and a mild one) and io-stall, and
-the tensor x pipeline x data parallel job (tp=2, pp=2, dp=2; 8 ranks) with
-clean, slow-rank at stage 0, slow-stage, imbalance, a slow rank in a middle
-stage (tp=1, pp=4, dp=2), a lossy link between two stages (4 nodes x 2 ranks,
-each stage on its own node), cpu-hog and io-stall; and the data-parallel
-faults again on the lab's GPU-like device with Ingero's profiler plugin in
-every rank (``--device gpu --profiler``: judged on device times), victims
-placed off the last rank. ``--only`` keeps the cases whose name contains one of
+the tensor x pipeline x data parallel job (tp=2, pp=2, dp=2; 8 ranks; the
+lab's default shape: 1F1B with grouped exchanges, the distributed optimizer's
+reduce-scatter and all-gather, an embedding group, no collective spanning
+every rank) with clean, slow-rank at stage 0, slow-stage, imbalance, a slow
+rank in a middle stage (tp=1, pp=4, dp=2), a lossy link between two stages (4
+nodes x 2 ranks, each stage on its own node), cpu-hog and io-stall; the
+data-parallel faults and the 3D ones (``--cases 3d-gpu``) again on the lab's
+GPU-like device with Ingero's profiler plugin in every rank (``--device gpu
+--profiler``: judged on device times), victims placed off the last rank.
+A trace that cannot be judged is never right. ``--only`` keeps the cases whose name contains one of
 the given words (``--cases all --only cpu-hog``: the four cpu-hog cases); ``--set``
 overrides a LabConfig field in every case (a number or a word). A verdict is right when
 it names what was planted (rank / stage / spread / nobody) with the planted
@@ -36,6 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 DP = dict(nodes=2, ranks_per_node=2)
 L3 = dict(nodes=2, ranks_per_node=4, layout="tp=2,pp=2,dp=2")
 GPU = dict(DP, device="gpu", profiler=True)       # profiler: built in one() (needs a compiler)
+L3GPU = dict(L3, device="gpu", profiler=True)
 
 
 def _clean(s, lab):
@@ -86,7 +90,20 @@ CASES = {
         ("gpu cpu-hog", dict(GPU, scenario="cpu-hog", hogs=8, victim_rank=1), _rank("cpu-contention")),
         ("gpu io-stall", dict(GPU, scenario="io-stall", victim_rank=2), _rank("io")),
     ],
+    "3d-gpu": [
+        ("3d-gpu clean", dict(L3GPU, scenario="clean"), _clean),
+        ("3d-gpu slow-rank stage 0", dict(L3GPU, scenario="slow-rank", victim_rank=1), _rank("compute/unknown")),
+        ("3d-gpu slow-stage 1", dict(L3GPU, scenario="slow-stage", stage=1, slow_factor=1.5),
+         lambda s, lab: s is not None and s.kind == "stage" and s.ranks == lab["stage_ranks"]),
+        ("3d-gpu slow-rank mid stage", dict(L3GPU, scenario="slow-rank", layout="tp=1,pp=4,dp=2", victim_rank=2),
+         _rank("compute/unknown")),
+        ("3d-gpu lossy stage link", dict(L3GPU, scenario="lossy-link", nodes=4, ranks_per_node=2, victim_rank=2),
+         lambda s, lab: s is not None and s.node == lab["victim_node"] and s.cause == "network"),
+        ("3d-gpu cpu-hog", dict(L3GPU, scenario="cpu-hog", hogs=8, victim_rank=1), _rank("cpu-contention")),
+        ("3d-gpu io-stall", dict(L3GPU, scenario="io-stall", io_mb=16, victim_rank=6), _rank("io")),
+    ],
 }
+GROUPS = tuple(CASES)
 
 
 def one(kw: dict, steps: int, load: int, out: Path):
@@ -128,14 +145,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--background-load", default="0,2", help="comma-separated loads; default 0,2")
-    ap.add_argument("--cases", choices=("all", "dp", "3d", "gpu"), default="all")
+    ap.add_argument("--cases", choices=("all",) + GROUPS, default="all")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--only", default="", help="comma-separated words; keep the cases whose name contains one")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a LabConfig field in every case (repeatable)")
     a = ap.parse_args(argv)
     loads = [int(x) for x in a.background_load.split(",")]
-    cases = [c for k in ("dp", "3d", "gpu") if a.cases in ("all", k) for c in CASES[k]]
+    cases = [c for k in GROUPS if a.cases in ("all", k) for c in CASES[k]]
     words = [w.strip() for w in a.only.split(",") if w.strip()]
     if words:
         cases = [c for c in cases if any(w in c[0] for w in words)]
@@ -163,8 +180,10 @@ def main(argv=None) -> int:
                 try:
                     rep, lab = one(dict(kw, **overrides), a.steps, load, out)
                     s = rep.straggler
-                    ok = check(s, lab) and (rep.timing == "device") == (kw.get("device") == "gpu")
-                    what = ("nobody" if s is None else f"{s.kind} {s.group or s.rank} {s.cause} "
+                    # a trace that cannot be judged is never right, not even for a clean job
+                    ok = (check(s, lab) and rep.verdict != "cannot-judge"
+                          and (rep.timing == "device") == (kw.get("device") == "gpu"))
+                    what = (rep.verdict if s is None else f"{s.kind} {s.group or s.rank} {s.cause} "
                             f"{s.saving_pct:.1f}%")
                     line = (f"load {load} {name:22s} run {i + 1}: {'RIGHT' if ok else 'WRONG'}  {what}; "
                             f"{rep.timing} times, mean step {rep.mean_step_ms:.1f} ms, best fix {rep.best_saving_pct:.1f}% "
