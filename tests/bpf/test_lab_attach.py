@@ -11,6 +11,7 @@ the test does not depend on how long the probes take to load on a busy machine.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -95,12 +96,19 @@ LAYOUT = sorted([f"{a}, {a + 1}" for a in (0, 2, 4, 6)] + [f"{a}, {a + 4}" for a
                 + [f"{a}, {a + 2}" for a in (0, 1, 4, 5)])
 
 
-@pytest.mark.parametrize("scenario,kw,comms", [
-    ("slow-rank", {}, DP),
-    ("slow-rank", {"by": "pods"}, DP),
-    ("lossy-link", {}, DP),
-    ("slow-stage", {"layout": "tp=2,pp=2,dp=2", "ranks_per_node": 4, "stage": 1}, LAYOUT),
-], ids=["slow-rank", "slow-rank-pods", "lossy-link", "slow-stage-3d"])
+# One case in CI (the lab group runs one job at a time: every case costs 60-90 s): the 3D job,
+# whose twelve tensor, data and pipeline communicators are recovered; the data-parallel cases
+# (slow-rank by --pid and by --pods, lossy-link) run with INGERO_TEST_LATE_ALL=1. A TraceSession
+# on running pods is checked by tests/cluster/test_whole_flow.py (io-stall, applied late).
+CASES = [pytest.param("slow-stage", {"layout": "tp=2,pp=2,dp=2", "ranks_per_node": 4, "stage": 1}, LAYOUT,
+                      id="slow-stage-3d")]
+if os.environ.get("INGERO_TEST_LATE_ALL") == "1":
+    CASES += [pytest.param("slow-rank", {}, DP, id="slow-rank"),
+              pytest.param("slow-rank", {"by": "pods"}, DP, id="slow-rank-pods"),
+              pytest.param("lossy-link", {}, DP, id="lossy-link")]
+
+
+@pytest.mark.parametrize("scenario,kw,comms", CASES)
 def test_a_job_attached_late_gets_the_verdict_of_one_traced_from_its_start(tmp_path, scenario, kw, comms):
     reason = bpf_reason()
     if reason:

@@ -14,6 +14,8 @@ in flight on the host; the job standing still around a stopped rank is the hang 
 
 from __future__ import annotations
 
+import os
+
 import json
 import subprocess
 import sys
@@ -49,8 +51,17 @@ def _report(db) -> dict:
     return json.loads(p.stdout)
 
 
-@pytest.mark.parametrize("shape", [{}, {"layout": "tp=2,pp=2,dp=2", "ranks_per_node": 4}, {"device": "gpu"},
-                                   {"hang_mode": "sleep"}], ids=["dp", "3d", "dp-gpu", "dp-sleep"])
+# In CI (one lab job at a time, ~50 s each): the GPU-like device, where no call is in flight
+# and the job's standstill names the stopped rank. The data-parallel CPU case runs through the
+# operator in tests/cluster/test_whole_flow.py; it, the 3D job and the sleeping rank run here
+# with INGERO_TEST_HANG_ALL=1.
+SHAPES = [pytest.param({"device": "gpu"}, id="dp-gpu")]
+if os.environ.get("INGERO_TEST_HANG_ALL") == "1":
+    SHAPES += [pytest.param({}, id="dp"), pytest.param({"layout": "tp=2,pp=2,dp=2", "ranks_per_node": 4}, id="3d"),
+               pytest.param({"hang_mode": "sleep"}, id="dp-sleep")]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 def test_a_rank_stopped_for_good_is_named_as_the_hang(tmp_path, shape):
     run = _run(tmp_path, **shape)
     victim = run.report["victim_rank"]
@@ -83,7 +94,7 @@ def test_a_rank_stopped_for_good_is_named_as_the_hang(tmp_path, shape):
     assert waited is not None and waited >= 14, waited
 
 
-@pytest.mark.parametrize("device", ["cpu", "gpu"])
+@pytest.mark.parametrize("device", ["cpu"] + (["gpu"] if os.environ.get("INGERO_TEST_HANG_ALL") == "1" else []))
 def test_a_rank_stopped_for_15_s_and_continued_is_no_hang(tmp_path, device):
     run = _run(tmp_path, hang_s=15.0, device=device)
     assert set(run.codes.values()) == {0}, f"rank exit codes {run.codes}; logs in {tmp_path / 'logs'}"
