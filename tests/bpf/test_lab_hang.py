@@ -14,9 +14,8 @@ in flight on the host; the job standing still around a stopped rank is the hang 
 
 from __future__ import annotations
 
-import os
-
 import json
+import os
 import subprocess
 import sys
 
