@@ -295,10 +295,5 @@ def test_a_groups_operations_share_its_launch_number_and_device_interval_and_rep
     assert len(grouped) >= 4 * STEPS, len(grouped)
     assert all(ops == ["RECV", "SEND"] and (s, e, st) == (1, 1, 1) for ops, s, e, st in grouped), grouped[:3]
     assert all(len(ops) == 1 for ops, *_ in launches if ops != ["RECV", "SEND"])
-    # each communicator of a process on a stream of its own (a process group's)
-    streams = con.execute("""SELECT pid, count(DISTINCT comm_hash), count(DISTINCT stream),
-                                    count(DISTINCT (comm_hash, stream))
-                             FROM nccl_profiler_events GROUP BY pid""").fetchall()
-    assert len(streams) == 4 and all(c == s == cs >= 3 for _, c, s, cs in streams), streams
     rep = analyse(con)
     assert rep.timing == "device" and not any("cycles" in w for w in rep.warnings), rep.warnings

@@ -107,8 +107,8 @@ static inline size_t chunk_off(size_t count, int i, int n) { return count * (siz
 static ncclResult_t exchange(struct ncclComm *c, int to, void *sbuf, size_t slen, int from,
                              void *rbuf, size_t rlen) {
   struct ncpu_op ops[2] = {
-      {c->fds[to], 1, to, sbuf, slen, 0},
-      {c->fds[from], 0, from, rbuf, rlen, 0},
+      {c->fds[to], 1, to, sbuf, slen, 0, 0},
+      {c->fds[from], 0, from, rbuf, rlen, 0, 0},
   };
   return ncpu_run_ops(c, ops, 2);
 }
@@ -188,7 +188,7 @@ ncclResult_t ncpu_broadcast(struct ncclComm *c, const void *s, void *r, size_t c
                             ncclDataType_t t, int root) {
   size_t bytes = count * ncpu_type_size(t);
   if (c->rank != root) {
-    struct ncpu_op op = {c->fds[root], 0, root, r, bytes, 0};
+    struct ncpu_op op = {c->fds[root], 0, root, r, bytes, 0, 0};
     return ncpu_run_ops(c, &op, 1);
   }
   if (s != r) memmove(r, s, bytes);
@@ -203,7 +203,7 @@ ncclResult_t ncpu_reduce(struct ncclComm *c, const void *s, void *r, size_t coun
                          ncclDataType_t t, ncclRedOp_t op, int root) {
   size_t es = ncpu_type_size(t), bytes = count * es;
   if (c->rank != root) {
-    struct ncpu_op o = {c->fds[root], 1, root, (char *)s, bytes, 0};
+    struct ncpu_op o = {c->fds[root], 1, root, (char *)s, bytes, 0, 0};
     return ncpu_run_ops(c, &o, 1);
   }
   char *tmp = malloc(bytes * (c->nranks - 1) + 1);

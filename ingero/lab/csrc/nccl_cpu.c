@@ -6,19 +6,13 @@
  *
  * Groups are per thread, as in NCCL. Between ncclGroupStart and ncclGroupEnd
  * every call is queued; ncclGroupEnd launches the queue (an ungrouped call is a
- * group of one). A launch runs each distinct communicator's calls at the same
- * time (so ncclCommInitAll's communicators can be driven from one thread);
- * per communicator, its sends and receives move together first (no deadlock
- * whatever their order), then its collectives in call order. On the CPU
- * device the launch runs (a thread per communicator) before the call returns.
- * On the GPU-like device (INGERO_LAB_DEVICE=gpu) the call returns once it is
- * enqueued, and labStreamSynchronize waits for it: each communicator has a
- * device stream of its own, whatever stream a call names, as each PyTorch
- * process group passes its own stream to NCCL; and as the process group does
- * for a synchronous call, that stream first waits for the work the default
- * stream (the worker's kernels) was given so far, and the default stream's
- * later work waits for the launch (work.wait()). The profiler's API events
- * carry that stream.
+ * group of one). A launch is one work item on the device: it runs one thread
+ * per distinct communicator (so ncclCommInitAll's communicators can be driven
+ * from one thread); per communicator, its sends and receives move together
+ * first (no deadlock whatever their order), then its collectives in call
+ * order. On the CPU device the item runs before the call returns; on the
+ * GPU-like device (INGERO_LAB_DEVICE=gpu) the call returns once it is
+ * enqueued, and labStreamSynchronize waits for it.
  *
  * Non-blocking communicators (ncclConfig_t.blocking = 0, as in NCCL): init and
  * split run on a thread of their own and return ncclInProgress; so does a
@@ -570,7 +564,6 @@ static ncclResult_t run_calls(struct call *calls, int n) {
 /* A launch: what the device runs, and owns once enqueued. */
 struct batch {
   int n;
-  _Atomic int parts;     /* gpu device: communicators whose calls have not run yet */
   struct call calls[];
 };
 
@@ -578,41 +571,6 @@ static ncclResult_t batch_run(void *arg, int cancelled) {
   struct batch *b = arg;
   ncclResult_t res = cancelled ? ncclSuccess : run_calls(b->calls, b->n);
   free(b);
-  return res;
-}
-
-struct part {
-  struct batch *b;
-  struct ncclComm *comm;
-};
-
-static ncclResult_t part_run(void *arg, int cancelled) {
-  struct part *p = arg;
-  struct batch *b = p->b;
-  ncclResult_t res = cancelled ? ncclSuccess : run_comm_calls(b->calls, b->n, p->comm);
-  if (atomic_fetch_sub(&b->parts, 1) == 1) free(b);
-  free(p);
-  return res;
-}
-
-/* GPU-like device: each communicator's calls on its stream, after the default stream's
- * work so far; the default stream's later work after them. The device frees b. */
-static ncclResult_t enqueue_parts(struct batch *b, struct ncclComm **comms, int nc) {
-  ncclResult_t res = ncclSuccess, r;
-  atomic_init(&b->parts, nc);
-  for (int j = 0; j < nc; j++) {
-    struct part *p = malloc(sizeof *p);
-    if (!p) {
-      if (atomic_fetch_sub(&b->parts, 1) == 1) free(b);
-      res = ncclSystemError;
-      continue;
-    }
-    *p = (struct part){b, comms[j]};
-    if ((r = ncpu_dev_join(comms[j]->stream, 0)) != ncclSuccess && res == ncclSuccess) res = r;
-    if ((r = ncpu_dev_enqueue_on(comms[j]->stream, part_run, p)) != ncclSuccess && res == ncclSuccess) res = r;
-  }
-  for (int j = 0; j < nc; j++)
-    if ((r = ncpu_dev_join(0, comms[j]->stream)) != ncclSuccess && res == ncclSuccess) res = r;
   return res;
 }
 
@@ -643,7 +601,7 @@ static ncclResult_t launch_now(struct batch *b) {
         .nchannels = coll ? COLL_CHANNELS : P2P_CHANNELS, .api = k->api, .group = handles[n + g]};
     k->task = handles[i] = ncpu_prof_task_start(c->prof_ctx, &t);
   }
-  ncclResult_t res = ncpu_dev_async() ? enqueue_parts(b, comms, nc) : ncpu_dev_enqueue(batch_run, b);
+  ncclResult_t res = ncpu_dev_enqueue(batch_run, b);
   for (int i = 0; i < 2 * n; i++) ncpu_prof_stop(handles[i]);
   free(handles);
   free(comms);
@@ -725,10 +683,6 @@ static ncclResult_t submit(struct call k) {
   if ((is_p2p(&k) || k.kind == K_BCAST || k.kind == K_REDUCE) && (k.peer < 0 || k.peer >= k.comm->nranks)) {
     ncpu_set_error(k.comm, "peer/root %d out of range [0, %d)", k.peer, k.comm->nranks);
     return ncclInvalidArgument;
-  }
-  if (!internal && ncpu_dev_async()) {   /* the communicator's stream (a process group's) */
-    if (!k.comm->stream) k.comm->stream = ncpu_dev_stream_new();
-    k.stream = (cudaStream_t)(uintptr_t)k.comm->stream;
   }
   if (!internal) api_events(&k);
   if (group_depth == 0) {  /* a group of one */

@@ -44,7 +44,6 @@ struct ncclComm {
                             launch is under way on another thread, then its result */
   uint64_t prof_hash;    /* what a profiler plugin gets as commHash (not id_hash: NCCL's own) */
   void *prof_ctx;        /* the profiler plugin's context (NULL: none) */
-  int stream;            /* its device stream (gpu device; 0 until its first call) */
   uint64_t seq[8];       /* launched collectives per function (enum kind): NCCL's seqNumber */
   char last_error[256];
 };
@@ -73,17 +72,14 @@ const char *ncpu_thread_error(void);
 uint64_t ncpu_mix(uint64_t x);
 uint64_t ncpu_hash_id(const ncclUniqueId *id);
 
-/* nccl_dev.c: work runs on the device (INGERO_LAB_DEVICE=gpu: on a stream, a thread
- * of its own, in order; cpu: in the calling thread, at once). A work function gets
- * cancelled = 1 after an earlier item failed: it must only free its argument. */
+/* nccl_dev.c: work runs on the device (INGERO_LAB_DEVICE=gpu: its thread, in order;
+ * cpu: in the calling thread, at once). A work function gets cancelled = 1
+ * after an earlier item failed: it must only free its argument. */
 typedef ncclResult_t (*ncpu_work_fn)(void *arg, int cancelled);
 ncclResult_t ncpu_dev_check(void);           /* a bad INGERO_LAB_DEVICE: ncclInvalidArgument */
 int ncpu_dev_async(void);
-int ncpu_dev_stream_new(void);               /* a new stream's number; 0 (the default) when none is left */
-ncclResult_t ncpu_dev_enqueue(ncpu_work_fn fn, void *arg);   /* on the default stream */
-ncclResult_t ncpu_dev_enqueue_on(int stream, ncpu_work_fn fn, void *arg);
-ncclResult_t ncpu_dev_join(int waiter, int waitee);   /* waiter's later work waits for waitee's so far */
-ncclResult_t ncpu_dev_sync(void);            /* waits for what every stream was given; the sticky error */
+ncclResult_t ncpu_dev_enqueue(ncpu_work_fn fn, void *arg);
+ncclResult_t ncpu_dev_sync(void);            /* waits for what was enqueued; the sticky error */
 uint64_t ncpu_dev_raw(void);                 /* CLOCK_MONOTONIC_RAW, ns */
 uint64_t ncpu_dev_timer(uint64_t raw);       /* the GPU timer at that raw time */
 
