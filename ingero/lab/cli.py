@@ -72,8 +72,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--compute-ms", type=float, default=40.0, help="compute kernel per step; default 40")
     r.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                    help="cpu: every NCCL call and kernel runs when it is called (default); gpu: they are "
-                   "enqueued on device streams (kernels on the default one, each communicator's work on its "
-                   "own, as a process group's) and each step synchronises with them, as on a GPU")
+                   "enqueued on a device stream per rank and each step synchronises with it, as on a GPU")
     r.add_argument("--nonblocking", action="store_true",
                    help="non-blocking communicators (ncclConfig_t.blocking = 0, as PyTorch's "
                    "TORCH_NCCL_USE_COMM_NONBLOCKING): calls return ncclInProgress and are polled")
