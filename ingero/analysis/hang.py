@@ -225,6 +225,8 @@ def _standstill(con, min_s: float) -> Hang | None:
     NCCL, so a hung collective leaves no call in flight.) Without a stopped rank such a quiet
     spell may be work without collectives (a checkpoint, an evaluation): no verdict."""
     try:
+        if not con.execute("SELECT count(*) FROM nccl_inflight").fetchone()[0]:
+            return None     # no thread was seen: nothing to say who stands still
         rows = con.execute(_QUIET).fetchall()
     except duckdb.CatalogException:
         return None

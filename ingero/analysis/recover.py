@@ -45,6 +45,7 @@ import hashlib
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 MIN_AGREE = 0.8     # share of matched collectives that must agree (op, count, datatype, seq offset)
 GAP = 4.0           # a group joins another only within this many times its own end-time gap
@@ -73,13 +74,13 @@ def communicators(con, tbl: pa.Table, ops: list[str], warnings: list[str]) -> pa
     if tbl.num_rows == 0 or "ptr" not in tbl.column_names:
         return tbl
     comm = tbl.column("comm").fill_null(0).to_numpy().astype(np.uint64)
+    data = pc.is_in(tbl.column("op"), value_set=pa.array(ops)).to_numpy(zero_copy_only=False)
+    unknown = data & (comm == 0)
+    if not unknown.any():             # every call's communicator is known: the common case
+        return tbl
     ptr = tbl.column("ptr").fill_null(0).to_numpy().astype(np.uint64)
     opname = np.asarray(tbl.column("op").to_pylist(), dtype=object)
-    data = np.isin(opname, ops)
     grank = tbl.column("grank").fill_null(-1).to_numpy().astype(np.int64)
-    unknown = data & (comm == 0)
-    if not unknown.any():
-        return tbl
     usable = unknown & (ptr != 0) & (grank >= 0)
     idx = np.flatnonzero(usable)
     node = np.asarray(tbl.column("node").to_pylist(), dtype=object)

@@ -91,19 +91,23 @@ def stages(c: Calls) -> dict:
     has_coll = np.zeros(len(c.comm_hash), bool)
     has_coll[c.comm[c.inst >= 0]] = True
     out: dict = {}
-    for comm in np.unique(c.comm[p2p]).tolist():
-        if has_coll[comm]:
+    sel = p2p & (c.peer >= 0)
+    comm, rank, peer = c.comm[sel], c.rank[sel], c.peer[sel]
+    o = np.argsort(comm, kind="stable")
+    comm, rank, peer = comm[o], rank[o], peer[o]
+    bounds = np.flatnonzero(np.r_[True, comm[1:] != comm[:-1], True])
+    pos = np.full(int(max(rank.max(initial=0), peer.max(initial=0))) + 1, -1, np.int64)
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        k = int(comm[lo])
+        mem = c.comm_members.get(k, [])
+        if has_coll[k] or len(mem) < 2:
             continue
-        mem = c.comm_members.get(comm, [])
-        if len(mem) < 2:
-            continue
-        idx = {g: i for i, g in enumerate(mem)}
-        sel = p2p & (c.comm == comm) & (c.peer >= 0)
-        me = np.array([idx.get(g, -9) for g in c.rank[sel].tolist()])
-        pe = np.array([idx.get(g, -99) for g in c.peer[sel].tolist()])
-        hop = np.abs(me - pe)
-        if len(me) and np.mean((hop == 1) | ((hop == len(mem) - 1) & (len(mem) > 2))) >= 0.95:
-            for g, i in idx.items():
+        pos[:] = -1
+        pos[[g for g in mem if g < len(pos)]] = [i for i, g in enumerate(mem) if g < len(pos)]
+        me, pe = pos[rank[lo:hi]], pos[peer[lo:hi]]
+        hop = np.where((me >= 0) & (pe >= 0), np.abs(me - pe), 0)
+        if np.mean((hop == 1) | ((hop == len(mem) - 1) & (len(mem) > 2))) >= 0.95:
+            for i, g in enumerate(mem):
                 out.setdefault(g, i)
     return out
 
