@@ -42,7 +42,7 @@ scenarios:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from ingero.lab.faults import SCENARIOS
+    from ingero.lab.faults import HANG_MODES, SCENARIOS
 
     p = subparsers.add_parser("lab", help="run a multi-node training job with a fault, on this machine",
                               description=__doc__, epilog=EPILOG,
@@ -66,7 +66,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "(hang: 20)")
     r.add_argument("--hang-for", type=float, default=None, metavar="SECONDS",
                    help="hang: continue the stopped rank after this long; default: stopped for good")
-    r.add_argument("--hang-mode", choices=("stop", "sleep"), default="stop",
+    r.add_argument("--hang-mode", choices=HANG_MODES, default="stop",
                    help="hang: stop the victim's process (SIGSTOP; default), or let it live and sleep in "
                         "its compute for good, calling NCCL no more")
     r.add_argument("--compute-ms", type=float, default=40.0, help="compute kernel per step; default 40")
