@@ -80,15 +80,18 @@ def test_a_non_blocking_communicator_is_in_progress_until_its_init_split_and_cal
         # init: ncclInProgress with the handle already written, as NCCL does
         assert (r["init_rc"], r["init_handle"], r["init_settled"]) == (7, True, 0), r
         assert (r["coll_rc"], r["coll_settled"], r["coll_value"]) == (7, 0, 3.0), r
-        # split: ncclInProgress, and the child's handle only once it completed
-        assert (r["split_rc"], r["split_child"], r["split_settled"], r["child"]) == (7, False, 0, True), r
+        # split: ncclInProgress, and the child's handle once it completed (rank 1 came last, so
+        # its split may complete before it looks: only rank 0's early look is certain, below)
+        assert (r["split_rc"], r["split_settled"], r["child"]) == (7, 0, True), r
         assert r["child_state"] == 0 and r["child_rank"] == 1 - rank            # key n - rank reverses
         assert (r["child_coll_rc"], r["child_coll_settled"], r["child_value"]) == (7, 0, 3.0), r
         assert (r["group_rc"], r["group_settled"], r["p2p_value"]) == (7, 0, float(1 - rank)), r
-    # rank 0 came first: it saw its init and split still under way while rank 1 slept, and a
-    # call on the communicator before the init finished was refused (NCCL: ncclInvalidArgument)
+    # rank 0 came first: it saw its init and split still under way while rank 1 slept (no child
+    # handle yet), and a call on the communicator before the init finished was refused (NCCL:
+    # ncclInvalidArgument)
     r0 = ranks[0]
-    assert (r0["init_state"], r0["early_rc"], r0["split_state"], r0["split_child_later"]) == (7, 4, 7, False), r0
+    assert (r0["init_state"], r0["early_rc"]) == (7, 4), r0
+    assert (r0["split_child"], r0["split_state"], r0["split_child_later"]) == (False, 7, False), r0
 
 
 def test_a_bad_device_setting_fails_the_worker_in_one_line(bins):
