@@ -17,7 +17,8 @@ the last member has arrived. So:
    reduce-scatter or all-to-all instance overlap in time on every member: a
    pair whose matched calls often do not overlap is two communicators (two
    node-local ones in lockstep agree on their sequence but fail this).
-2. Group handles into communicators, tightest pairs first (complete linkage):
+2. Group handles into communicators, the most constrained handles first (those
+   whose calls overlap the fewest others'), then the tightest pairs (complete linkage):
    a rank is in a group once, and every pair across two groups must agree on
    the same offsets (and, where calls only enqueue work, not be much looser
    than the groups' own pairs).
@@ -33,7 +34,8 @@ the last member has arrived. So:
    ranks whose partner calls were not traced, so the rest pair in order.
 
 Confidence of a group: the mean agreement of its pairs times how clearly the
-look-alikes outside it are not members (``_separation``), times the share of
+look-alikes outside it are not members (``_separation``; 1 where blocking calls of a
+member overlap no handle's outside the group: its communicator can be no other), times the share of
 its sends and receives that fit its rank order; 1 when nothing outside looks
 like it. Handles that match nobody (one traced rank, a communicator of one)
 stay unknown and are left out, with a warning.
@@ -129,7 +131,10 @@ def communicators(con, tbl: pa.Table, ops: list[str], warnings: list[str]) -> pa
             else:
                 cut[h.coll] = True    # a stray collective or two on a send/receive handle: unaligned
         fit = _p2p_fit(members, opname, peer, order, t, d, cut)
-        conf = (g.agree * _separation(g, pairs, blocking) if g.crank is None else g.sep) * fit
+        if g.crank is not None:
+            conf = g.sep * fit
+        else:
+            conf = g.agree * (1.0 if g.forced else _separation(g, pairs, blocking)) * fit
         if conf < MIN_CONF:
             for h in members:
                 keep[h.rows] = cut[h.rows] = False
@@ -236,6 +241,7 @@ class _Group:
         self.agrees: list[float] = []
         self.crank: dict | None = None   # handle -> its rank in the communicator, from p2p peers
         self.sep = 1.0                   # p2p groups: the weakest margin of their links
+        self.forced = False              # a member's calls overlap no handle's outside it
 
     @property
     def agree(self) -> float:
@@ -256,8 +262,15 @@ def _group(hs: list[_Handle]) -> tuple[list[_Group], dict, bool]:
                 pairs[(id(a), id(b))], pairs[(id(b), id(a))] = p, p.flipped()
     blocking = any(p.nsym >= MIN_OVERLAP_CALLS and p.apart <= MAX_APART for p in pairs.values())
     edges = {k: p for k, p in pairs.items() if not (blocking and p.apart > MAX_APART)}
+    partners: dict[int, set] = {}
+    for ia, ib in edges:
+        partners.setdefault(ia, set()).add(ib)
     group = {id(h): _Group(h) for h in hs}
-    for (ia, ib), p in sorted(edges.items(), key=lambda kv: kv[1].gap):
+    # the most constrained handles first (one whose calls overlap only one other's has its
+    # communicator there), then the tightest: under load, wake-ups spread a blocking call's
+    # ends over milliseconds and look-alikes in step can end closer than true members
+    for (ia, ib), p in sorted(edges.items(),
+                              key=lambda kv: (min(len(partners[kv[0][0]]), len(partners[kv[0][1]])), kv[1].gap)):
         ga, gb = group[ia], group[ib]
         if ga is gb or {h.grank for h in ga.members} & {h.grank for h in gb.members}:
             continue
@@ -282,6 +295,8 @@ def _group(hs: list[_Handle]) -> tuple[list[_Group], dict, bool]:
     for g in group.values():
         if id(g) not in seen and len(g.members) > 1:
             seen.add(id(g))
+            ids = {id(h) for h in g.members}
+            g.forced = blocking and any(partners[id(h)] <= ids for h in g.members)
             out.append(g)
     return out, pairs, blocking
 

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import pytest
 
@@ -90,10 +91,12 @@ def _run(tmp_path, scenario: str, by: str = "pid", **kw):
 DP = ["0, 1", "0, 1, 2, 3", "0, 1, 2, 3", "2, 3"]        # C of node a, A and B (world), C of node b
 # tp=2,pp=2,dp=2 (Megatron's order, 1F1B, no world collective): TP pairs (0, 1)..., DP
 # pairs (0, 4)..., and PP pairs (0, 2)... that only send and receive. The embedding pairs of
-# first and last stage ((0, 2)... again) run in step with their tensor-parallel twins, so
-# nothing tells them apart: they are left out (recover.MIN_CONF)
+# first and last stage ((0, 2)... again) run in step with their tensor-parallel twins: where
+# the overlap of their calls tells them apart they are recovered, where it does not they are
+# left out (recover.MIN_CONF); never grouped wrong
 LAYOUT = sorted([f"{a}, {a + 1}" for a in (0, 2, 4, 6)] + [f"{a}, {a + 4}" for a in range(4)]
                 + [f"{a}, {a + 2}" for a in (0, 1, 4, 5)])
+EMBEDDING = [f"{a}, {a + 2}" for a in (0, 1, 4, 5)]
 
 
 # One case in CI (the lab group runs one job at a time: every case costs 60-90 s): the 3D job,
@@ -138,8 +141,10 @@ def test_a_job_attached_late_gets_the_verdict_of_one_traced_from_its_start(tmp_p
         calls, warnings = load(src)
     finally:
         src.close()
-    got = sorted(", ".join(map(str, m)) for m in calls.comm_members.values())
-    assert got == comms, (got, warnings)
+    got = Counter(", ".join(map(str, m)) for m in calls.comm_members.values())
+    missing, extra = Counter(comms) - got, got - Counter(comms)
+    allowed = Counter(EMBEDDING if comms is LAYOUT else [])
+    assert not missing and not extra - allowed, (sorted(got.elements()), warnings)
     assert comms is LAYOUT or not any("matched no other rank" in w for w in warnings), warnings
     assert any("no device times" in w for w in late.warnings), late.warnings
     assert not any("cycles" in w for w in late.warnings), late.warnings

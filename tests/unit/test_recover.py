@@ -237,3 +237,37 @@ def test_one_receive_ending_a_little_before_its_send_does_not_shift_the_pairing(
     cut = np.zeros(len(t), bool)
     _trim(np.arange(100), np.arange(100, 201), t, d, cut)
     assert np.flatnonzero(cut).tolist() == [100]
+
+
+def _in_step(steps=40, seed=3):
+    """Two 2-rank communicators in step, as a pipeline's embedding pairs (0, 2) and (1, 3):
+    the last stage (ranks 2, 3) arrives early and waits; the first stage arrives 30-36 ms
+    later, each at its own moment, and is woken late (0-8 ms, a busy machine), so a waiting
+    rank's call ends closer to the other waiting rank's than to its partner's."""
+    rng = np.random.default_rng(seed)
+    con = duckdb.connect()
+    schema.create_all(con)
+    rows = []
+    for step in range(steps):
+        base = T0 + step * STEP
+        arrive = {r: base + 30 * MS + int(rng.integers(0, 6 * MS)) for r in (0, 1)}
+        for first, last in ((0, 2), (1, 3)):
+            a = arrive[first]
+            span = {last: (base + int(rng.integers(0, MS)), a + 100_000),
+                    first: (a, a + 100_000 + int(rng.integers(0, 8 * MS)))}
+            for r, (t, e) in span.items():
+                rows.append((len(rows) + 1, f"n{r // 2}", 100 + r, r, -1, -1, 0, step, t, e - t, "ALL_REDUCE",
+                             0xE000 + r, 4096, 4096 * 4, "float32", -1))
+    names = ("event_id", "node", "pid", "global_rank", "rank", "nranks", "comm_id_hash", "seq", "timestamp_ns",
+             "duration_ns", "op", "comm", "count", "bytes", "datatype", "peer")
+    con.register("calls", pa.table({k: [row[i] for row in rows] for i, k in enumerate(names)}))
+    con.execute(f"INSERT INTO nccl_events ({', '.join(names)}, ret) SELECT *, 0 FROM calls")
+    return con
+
+
+def test_a_handle_whose_calls_overlap_only_its_partners_is_grouped_with_them_not_the_tightest():
+    c, warnings = load(_in_step())
+    # the waiting ranks 2 and 3 end closest together, but rank 0's calls overlap only rank
+    # 2's (and rank 1's only rank 3's): that decides, and is sure
+    assert sorted(map(tuple, c.comm_members.values())) == [(0, 2), (1, 3)], warnings
+    assert sum("confidence 1.00" in w for w in warnings) == 2, warnings
