@@ -240,7 +240,7 @@ class _Group:
         self.gap = 0.0            # widest end-time gap of its pairs
         self.agrees: list[float] = []
         self.crank: dict | None = None   # handle -> its rank in the communicator, from p2p peers
-        self.sep = 1.0                   # p2p groups: the weakest margin of their links
+        self.sep = 1.0                   # p2p groups: the clearest margin of their links
         self.forced = False              # a member's calls overlap no handle's outside it
 
     @property
@@ -305,9 +305,11 @@ def _p2p_groups(hs: list[_Handle], opname, peer, count, t, d) -> list[_Group]:
     """Communicators of handles that only send and receive (a pipeline's), each member's rank
     from the peers: a send of `count` to peer q on handle X is received on some handle Y
     whose receive names X's rank as its peer, so linking X's sends to Y's receives gives
-    X rank p (Y's peer) and Y rank q. Per (X, peer, count), the Y whose receives pair best
-    with the sends: no receive that ended before its send began (where calls block), then
-    the smallest end-time gap; its margin over the next candidate is the link's confidence."""
+    X rank p (Y's peer) and Y rank q. Per (X, peer, count), the Ys whose receives pair with
+    the sends, best first: no receive that ended before its send began (where calls block),
+    then the smallest end-time gap; the best one's margin over the next is its link's
+    confidence. Links join groups tightest first (a channel's next candidate where its best
+    was taken); a group is as sure as its clearest link."""
     chans: dict[tuple, np.ndarray] = {}
     for h in hs:
         for i in h.send_recv.tolist():
@@ -332,9 +334,12 @@ def _p2p_groups(hs: list[_Handle], opname, peer, count, t, d) -> list[_Group]:
         if len(cands) > 1 and not (cands[1][0] and not bad):
             sep = max(0.0, 1.0 - (gap + NOISE_NS) / (cands[1][1] + NOISE_NS))
         links.append((gap, x, y, p, q, sep))
+        # the others too (no margin of their own), should the best be taken by then
+        links += [(g2, x, y2, p2, q, 0.0) for b2, g2, y2, p2 in cands[1:] if b2 == bad]
     group = {h: _Group(h) for h in hs}
     for g in group.values():
         g.crank = {g.members[0]: None}
+        g.sep = 0.0
     for gap, x, y, p, q, sep in sorted(links, key=lambda z: z[0]):
         gx, gy = group[x], group[y]
         if gx.crank[x] not in (None, p) or gy.crank[y] not in (None, q):
@@ -349,7 +354,7 @@ def _p2p_groups(hs: list[_Handle], opname, peer, count, t, d) -> list[_Group]:
             gx.members += gy.members
             for h in gy.members:
                 group[h] = gx
-        gx.sep = min(gx.sep, sep)
+        gx.sep = max(gx.sep, gy.sep, sep)      # one clear link names the pair
     out = []
     for g in {id(g): g for g in group.values()}.values():
         if len(g.members) > 1 and all(r is not None for r in g.crank.values()):
@@ -360,7 +365,10 @@ def _p2p_groups(hs: list[_Handle], opname, peer, count, t, d) -> list[_Group]:
 def _p2p_match(s: np.ndarray, r: np.ndarray, t, d) -> tuple[float, float, float]:
     """(agreement, share of receives that ended before their send began, median end-time gap)
     of sends `s` against receives `r` (rows, in time order): each send is matched to the
-    receive that ended nearest to it; they agree at the most common index offset."""
+    receive that ended nearest to it; they agree at the most common index offset. Where
+    receivers wake late (a busy machine) nearest in time stops agreeing; then the calls are
+    paired in order (first in, first out per peer, at `_shift`'s shift) and agree as far as
+    no receive ends before its send began."""
     es, er = t[s] + d[s], t[r] + d[r]
     j = np.clip(np.searchsorted(er, es), 0, len(er) - 1)
     lo = np.maximum(j - 1, 0)
@@ -370,7 +378,15 @@ def _p2p_match(s: np.ndarray, r: np.ndarray, t, d) -> tuple[float, float, float]
     ok = np.flatnonzero(off == vals[np.argmax(cnts)])
     agree = len(np.unique(j[ok])) / min(len(s), len(r))
     early = float(np.mean(er[j[ok]] < t[s[ok]] - NOISE_NS))
-    return agree, early, float(np.median(np.abs(er[j[ok]] - es[ok])))
+    gap = float(np.median(np.abs(er[j[ok]] - es[ok])))
+    if agree < MIN_AGREE:
+        k, lag = _shift(s, r, t, d)
+        if lag is not None and np.mean(lag < -NOISE_NS) <= MAX_APART:
+            a, b = (es[-k:], er) if k < 0 else (es, er[k:])
+            m = len(lag)
+            agree, early = float(np.mean(lag >= -NOISE_NS)) * m / min(len(s), len(r)), 0.0
+            gap = float(np.median(np.abs(b[:m] - a[:m])))
+    return agree, early, gap
 
 
 def _separation(g: _Group, pairs: dict, blocking: bool) -> float:
@@ -416,9 +432,22 @@ def _p2p_fit(members: list[_Handle], opname, peer, order: dict, t, d, cut) -> fl
 def _trim(sends: np.ndarray, recvs: np.ndarray, t, d, cut) -> None:
     """Mark the leading sends or receives of one rank pair that have no partner in the
     trace (one side was traced from a later call), so that calls.events pairs the rest in
-    order. The shift: near the one most sends have to the receive ending nearest them, one
-    whose receives (but a few, MAX_APART) do not end before their send began (data cannot
-    arrive before it is sent), then the shortest median wait from send to receive end."""
+    order."""
+    k, _ = _shift(sends, recvs, t, d)
+    s, r = sends[np.argsort(t[sends], kind="stable")], recvs[np.argsort(t[recvs], kind="stable")]
+    if k > 0:
+        cut[r[:k]] = True
+    elif k < 0:
+        cut[s[:-k]] = True
+
+
+def _shift(sends: np.ndarray, recvs: np.ndarray, t, d) -> tuple[int, np.ndarray | None]:
+    """(shift, per pair the receive's end minus its send's start) of one channel's sends and
+    receives, which pair in order (NCCL's p2p is first in, first out per peer): send i with
+    receive i + shift. The shift: near the one most sends have to the receive ending nearest
+    them, one whose receives (but a few, MAX_APART) do not end before their send began (data
+    cannot arrive before it is sent), then the shortest median wait from send to receive
+    end. (0, None) when no shift leaves MIN_CALLS pairs."""
     s, r = sends[np.argsort(t[sends], kind="stable")], recvs[np.argsort(t[recvs], kind="stable")]
     ts, er = t[s], t[r] + d[r]
     j = np.clip(np.searchsorted(er, ts), 0, len(er) - 1)
@@ -435,12 +464,8 @@ def _trim(sends: np.ndarray, recvs: np.ndarray, t, d, cut) -> None:
         lag = b[:m] - a[:m]
         score = (float(np.mean(lag < -NOISE_NS)) > MAX_APART, float(np.median(np.abs(lag))))
         if best is None or score < best[0]:
-            best = (score, k)
-    k = best[1] if best else k0
-    if k > 0:
-        cut[r[:k]] = True
-    elif k < 0:
-        cut[s[:-k]] = True
+            best = (score, k, lag)
+    return (best[1], best[2]) if best else (0, None)
 
 
 def _group_times(opname, grank, t, d) -> tuple[np.ndarray, np.ndarray]:
