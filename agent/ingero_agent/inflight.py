@@ -157,7 +157,7 @@ def snapshot(reader: FrameReader, proc: Path, pids, mono_to_wall_ns: int, now_wa
             for tid, op in stacks(pid, [r["tid"] for r in mine if r["state"] != "R"]).items():
                 row = next(r for r in mine if r["tid"] == tid)
                 last = (previous or {}).get((pid, tid))
-                held = last is not None and last["op"] == op and last["seq"] is None and last["since_ns"]
+                held = last is not None and last["op"] == op and last["comm_rank"] is None and last["since_ns"]
                 row.update(op=op, since_ns=last["since_ns"] if held else now_wall_ns)
         rows += mine
     return rows

@@ -197,8 +197,10 @@ def _run(args) -> int:
         raise IngeroError("--fault-after must be >= 0")
     if cfg.seconds <= 0 and cfg.steps <= 0:
         raise IngeroError("--seconds must be > 0 (or give --steps)")
-    if args.trace_after is not None and args.trace_after < 0:
-        raise IngeroError("--trace-after must be >= 0")
+    if args.trace_after is not None and (args.trace_after < 0 or (
+            cfg.scenario != "hang" and cfg.steps <= 0 and args.trace_after >= cfg.seconds)):
+        raise IngeroError(f"--trace-after must be >= 0 and less than --seconds ({cfg.seconds:g}): the job would "
+                          "end before the tracers start")
     old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     tracers: list = []
     try:
