@@ -198,7 +198,8 @@ def _hang(con, at: _At, ro: _Roles, longest: dict) -> Hang:
         parts.append(f"rank {r} {entered} and its threads {_doing(states.get(r))}")
     for r in ro.elsewhere:
         w = longest[r]
-        parts.append(f"rank {r} waits in {_call(w['op'], w['comm'], w['seq'])} for {w['waited'] / 1e9:.0f} s")
+        parts.append(f"rank {r} waits in {_call(w['op'], w['comm'], w['seq'])} for "
+                     f"{'at least ' if w['on_stack'] else ''}{w['waited'] / 1e9:.0f} s")
     parts += [f"rank {r} finished it and went on" for r in ro.passed]
     if ro.also:
         ops = sorted({longest[r]["op"] for r in ro.also})

@@ -332,6 +332,17 @@ def test_ranks_found_inside_a_collective_on_their_stacks_name_the_rank_outside_a
     assert "rank 2 is inside no NCCL call (it made no traced call; its threads are stopped)" in h.evidence
 
 
+def test_a_rank_found_in_another_call_on_its_stack_waits_elsewhere():
+    con = _attached_late()
+    for r in (0, 1):
+        _on_stack(con, r, "S", T0 + 14 * S, "REDUCE_SCATTER", T0 + S)
+    _on_stack(con, 3, "S", T0 + 14 * S, "RECV", T0 + S)
+    inflight(con, 2, "T", T0 + 14 * S)
+    h = find_hang(con)
+    assert (h.missing, h.op) == ([2], "REDUCE_SCATTER"), h
+    assert "rank 3 waits in RECV for at least 13 s" in h.evidence, h.evidence
+
+
 def test_a_rank_stopped_inside_the_collective_found_on_the_stacks_is_named():
     con = _attached_late()
     for r in (0, 1, 3):
