@@ -8,7 +8,10 @@ processes' threads once per roll (2 s) and at stop. Here a process has `--thread
 threads blocked inside a probed ncclAllReduce (bench/csrc/nccl_block.c); one snapshot
 reads every thread's /proc state and slot. Reported per slot storage (task-local storage
 looked up with a pidfd of each thread; the hash fallback by pid_tgid): the median time
-of a snapshot, per thread, and how many open calls it saw (must be all). Needs root.
+of a snapshot, per thread, and how many open calls it saw (must be all). And "stack":
+the probes attach after the threads are inside the call (a job hung before the trace
+began), so no slot holds it and each snapshot reads the calls from the threads' stacks
+(ingero_agent.stackscan). Needs root.
 """
 
 from __future__ import annotations
@@ -28,23 +31,35 @@ def _one(storage: str, loop: Path, lib: Path, threads: int, rounds: int) -> dict
     from ingero_agent.elfsyms import nccl_symbols
     from ingero_agent.inflight import FrameReader, snapshot
     from ingero_agent.probes import ProbeConfig, Probes
+    from ingero_agent.stackscan import StackScanner, api_op
 
-    p = Probes(ProbeConfig(families=("nccl",), self_tgid=os.getpid(), frame_storage=storage))
+    late = storage == "stack"
+    p = Probes(ProbeConfig(families=("nccl",), self_tgid=os.getpid(), frame_storage="auto" if late else storage))
     proc = subprocess.Popen([str(loop), str(lib), str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True)
     try:
         assert proc.stdout.readline().strip() == "loaded"
-        st = lib.stat()
-        p.attach_library(lib, (st.st_dev, st.st_ino), nccl_symbols(lib))
-        p.set_targets(set(), {proc.pid}, set())
+        st, syms = lib.stat(), nccl_symbols(lib)
+
+        def attach():
+            p.attach_library(lib, (st.st_dev, st.st_ino), syms)
+            p.set_targets(set(), {proc.pid}, set())
+        if not late:
+            attach()
         proc.stdin.write("go\n")
         proc.stdin.flush()
         assert proc.stdout.readline().strip() == "ready"
+        if late:
+            attach()
         reader = FrameReader(p.bpf, "-DINGERO_TASK_STORAGE=1" in p.cflags)
+        scanner = StackScanner()
+
+        def stacks(pid, tids):
+            return {t: api_op(f) for t, f in scanner.calls(pid, tids, lib, (st.st_dev, st.st_ino), syms).items()}
         times, seen = [], 0
         for _ in range(rounds):
             t0 = time.perf_counter()
-            rows = snapshot(reader, Path("/proc"), [proc.pid], 0, 0, lambda pid: 0)
+            rows = snapshot(reader, Path("/proc"), [proc.pid], 0, 0, lambda pid: 0, stacks=stacks if late else None)
             times.append(time.perf_counter() - t0)
             seen = sum(r["op"] == "ALL_REDUCE" for r in rows)
         med = statistics.median(times)
@@ -66,7 +81,7 @@ def main(argv=None) -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
         lib = compile_c(Path(d) / "libnccl_block.so", ["nccl_block.c"], shared=True)
         loop = compile_c(Path(d) / "inflight_threads", ["inflight_threads.c"], libs=("-ldl", "-lpthread"))
-        for storage in ("task", "hash"):
+        for storage in ("task", "hash", "stack"):
             r = _one(storage, loop, lib, a.threads, a.rounds)
             print(f"{r['storage']:>4}: {r['open_calls_seen']}/{a.threads} open calls seen over {r['threads']} "
                   f"threads; a snapshot {r['snapshot_ms']} ms, {r['per_thread_us']} us per thread", flush=True)

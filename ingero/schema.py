@@ -316,7 +316,9 @@ NCCL_INFLIGHT = Table(
     "thread that is gone keeps its last row): seen_ns when, state its /proc state letter (R on a "
     "CPU or runnable, S sleeping, D in I/O, T stopped, ...), and, when it was inside a traced NCCL "
     "call then, the call: op, comm_id_hash, seq, comm_rank and nranks, since_ns when it entered. "
-    "rank is the process's torchrun RANK.",
+    "A call found on the thread's stack instead (it was inside it when the probes attached, so no "
+    "probe saw it enter) has only op, with since_ns when it was first seen there, and no "
+    "comm_id_hash, seq, comm_rank or nranks. rank is the process's torchrun RANK.",
 )
 
 NODES = Table(

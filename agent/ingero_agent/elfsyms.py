@@ -46,8 +46,13 @@ class NotElf(ValueError):
 
 
 class Symbols(dict):
-    """name -> st_value; `from_symtab` when they came from .symtab (not exported)."""
+    """name -> st_value; `from_symtab` when they came from .symtab (not exported); `sizes`:
+    name -> st_size (the function's length in bytes)."""
     from_symtab: bool = False
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.sizes: dict[str, int] = {}
 
 
 def defined_symbols(path: str | os.PathLike, wanted: tuple[str, ...] = NCCL_SYMBOLS) -> dict[str, int]:
@@ -104,8 +109,31 @@ def _table(m, buf, size: int, shdrs, kind_wanted: int, wanted: tuple[str, ...]) 
                 continue
             hit = defined & np.isin(syms["name"], offsets)
             if hit.any():
-                found[name] = int(syms["value"][np.argmax(hit)])
+                i = np.argmax(hit)
+                found[name], found.sizes[name] = int(syms["value"][i]), int(syms["size"][i])
     return found
+
+
+_PHDR = np.dtype([("type", "<u4"), ("flags", "<u4"), ("offset", "<u8"), ("vaddr", "<u8"),
+                  ("paddr", "<u8"), ("filesz", "<u8"), ("memsz", "<u8"), ("align", "<u8")])
+PT_LOAD = 1
+
+
+def load_segments(path: str | os.PathLike) -> list[tuple[int, int, int]]:
+    """(p_offset, p_vaddr, p_filesz) of each PT_LOAD segment: where the file's bytes land in
+    its virtual addresses (a mapped address -> file offset -> symbol address). Raises NotElf."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+        if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+            raise NotElf(f"{path}: not a 64-bit little-endian ELF file")
+        phoff = int.from_bytes(head[0x20:0x28], "little")
+        phentsize = int.from_bytes(head[0x36:0x38], "little")
+        phnum = int.from_bytes(head[0x38:0x3A], "little")
+        if phentsize != _PHDR.itemsize:
+            raise NotElf(f"{path}: unexpected program header size {phentsize}")
+        f.seek(phoff)
+        ph = np.frombuffer(f.read(phnum * phentsize), dtype=_PHDR)
+    return [(int(h["offset"]), int(h["vaddr"]), int(h["filesz"])) for h in ph if h["type"] == PT_LOAD]
 
 
 def _occurrences(haystack: bytes, needle: bytes) -> list[int]:

@@ -17,6 +17,13 @@ How a slot is read:
     process's leader needs PIDFD_THREAD (Linux 6.9); on older kernels only
     the leader's slot can be read (`threads_readable` says so).
   * the hash fallback, keyed by pid_tgid: looked up directly.
+
+A thread that was inside a call when the probes attached has no open frame:
+its entry probe never fired. A job that hung before the trace began is all
+such threads. So for a process none of whose threads has entered a call since
+the probes attached (no thread has a slot), the calls its threads are inside
+are read from their stacks instead (ingero_agent.stackscan), at attach and at
+each roll, until one of them makes a traced call.
 """
 
 from __future__ import annotations
@@ -101,31 +108,43 @@ class FrameReader:
         finally:
             os.close(fd)
 
-    def open_call(self, pid: int, tid: int) -> Open | None:
-        """The thread's open traced call, or None (outside NCCL, untraced, or unreadable)."""
+    def frame(self, pid: int, tid: int) -> tuple[bool, Open | None]:
+        """(whether the thread entered an NCCL call since the probes attached: it has a slot;
+        its open traced call, or None: outside NCCL, untraced, or unreadable)."""
         if not self.threads_readable and tid != pid:
-            return None
+            return False, None
         f = self._lookup(pid, tid)
+        if f is None:
+            return False, None
         # (task storage keeps a slot for untraced threads too, target 0; the hash only for traced ones)
-        if f is None or not f.sp or (self.task_storage and not f.target) or f.op not in _CALL_OPS:
-            return None
-        return Open(tid=tid, op=schema.NCCL_OPS[f.op], since_mono_ns=int(f.ts), comm_hash=int(f.hash),
-                    seq=int(f.seq), comm_rank=int(f.rank), nranks=int(f.nranks), peer=int(f.peer),
-                    in_group=bool(f.flags & NCCL_F_IN_GROUP))
+        if not f.sp or (self.task_storage and not f.target) or f.op not in _CALL_OPS:
+            return True, None
+        return True, Open(tid=tid, op=schema.NCCL_OPS[f.op], since_mono_ns=int(f.ts), comm_hash=int(f.hash),
+                          seq=int(f.seq), comm_rank=int(f.rank), nranks=int(f.nranks), peer=int(f.peer),
+                          in_group=bool(f.flags & NCCL_F_IN_GROUP))
 
 
 def snapshot(reader: FrameReader, proc: Path, pids, mono_to_wall_ns: int, now_wall_ns: int,
-             rank_of) -> list[dict]:
+             rank_of, stacks=None, previous: dict | None = None) -> list[dict]:
     """One `nccl_inflight` row per thread of each process in `pids`: its state now and its
-    open call, if any. `rank_of(pid)`: the process's global rank or None."""
+    open call, if any. `rank_of(pid)`: the process's global rank or None.
+
+    `stacks(pid, tids)` (tid -> the op of the NCCL API call it is inside, from its stack:
+    ingero_agent.stackscan) is asked about the threads of a process none of whose threads
+    entered an NCCL call since the probes attached: a thread inside a call then was inside it
+    when they attached. Its row has the op and no seq, communicator or rank in it; since_ns is
+    when it was first seen there (its row in `previous`, (pid, tid) -> last row, when it was
+    seen inside the same function last time), so the wait is at least seen_ns - since_ns."""
     rows = []
     for pid in pids:
         rank = rank_of(pid)
+        mine, entered_any = [], False
         for tid in threads(proc, pid):
             state = thread_state(proc, pid, tid)
             if state is None:
                 continue
-            c = reader.open_call(pid, tid)
+            entered, c = reader.frame(pid, tid)
+            entered_any |= entered
             row = {"pid": pid, "tid": tid, "rank": rank, "seen_ns": now_wall_ns, "state": state,
                    "op": None, "comm_id_hash": None, "seq": None, "comm_rank": None, "nranks": None,
                    "peer": None, "in_group": None, "since_ns": None}
@@ -133,5 +152,12 @@ def snapshot(reader: FrameReader, proc: Path, pids, mono_to_wall_ns: int, now_wa
                 row.update(op=c.op, comm_id_hash=c.comm_hash or None, seq=c.seq, comm_rank=c.comm_rank,
                            nranks=c.nranks, peer=c.peer, in_group=c.in_group,
                            since_ns=c.since_mono_ns + mono_to_wall_ns)
-            rows.append(row)
+            mine.append(row)
+        if stacks is not None and not entered_any and mine:
+            for tid, op in stacks(pid, [r["tid"] for r in mine if r["state"] != "R"]).items():
+                row = next(r for r in mine if r["tid"] == tid)
+                last = (previous or {}).get((pid, tid))
+                held = last is not None and last["op"] == op and last["comm_rank"] is None and last["since_ns"]
+                row.update(op=op, since_ns=last["since_ns"] if held else now_wall_ns)
+        rows += mine
     return rows

@@ -119,21 +119,41 @@ class Mapping:
     inode: int
 
 
+@dataclass(frozen=True)
+class MapRange:
+    """One line of /proc/<pid>/maps."""
+    start: int
+    end: int
+    perms: str       # "r-xp"
+    offset: int      # file offset of `start`
+    dev: str
+    inode: int
+    path: str        # as the process sees it; "" (anonymous) or "[stack]" & co.
+
+
+def parse_map_ranges(text: str) -> list[MapRange]:
+    """Every mapping of a /proc/<pid>/maps text, in address order."""
+    out = []
+    for line in text.splitlines():
+        parts = line.split(None, 5)
+        if len(parts) < 5:
+            continue
+        lo, _, hi = parts[0].partition("-")
+        out.append(MapRange(int(lo, 16), int(hi, 16), parts[1], int(parts[2], 16), parts[3], int(parts[4]),
+                            parts[5].strip() if len(parts) > 5 else ""))
+    return out
+
+
 def parse_maps(text: str) -> list[Mapping]:
     """Distinct file-backed mappings of a /proc/<pid>/maps text, in order."""
     seen, out = set(), []
-    for line in text.splitlines():
-        parts = line.split(None, 5)
-        if len(parts) < 6 or not parts[5].startswith("/"):
+    for m in parse_map_ranges(text):
+        if not m.path.startswith("/") or m.path.endswith(" (deleted)"):
             continue
-        path = parts[5].strip()
-        if path.endswith(" (deleted)"):
-            continue
-        inode = int(parts[4])
-        key = (parts[3], inode, path)
-        if inode and key not in seen:
+        key = (m.dev, m.inode, m.path)
+        if m.inode and key not in seen:
             seen.add(key)
-            out.append(Mapping(path, parts[3], inode))
+            out.append(Mapping(m.path, m.dev, m.inode))
     return out
 
 

@@ -37,6 +37,7 @@ from ingero_agent.inflight import FrameReader, snapshot
 from ingero_agent.probes import ProbeConfig, Probes
 from ingero_agent.procinfo import int_or_none
 from ingero_agent.records import FAMILIES, FAMILY_RINGS
+from ingero_agent.stackscan import StackScanner, api_op, scan_supported
 from ingero_agent.targets import TargetSet, load_pods
 
 INIT_OPS = {10: "COMM_INIT_RANK", 11: "COMM_INIT_ALL", 12: "COMM_SPLIT", 15: "COMM_INIT_RANK_CONFIG",
@@ -93,6 +94,7 @@ class Tracer:
         self.probes: Probes | None = None
         self.writer: SegmentWriter | None = None
         self.frames: FrameReader | None = None           # open NCCL calls (ingero_agent.inflight)
+        self.stacks: StackScanner | None = None          # calls entered before the probes attached
         self.inflight: dict[tuple[int, int], dict] = {}  # (pid, tid) -> its last nccl_inflight row
         self.inflight_s = 0.0                            # time spent reading them, all rolls
         self._noted_threads = False
@@ -122,6 +124,8 @@ class Tracer:
                 self.log(f"note: {note}")
             if "nccl" in self.opts.probe_config.families:
                 self.frames = FrameReader(self.probes.bpf, "-DINGERO_TASK_STORAGE=1" in self.probes.cflags)
+                if scan_supported():
+                    self.stacks = StackScanner(getattr(self.targets, "proc", Path("/proc")))
             self.writer = SegmentWriter(self.opts.segments, self.opts.node, self.opts.session_id,
                                         roll_seconds=self.opts.roll_s)
             for path, key, syms in self.opts.nccl_libs:
@@ -137,6 +141,7 @@ class Tracer:
                 raise IngeroError(f"pid {', '.join(map(str, gone))} exited before the probes were attached "
                                   f"(loading them took {time.monotonic() - t_load:.1f} s); start the trace "
                                   "earlier, or trace the job's cgroup (--cgroup) to follow new processes")
+            self._put_inflight()     # at attach: the calls threads were inside already (a hung job)
             if self.opts.ready_file:
                 Path(self.opts.ready_file).touch()
             self.log(f"tracing {','.join(self.opts.probe_config.families)} for "
@@ -449,7 +454,8 @@ class Tracer:
                 if p.alive and (p.nccl_key is not None or p.pid in self.nccl_pids)]
         mono = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
         for row in snapshot(self.frames, getattr(self.targets, "proc", Path("/proc")), pids, self.offset_ns,
-                            mono + self.offset_ns, lambda pid: getattr(self.registry.by_pid.get(pid), "rank", None)):
+                            mono + self.offset_ns, lambda pid: getattr(self.registry.by_pid.get(pid), "rank", None),
+                            stacks=self._stack_calls if self.stacks is not None else None, previous=self.inflight):
             self.inflight[(row["pid"], row["tid"])] = row
         if not self.frames.threads_readable and not self._noted_threads:
             self._noted_threads = True
@@ -457,6 +463,14 @@ class Tracer:
                      "flight are seen on each process's main thread only")
         self._put_rows("nccl_inflight", list(self.inflight.values()))
         self.inflight_s += time.perf_counter() - t0
+
+    def _stack_calls(self, pid: int, tids: list[int]) -> dict[int, str]:
+        """tid -> the op of the NCCL API call the thread is inside, read from its stack."""
+        p = self.targets.processes.get(pid)
+        if p is None or p.nccl_path is None:
+            return {}
+        return {tid: api_op(fn) for tid, fn in
+                self.stacks.calls(pid, tids, p.nccl_path, p.nccl_key, p.nccl_symbols).items()}
 
     def _progress(self, elapsed: float) -> None:
         lost = self.probes.lost()

@@ -51,8 +51,10 @@ def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[
     device, why = device_timing(con)
     cov = coverage(con)
     if not device and cov.calls == cov.dropped:     # no call to place: nothing to key a rank's row by
+        # (a job that hung before the trace began made no call since: its threads show the hang)
         return Report(ranks=[], straggler=None, step_ms=0.0, collectives=0, retransmits=len(retransmits(con)[0]),
-                      warnings=[why] if why else [], cannot_judge=judge(cov, [], None).cannot_judge), {}
+                      warnings=[why] if why else [], cannot_judge=judge(cov, [], None).cannot_judge,
+                      hang=find_hang(con)), {}
     c, warnings = load(con, device=device)
     if why:
         warnings.append(why)

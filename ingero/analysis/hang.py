@@ -15,6 +15,12 @@ threads were doing: stopped, on a CPU, in I/O, asleep), it waits in another call
 a receive or a group with someone else: not the cause), it finished the instance, or it is
 inside a call with its threads stopped. ``Hang.missing`` holds the ranks the others wait
 for: those that never entered it and wait in nothing, and those stopped inside a call.
+
+A call found on a thread's stack (``nccl_inflight`` with an op and no comm_rank: the thread was
+inside it when the probes attached, ingero_agent.stackscan) has no communicator or seq: the
+waits in one collective op found that way are taken for one instance, among every traced
+rank, and each lasted at least from when it was first seen (since_ns) to when it was last
+seen. A job that hung before the trace began is named that way.
 """
 
 from __future__ import annotations
@@ -45,7 +51,8 @@ _RANK_OF = """LEFT JOIN (SELECT node, pid, any_value(rank) AS rank FROM ranks GR
 # calls in flight the trace never saw return
 _OPEN = f"""
     SELECT COALESCE(r.rank, i.rank) AS grank, i.op, COALESCE(i.comm_id_hash, 0) AS comm, i.seq,
-           i.since_ns AS since, i.seen_ns - i.since_ns AS waited, i.state, NULL::INTEGER AS ret
+           i.since_ns AS since, i.seen_ns - i.since_ns AS waited, i.state, NULL::INTEGER AS ret,
+           i.comm_rank IS NULL AS on_stack     -- the probes give every call one (-1: not known)
     FROM nccl_inflight i {_RANK_OF.format(a="i")}
     WHERE i.op IN ({_CALLS}) AND i.seen_ns - i.since_ns >= $min_ns
       AND NOT EXISTS (SELECT 1 FROM nccl_events e
@@ -54,7 +61,7 @@ _OPEN = f"""
 # calls that failed after a long wait
 _FAILED = f"""
     SELECT COALESCE(r.rank, e.global_rank) AS grank, e.op, COALESCE(e.comm_id_hash, 0) AS comm, e.seq,
-           e.timestamp_ns AS since, e.duration_ns AS waited, NULL AS state, e.ret
+           e.timestamp_ns AS since, e.duration_ns AS waited, NULL AS state, e.ret, false AS on_stack
     FROM nccl_events e {_RANK_OF.format(a="e")}
     WHERE e.op IN ({_CALLS}) AND e.ret NOT IN ({_OK}) AND e.duration_ns >= $min_ns"""
 
@@ -107,6 +114,7 @@ class _At:
     members: set                # the communicator's ranks (every traced rank: not a collective)
     entered: set                # ranks that called it and saw it return
     collective: bool
+    on_stack: bool = False      # found on the waiters' stacks: communicator and seq unknown
 
 
 def _choose(con, waits: list[dict], longest: dict) -> _At:
@@ -116,13 +124,14 @@ def _choose(con, waits: list[dict], longest: dict) -> _At:
     or group wait, among every traced rank."""
     by_inst: dict[tuple, dict[int, dict]] = {}
     for w in sorted(waits, key=lambda w: w["waited"]):
-        if w["op"] in COLLECTIVE_OPS and w["comm"] and w["seq"] is not None:
+        if w["op"] in COLLECTIVE_OPS and ((w["comm"] and w["seq"] is not None) or w["on_stack"]):
             by_inst.setdefault((w["comm"], w["op"], w["seq"]), {})[w["grank"]] = w
     if not by_inst:
         w = max(waits, key=lambda w: w["waited"])
         held = {r: x for r, x in longest.items() if x["state"] not in STOPPED_STATES}
         return _At(w["comm"], w["op"], w["seq"], held, _members(con, None), set(), False)
     cands = [_At(c, o, q, held, _members(con, c), _entered(con, c, o, q), True)
+             if q is not None else _At(c, o, q, held, _members(con, None), set(), True, on_stack=True)
              for (c, o, q), held in by_inst.items()]
 
     def rank(at: _At):
@@ -172,20 +181,25 @@ def _hang(con, at: _At, ro: _Roles, longest: dict) -> Hang:
     gave_up = ("" if not failed else " and gave up with an NCCL error" if len(failed) == len(ro.waiting)
                else f" ({_ranks(failed)} gave up with an NCCL error)")
     parts = [f"{_ranks(ro.waiting)} wait{'s' if len(ro.waiting) == 1 else ''} in {_call(at.op, at.comm, at.seq)} "
-             f"for {waited_s:.0f} s{gave_up}"]
+             f"for {'at least ' if at.on_stack else ''}{waited_s:.0f} s{gave_up}"]
+    if at.on_stack:
+        parts[0] += (" (found inside it on their threads' stacks: they were in it when the probes attached, "
+                     "its communicator is not known)")
     for r in ro.never:
         ago = (f"its last call ended {(end_ns - last_end[r]) / 1e9:.0f} s ago" if r in last_end
                else "it made no traced call")
-        parts.append(f"rank {r} {'never entered it' if at.collective else 'waits in no call'} "
-                     f"({ago}; its threads {_doing(states.get(r))})")
+        never = "is inside no NCCL call" if at.on_stack else "never entered it" if at.collective else "waits in no call"
+        parts.append(f"rank {r} {never} ({ago}; its threads {_doing(states.get(r))})")
     for r in ro.stopped_inside:
         w = held.get(r) or longest[r]
         inside = "it" if r in held else _call(w["op"], w["comm"], w["seq"])
-        parts.append(f"rank {r} entered {inside} {(end_ns - w['since']) / 1e9:.0f} s ago and its threads "
-                     f"{_doing(states.get(r))}")
+        entered = (f"was inside {inside} when the probes attached" if w.get("on_stack")
+                   else f"entered {inside} {(end_ns - w['since']) / 1e9:.0f} s ago")
+        parts.append(f"rank {r} {entered} and its threads {_doing(states.get(r))}")
     for r in ro.elsewhere:
         w = longest[r]
-        parts.append(f"rank {r} waits in {_call(w['op'], w['comm'], w['seq'])} for {w['waited'] / 1e9:.0f} s")
+        parts.append(f"rank {r} waits in {_call(w['op'], w['comm'], w['seq'])} for "
+                     f"{'at least ' if w['on_stack'] else ''}{w['waited'] / 1e9:.0f} s")
     parts += [f"rank {r} finished it and went on" for r in ro.passed]
     if ro.also:
         ops = sorted({longest[r]["op"] for r in ro.also})
@@ -205,17 +219,26 @@ def _hang(con, at: _At, ro: _Roles, longest: dict) -> Hang:
         waited_s=round(waited_s, 3), evidence="; ".join(parts))
 
 
-# per rank: its last call's end, its threads' last sight, the p99 gap between its calls
+# per rank: its threads' last sight, whether all are stopped, whether one is inside a call
+_SEEN = f"""seen AS (SELECT COALESCE(r.rank, i.rank) AS g, max(i.seen_ns) AS seen,
+                         bool_and(i.state IN ('T', 't')) AS stopped, bool_or(i.op IS NOT NULL) AS in_call
+                  FROM nccl_inflight i {_RANK_OF.format(a="i")} GROUP BY g)"""
+# ... and its last call's end, the p99 gap between its calls
 _QUIET = f"""
     WITH c AS (SELECT COALESCE(r.rank, e.global_rank) AS g, e.timestamp_ns + e.duration_ns AS t
                FROM nccl_events e {_RANK_OF.format(a="e")} WHERE e.op IN ({_CALLS}) AND e.duration_ns IS NOT NULL),
          gaps AS (SELECT g, t, t - lag(t) OVER (PARTITION BY g ORDER BY t) AS gap FROM c),
          calls AS (SELECT g, max(t) AS last_end, quantile_cont(gap, 0.99) AS p99_gap FROM gaps GROUP BY g),
-         seen AS (SELECT COALESCE(r.rank, i.rank) AS g, max(i.seen_ns) AS seen,
-                         bool_and(i.state IN ('T', 't')) AS stopped, bool_or(i.op IS NOT NULL) AS in_call
-                  FROM nccl_inflight i {_RANK_OF.format(a="i")} GROUP BY g)
+         {_SEEN}
     SELECT calls.g, last_end, p99_gap, seen, stopped, in_call
     FROM calls JOIN seen ON seen.g = calls.g ORDER BY calls.g"""
+# ... or, in a trace without a call, when the tracer first saw the rank's process (probes in place)
+_QUIET_UNCALLED = f"""
+    WITH first AS (SELECT rank AS g, min(first_seen_ns) AS t FROM ranks WHERE rank IS NOT NULL GROUP BY rank),
+         {_SEEN}
+    SELECT first.g, t, NULL, seen, stopped, in_call
+    FROM first JOIN seen ON seen.g = first.g
+    WHERE NOT EXISTS (SELECT 1 FROM nccl_events WHERE op IN ({_CALLS})) ORDER BY first.g"""
 
 
 def _standstill(con, min_s: float) -> Hang | None:
@@ -223,11 +246,17 @@ def _standstill(con, min_s: float) -> Hang | None:
     seen, and some rank's threads are stopped: the job stands still around it. (On a GPU the
     host only queues a collective and then waits in the stream's synchronisation, outside
     NCCL, so a hung collective leaves no call in flight.) Without a stopped rank such a quiet
-    spell may be work without collectives (a checkpoint, an evaluation): no verdict."""
+    spell may be work without collectives (a checkpoint, an evaluation): no verdict.
+
+    A trace without a single call (it began after the job stood still) counts the quiet from
+    when each rank was first seen: how long the job stood still before is not known."""
     try:
         if not con.execute("SELECT count(*) FROM nccl_inflight").fetchone()[0]:
             return None     # no thread was seen: nothing to say who stands still
         rows = con.execute(_QUIET).fetchall()
+        uncalled = not rows
+        if uncalled:
+            rows = con.execute(_QUIET_UNCALLED).fetchall()
     except duckdb.CatalogException:
         return None
     if len(rows) < 2 or any(in_call for *_, in_call in rows):
@@ -242,9 +271,13 @@ def _standstill(con, min_s: float) -> Hang | None:
     others = [g for g, *_ in rows if g not in stopped]
     usual_s = max(p99 for _, p99 in quiet.values()) / 1e9
     quiet_s = min(q for q, _ in quiet.values()) / 1e9
-    parts = [f"no rank made an NCCL call for {quiet_s:.0f} s before its threads were last seen (before, "
-             f"at most {usual_s:.2g} s passed between its calls): the job stands still",
-             f"{_ranks(stopped)}: {'its' if len(stopped) == 1 else 'their'} threads are stopped"]
+    if uncalled:
+        stand = (f"no rank made an NCCL call in the {quiet_s:.0f} s the job was traced (how long it stood "
+                 "still before the trace began is not known)")
+    else:
+        stand = (f"no rank made an NCCL call for {quiet_s:.0f} s before its threads were last seen (before, "
+                 f"at most {usual_s:.2g} s passed between its calls): the job stands still")
+    parts = [stand, f"{_ranks(stopped)}: {'its' if len(stopped) == 1 else 'their'} threads are stopped"]
     parts += [f"rank {g}: its threads {_doing(states.get(g))}" for g in others]
     return Hang(waiting=[{"rank": g, "op": None, "comm": None, "seq": None, "since_ns": None,
                           "waited_s": round(quiet[g][0] / 1e9, 3), "state": None, "ret": None} for g in others],
@@ -287,10 +320,15 @@ def _usual_ns(con, keys: set) -> dict:
 
 
 def _members(con, comm: int | None) -> set:
-    """Global ranks seen calling on (or creating) the communicator; None: every traced rank."""
+    """Global ranks seen calling on (or creating) the communicator; None: every traced rank
+    (seen calling, or its threads seen)."""
     rows = con.execute(f"""SELECT DISTINCT COALESCE(r.rank, e.global_rank) FROM nccl_events e {_RANK_OF.format(a="e")}
                            WHERE $comm IS NULL OR e.comm_id_hash = $comm""", {"comm": comm}).fetchall()
-    return {g for (g,) in rows if g is not None}
+    ranks = {g for (g,) in rows}
+    if comm is None:
+        ranks |= {x["g"] for x in _rows(con, f"""SELECT DISTINCT COALESCE(r.rank, i.rank) AS g
+                                                 FROM nccl_inflight i {_RANK_OF.format(a="i")}""", {}, inflight=True)}
+    return ranks - {None}
 
 
 def _size(con, comm: int) -> int:

@@ -24,6 +24,7 @@ EPILOG = """examples:
   ingero lab run --device gpu --profiler --trace --steps 40   # enqueue on a device stream; device times
   ingero lab run --device gpu --nonblocking --scenario slow-rank
   ingero lab run --scenario hang --fault-after 6 --timeout 20 --trace
+  ingero lab run --scenario hang --timeout 40 --trace-after 10   # traced once the job already hangs
   ingero lab run --elastic --steps 10 --trace   # then shrink without rank 1 and grow back (NCCL 2.27/2.29)
   ingero lab cleanup        # remove namespaces/cgroups left by a crashed run
 
@@ -90,6 +91,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_job_shape_args(r)
     r.add_argument("--ipv6", action="store_true", help="rendezvous and move data over IPv6")
     r.add_argument("--trace", action="store_true", help="run `ingero trace` on every lab node")
+    r.add_argument("--trace-after", type=float, default=None, metavar="SECONDS",
+                   help="start the tracers this long after the ranks (implies --trace): a trace attached to "
+                        "a running job, which finds NCCL in the ranks' maps; past --fault-after with "
+                        "--scenario hang, a job that hung before the trace began")
     r.add_argument("--out", type=Path, default=Path("out/lab"), help="output directory; default out/lab")
     sub.add_parser("cleanup", help="remove namespaces and cgroups left by crashed runs")
     sub.add_parser("build", help="compile libnccl.so.2 (CPU NCCL) and the worker; print their paths")
@@ -192,14 +197,23 @@ def _run(args) -> int:
         raise IngeroError("--fault-after must be >= 0")
     if cfg.seconds <= 0 and cfg.steps <= 0:
         raise IngeroError("--seconds must be > 0 (or give --steps)")
+    if args.trace_after is not None and (args.trace_after < 0 or (
+            cfg.scenario != "hang" and cfg.steps <= 0 and args.trace_after >= cfg.seconds)):
+        raise IngeroError(f"--trace-after must be >= 0 and less than --seconds ({cfg.seconds:g}): the job would "
+                          "end before the tracers start")
     old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     tracers: list = []
     try:
         with LabRun(cfg, log=_log) as lab:
-            if args.trace:
+            if args.trace and args.trace_after is None:
                 _log(f"lab {lab.run_id}: waiting for {len(lab.nodes)} tracers")
                 tracers = tr.start_lab_tracers(lab)
             lab.start_ranks()
+            if args.trace_after is not None:
+                _log(f"lab {lab.run_id}: starting {len(lab.nodes)} tracers {args.trace_after:g} s after the ranks")
+                tracers = tr.start_lab_tracers(lab, after_s=args.trace_after)
+                _log(f"lab {lab.run_id}: tracers ready "
+                     f"{(lab.notes['trace_ready_ns'] - lab.ranks_started_ns) / 1e9:.1f} s after the ranks started")
             codes = lab.wait()
             if tracers:
                 lab.notes["tracer_exit_codes"] = tr.stop_tracers(tracers)

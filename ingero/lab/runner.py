@@ -158,6 +158,7 @@ class LabRun:
         self._fault_timer: threading.Timer | None = None
         self._continue_timer: threading.Timer | None = None
         self._fault_from_ns: int | None = None
+        self.ranks_started_ns: int | None = None   # when start_ranks ran (wall clock)
         self._closed = False
 
     # ---- set-up ------------------------------------------------------------
@@ -317,8 +318,9 @@ class LabRun:
         starts after ``fault_injected_ns`` (wall clock, in lab.json); lossy-link and cpu-hog
         are installed by a timer, and ``fault_injected_ns`` is when that happened."""
         c = self.cfg
+        self.ranks_started_ns = time.time_ns()
         if c.fault_after_s is not None and c.scenario != "clean":
-            self._fault_from_ns = time.time_ns() + int(c.fault_after_s * 1e9)
+            self._fault_from_ns = self.ranks_started_ns + int(c.fault_after_s * 1e9)
             if c.scenario in ("slow-rank", "io-stall") or (c.scenario, c.hang_mode) == ("hang", "sleep"):
                 self.times["fault_injected_ns"] = self._fault_from_ns
                 self.log(f"lab {self.run_id}: fault {c.scenario} on rank {self.victim} "

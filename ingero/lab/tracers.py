@@ -117,13 +117,23 @@ def merge(tracers: list[NodeTracer], dest: Path) -> Path:
     return dest
 
 
-def start_lab_tracers(lab) -> list[NodeTracer]:
+def start_lab_tracers(lab, after_s: float | None = None, folder: str = "") -> list[NodeTracer]:
     """A tracer per node of a LabRun, attached to its NCCL library (and profiler plugin) up
-    front, stopped when the lab closes; returns once every tracer is ready."""
-    tracers = start_tracers(lab.out, {n.name: lab.pods_file(n) for n in lab.nodes},
-                           nccl_lib=lab.binaries.libnccl, profiler_lib=lab.cfg.profiler_plugin)
+    front, stopped when the lab closes; returns once every tracer is ready.
+
+    `after_s`: start them this long after the ranks started (call it after start_ranks), as a
+    user or a TraceSession on running pods would: each finds the library in the ranks' maps,
+    and `lab.notes["trace_ready_ns"]` says when they were all ready. `folder`: their output
+    under lab.out (a second set of tracers beside the first)."""
+    if after_s is not None:
+        time.sleep(max(0.0, lab.ranks_started_ns / 1e9 + after_s - time.time()))
+    tracers = start_tracers(lab.out / folder if folder else lab.out, {n.name: lab.pods_file(n) for n in lab.nodes},
+                           nccl_lib=lab.binaries.libnccl if after_s is None else None,
+                           profiler_lib=lab.cfg.profiler_plugin if after_s is None else None)
     lab.on_close.append(lambda: stop_tracers(tracers, timeout_s=10))
     wait_ready(tracers)
+    if after_s is not None:
+        lab.notes["trace_ready_ns"] = time.time_ns()
     return tracers
 
 
@@ -133,17 +143,22 @@ class TracedRun:
     report: dict               # the lab's lab.json
     codes: dict                # rank -> exit code
     stops: dict                # node -> tracer exit code
+    late_db: Path | None = None   # the trace started `late_after_s` into the run (run_traced)
 
 
-def run_traced(cfg, log=lambda _m: None) -> TracedRun:
+def run_traced(cfg, log=lambda _m: None, late_after_s: float | None = None) -> TracedRun:
     """One lab run with a tracer per lab node started before any rank, stopped after the
-    last, and their traces merged (what `ingero lab run --trace` does)."""
+    last, and their traces merged (what `ingero lab run --trace` does). `late_after_s`: a
+    second tracer per node, started that long after the ranks (`ingero lab run --trace-after`),
+    its trace merged apart (lab.out/late/trace.duckdb)."""
     from ingero.lab.runner import LabRun
 
     with LabRun(cfg, log=log) as lab:
         tracers = start_lab_tracers(lab)
         lab.start_ranks()
+        late = start_lab_tracers(lab, after_s=late_after_s, folder="late") if late_after_s is not None else []
         codes = lab.wait()
-        stops = stop_tracers(tracers)
+        stops = {**stop_tracers(tracers), **{f"late/{n}": c for n, c in stop_tracers(late).items()}}
         report = lab.report()
-    return TracedRun(db=merge(tracers, lab.out / "trace.duckdb"), report=report, codes=codes, stops=stops)
+    return TracedRun(db=merge(tracers, lab.out / "trace.duckdb"), report=report, codes=codes, stops=stops,
+                     late_db=merge(late, lab.out / "late" / "trace.duckdb") if late else None)

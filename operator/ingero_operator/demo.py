@@ -56,6 +56,7 @@ class DemoConfig:
     shape: dict = field(default_factory=dict)   # LabConfig's layout, microbatches, stage, imbalance, slow_factor
     fault_after_s: float | None = None     # the fault starts this long after the ranks (None: before)
     attach_late_s: float | None = None     # apply the session this long after the ranks started (None: before)
+    nccl_timeout_s: int | None = None      # a rank whose peers stop answering fails after this (lab --timeout)
     kill_agent_node: str | None = None     # tests: SIGKILL this node's agent ...
     kill_agent_after_s: float = 5.0        # ... this long after the ranks started
     restart_agent_after_s: float | None = None    # ... and start it again (same port and data)
@@ -119,7 +120,7 @@ class Demo:
                                 loss_percent=self.cfg.loss_percent, victim_rank=self.cfg.victim_rank,
                                 hogs=self.cfg.hogs, fault_after_s=self.cfg.fault_after_s,
                                 background_load=self.cfg.background_load, out_dir=self.out / "lab",
-                                **self.cfg.shape)
+                                timeout_s=self.cfg.nccl_timeout_s, **self.cfg.shape)
             self.lab = LabRun(lab_cfg, log=self.log).__enter__()
             self._start_agents()
             for rp in self.lab.ranks:
@@ -443,6 +444,8 @@ def add_parser(sub):
     p.add_argument("--attach-late", type=float, default=None, metavar="SECONDS",
                    help="start the job first and apply the TraceSession SECONDS later, as a user does on "
                         "a job that is already slow (default: the session before the job)")
+    p.add_argument("--timeout", type=int, default=None, metavar="SECONDS",
+                   help="a rank whose peers stop answering fails its NCCL call after this; default 60 (hang: 20)")
     add_job_shape_args(p)
     p.add_argument("--out", type=Path, default=Path("out/demo"), help="default out/demo")
     p.add_argument("--metrics-out", type=Path, default=None, metavar="DIR",
@@ -478,7 +481,8 @@ def run(args) -> int:
     cfg = DemoConfig(scenario=args.scenario, seconds=args.seconds, nodes=args.nodes,
                      ranks_per_node=ranks_per_node(args), out=args.out, loss_percent=args.loss_percent,
                      victim_rank=args.victim_rank, hogs=args.hogs, background_load=args.background_load,
-                     shape=job_shape(args), metrics_out=args.metrics_out, attach_late_s=args.attach_late)
+                     shape=job_shape(args), metrics_out=args.metrics_out, attach_late_s=args.attach_late,
+                     nccl_timeout_s=args.timeout)
     old = signal.signal(signal.SIGTERM, _interrupt)
     try:
         with Demo(cfg, log=lambda m: print(m, flush=True)) as demo:

@@ -10,6 +10,12 @@ no hang (ingero.lab.truth.hang_problem judges both against the lab's lab.json).
 On the GPU-like device (`--device gpu`) the others do not wait inside an NCCL call: their
 calls only queue the work, and they wait in the step's stream synchronisation. Nothing is
 in flight on the host; the job standing still around a stopped rank is the hang there.
+
+The run stopped for good is also traced a second time, by tracers started after the hang
+began (`ingero lab run --trace-after`): no probe sees the waiting ranks enter their call,
+and the hang must be named all the same, from the calls found on their threads' stacks
+(ingero_agent.stackscan), or on the GPU-like device, where no host thread waits inside
+NCCL, from the job making no call at all while the victim is stopped.
 """
 
 from __future__ import annotations
@@ -28,17 +34,24 @@ from tests.conftest import background_load, bpf_reason
 pytestmark = pytest.mark.bpf
 
 
-def _run(out, hang_s=None, **kw):
+# The late tracers start this long after the ranks (just after the victim stops); loading the
+# probes then takes 6-25 s on a busy machine, and the hang is named once they have seen the
+# waits for 10 s (HANG_MIN_S): the others' timeout leaves room for that (it costs the run 20 s).
+LATE_AFTER_S = 6.5
+LATE_TIMEOUT_S = 40
+
+
+def _run(out, hang_s=None, late=False, **kw):
     reason = bpf_reason()
     if reason:
         pytest.skip(reason)
     from ingero.lab.runner import LabConfig
     from ingero.lab.tracers import run_traced
 
-    cfg = LabConfig(scenario="hang", nodes=2, seconds=30, fault_after_s=6.0, timeout_s=20, hang_s=hang_s,
-                    out_dir=out, background_load=background_load(), **kw)
-    run = run_traced(cfg)
-    assert set(run.stops.values()) == {0}, f"tracer exit codes {run.stops}; logs in {out / 'nodes'}"
+    cfg = LabConfig(scenario="hang", nodes=2, seconds=30, fault_after_s=6.0, timeout_s=LATE_TIMEOUT_S if late else 20,
+                    hang_s=hang_s, out_dir=out, background_load=background_load(), **kw)
+    run = run_traced(cfg, late_after_s=LATE_AFTER_S if late else None)
+    assert set(run.stops.values()) == {0}, f"tracer exit codes {run.stops}; logs in {out / 'nodes'}, {out / 'late'}"
     return run
 
 
@@ -61,8 +74,8 @@ if os.environ.get("INGERO_TEST_HANG_ALL") == "1":
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_a_rank_stopped_for_good_is_named_as_the_hang(tmp_path, shape):
-    run = _run(tmp_path, **shape)
+def test_a_rank_stopped_for_good_is_named_as_the_hang_also_by_a_trace_begun_after_it(tmp_path, shape):
+    run = _run(tmp_path, late=True, **shape)
     victim = run.report["victim_rank"]
     assert victim == len(run.codes) // 2
     # the others gave up at the timeout (exit 3), the stopped rank was killed at the end
@@ -75,6 +88,7 @@ def test_a_rank_stopped_for_good_is_named_as_the_hang(tmp_path, shape):
     assert h["waited_s"] >= 15, h
     sleeps = shape.get("hang_mode") == "sleep"
     assert ("its threads sleep outside NCCL" if sleeps else "threads are stopped") in h["evidence"], h["evidence"]
+    _check_late(run, shape)
     if shape.get("device") == "gpu":
         assert h["op"] is None and "the job stands still" in h["evidence"], h
         return
@@ -91,6 +105,31 @@ def test_a_rank_stopped_for_good_is_named_as_the_hang(tmp_path, shape):
     assert states == ({"S"} if sleeps else {"T"}), states
     # every other rank was seen inside its call well into the wait, before its timeout
     assert waited is not None and waited >= 14, waited
+
+
+def _check_late(run, shape) -> None:
+    """The trace begun after the hang: hang, the victim named; the op the others wait in found
+    on their stacks (CPU device), or, GPU-like, the job standing still since the trace began."""
+    from ingero.analysis import analyse
+    from ingero.store import open_source
+
+    lab = run.report
+    assert lab["trace_ready_ns"] > lab["fault_injected_ns"], "the late trace began before the hang"
+    con = open_source(run.late_db)
+    try:
+        rep = analyse(con)
+    finally:
+        con.close()
+    assert rep.verdict == "hang", (rep.verdict, rep.cannot_judge)
+    h = rep.hang
+    problem = hang_problem(h, lab)
+    assert not problem, (problem, h)
+    if shape.get("device") == "gpu":
+        assert h.op is None and "no rank made an NCCL call in the" in h.evidence, h
+        return
+    assert h.op in COLLECTIVE_OPS and h.seq is None, h
+    assert "found inside it on their threads' stacks" in h.evidence, h.evidence
+    assert h.waited_s >= 10, h
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["gpu"] if os.environ.get("INGERO_TEST_HANG_ALL") == "1" else []))

@@ -296,3 +296,80 @@ def test_a_quiet_spell_is_no_hang_while_a_rank_still_calls_or_the_job_calls_rare
 ])
 def test_thread_states_in_words(states, words):
     assert _doing(states) == words
+
+
+# ---- a job that hung before the trace began: no call traced at all ----------------------------
+
+def _attached_late(world: int = 4):
+    """A trace that began after the job hung: the ranks' processes first seen at T0, no call."""
+    con = duckdb.connect()
+    schema.create_all(con)
+    for r in range(world):
+        con.execute("INSERT INTO ranks (node, pid, rank, first_seen_ns) VALUES (?, ?, ?, ?)",
+                    [NODE_OF[r], 100 + r, r, T0])
+    return con
+
+
+def _on_stack(con, rank, state, seen, op, since):
+    """A thread found inside `op` on its stack: no communicator, seq or rank in it."""
+    con.execute("""INSERT INTO nccl_inflight (node, pid, tid, rank, seen_ns, state, op, since_ns)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?)""", [NODE_OF[rank], 100 + rank, 100 + rank, rank, seen, state,
+                                                        op, since])
+
+
+def test_ranks_found_inside_a_collective_on_their_stacks_name_the_rank_outside_any_call():
+    con = _attached_late()
+    for r in (0, 1, 3):
+        _on_stack(con, r, "S", T0 + 14 * S, "ALL_REDUCE", T0 + S)
+    inflight(con, 2, "T", T0 + 14 * S)
+    rep = analyse(con)
+    assert rep.verdict == "hang" and rep.cannot_judge, rep      # hang, though no call can be judged
+    h = rep.hang
+    assert (h.missing, h.op, h.comm, h.seq) == ([2], "ALL_REDUCE", None, None), h
+    assert [w["rank"] for w in h.waiting] == [0, 1, 3] and h.waited_s == 13.0
+    assert h.evidence.startswith("ranks 0, 1, 3 wait in ALL_REDUCE for at least 13 s (found inside it on "
+                                 "their threads' stacks"), h.evidence
+    assert "rank 2 is inside no NCCL call (it made no traced call; its threads are stopped)" in h.evidence
+
+
+def test_a_rank_found_in_another_call_on_its_stack_waits_elsewhere():
+    con = _attached_late()
+    for r in (0, 1):
+        _on_stack(con, r, "S", T0 + 14 * S, "REDUCE_SCATTER", T0 + S)
+    _on_stack(con, 3, "S", T0 + 14 * S, "RECV", T0 + S)
+    inflight(con, 2, "T", T0 + 14 * S)
+    h = find_hang(con)
+    assert (h.missing, h.op) == ([2], "REDUCE_SCATTER"), h
+    assert "rank 3 waits in RECV for at least 13 s" in h.evidence, h.evidence
+
+
+def test_a_rank_stopped_inside_the_collective_found_on_the_stacks_is_named():
+    con = _attached_late()
+    for r in (0, 1, 3):
+        _on_stack(con, r, "S", T0 + 14 * S, "ALL_REDUCE", T0 + S)
+    _on_stack(con, 2, "T", T0 + 14 * S, "ALL_REDUCE", T0 + S)
+    h = find_hang(con)
+    assert h.missing == [2] and h.op == "ALL_REDUCE", h
+    assert "rank 2 was inside it when the probes attached and its threads are stopped" in h.evidence
+
+
+def test_calls_found_on_the_stacks_for_less_than_the_minimum_are_no_hang_yet():
+    con = _attached_late()
+    for r in (0, 1, 3):
+        _on_stack(con, r, "S", T0 + 6 * S, "ALL_REDUCE", T0 + S)
+    inflight(con, 2, "T", T0 + 6 * S)
+    assert find_hang(con) is None
+    assert find_hang(con, 5.0) is not None        # a live status's shorter minimum
+
+
+def test_a_job_that_made_no_call_since_the_trace_began_stands_still_around_a_stopped_rank():
+    # a GPU: the others wait in the stream synchronisation, outside NCCL, since before the trace
+    con = _attached_late()
+    _quiet(con, 0)
+    for r in range(4):
+        con.execute("UPDATE nccl_inflight SET seen_ns = ? WHERE rank = ?", [T0 + 12 * S, r])
+    h = find_hang(con)
+    assert h.missing == [2] and h.op is None, h
+    assert h.evidence.startswith("no rank made an NCCL call in the 12 s the job was traced"), h.evidence
+    con.execute("UPDATE nccl_inflight SET state = 'S'")
+    assert find_hang(con) is None                 # nobody stopped: a quiet spell, no verdict
