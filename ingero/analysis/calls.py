@@ -6,7 +6,8 @@ inside a group only record work; the group end waits for all of it). Each sync
 event has an arrival (the call, or the group's start), an end (the return) and
 its dependencies:
 
-* a collective instance (communicator, seq, op): every member's arrival;
+* a collective instance (communicator, seq, op): every member's arrival (the
+  collectives of one group are one instance: a coalesced launch ends when all have run);
 * a receive: the arrival of the sync event holding the matching send (sends and
   receives are paired in order per (communicator, sender, receiver): NCCL's
   per-communicator seq of p2p calls does not match across ranks);
@@ -438,8 +439,9 @@ class Events:
 def _group_owners(c: Calls) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Host calls: (first row of each event, event of each row or -1, instance of each
     event). An event per ungrouped call and per outermost group; a group's calls belong to
-    it. An event's instance is its collective call: ungrouped collectives only (a
-    collective inside a group waits at the group end like any other member)."""
+    it. An event's instance is its collective call's; the collectives of one group (a
+    coalesced launch: FSDP's per-layer all-gathers and reduce-scatters) are joined into one
+    instance, on every member: the group end waits for all of them (``_join``)."""
     newrank = np.r_[True, c.rank[1:] != c.rank[:-1]]
     start = (c.op == _GS).astype(np.int64)
     end = (c.op == _GE).astype(np.int64)
@@ -455,18 +457,13 @@ def _group_owners(c: Calls) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     owner = np.where(real | outer_start | outer_end, gid, -1)
     owner[(c.op == _GE) & ~outer_end] = -1
     owner[(c.op == _GS) & ~outer_start] = -1
-    inst = np.full(int(ev_start.sum()), -1, np.int64)
-    single = real & ~inside & (c.inst >= 0)
-    inst[gid[single]] = c.inst[single]
-    return np.flatnonzero(ev_start), owner, inst
+    return np.flatnonzero(ev_start), owner, _join(c.inst, owner, int(ev_start.sum()))
 
 
 def _launch_owners(c: Calls) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Device rows: (first row of each event, event of each row, instance of each event).
     An event per kernel launch (`c.launch`; a row on its own is one), arriving with its
-    first row. Instances launched together on a rank are joined into one, on every rank:
-    each member's kernel holds them all, so none of them ends before every member of every
-    one of them arrived; the smallest instance id stands for the joined ones."""
+    first row; instances launched together are joined (``_join``)."""
     n = c.n
     first = np.arange(n)
     grouped = np.flatnonzero(c.launch >= 0)
@@ -477,13 +474,21 @@ def _launch_owners(c: Calls) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     ev_start = first == np.arange(n)
     gid = np.cumsum(ev_start) - 1
     owner = gid[first]
-    inst = np.full(int(ev_start.sum()), -1, np.int64)
-    coll = np.flatnonzero(c.inst >= 0)
+    return np.flatnonzero(ev_start), owner, _join(c.inst, owner, int(ev_start.sum()))
+
+
+def _join(inst_of_row: np.ndarray, owner: np.ndarray, n_events: int) -> np.ndarray:
+    """The instance of each of `n_events` events (-1: none), from each row's instance and
+    event (`owner`, -1: none). Instances that share an event on some rank are joined into
+    one, on every rank: each member's event holds them all, so none of them ends before
+    every member of every one of them arrived; the smallest instance id stands for them."""
+    inst = np.full(n_events, -1, np.int64)
+    coll = np.flatnonzero((inst_of_row >= 0) & (owner >= 0))
     if len(coll):
-        ev_of, ins = owner[coll], c.inst[coll]
+        ev_of, ins = owner[coll], inst_of_row[coll]
         rep = np.arange(int(ins.max()) + 1)
         while True:                                  # join instances that share an event
-            low = np.full(len(inst), np.iinfo(np.int64).max, np.int64)
+            low = np.full(n_events, np.iinfo(np.int64).max, np.int64)
             np.minimum.at(low, ev_of, rep[ins])
             new = rep.copy()
             np.minimum.at(new, ins, low[ev_of])
@@ -492,7 +497,7 @@ def _launch_owners(c: Calls) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                 break
             rep = new
         inst[ev_of] = rep[ins]
-    return np.flatnonzero(ev_start), owner, inst
+    return inst
 
 
 def events(c: Calls) -> Events:
