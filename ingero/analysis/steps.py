@@ -8,6 +8,8 @@ one op); the markers of one *family* (same op, same group size, about as many
 instances) together cover ranks, e.g. every data-parallel group's gradient
 reduce-scatter. The family chosen recurs least (once per step; seen at least
 MIN_INSTANCES times), then covers the most ranks, then spans the widest groups;
+a marker that recurs several times per step (FSDP's per-layer reduce-scatter) marks
+every q-th step boundary, q from the period of its ranks' own call sequence;
 ranks it leaves out are covered by other families that recur as often, then
 through what connects them to covered ranks (``_propagate``: a pure pipeline's
 middle stages get their steps from the send/recv they exchange with the first
@@ -34,6 +36,8 @@ from ingero.analysis.replay import Measured
 ALIKE_COUNT = 1.25        # markers of one family recur within 25% as often (edges of a late or cut trace)
 MIN_INSTANCES = 3         # a marker seen fewer times is one only when nothing else recurs
 MAX_OFFSET_STEPS = 8      # markers are aligned by at most this many steps against the reference
+MAX_PERIOD = 64           # a marker recurs at most this many times per step (an FSDP job: once per layer)
+PERIOD_MATCH = 0.9        # share of windows that must repeat for a period (the edges of a cut trace may not)
 
 
 @dataclass
@@ -167,6 +171,38 @@ def markers(c: Calls, visible: np.ndarray) -> list[tuple[int, int]]:
             for _, comm in sorted(lst, key=lambda t: (-t[0], int(c.comm_hash[t[1]])))]
 
 
+def _whole_steps(c: Calls, ev: Events, ids: np.ndarray, comm: int) -> np.ndarray:
+    """A marker's instances (`ids`, in order) that end steps: all of them, or every q-th when
+    the marker recurs q times per step, as an FSDP job's per-layer reduce-scatter does. Told
+    from a member's own call sequence: the kinds of sync events (communicator and op, or a
+    send/recv) between consecutive marker instances repeat with period q (in at least
+    PERIOD_MATCH of the windows) and not with any shorter one. A step ends with the instance
+    before the window that holds the most events (an FSDP step's forward)."""
+    traced = set(ev.ranks.tolist())
+    mem = [r for r in c.comm_members.get(comm, []) if r in traced]
+    if not mem or len(ids) < 3:
+        return ids
+    k = int(np.searchsorted(ev.ranks, mem[0]))
+    lo, hi = int(ev.off[k]), int(ev.off[k + 1])
+    where = {int(i): n for n, i in enumerate(ids.tolist())}
+    inst = ev.inst[lo:hi]
+    at = [(j, where[int(i)]) for j, i in enumerate(inst.tolist()) if int(i) in where]
+    if len(at) < 3:
+        return ids
+    kind = np.where(inst >= 0, c.inst_comm[np.maximum(inst, 0)] * 64 + c.inst_op[np.maximum(inst, 0)], -1)
+    sig = [tuple(kind[a + 1:b].tolist()) for (a, _), (b, _) in zip(at[:-1], at[1:])]
+    for q in range(1, min(MAX_PERIOD, (len(sig) - 1) // 2) + 1):
+        same = [sig[i] == sig[i + q] for i in range(len(sig) - q)]
+        if np.mean(same) >= PERIOD_MATCH:
+            break
+    else:
+        return ids
+    if q == 1:
+        return ids
+    longest = max(range(q), key=lambda j: (np.median([len(x) for x in sig[j::q]]), -j))
+    return ids[at[longest][1] % q::q]
+
+
 def _align(first: list[np.ndarray]) -> list[int]:
     """Step offset of each marker's instances (first arrivals, in order) against the first
     marker's: the shift that brings them closest in time."""
@@ -205,6 +241,7 @@ def timeline(c: Calls, ev: Events, m: Measured) -> Timeline | None:
             used.append(comm)
     if not per:
         return None
+    per = [_whole_steps(c, ev, p, comm) for p, comm in zip(per, used)]
     off = _align([first[p] for p in per])
     L = max(off)                                           # the window: reference steps L..H
     H = min(o + len(p) - 1 for o, p in zip(off, per))
