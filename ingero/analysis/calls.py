@@ -105,23 +105,38 @@ def device_timing(con) -> tuple[bool, str | None]:
 # Host calls whose device work the plugin sees as other operations: NCCL 2.28+ runs an
 # all-to-all, gather or scatter as grouped sends and receives.
 _AS_P2P = ("ALL_TO_ALL", "GATHER", "SCATTER")
+# A process's operations in flight when the trace stopped have host calls and no device row
+# yet (one per stream, a grouped exchange two): up to this many per type are no gap.
+IN_FLIGHT = 2
 
 
-def device_coverage(con, share: float = 0.5) -> str | None:
-    """A warning naming each operation type of which fewer than `share` of the host calls
-    have device-timed rows (e.g. collectives on symmetric memory, copy-engine collectives
-    and CollNet never reach the plugin's kernel-channel events), with counts; None if none."""
-    host = dict(con.execute(
-        "SELECT op, count(*) FROM nccl_events WHERE op IN (SELECT unnest(?)) AND ret IN "
-        f"({', '.join(map(str, NCCL_OK_RETS))}) GROUP BY op", [[o for o in OPS if o not in _AS_P2P]]).fetchall())
-    dev = dict(con.execute("SELECT op, count(*) FROM nccl_profiler_events WHERE device_start_ns IS NOT NULL "
-                           "AND NOT COALESCE(unfinished, false) GROUP BY op").fetchall())
-    short = sorted((o, n, dev.get(o, 0)) for o, n in host.items() if dev.get(o, 0) < share * n)
+def device_coverage(con) -> str | None:
+    """A warning naming each operation type whose host calls have no device-timed row from
+    the plugin (collectives on symmetric memory, copy-engine collectives and CollNet never
+    reach its kernel-channel events), with counts; None if none. Counted per process over
+    the span the plugin recorded it (its first to its last launch), where every launched
+    operation has its row; a process with more than IN_FLIGHT such calls of a type counts."""
+    rows = con.execute(f"""
+        WITH span AS (SELECT node, pid, min(timestamp_ns) AS lo, max(timestamp_ns) AS hi
+                      FROM nccl_profiler_events GROUP BY node, pid),
+             host AS (SELECT e.node, e.pid, e.op, count(*) AS n FROM nccl_events e JOIN span s
+                        ON s.node IS NOT DISTINCT FROM e.node AND s.pid = e.pid
+                      WHERE e.op IN (SELECT unnest(?)) AND e.ret IN ({', '.join(map(str, NCCL_OK_RETS))})
+                        AND e.timestamp_ns BETWEEN s.lo AND s.hi
+                      GROUP BY e.node, e.pid, e.op),
+             dev AS (SELECT node, pid, op, count(*) AS n FROM nccl_profiler_events
+                     WHERE device_start_ns IS NOT NULL AND NOT COALESCE(unfinished, false)
+                     GROUP BY node, pid, op)
+        SELECT h.op, sum(h.n)::BIGINT, sum(CASE WHEN h.n - COALESCE(d.n, 0) > ? THEN h.n - COALESCE(d.n, 0)
+                                               ELSE 0 END)::BIGINT
+        FROM host h LEFT JOIN dev d ON d.node IS NOT DISTINCT FROM h.node AND d.pid = h.pid AND d.op = h.op
+        GROUP BY h.op ORDER BY h.op""", [[o for o in OPS if o not in _AS_P2P], IN_FLIGHT]).fetchall()
+    short = [(o, n, k) for o, n, k in rows if k]
     if not short:
         return None
-    return ("some operations have no device times from the NCCL profiler plugin (symmetric-memory, "
-            "copy-engine or CollNet collectives never reach its kernel-channel events): "
-            + "; ".join(f"{o}: {d} of {n} host calls" for o, n, d in short)
+    return ("host calls without device times from the NCCL profiler plugin (symmetric-memory, copy-engine "
+            "or CollNet collectives never reach its kernel-channel events): "
+            + "; ".join(f"{o}: {k} of {n}" for o, n, k in short)
             + "; their waits are not on the device timeline")
 
 
