@@ -457,7 +457,7 @@ def simulate_pipeline(tp: int, pp: int, dp: int, steps: int, micro: int = 4, fwd
                       bwd_ms: float = 8.0, x_ms: float = 0.3, jitter: float = 0.03, seed: int = 5,
                       factor=None, extra=None, schedule: str = "gpipe", world: bool = True,
                       dist_opt: bool = False, embedding: bool = False, fsdp: int = 0,
-                      replicas: int = 1) -> dict:
+                      replicas: int = 1, log_every: int = 0) -> dict:
     """Run a pipeline schedule per step (``_pipeline_program``: gpipe or 1f1b) as a
     discrete-event simulation: compute is own work (fwd_ms / bwd_ms per microbatch, times
     ``factor(rank, step)`` and a jitter), sends are eager, a recv (or a group holding recvs)
@@ -469,6 +469,8 @@ def simulate_pipeline(tp: int, pp: int, dp: int, steps: int, micro: int = 4, fwd
     ``fsdp`` > 0 (needs pp = 1): instead of the schedule and the data-parallel collectives,
     an FSDP step of that many layers (``_fsdp_program``), sharded over dp / ``replicas``
     ranks; a coalesced group ends when its last member arrived, plus one transfer.
+    ``log_every`` > 0: a world all-reduce after every log_every-th step only (the loss
+    reduced for logging, as torchtitan does every log_freq steps).
     ``extra(members)`` adds nanoseconds to the transfer of an instance among `members`
     (global ranks; a send/recv pair is [src, dst]): a lossy link.
     Returns {"calls": per rank list of (op, group kind, group index, peer global rank or -1,
@@ -503,7 +505,7 @@ def simulate_pipeline(tp: int, pp: int, dp: int, steps: int, micro: int = 4, fwd
                 prog[r].append(("work", 0.5))
             if dp > 1 and dist_opt and not fsdp:
                 prog[r].append(("ALL_GATHER", "dp", None))
-            if world:
+            if world or (log_every and st % log_every == log_every - 1):
                 prog[r].append(("ALL_REDUCE", "world", None))
             prog[r].append(("step", st))
     x = x_ms * 1e6

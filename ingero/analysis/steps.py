@@ -38,6 +38,7 @@ MIN_INSTANCES = 3         # a marker seen fewer times is one only when nothing e
 MAX_OFFSET_STEPS = 8      # markers are aligned by at most this many steps against the reference
 MAX_PERIOD = 64           # a marker recurs at most this many times per step (an FSDP job: once per layer)
 PERIOD_MATCH = 0.9        # share of windows that must repeat for a period (the edges of a cut trace may not)
+FORWARD_EVENTS = 2.0      # an FSDP forward holds every layer's gather: L + 1 (>= 2) times a backward layer's
 
 
 @dataclass
@@ -176,8 +177,10 @@ def _whole_steps(c: Calls, ev: Events, ids: np.ndarray, comm: int) -> np.ndarray
     the marker recurs q times per step, as an FSDP job's per-layer reduce-scatter does. Told
     from a member's own call sequence: the kinds of sync events (communicator and op, or a
     send/recv) between consecutive marker instances repeat with period q (in at least
-    PERIOD_MATCH of the windows) and not with any shorter one. A step ends with the instance
-    before the window that holds the most events (an FSDP step's forward)."""
+    PERIOD_MATCH of the windows) and not with any shorter one, and one window of the period
+    holds FORWARD_EVENTS times the events of the median one (the forward, with every
+    layer's gather; a call made every q-th step only, such as a logged loss, adds one). A
+    step ends with the instance before that window."""
     traced = set(ev.ranks.tolist())
     mem = [r for r in c.comm_members.get(comm, []) if r in traced]
     if not mem or len(ids) < 3:
@@ -192,15 +195,15 @@ def _whole_steps(c: Calls, ev: Events, ids: np.ndarray, comm: int) -> np.ndarray
     kind = np.where(inst >= 0, c.inst_comm[np.maximum(inst, 0)] * 64 + c.inst_op[np.maximum(inst, 0)], -1)
     sig = [tuple(kind[a + 1:b].tolist()) for (a, _), (b, _) in zip(at[:-1], at[1:])]
     for q in range(1, min(MAX_PERIOD, (len(sig) - 1) // 2) + 1):
-        same = [sig[i] == sig[i + q] for i in range(len(sig) - q)]
-        if np.mean(same) >= PERIOD_MATCH:
-            break
-    else:
-        return ids
-    if q == 1:
-        return ids
-    longest = max(range(q), key=lambda j: (np.median([len(x) for x in sig[j::q]]), -j))
-    return ids[at[longest][1] % q::q]
+        if np.mean([sig[i] == sig[i + q] for i in range(len(sig) - q)]) < PERIOD_MATCH:
+            continue
+        if q == 1:
+            return ids
+        size = [float(np.median([len(x) for x in sig[j::q]])) for j in range(q)]
+        longest = int(np.argmax(size))
+        if size[longest] >= FORWARD_EVENTS * max(float(np.median(size)), 1.0):
+            return ids[at[longest][1] % q::q]
+    return ids
 
 
 def _align(first: list[np.ndarray]) -> list[int]:
