@@ -187,19 +187,23 @@ def _whole_steps(c: Calls, ev: Events, ids: np.ndarray, comm: int) -> np.ndarray
         return ids
     k = int(np.searchsorted(ev.ranks, mem[0]))
     lo, hi = int(ev.off[k]), int(ev.off[k + 1])
-    where = {int(i): n for n, i in enumerate(ids.tolist())}
     inst = ev.inst[lo:hi]
-    at = [(j, where[int(i)]) for j, i in enumerate(inst.tolist()) if int(i) in where]
-    if len(at) < 3:
+    j = np.flatnonzero(np.isin(inst, ids))           # the member's marker events, and their place in ids
+    if len(j) < 3:
         return ids
+    order = np.argsort(ids, kind="stable")
+    at = list(zip(j.tolist(), order[np.searchsorted(ids[order], inst[j])].tolist()))
     kind = np.where(inst >= 0, c.inst_comm[np.maximum(inst, 0)] * 64 + c.inst_op[np.maximum(inst, 0)], -1)
     sig = [tuple(kind[a + 1:b].tolist()) for (a, _), (b, _) in zip(at[:-1], at[1:])]
+    seen: dict = {}
+    code = np.array([seen.setdefault(x, len(seen)) for x in sig], np.int64)   # a number per distinct window
+    length = np.array([len(x) for x in sig], np.float64)
     for q in range(1, min(MAX_PERIOD, (len(sig) - 1) // 2) + 1):
-        if np.mean([sig[i] == sig[i + q] for i in range(len(sig) - q)]) < PERIOD_MATCH:
+        if np.mean(code[:-q] == code[q:]) < PERIOD_MATCH:
             continue
         if q == 1:
             return ids
-        size = [float(np.median([len(x) for x in sig[j::q]])) for j in range(q)]
+        size = [float(np.median(length[j::q])) for j in range(q)]
         longest = int(np.argmax(size))
         if size[longest] >= FORWARD_EVENTS * max(float(np.median(size)), 1.0):
             return ids[at[longest][1] % q::q]
