@@ -370,9 +370,12 @@ def scale_session(seg_root, ranks: int = 1024, collectives: int = 100_000, nodes
 
 # ---- a tensor x pipeline x data parallel job, simulated (tests/unit/test_verdict_pipeline.py) ----
 
-def pipeline_layout(tp: int, pp: int, dp: int) -> dict:
+def pipeline_layout(tp: int, pp: int, dp: int, replicas: int = 1) -> dict:
     """Megatron's rank order (tp fastest, then pp, then dp) and the communicators of each rank
-    (the embedding group: the first and last stage of each pipeline)."""
+    (the embedding group: the first and last stage of each pipeline). `replicas` > 1 (HSDP):
+    the data-parallel ranks of a (stage, tp) position also split into shard groups of
+    dp / replicas consecutive ones ("shard") and the replicate groups across them ("rep"),
+    as a (replicate, shard) device mesh does."""
     world = tp * pp * dp
     rank = lambda d, p, t: d * pp * tp + p * tp + t
     groups = {"world": [list(range(world))]}
@@ -380,6 +383,13 @@ def pipeline_layout(tp: int, pp: int, dp: int) -> dict:
     groups["dp"] = [[rank(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)]
     groups["pp"] = [[rank(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)]
     groups["emb"] = [[rank(d, 0, t), rank(d, pp - 1, t)] for d in range(dp) for t in range(tp)] if pp > 1 else []
+    if replicas > 1:
+        if dp % replicas:
+            raise ValueError(f"dp {dp} is no multiple of replicas {replicas}")
+        sh = dp // replicas
+        pos = [(p, t) for p in range(pp) for t in range(tp)]
+        groups["shard"] = [[rank(r * sh + i, p, t) for i in range(sh)] for p, t in pos for r in range(replicas)]
+        groups["rep"] = [[rank(r * sh + i, p, t) for r in range(replicas)] for p, t in pos for i in range(sh)]
     stage = {rank(d, p, t): p for d in range(dp) for p in range(pp) for t in range(tp)}
     return {"world": world, "groups": groups, "stage": stage, "rank": rank}
 
@@ -424,10 +434,30 @@ def _pipeline_program(r: int, stage: int, pp: int, pipe: list, tp: int, micro: i
     return prog
 
 
+def _fsdp_program(layers: int, tp: int, micro: int, shard: str, replicate: bool, fwd, bwd) -> list:
+    """One step of an FSDP rank (no pipeline): per layer, forward: its parameters
+    all-gathered over the shard group (two tensors, coalesced: one ncclGroupStart/End), its
+    compute, the tensor all-reduce; backward, layers in reverse: the parameters gathered
+    again (resharded after the forward), the compute, the tensor all-reduce, the gradients
+    reduce-scattered (two, coalesced) and with `replicate` (HSDP) all-reduced over the
+    replicate group. A layer's compute is 1/`layers` of `micro` microbatches'."""
+    tpar = [("ALL_REDUCE", "tp", None)] if tp > 1 else []
+    gather = [("COALESCED", shard, ("ALL_GATHER", "ALL_GATHER"))]
+    reduce = [("COALESCED", shard, ("REDUCE_SCATTER", "REDUCE_SCATTER"))]
+    reduce += [("ALL_REDUCE", "rep", None)] if replicate else []
+    prog = []
+    for _ in range(layers):
+        prog += gather + [("work", fwd() * micro / layers)] + tpar
+    for _ in range(layers):
+        prog += gather + [("work", bwd() * micro / layers)] + tpar + reduce
+    return prog
+
+
 def simulate_pipeline(tp: int, pp: int, dp: int, steps: int, micro: int = 4, fwd_ms: float = 4.0,
                       bwd_ms: float = 8.0, x_ms: float = 0.3, jitter: float = 0.03, seed: int = 5,
                       factor=None, extra=None, schedule: str = "gpipe", world: bool = True,
-                      dist_opt: bool = False, embedding: bool = False) -> dict:
+                      dist_opt: bool = False, embedding: bool = False, fsdp: int = 0,
+                      replicas: int = 1, log_every: int = 0) -> dict:
     """Run a pipeline schedule per step (``_pipeline_program``: gpipe or 1f1b) as a
     discrete-event simulation: compute is own work (fwd_ms / bwd_ms per microbatch, times
     ``factor(rank, step)`` and a jitter), sends are eager, a recv (or a group holding recvs)
@@ -436,13 +466,20 @@ def simulate_pipeline(tp: int, pp: int, dp: int, steps: int, micro: int = 4, fwd
     distributed optimizer's reduce-scatter, and its parameter all-gather after the optimizer
     step), the embedding all-reduce of the first and last stage (``embedding``), and a world
     all-reduce ending the step (``world``; Megatron and FSDP jobs have none).
+    ``fsdp`` > 0 (needs pp = 1): instead of the schedule and the data-parallel collectives,
+    an FSDP step of that many layers (``_fsdp_program``), sharded over dp / ``replicas``
+    ranks; a coalesced group ends when its last member arrived, plus one transfer.
+    ``log_every`` > 0: a world all-reduce after every log_every-th step only (the loss
+    reduced for logging, as torchtitan does every log_freq steps).
     ``extra(members)`` adds nanoseconds to the transfer of an instance among `members`
     (global ranks; a send/recv pair is [src, dst]): a lossy link.
     Returns {"calls": per rank list of (op, group kind, group index, peer global rank or -1,
     t, d)} (group starts and ends have kind None), "step_ns": mean step (the latest rank's
     step end to step end), "slowed": [(transfer start, end, members)] of every instance
     `extra` slowed}."""
-    lay = pipeline_layout(tp, pp, dp)
+    if fsdp and pp != 1:
+        raise ValueError("an FSDP job here has no pipeline: pp must be 1")
+    lay = pipeline_layout(tp, pp, dp, replicas)
     world_n, stage = lay["world"], lay["stage"]
     gi = {k: {r: i for i, g in enumerate(gs) for r in g} for k, gs in lay["groups"].items()}
     members = {k: {i: g for i, g in enumerate(gs)} for k, gs in lay["groups"].items()}
@@ -453,17 +490,22 @@ def simulate_pipeline(tp: int, pp: int, dp: int, steps: int, micro: int = 4, fwd
         s_, pipe = stage[r], members["pp"][gi["pp"][r]]
         for st in range(steps):
             f = factor(r, st)
-            prog[r] += _pipeline_program(r, s_, pp, pipe, tp, micro, schedule,
-                                         lambda: fwd_ms * f * (1 + rng.normal(0, jitter)),
-                                         lambda: bwd_ms * f * (1 + rng.normal(0, jitter)))
-            if dp > 1:
+            fwd = lambda: fwd_ms * f * (1 + rng.normal(0, jitter))
+            bwd = lambda: bwd_ms * f * (1 + rng.normal(0, jitter))
+            if fsdp:
+                prog[r] += _fsdp_program(fsdp, tp, micro, "shard" if replicas > 1 else "dp", replicas > 1, fwd, bwd)
+                prog[r].append(("work", 0.5))
+            else:
+                prog[r] += _pipeline_program(r, s_, pp, pipe, tp, micro, schedule, fwd, bwd)
+            if dp > 1 and not fsdp:
                 prog[r].append(("REDUCE_SCATTER" if dist_opt else "ALL_REDUCE", "dp", None))
             if embedding and pp > 1 and s_ in (0, pp - 1):
                 prog[r].append(("ALL_REDUCE", "emb", None))
-            prog[r].append(("work", 0.5))
-            if dp > 1 and dist_opt:
+            if not fsdp:
+                prog[r].append(("work", 0.5))
+            if dp > 1 and dist_opt and not fsdp:
                 prog[r].append(("ALL_GATHER", "dp", None))
-            if world:
+            if world or (log_every and st % log_every == log_every - 1):
                 prog[r].append(("ALL_REDUCE", "world", None))
             prog[r].append(("step", st))
     x = x_ms * 1e6
@@ -550,7 +592,13 @@ def simulate_pipeline(tp: int, pp: int, dp: int, steps: int, micro: int = 4, fwd
                         if more:
                             slowed.append((max(inst.values()), ends[(kind, g, seq)], list(mem)))
                     end = ends[(kind, g, seq)]
-                    calls[r].append((op[0], kind, g, -1, inst[r], end - inst[r]))
+                    if op[0] == "COALESCED":     # the group's calls only queue; its end waits
+                        a, n = inst[r], len(op[2])
+                        calls[r].append(("GROUP_START", None, -1, -1, a, 1_000))
+                        calls[r] += [(o, kind, g, -1, a + 1_000 * (i + 1), 1_000) for i, o in enumerate(op[2])]
+                        calls[r].append(("GROUP_END", None, -1, -1, a + 1_000 * (n + 1), end - a - 1_000 * (n + 1)))
+                    else:
+                        calls[r].append((op[0], kind, g, -1, inst[r], end - inst[r]))
                     coll_n[(r, kind)] = seq + 1
                     t[r] = end
                 ptr[r] += 1
@@ -564,10 +612,17 @@ def simulate_pipeline(tp: int, pp: int, dp: int, steps: int, micro: int = 4, fwd
 
 
 def pipeline_instances_per_step(tp: int, pp: int, dp: int, micro: int = 4, world: bool = True,
-                                dist_opt: bool = False, embedding: bool = False, **_) -> int:
+                                dist_opt: bool = False, embedding: bool = False, fsdp: int = 0,
+                                replicas: int = 1, **_) -> int:
     """Collective instances per simulated step: a tp all-reduce per microbatch forward and
     backward in every tp group, a dp all-reduce (or reduce-scatter and all-gather) per dp
-    group, an embedding all-reduce per pipeline, one world all-reduce."""
+    group, an embedding all-reduce per pipeline, one world all-reduce. FSDP: per layer and tp
+    group a tp all-reduce forward and backward; per layer and shard group two coalesced
+    all-gathers and one coalesced reduce-scatter (two calls each); HSDP: per layer and
+    replicate group an all-reduce."""
+    if fsdp:
+        rep = fsdp * tp * (dp // replicas) if replicas > 1 else 0
+        return fsdp * 2 * dp * (tp > 1) + fsdp * tp * replicas * 6 + rep + (1 if world else 0)
     return ((2 * micro * pp * dp if tp > 1 else 0) + (tp * pp * (2 if dist_opt else 1) if dp > 1 else 0)
             + (dp * tp if embedding and pp > 1 else 0) + (1 if world else 0))
 
@@ -597,12 +652,16 @@ def pipeline_session(seg_dir, tp: int, pp: int, dp: int, nodes: int, steps: int 
     simulated times as device start/end, NCCL's comm hash and per-function seq.
     `busy`: a busy machine under the fault: every rank's work x U(1, 1 + busy) per step
     (other draws than `imbalance`'s); the planted saving's run keeps it.
-    `untraced`: global ranks that run but whose rows are not written (no probe on them)."""
+    `untraced`: global ranks that run but whose rows are not written (no probe on them).
+    `fsdp` (layers) and `replicas` in `kw`: an FSDP (HSDP) job (``simulate_pipeline``); host
+    calls only (`gpu` would need each coalesced group's launch on its device rows)."""
     from pathlib import Path
 
     from ingero.store import SegmentWriter
 
-    lay = pipeline_layout(tp, pp, dp)
+    if gpu and kw.get("fsdp"):
+        raise ValueError("pipeline_session writes no device rows for coalesced groups: use gpu=None with fsdp")
+    lay = pipeline_layout(tp, pp, dp, kw.get("replicas", 1))
     world = lay["world"]
     rpn = world // nodes
     frng = np.random.default_rng([seed, 99])

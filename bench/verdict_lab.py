@@ -1,6 +1,6 @@
 """How often the verdict is right on real lab jobs: every fault, quiet and under load.
 
-    python -m bench.verdict_lab [--runs 3] [--background-load 0,2] [--cases all|dp|3d|gpu|3d-gpu] [--steps 40]
+    python -m bench.verdict_lab [--runs 3] [--background-load 0,2] [--cases all|dp|3d|gpu|3d-gpu|fsdp] [--steps 40]
                                 [--only cpu-hog,clean] [--set hog_weight=16]
 
 Each case is one real lab run traced with real eBPF (``ingero lab run --trace``,
@@ -14,7 +14,11 @@ rank in a middle stage (tp=1, pp=4, dp=2), a lossy link between two stages (4
 nodes x 2 ranks, each stage on its own node), cpu-hog and io-stall; the
 data-parallel faults and the 3D ones (``--cases 3d-gpu``) again on the lab's
 GPU-like device with Ingero's profiler plugin in every rank (``--device gpu
---profiler``: judged on device times), victims placed off the last rank.
+--profiler``: judged on device times), victims placed off the last rank; and
+an FSDP job (``--cases fsdp``: tp=2, dp=4, 4 layers, each gathered and
+reduce-scattered in coalesced groups; HSDP with dp=8 as 2 replicas) with
+clean, slow-rank, lossy-link, imbalance, cpu-hog and io-stall, and slow-rank on
+the GPU-like device.
 A trace that cannot be judged is never right. ``--only`` keeps the cases whose name contains one of
 the given words (``--cases all --only cpu-hog``: the four cpu-hog cases); ``--set``
 overrides a LabConfig field in every case (a number or a word). A verdict is right when
@@ -39,6 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 DP = dict(nodes=2, ranks_per_node=2)
 L3 = dict(nodes=2, ranks_per_node=4, layout="tp=2,pp=2,dp=2")
 GPU = dict(DP, device="gpu", profiler=True)       # profiler: built in one() (needs a compiler)
+FSDP = dict(nodes=2, ranks_per_node=4, layout="tp=2,dp=4", sharding="fsdp", layers=4)
 
 
 def _clean(s, lab):
@@ -90,6 +95,20 @@ CASES = {
         ("gpu io-stall", dict(GPU, scenario="io-stall", victim_rank=2), _rank("io")),
     ],
 }
+CASES["fsdp"] = [
+    ("fsdp clean", dict(FSDP, scenario="clean"), _clean),
+    ("fsdp slow-rank", dict(FSDP, scenario="slow-rank", victim_rank=5), _rank("compute/unknown")),
+    ("fsdp lossy-link", dict(FSDP, scenario="lossy-link"),
+     lambda s, lab: s is not None and s.node == lab["victim_node"] and s.cause == "network"),
+    ("fsdp imbalance", dict(FSDP, scenario="imbalance", imbalance=1.0),
+     lambda s, lab: s is not None and s.kind == "spread"),
+    ("fsdp cpu-hog", dict(FSDP, scenario="cpu-hog", hogs=8, victim_rank=2), _rank("cpu-contention")),
+    ("fsdp io-stall", dict(FSDP, scenario="io-stall", io_mb=16, victim_rank=6), _rank("io")),
+    ("hsdp slow-rank", dict(FSDP, layout="dp=8", replicas=2, scenario="slow-rank", victim_rank=2),
+     _rank("compute/unknown")),
+    ("fsdp-gpu slow-rank", dict(FSDP, scenario="slow-rank", victim_rank=5, device="gpu", profiler=True),
+     _rank("compute/unknown")),
+]
 # the 3D faults again on the GPU-like device, judged on the plugin's device times
 CASES["3d-gpu"] = [(name.replace("3d", "3d-gpu", 1), dict(kw, device="gpu", profiler=True), check)
                    for name, kw, check in CASES["3d"] if "imbalance" not in name]

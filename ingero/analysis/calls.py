@@ -6,7 +6,8 @@ inside a group only record work; the group end waits for all of it). Each sync
 event has an arrival (the call, or the group's start), an end (the return) and
 its dependencies:
 
-* a collective instance (communicator, seq, op): every member's arrival;
+* a collective instance (communicator, seq, op): every member's arrival (the
+  collectives of one group are one instance: a coalesced launch ends when all have run);
 * a receive: the arrival of the sync event holding the matching send (sends and
   receives are paired in order per (communicator, sender, receiver): NCCL's
   per-communicator seq of p2p calls does not match across ranks);
@@ -104,23 +105,38 @@ def device_timing(con) -> tuple[bool, str | None]:
 # Host calls whose device work the plugin sees as other operations: NCCL 2.28+ runs an
 # all-to-all, gather or scatter as grouped sends and receives.
 _AS_P2P = ("ALL_TO_ALL", "GATHER", "SCATTER")
+# A process's operations in flight when the trace stopped have host calls and no device row
+# yet (one per stream, a grouped exchange two): up to this many per type are no gap.
+IN_FLIGHT = 2
 
 
-def device_coverage(con, share: float = 0.5) -> str | None:
-    """A warning naming each operation type of which fewer than `share` of the host calls
-    have device-timed rows (e.g. collectives on symmetric memory, copy-engine collectives
-    and CollNet never reach the plugin's kernel-channel events), with counts; None if none."""
-    host = dict(con.execute(
-        "SELECT op, count(*) FROM nccl_events WHERE op IN (SELECT unnest(?)) AND ret IN "
-        f"({', '.join(map(str, NCCL_OK_RETS))}) GROUP BY op", [[o for o in OPS if o not in _AS_P2P]]).fetchall())
-    dev = dict(con.execute("SELECT op, count(*) FROM nccl_profiler_events WHERE device_start_ns IS NOT NULL "
-                           "AND NOT COALESCE(unfinished, false) GROUP BY op").fetchall())
-    short = sorted((o, n, dev.get(o, 0)) for o, n in host.items() if dev.get(o, 0) < share * n)
+def device_coverage(con) -> str | None:
+    """A warning naming each operation type whose host calls have no device-timed row from
+    the plugin (collectives on symmetric memory, copy-engine collectives and CollNet never
+    reach its kernel-channel events), with counts; None if none. Counted per process over
+    the span the plugin recorded it (its first to its last launch), where every launched
+    operation has its row; a process with more than IN_FLIGHT such calls of a type counts."""
+    rows = con.execute(f"""
+        WITH span AS (SELECT node, pid, min(timestamp_ns) AS lo, max(timestamp_ns) AS hi
+                      FROM nccl_profiler_events GROUP BY node, pid),
+             host AS (SELECT e.node, e.pid, e.op, count(*) AS n FROM nccl_events e JOIN span s
+                        ON s.node IS NOT DISTINCT FROM e.node AND s.pid = e.pid
+                      WHERE e.op IN (SELECT unnest(?)) AND e.ret IN ({', '.join(map(str, NCCL_OK_RETS))})
+                        AND e.timestamp_ns BETWEEN s.lo AND s.hi
+                      GROUP BY e.node, e.pid, e.op),
+             dev AS (SELECT node, pid, op, count(*) AS n FROM nccl_profiler_events
+                     WHERE device_start_ns IS NOT NULL AND NOT COALESCE(unfinished, false)
+                     GROUP BY node, pid, op)
+        SELECT h.op, sum(h.n)::BIGINT, sum(CASE WHEN h.n - COALESCE(d.n, 0) > ? THEN h.n - COALESCE(d.n, 0)
+                                               ELSE 0 END)::BIGINT
+        FROM host h LEFT JOIN dev d ON d.node IS NOT DISTINCT FROM h.node AND d.pid = h.pid AND d.op = h.op
+        GROUP BY h.op ORDER BY h.op""", [[o for o in OPS if o not in _AS_P2P], IN_FLIGHT]).fetchall()
+    short = [(o, n, k) for o, n, k in rows if k]
     if not short:
         return None
-    return ("some operations have no device times from the NCCL profiler plugin (symmetric-memory, "
-            "copy-engine or CollNet collectives never reach its kernel-channel events): "
-            + "; ".join(f"{o}: {d} of {n} host calls" for o, n, d in short)
+    return ("host calls without device times from the NCCL profiler plugin (symmetric-memory, copy-engine "
+            "or CollNet collectives never reach its kernel-channel events): "
+            + "; ".join(f"{o}: {k} of {n}" for o, n, k in short)
             + "; their waits are not on the device timeline")
 
 
@@ -438,8 +454,9 @@ class Events:
 def _group_owners(c: Calls) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Host calls: (first row of each event, event of each row or -1, instance of each
     event). An event per ungrouped call and per outermost group; a group's calls belong to
-    it. An event's instance is its collective call: ungrouped collectives only (a
-    collective inside a group waits at the group end like any other member)."""
+    it. An event's instance is its collective call's; the collectives of one group (a
+    coalesced launch: FSDP's per-layer all-gathers and reduce-scatters) are joined into one
+    instance, on every member: the group end waits for all of them (``_join``)."""
     newrank = np.r_[True, c.rank[1:] != c.rank[:-1]]
     start = (c.op == _GS).astype(np.int64)
     end = (c.op == _GE).astype(np.int64)
@@ -455,18 +472,13 @@ def _group_owners(c: Calls) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     owner = np.where(real | outer_start | outer_end, gid, -1)
     owner[(c.op == _GE) & ~outer_end] = -1
     owner[(c.op == _GS) & ~outer_start] = -1
-    inst = np.full(int(ev_start.sum()), -1, np.int64)
-    single = real & ~inside & (c.inst >= 0)
-    inst[gid[single]] = c.inst[single]
-    return np.flatnonzero(ev_start), owner, inst
+    return np.flatnonzero(ev_start), owner, _join(c.inst, owner, int(ev_start.sum()))
 
 
 def _launch_owners(c: Calls) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Device rows: (first row of each event, event of each row, instance of each event).
     An event per kernel launch (`c.launch`; a row on its own is one), arriving with its
-    first row. Instances launched together on a rank are joined into one, on every rank:
-    each member's kernel holds them all, so none of them ends before every member of every
-    one of them arrived; the smallest instance id stands for the joined ones."""
+    first row; instances launched together are joined (``_join``)."""
     n = c.n
     first = np.arange(n)
     grouped = np.flatnonzero(c.launch >= 0)
@@ -477,13 +489,21 @@ def _launch_owners(c: Calls) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     ev_start = first == np.arange(n)
     gid = np.cumsum(ev_start) - 1
     owner = gid[first]
-    inst = np.full(int(ev_start.sum()), -1, np.int64)
-    coll = np.flatnonzero(c.inst >= 0)
+    return np.flatnonzero(ev_start), owner, _join(c.inst, owner, int(ev_start.sum()))
+
+
+def _join(inst_of_row: np.ndarray, owner: np.ndarray, n_events: int) -> np.ndarray:
+    """The instance of each of `n_events` events (-1: none), from each row's instance and
+    event (`owner`, -1: none). Instances that share an event on some rank are joined into
+    one, on every rank: each member's event holds them all, so none of them ends before
+    every member of every one of them arrived; the smallest instance id stands for them."""
+    inst = np.full(n_events, -1, np.int64)
+    coll = np.flatnonzero((inst_of_row >= 0) & (owner >= 0))
     if len(coll):
-        ev_of, ins = owner[coll], c.inst[coll]
+        ev_of, ins = owner[coll], inst_of_row[coll]
         rep = np.arange(int(ins.max()) + 1)
         while True:                                  # join instances that share an event
-            low = np.full(len(inst), np.iinfo(np.int64).max, np.int64)
+            low = np.full(n_events, np.iinfo(np.int64).max, np.int64)
             np.minimum.at(low, ev_of, rep[ins])
             new = rep.copy()
             np.minimum.at(new, ins, low[ev_of])
@@ -492,7 +512,7 @@ def _launch_owners(c: Calls) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                 break
             rep = new
         inst[ev_of] = rep[ins]
-    return np.flatnonzero(ev_start), owner, inst
+    return inst
 
 
 def events(c: Calls) -> Events:

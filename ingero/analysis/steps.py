@@ -8,6 +8,8 @@ one op); the markers of one *family* (same op, same group size, about as many
 instances) together cover ranks, e.g. every data-parallel group's gradient
 reduce-scatter. The family chosen recurs least (once per step; seen at least
 MIN_INSTANCES times), then covers the most ranks, then spans the widest groups;
+a marker that recurs several times per step (FSDP's per-layer reduce-scatter) marks
+every q-th step boundary, q from the period of its ranks' own call sequence;
 ranks it leaves out are covered by other families that recur as often, then
 through what connects them to covered ranks (``_propagate``: a pure pipeline's
 middle stages get their steps from the send/recv they exchange with the first
@@ -34,6 +36,9 @@ from ingero.analysis.replay import Measured
 ALIKE_COUNT = 1.25        # markers of one family recur within 25% as often (edges of a late or cut trace)
 MIN_INSTANCES = 3         # a marker seen fewer times is one only when nothing else recurs
 MAX_OFFSET_STEPS = 8      # markers are aligned by at most this many steps against the reference
+MAX_PERIOD = 64           # a marker recurs at most this many times per step (an FSDP job: once per layer)
+PERIOD_MATCH = 0.9        # share of windows that must repeat for a period (the edges of a cut trace may not)
+FORWARD_EVENTS = 2.0      # an FSDP forward holds every layer's gather: L + 1 (>= 2) times a backward layer's
 
 
 @dataclass
@@ -167,6 +172,44 @@ def markers(c: Calls, visible: np.ndarray) -> list[tuple[int, int]]:
             for _, comm in sorted(lst, key=lambda t: (-t[0], int(c.comm_hash[t[1]])))]
 
 
+def _whole_steps(c: Calls, ev: Events, ids: np.ndarray, comm: int) -> np.ndarray:
+    """A marker's instances (`ids`, in order) that end steps: all of them, or every q-th when
+    the marker recurs q times per step, as an FSDP job's per-layer reduce-scatter does. Told
+    from a member's own call sequence: the kinds of sync events (communicator and op, or a
+    send/recv) between consecutive marker instances repeat with period q (in at least
+    PERIOD_MATCH of the windows) and not with any shorter one, and one window of the period
+    holds FORWARD_EVENTS times the events of the median one (the forward, with every
+    layer's gather; a call made every q-th step only, such as a logged loss, adds one). A
+    step ends with the instance before that window."""
+    traced = set(ev.ranks.tolist())
+    mem = [r for r in c.comm_members.get(comm, []) if r in traced]
+    if not mem or len(ids) < 3:
+        return ids
+    k = int(np.searchsorted(ev.ranks, mem[0]))
+    lo, hi = int(ev.off[k]), int(ev.off[k + 1])
+    inst = ev.inst[lo:hi]
+    j = np.flatnonzero(np.isin(inst, ids))           # the member's marker events, and their place in ids
+    if len(j) < 3:
+        return ids
+    order = np.argsort(ids, kind="stable")
+    at = list(zip(j.tolist(), order[np.searchsorted(ids[order], inst[j])].tolist()))
+    kind = np.where(inst >= 0, c.inst_comm[np.maximum(inst, 0)] * 64 + c.inst_op[np.maximum(inst, 0)], -1)
+    sig = [tuple(kind[a + 1:b].tolist()) for (a, _), (b, _) in zip(at[:-1], at[1:])]
+    seen: dict = {}
+    code = np.array([seen.setdefault(x, len(seen)) for x in sig], np.int64)   # a number per distinct window
+    length = np.array([len(x) for x in sig], np.float64)
+    for q in range(1, min(MAX_PERIOD, (len(sig) - 1) // 2) + 1):
+        if np.mean(code[:-q] == code[q:]) < PERIOD_MATCH:
+            continue
+        if q == 1:
+            return ids
+        size = [float(np.median(length[j::q])) for j in range(q)]
+        longest = int(np.argmax(size))
+        if size[longest] >= FORWARD_EVENTS * max(float(np.median(size)), 1.0):
+            return ids[at[longest][1] % q::q]
+    return ids
+
+
 def _align(first: list[np.ndarray]) -> list[int]:
     """Step offset of each marker's instances (first arrivals, in order) against the first
     marker's: the shift that brings them closest in time."""
@@ -205,6 +248,7 @@ def timeline(c: Calls, ev: Events, m: Measured) -> Timeline | None:
             used.append(comm)
     if not per:
         return None
+    per = [_whole_steps(c, ev, p, comm) for p, comm in zip(per, used)]
     off = _align([first[p] for p in per])
     L = max(off)                                           # the window: reference steps L..H
     H = min(o + len(p) - 1 for o, p in zip(off, per))

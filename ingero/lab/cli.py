@@ -21,6 +21,8 @@ EPILOG = """examples:
   ingero lab run --scenario cpu-hog --nodes 2 --ranks-per-node 2 --victim-rank 1
   ingero lab run --layout tp=2,pp=2,dp=2 --nodes 2 --ranks-per-node 4 --scenario slow-stage --stage 1
   ingero lab run --layout tp=1,pp=4,dp=2 --schedule interleaved --virtual-stages 2 --microbatches 8
+  ingero lab run --layout tp=2,dp=4 --sharding fsdp --layers 4 --scenario slow-rank --victim-rank 5
+  ingero lab run --layout dp=8 --nodes 2 --sharding fsdp --replicas 2   # HSDP: 2 shard groups of 4
   ingero lab run --device gpu --profiler --trace --steps 40   # enqueue on a device stream; device times
   ingero lab run --device gpu --nonblocking --scenario slow-rank
   ingero lab run --scenario hang --fault-after 6 --timeout 20 --trace
@@ -123,7 +125,7 @@ def run(args) -> int:
 
 def add_job_shape_args(r) -> None:
     """The job's shape and its shape-specific faults (`ingero lab run` and `ingero demo`)."""
-    from ingero.lab.faults import SCHEDULES
+    from ingero.lab.faults import SCHEDULES, SHARDINGS
 
     r.add_argument("--layout", metavar="tp=T,pp=P,dp=D",
                    help="a tensor x pipeline x data parallel job (Megatron's rank order and groups, "
@@ -136,6 +138,15 @@ def add_job_shape_args(r) -> None:
                         "interleaved (--virtual-stages model chunks per rank)")
     r.add_argument("--virtual-stages", type=int, default=2,
                    help="interleaved: model chunks per rank; default 2 (--microbatches a multiple of pp)")
+    r.add_argument("--sharding", choices=SHARDINGS, default="optimizer",
+                   help="data parallelism with --layout: optimizer (default; the distributed optimizer's "
+                        "reduce-scatter and all-gather per step) or fsdp (no pipeline: per layer, the "
+                        "parameters all-gathered before the forward and the backward and the gradients "
+                        "reduce-scattered, each a coalesced group; no collective once per step)")
+    r.add_argument("--layers", type=int, default=4, help="fsdp: layers per step; default 4")
+    r.add_argument("--replicas", type=int, default=1,
+                   help="fsdp: HSDP with this many replicas (shard groups of dp/replicas ranks, an all-reduce "
+                        "per layer across them); default 1 (FSDP)")
     r.add_argument("--stage", type=int, default=1, help="slow-stage: the stage that is slower; default 1")
     r.add_argument("--slow-factor", type=float, default=None,
                    help="slow-rank / slow-stage: compute multiplier; default 2 (slow-rank), 1.5 (slow-stage)")
@@ -160,7 +171,8 @@ def job_shape(args) -> dict:
     """LabConfig fields from add_job_shape_args' flags (the slow factor checked, its default
     per scenario)."""
     out = {"layout": args.layout, "microbatches": args.microbatches, "stage": args.stage,
-           "imbalance": args.imbalance, "schedule": args.schedule, "virtual_stages": args.virtual_stages}
+           "imbalance": args.imbalance, "schedule": args.schedule, "virtual_stages": args.virtual_stages,
+           "sharding": args.sharding, "layers": args.layers, "replicas": args.replicas}
     if args.slow_factor is not None:
         if not 1.0 < args.slow_factor <= 100:
             raise IngeroError(f"--slow-factor {args.slow_factor} is out of range: use more than 1, at most 100")
@@ -226,8 +238,12 @@ def _run(args) -> int:
 
 
 def _summary(lab, codes: dict[int, int], trace_db) -> int:
-    lay = (f", layout tp={lab.layout[0]},pp={lab.layout[1]},dp={lab.layout[2]}, schedule {lab.cfg.schedule}"
-           if lab.layout else "")
+    c = lab.cfg
+    how = f"schedule {c.schedule}"
+    if c.sharding == "fsdp":
+        how = f"HSDP, {c.replicas} replicas" if c.replicas > 1 else "FSDP"
+        how += f", {c.layers} layers"
+    lay = f", layout tp={lab.layout[0]},pp={lab.layout[1]},dp={lab.layout[2]}, {how}" if lab.layout else ""
     lay += f", device {lab.cfg.device}" + (", non-blocking" if lab.cfg.nonblocking else "")
     lay += ", elastic" if lab.cfg.elastic else ""
     if lab.cfg.scenario == "slow-stage":

@@ -45,6 +45,7 @@ from ingero.lab.netns import in_netns
 
 SCENARIOS = ("clean", "lossy-link", "cpu-hog", "slow-rank", "io-stall", "slow-stage", "imbalance", "hang")
 SCHEDULES = ("1f1b", "gpipe", "interleaved")   # the pipeline schedules of a layout job (worker.c)
+SHARDINGS = ("optimizer", "fsdp")   # a layout job's data parallelism: Megatron's distributed optimizer, or FSDP
 
 
 def parse_layout(text: str | None, world: int | None) -> tuple[int, int, int] | None:

@@ -64,6 +64,9 @@ class LabConfig:
     microbatches: int = 4          # per step, with a layout
     schedule: str = "1f1b"         # the pipeline schedule of a layout job: 1f1b, gpipe or interleaved
     virtual_stages: int = 2        # interleaved: model chunks per rank
+    sharding: str = "optimizer"    # a layout job's data parallelism: optimizer (distributed optimizer) or fsdp
+    layers: int = 4                # fsdp: layers, each gathered and reduce-scattered on its own
+    replicas: int = 1              # fsdp: > 1 is HSDP, dp split into this many shard groups
     stage: int = 1                 # slow-stage: the pipeline stage that computes slow_factor times longer
     imbalance: float = 1.0         # imbalance: each rank's per-step compute factor is drawn from [1, 1 + this]
     device: str = "cpu"            # "gpu": work is enqueued on a device stream per rank (INGERO_LAB_DEVICE)
@@ -121,6 +124,15 @@ class LabRun:
                 and 1 <= cfg.virtual_stages and cfg.microbatches * cfg.virtual_stages <= 128):
             raise IngeroError("--schedule interleaved needs pp > 1, --microbatches a multiple of pp and "
                               "--virtual-stages >= 1 with microbatches x virtual stages <= 128")
+        if cfg.sharding not in faults.SHARDINGS:
+            raise IngeroError(f"--sharding {cfg.sharding!r}: use one of {', '.join(faults.SHARDINGS)}")
+        if cfg.sharding == "fsdp" and (self.layout is None or self.layout[1] != 1 or self.layout[2] < 2
+                                       or self.layout[2] % max(cfg.replicas, 1) or cfg.replicas < 1
+                                       or not 1 <= cfg.layers <= 64):
+            raise IngeroError("--sharding fsdp needs --layout tp=T,dp=D without a pipeline (pp=1) and dp >= 2, "
+                              "--replicas dividing dp and --layers 1 to 64")
+        if cfg.sharding != "fsdp" and (cfg.replicas != 1 or cfg.layers != 4):
+            raise IngeroError("--replicas and --layers are for --sharding fsdp")
         if cfg.elastic and (cfg.world < 2 or self.layout is not None or cfg.elastic_steps < 1):
             raise IngeroError("--elastic needs at least 2 ranks, no --layout and elastic steps >= 1")
         if cfg.device not in DEVICES:
@@ -306,6 +318,9 @@ class LabRun:
             env["INGERO_LAB_MICROBATCHES"] = str(c.microbatches)
             env["INGERO_LAB_SCHEDULE"] = c.schedule
             env["INGERO_LAB_VIRTUAL_STAGES"] = str(c.virtual_stages)
+            env["INGERO_LAB_SHARDING"] = c.sharding
+            env["INGERO_LAB_LAYERS"] = str(c.layers)
+            env["INGERO_LAB_REPLICAS"] = str(c.replicas)
         env.update(self.plans[rp.rank].env)
         if self._fault_from_ns is not None:
             env["INGERO_LAB_FAULT_FROM_NS"] = str(self._fault_from_ns)

@@ -141,22 +141,40 @@ def test_a_coalesced_launch_alone_replays_to_the_measured_step():
     assert err > 0.1          # each collective its own event: the shared interval counted twice
 
 
-def test_operation_types_the_plugin_never_timed_are_warned_about_with_counts():
-    con = pipeline(steps=1).db()
-    host = [("ALL_REDUCE", 12), ("SEND", 8), ("RECV", 8), ("REDUCE_SCATTER", 2), ("ALL_GATHER", 2),
-            ("ALL_TO_ALL", 3)]
-    eid = 0
-    for op, n in host:
-        for i in range(n):
-            eid += 1
-            con.execute("INSERT INTO nccl_events (event_id, node, pid, global_rank, rank, op, ret, timestamp_ns, "
-                        "duration_ns, comm_id_hash, seq) VALUES (?, 'node-0', ?, ?, 0, ?, 0, ?, 1000, 1, ?)",
-                        [eid, 1000 + i % 4, i % 4, op, eid * 1000, i])
+def with_host_calls(tr: Trace, extra: list[tuple] = ()) -> duckdb.DuckDBPyConnection:
+    """`tr`'s database with a host call (nccl_events) per device row, at the row's launch, in
+    the same process; and `extra` host calls: (rank, op, timestamp_ns)."""
+    con = tr.db()
+    con.execute("INSERT INTO nccl_events (event_id, node, pid, global_rank, rank, op, ret, timestamp_ns, "
+                "duration_ns, comm_id_hash, seq) SELECT event_id, node, pid, global_rank, rank, op, 0, timestamp_ns, "
+                "20000, comm_hash, seq FROM nccl_profiler_events")
+    con.executemany("INSERT INTO nccl_events (event_id, node, pid, global_rank, rank, op, ret, timestamp_ns, "
+                    "duration_ns, comm_id_hash, seq) VALUES (?, ?, ?, ?, 0, ?, 0, ?, 20000, 2457, ?)",
+                    [(len(tr.rows) + 1 + i, f"node-{r // 2}", 1000 + r, r, op, t, i) for i, (r, op, t) in enumerate(extra)])
+    return con
+
+
+def test_host_calls_with_no_device_row_are_warned_about_per_operation_type_with_counts():
+    tr = pipeline(steps=6)
+    end = max(r[15] for r in tr.rows)
+    # 3 all-reduces of rank 1 mid-trace never reached the plugin (e.g. on symmetric memory); an
+    # all-to-all runs as sends and receives there
+    extra = [(1, "ALL_REDUCE", end // 2 + i) for i in range(3)] + [(0, "ALL_TO_ALL", end // 2 + i) for i in range(5)]
+    con = with_host_calls(tr, extra)
+    # nor did 3 steps' reduce-scatters of every rank: their host calls stay
+    con.execute("DELETE FROM nccl_profiler_events WHERE op = 'REDUCE_SCATTER' AND seq IN (1, 2, 3)")
     device, why = device_timing(con)
     assert device
-    # ALL_REDUCE never reached the plugin; an all-to-all runs as sends and receives there
-    assert why is not None and "ALL_REDUCE: 0 of 12 host calls" in why and "ALL_TO_ALL" not in why
-    assert "SEND" not in why and "ALL_GATHER" not in why
+    assert why is not None and "REDUCE_SCATTER: 12 of 24" in why and "ALL_REDUCE: 3 of 3" in why, why
+    assert "ALL_TO_ALL" not in why and "SEND" not in why and "ALL_GATHER" not in why
+
+
+def test_a_trace_the_plugin_timed_whole_or_up_to_the_calls_in_flight_has_no_coverage_warning():
+    tr = pipeline(steps=4)
+    first, end = min(r[15] for r in tr.rows), max(r[15] for r in tr.rows)
+    # calls before the plugin's first launch and the last two in flight at the end: not gaps
+    extra = [(0, "ALL_REDUCE", first - 1000 * (i + 1)) for i in range(5)] + [(2, "ALL_GATHER", end - i) for i in range(2)]
+    assert device_timing(with_host_calls(tr, extra)) == (True, None)
 
 
 def test_a_rank_s_operations_keep_their_gpu_order_when_the_clock_conversion_swaps_them():

@@ -15,12 +15,13 @@ import pytest
 
 from ingero.errors import IngeroError
 from tests.unit.test_lab_build import bins, free_port, worker_env  # noqa: F401
-from tests.unit.test_lab_gpu_device import COLL, P2P, events, recorders  # noqa: F401
+from tests.unit.test_lab_gpu_device import COLL, KCH, P2P, events, recorders  # noqa: F401
 
 STOP_MARGIN = 5   # worker.c: rank 0's decision at the end of step s makes s + 5 the last step
 
 
-def run_layout(bins, layout: tuple[int, int, int], schedule: str, env_of=lambda r: {}, **extra) -> list[dict]:
+def run_layout(bins, layout: tuple[int, int, int], schedule: str, env_of=lambda r: {}, reported: str | None = None,
+               **extra) -> list[dict]:
     t, p, d = layout
     n, port = t * p * d, free_port()
     env = dict(INGERO_LAB_LAYOUT=f"{t},{p},{d}", INGERO_LAB_SCHEDULE=schedule, INGERO_LAB_TIMEOUT_S="20",
@@ -31,7 +32,7 @@ def run_layout(bins, layout: tuple[int, int, int], schedule: str, env_of=lambda 
     outs = [pr.communicate(timeout=60) for pr in procs]
     assert [pr.returncode for pr in procs] == [0] * n, [e for _, e in outs]
     stats = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
-    assert all(s["verified"] and s["schedule"] == schedule for s in stats)
+    assert all(s["verified"] and s["schedule"] == (reported or schedule) for s in stats)
     return stats
 
 
@@ -94,6 +95,56 @@ def test_the_lab_refuses_a_schedule_the_layout_cannot_run(kw, why):
     cfg = LabConfig(nodes=2, ranks_per_node=4, **{"layout": "tp=2,pp=2,dp=2", **kw})
     with pytest.raises(IngeroError, match=why.replace("(", r"\(").replace(")", r"\)")):
         LabRun(cfg, log=lambda _m: None)
+
+
+@pytest.mark.parametrize("layout,replicas,device", [((2, 1, 2), 1, "cpu"), ((1, 1, 4), 2, "gpu")])
+def test_an_fsdp_job_gathers_and_reduce_scatters_every_layer_and_checks_every_block(bins, layout, replicas,
+                                                                                   device):
+    stats = run_layout(bins, layout, "1f1b", INGERO_LAB_SHARDING="fsdp", INGERO_LAB_REPLICAS=replicas,
+                       INGERO_LAB_LAYERS=3, INGERO_LAB_DEVICE=device, INGERO_LAB_NONBLOCKING=int(device == "gpu"),
+                       reported="hsdp" if replicas > 1 else "fsdp")
+    assert [s["steps"] for s in stats] == [4] * len(stats)
+
+
+@pytest.mark.parametrize("kw,why", [
+    ({"layout": "tp=2,pp=2,dp=2"}, "without a pipeline"),
+    ({"layout": "tp=2,dp=4", "replicas": 3}, "--replicas dividing dp"),
+    ({"layout": "tp=8"}, "dp >= 2"),
+])
+def test_the_lab_refuses_an_fsdp_job_its_layout_cannot_run(kw, why):
+    from ingero.lab.runner import LabConfig, LabRun
+
+    with pytest.raises(IngeroError, match=why):
+        LabRun(LabConfig(nodes=2, ranks_per_node=4, sharding="fsdp", **kw), log=lambda _m: None)
+
+
+def test_the_profiler_sees_an_fsdp_layers_collectives_coalesced_in_one_launch_each(bins, recorders, tmp_path):
+    """HSDP, dp=4 as 2 replicas of 2-rank shard groups, 3 layers, on the GPU-like device: per
+    step and rank 6 launches of two all-gathers (each layer forward and backward) and 3 of two
+    reduce-scatters, all on the shard group, each launch's operations sharing one device
+    interval; 3 all-reduces on the replicate group; nothing on the 4-rank world."""
+    steps, layers = 2, 3
+    run_layout(bins, (1, 1, 4), "1f1b", INGERO_LAB_STEPS=steps, INGERO_LAB_DEVICE="gpu", INGERO_LAB_SHARDING="fsdp",
+               INGERO_LAB_REPLICAS=2, INGERO_LAB_LAYERS=layers, NCCL_PROFILER_PLUGIN=recorders[6], reported="hsdp",
+               env_of=lambda r: {"RECORD_PROFILER_OUT": str(tmp_path / f"{r}.rec")})
+    for rank in range(4):
+        lines = [ln.split() for ln in (tmp_path / f"{rank}.rec").read_text().splitlines()]
+        nranks = {int(w[2]): int(w[5]) for w in lines if w[0] == "init"}
+        ev = events(lines)
+        by_group: dict[int, list] = {}
+        for i, e in ev.items():
+            if e["type"] == COLL:
+                by_group.setdefault(int(e["fields"][-1]), []).append((i, e["fields"][1], nranks[e["ctx"]]))
+        launches = sorted(tuple(sorted((f, n) for _, f, n in ops)) for ops in by_group.values())
+        want = ([(("AllGather", 2), ("AllGather", 2))] * 2 * layers + [(("ReduceScatter", 2), ("ReduceScatter", 2))]
+                * layers + [(("AllReduce", 2),)] * layers) * steps
+        assert launches == sorted(want), rank
+        stamps: dict[int, set] = {}
+        for e in ev.values():
+            if e["type"] == KCH:
+                stamps.setdefault(e["parent"], set()).add((int(e["fields"][1]), e["states"][0][1]))
+        for ops in by_group.values():
+            assert len(set().union(*(stamps[i] for i, _, _ in ops))) == 1
 
 
 def test_the_profiler_sees_megatrons_groups_grouped_exchanges_and_no_world_collective(bins, recorders, tmp_path):

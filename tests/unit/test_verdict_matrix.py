@@ -1,14 +1,17 @@
 """A ground-truth matrix for the verdict: planted causes over tensor x pipeline x data layouts.
 
 Every case is a simulated job (``bench.synthetic.pipeline_session``: Megatron rank order,
-3% jitter on every piece of work) in one of two shapes: GPipe with ungrouped send/recv, a
+3% jitter on every piece of work) in one of three shapes: GPipe with ungrouped send/recv, a
 data-parallel all-reduce and a world all-reduce ending each step; or as Megatron runs it,
 1F1B with every exchange grouped (``batch_isend_irecv``), the distributed optimizer's
 reduce-scatter and all-gather per stage, an embedding all-reduce between the first and last
-stage and no collective that spans every rank. It is written through the real segment store with
-each node's clock off by up to 5 ms, then merged and judged along the operator's own
-path (``gather.build_artifact`` with clock offsets that are off by up to 50 us, as the
-measured ones are). The planted saving is the same run, same noise, without the fault.
+stage and no collective that spans every rank; or FSDP (tp x dp, no pipeline): per layer the
+parameters all-gathered before the forward and again before the backward, the gradients
+reduce-scattered after it, each a coalesced group over the shard group, HSDP's all-reduce
+over the replicate group on some layouts, and no collective once per step. It is written
+through the real segment store with each node's clock off by up to 5 ms, then merged and
+judged along the operator's own path (``gather.build_artifact`` with clock offsets that are
+off by up to 50 us, as the measured ones are). The planted saving is the same run, same noise, without the fault.
 
 Asserted per case: the rank, group or node named; the cause; and the saving within
 +-25% of the planted one (never above the step). The floors and shares in
@@ -34,12 +37,17 @@ KNOWN = {"tp2pp4dp1-imbalance-1f1b": "'spread' is named right, but fixing every 
                                      "its median) saves 1.27x the planted 'everyone at the median draw': capping keeps "
                                      "the faster ranks fast; the ratio spans 0.74-1.27 over layouts and seeds"}
 SHAPES = {"gpipe-world": {}, "1f1b": {"schedule": "1f1b", "world": False, "dist_opt": True, "embedding": True}}
+# FSDP: (tp, pp, dp, nodes, replicas); replicas > 1 is HSDP
+FSDP_LAYOUTS = [(1, 1, 4, 2, 1), (2, 1, 4, 2, 1), (1, 1, 8, 4, 1), (2, 1, 2, 2, 1), (1, 1, 8, 2, 2), (2, 1, 4, 4, 2)]
+FSDP_LAYERS = 4
 
 
 def _cases():
     rng = np.random.default_rng(2026)
     out = []
-    for tp, pp, dp, nodes in LAYOUTS:
+    fsdp = [((tp, pp, dp, nodes), {"fsdp": {"fsdp": FSDP_LAYERS, "replicas": rep, "world": False}})
+            for tp, pp, dp, nodes, rep in FSDP_LAYOUTS]
+    for (tp, pp, dp, nodes), shapes in [(lay, SHAPES) for lay in LAYOUTS] + fsdp:
         world = tp * pp * dp
         for fault in FAULTS:
             kw = {"fault": fault, "seed": int(rng.integers(1, 10_000)),
@@ -54,8 +62,9 @@ def _cases():
                 kw.update(lossy_node=int(rng.integers(0, nodes)), slow=round(float(rng.uniform(1.3, 1.6)), 2))
             if fault == "slow-stage" and pp == 1:
                 continue
-            for shape, skw in SHAPES.items():
-                name = f"tp{tp}pp{pp}dp{dp}-{fault}-{shape}"
+            for shape, skw in shapes.items():
+                name = f"tp{tp}pp{pp}dp{dp}r{skw['replicas']}" if skw.get("replicas", 1) > 1 else f"tp{tp}pp{pp}dp{dp}"
+                name += f"-{fault}-{shape}"
                 out.append(pytest.param((tp, pp, dp, nodes), {**kw, **skw}, id=name,
                                         marks=[pytest.mark.xfail(strict=True, reason=KNOWN[name])] if name in KNOWN else []))
     return out
@@ -64,11 +73,14 @@ def _cases():
 CASES = _cases()
 
 
-def test_the_matrix_has_at_least_40_cases_over_every_fault_in_each_shape():
+def test_the_matrix_has_at_least_40_cases_over_every_fault_in_each_shape():   # FSDP has no stage
     for shape in SHAPES:
         mine = [c for c in CASES if c.id.endswith("-" + shape)]
         assert len(mine) >= 40
         assert {c.values[1]["fault"] for c in mine} == set(FAULTS)
+    fsdp = [c for c in CASES if c.id.endswith("-fsdp")]
+    assert len(fsdp) >= 40 and {c.values[1]["fault"] for c in fsdp} == set(FAULTS) - {"slow-stage"}
+    assert any(c.values[1]["replicas"] > 1 for c in fsdp)
 
 
 @pytest.mark.parametrize("layout,kw", CASES)

@@ -142,3 +142,23 @@ def test_the_same_job_with_and_without_a_world_collective_gets_the_same_verdict(
     a, b = with_world.straggler, without.straggler
     assert (a.kind, a.rank, a.cause) == (b.kind, b.rank, b.cause) == ("rank", victim, "compute/unknown")
     assert b.saving_ms_per_step == pytest.approx(a.saving_ms_per_step, rel=0.25)
+
+
+def test_an_fsdp_step_is_all_its_layers_not_one_per_layer_reduce_scatter(tmp_path):
+    """No collective once per step: the marker (the per-layer reduce-scatter) recurs 4 times per
+    step, and the step is found from the period of the ranks' own call sequence."""
+    rep, gt = _run(tmp_path, layout=(2, 1, 4), fault="slow-rank", victim=6, slow=1.6, fsdp=4, world=False)
+    assert rep.step_ms == pytest.approx(gt["step_ms"], rel=0.02)
+    assert (rep.straggler.rank, rep.straggler.cause) == (6, "compute/unknown")
+    assert rep.straggler.saving_ms_per_step == pytest.approx(gt["planted_saving_ms"], rel=0.15)
+
+
+def test_a_collective_made_only_every_few_steps_does_not_stretch_the_step(tmp_path):
+    """A loss all-reduce every 6th step (too rare to be the marker here) makes the call
+    sequence repeat every 6 steps, yet the step stays one step: no window of the period holds
+    a forward's worth of extra calls."""
+    rep, gt = _run(tmp_path, layout=(2, 2, 2), steps=16, fault="slow-rank", victim=3, slow=1.6, log_every=6,
+                   schedule="1f1b", world=False, dist_opt=True, embedding=True)
+    assert rep.step_ms == pytest.approx(gt["step_ms"], rel=0.02)
+    assert rep.straggler.rank == 3
+    assert rep.straggler.saving_ms_per_step == pytest.approx(gt["planted_saving_ms"], rel=0.15)

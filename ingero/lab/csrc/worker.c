@@ -620,7 +620,16 @@ static void stop_finish(struct stopper *s) {
  * INGERO_LAB_COMPUTE_MS split 1:2 over forward and backward (a sleep, the
  * GPU-like wait), times a per-step factor in [1, 1 + INGERO_LAB_IMBALANCE]
  * drawn from (rank, step). Every received buffer is checked after the step's
- * synchronisation; wrong data exits 4. */
+ * synchronisation; wrong data exits 4.
+ *
+ * INGERO_LAB_SHARDING=fsdp (no pipeline: P = 1), as PyTorch FSDP runs a tp x dp job: no
+ * schedule and no distributed optimizer; each step runs INGERO_LAB_LAYERS layers (run_fsdp),
+ * each layer's parameters all-gathered over the data-parallel group before its forward and
+ * again before its backward, its gradients reduce-scattered after the backward, each as two
+ * collectives in one ncclGroupStart/End (coalesced: on the GPU-like device one launch, one
+ * device interval). INGERO_LAB_REPLICAS=R > 1 (HSDP): the data-parallel ranks d split into
+ * R shard groups of D/R (color by d / (D/R), key d % (D/R)) that gather and reduce-scatter,
+ * and replicate groups (same d % (D/R)) that all-reduce each layer's reduced shards. */
 
 enum schedule { SCHED_1F1B, SCHED_GPIPE, SCHED_INTERLEAVED };
 static const char *const SCHEDULE_NAME[] = {"1f1b", "gpipe", "interleaved"};
@@ -843,6 +852,86 @@ static void run_interleaved(struct pipe *j) {
   }
 }
 
+/* FSDP (INGERO_LAB_SHARDING=fsdp): the parameters and gradients of each of L layers are
+ * sharded over the shard group (S ranks); HSDP (R > 1 replicas): the data-parallel ranks
+ * split into R shard groups, and a replicate group joins the ranks that hold the same shard. */
+struct fsdp {
+  int L, S, R, sh;
+  size_t n;                 /* floats per shard of one tensor; each layer has two tensors */
+  ncclComm_t SH, REP;
+  float *shard, *full;      /* per (layer, pass, tensor): this rank's shard, the gathered tensor */
+  float *gin, *gout;        /* per (layer, tensor): the full gradient, this rank's reduced shard */
+};
+
+/* What shard `sh` of tensor `i` holds in a pass of a step (exact in a float). */
+static float fsdp_value(long step, int pass, int i, int sh) {
+  return (float)(sh + 1 + 100 * (i + 2 * pass) + 1000 * (step % 7));
+}
+
+/* A layer's parameters all-gathered over the shard group: two tensors, coalesced
+ * (torch.distributed's coalescing: one ncclGroupStart/End, one launch). */
+static void fsdp_gather(struct pipe *j, struct fsdp *f, int l, int pass) {
+  nccl_check(ncclGroupStart(), "ncclGroupStart", f->SH);
+  for (int i = 0; i < 2; i++) {
+    size_t b = ((size_t)l * 2 + (size_t)pass) * 2 + (size_t)i;
+    float *in = f->shard + b * f->n, v = fsdp_value(j->step, pass, i, f->sh);
+    for (size_t e = 0; e < f->n; e++) in[e] = v;
+    nccl_check(ncclAllGather(in, f->full + b * f->n * (size_t)f->S, f->n, ncclFloat32, f->SH, NULL),
+               "ncclAllGather(fsdp)", f->SH);
+  }
+  settle(ncclGroupEnd(), "ncclGroupEnd", f->SH);
+}
+
+/* A layer's gradients reduce-scattered over the shard group (two, coalesced); HSDP: the
+ * reduced shards all-reduced over the replicate group. */
+static void fsdp_reduce(struct pipe *j, struct fsdp *f, int l) {
+  size_t full = f->n * (size_t)f->S;
+  nccl_check(ncclGroupStart(), "ncclGroupStart", f->SH);
+  for (int i = 0; i < 2; i++) {
+    float *in = f->gin + ((size_t)l * 2 + (size_t)i) * full;
+    for (size_t e = 0; e < full; e++) in[e] = (float)(f->sh + 1 + j->step % 3);
+    nccl_check(ncclReduceScatter(in, f->gout + ((size_t)l * 2 + (size_t)i) * f->n, f->n, ncclFloat32, ncclSum,
+                                 f->SH, NULL), "ncclReduceScatter(fsdp)", f->SH);
+  }
+  settle(ncclGroupEnd(), "ncclGroupEnd", f->SH);
+  if (f->REP) {
+    float *g = f->gout + (size_t)l * 2 * f->n;
+    settle(ncclAllReduce(g, g, 2 * f->n, ncclFloat32, ncclSum, f->REP, NULL), "ncclAllReduce(replicate)", f->REP);
+  }
+}
+
+/* One FSDP step: the forward layer by layer (gather, compute, tensor all-reduce), then the
+ * backward in reverse (gather again: the parameters were resharded after the forward;
+ * compute; tensor all-reduce; reduce the gradients). No prefetch: the lab's device has
+ * one stream, so a gather runs before its layer's compute, not beside the previous one. */
+static void run_fsdp(struct pipe *j, struct fsdp *f) {
+  for (int l = 0; l < f->L; l++) {
+    fsdp_gather(j, f, l, 0);
+    pass_compute(j, l, 0);
+  }
+  for (int l = f->L - 1; l >= 0; l--) {
+    fsdp_gather(j, f, l, 1);
+    pass_compute(j, l, 1);
+    fsdp_reduce(j, f, l);
+  }
+}
+
+/* 0 when every gathered block and reduced shard of the step is right. */
+static int fsdp_check(const struct fsdp *f, long step) {
+  for (int l = 0; l < f->L; l++)
+    for (int pass = 0; pass < 2; pass++)
+      for (int i = 0; i < 2; i++) {
+        const float *full = f->full + (((size_t)l * 2 + (size_t)pass) * 2 + (size_t)i) * f->n * (size_t)f->S;
+        for (int s = 0; s < f->S; s++)
+          if (check_block(full + (size_t)s * f->n, f->n, fsdp_value(step, pass, i, s), "fsdp all-gather", step))
+            return 1;
+      }
+  float want = (float)f->R * ((float)(f->S * (f->S + 1) / 2) + (float)(f->S * (step % 3)));
+  for (int b = 0; b < 2 * f->L; b++)
+    if (check_block(f->gout + (size_t)b * f->n, f->n, want, "fsdp reduce-scatter", step)) return 1;
+  return 0;
+}
+
 static int run_layout(const char *spec, int world, int node, int local_rank, const char *run_id,
                       int timeout_s, long steps_max, double seconds, double cpu_ms, double compute_ms,
                       long io_mb, const char *io_dir, long long fault_from_ns, double fault_compute_ms,
@@ -858,16 +947,27 @@ static int run_layout(const char *spec, int world, int node, int local_rank, con
   for (int i = 0; i < 3; i++)
     if (strcmp(sched_name, SCHEDULE_NAME[i]) == 0) sched = i;
   if (sched < 0) die(2, "INGERO_LAB_SCHEDULE must be 1f1b, gpipe or interleaved, got %s%s", sched_name, "");
+  const char *sharding = getenv("INGERO_LAB_SHARDING");
+  int fsdp = sharding && strcmp(sharding, "fsdp") == 0;
+  if (sharding && *sharding && !fsdp && strcmp(sharding, "optimizer") != 0)
+    die(2, "INGERO_LAB_SHARDING must be optimizer or fsdp, got %s%s", sharding, "");
+  int R = (int)env_long("INGERO_LAB_REPLICAS", 1), L = (int)env_long("INGERO_LAB_LAYERS", 4);
+  if (fsdp && (P != 1 || D < 2 || R < 1 || D % R != 0 || L < 1 || L > 64))
+    die(2, "INGERO_LAB_SHARDING=fsdp needs no pipeline (P = 1), D >= 2, INGERO_LAB_REPLICAS dividing D and "
+           "1 <= INGERO_LAB_LAYERS <= 64%s%s", "", "");
+  if (!fsdp) R = 1;
+  if (fsdp) M = L;   /* a slot per layer: a layer's forward and backward each have one */
   int V = sched == SCHED_INTERLEAVED ? (int)env_long("INGERO_LAB_VIRTUAL_STAGES", 2) : 1;
   if (M < 1 || M * V > 128)
     die(2, "INGERO_LAB_MICROBATCHES must be >= 1 and, times the virtual stages, <= 128%s%s", "", "");
-  if (sched == SCHED_INTERLEAVED && (V < 1 || P < 2 || M % P != 0))
+  if (!fsdp && sched == SCHED_INTERLEAVED && (V < 1 || P < 2 || M % P != 0))
     die(2, "the interleaved schedule needs a pipeline (P > 1), INGERO_LAB_VIRTUAL_STAGES >= 1 and "
            "INGERO_LAB_MICROBATCHES a multiple of P%s%s", "", "");
   int t = g_rank % T, p = (g_rank / T) % P, d = g_rank / (T * P);
   ncclUniqueId id;
   exchange_id(&id, world, run_id, timeout_s);
-  ncclComm_t W = NULL, TP = NULL, DP = NULL, PP = NULL, EMB = NULL;
+  ncclComm_t W = NULL, TP = NULL, DP = NULL, PP = NULL, EMB = NULL, REP = NULL;
+  int S = D / R, sh = d % S, rep = d / S;
   ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER, *split_cfg = NULL;
   double t_init = now_s();
   ncclResult_t r;
@@ -881,8 +981,12 @@ static int run_layout(const char *spec, int world, int node, int local_rank, con
   }
   r = ncclCommSplit(W, d * P + p, t, &TP, split_cfg);
   settle(r, "ncclCommSplit(tensor)", W);
-  r = ncclCommSplit(W, p * T + t, d, &DP, split_cfg);
+  r = ncclCommSplit(W, (p * T + t) * R + rep, sh, &DP, split_cfg);   /* HSDP: the shard group */
   settle(r, "ncclCommSplit(data)", W);
+  if (R > 1) {
+    r = ncclCommSplit(W, (p * T + t) * S + sh, rep, &REP, split_cfg);
+    settle(r, "ncclCommSplit(replicate)", W);
+  }
   r = ncclCommSplit(W, d * T + t, p, &PP, split_cfg);
   settle(r, "ncclCommSplit(pipeline)", W);
   if (P > 1) {
@@ -892,9 +996,11 @@ static int run_layout(const char *spec, int world, int node, int local_rank, con
   int rp;
   ncclCommUserRank(PP, &rp);
   if (rp != p) die(3, "pipeline group numbers this rank %s, not its stage%s", rp == p ? "" : "wrongly", "");
-  printf("rank %d/%d (node %d, local %d): layout tp=%d pp=%d dp=%d, stage %d, tp %d, dp %d, schedule %s; "
-         "communicators ready in %.0f ms\n", g_rank, world, node, local_rank, T, P, D, p, t, d, sched_name,
-         (now_s() - t_init) * 1e3);
+  if (fsdp) sched_name = R > 1 ? "hsdp" : "fsdp";
+  printf("rank %d/%d (node %d, local %d): layout tp=%d pp=%d dp=%d, stage %d, tp %d, dp %d, schedule %s", g_rank,
+         world, node, local_rank, T, P, D, p, t, d, sched_name);
+  if (fsdp) printf(" (%d layers, shard %d of %d, replica %d of %d)", L, sh, S, rep, R);
+  printf("; communicators ready in %.0f ms\n", (now_s() - t_init) * 1e3);
   fflush(stdout);
   struct stopper stp;
   stop_init(&stp, world, run_id, timeout_s, steps_max);
@@ -907,6 +1013,13 @@ static int run_layout(const char *spec, int world, int node, int local_rank, con
   j.acts = malloc(slots * j.act_n * 4);
   j.tpb = malloc(slots * j.tp_n * 4);
   j.want = malloc(slots * 4);
+  struct fsdp f = {.L = L, .S = S, .R = R, .sh = sh, .n = 4096, .SH = DP, .REP = REP};
+  if (fsdp) {
+    f.shard = malloc((size_t)L * 4 * f.n * 4);
+    f.full = malloc((size_t)L * 4 * f.n * (size_t)S * 4);
+    f.gin = malloc((size_t)L * 2 * f.n * (size_t)S * 4);
+    f.gout = malloc((size_t)L * 2 * f.n * 4);
+  }
   float *dps = malloc(dp_n * 4), *dpr = malloc(dp_n / D * 4), *dpg = malloc(dp_n * 4), *emb = malloc(emb_n * 4);
   size_t junk_len = 1 << 20;
   char *junk = malloc(junk_len);
@@ -926,10 +1039,11 @@ static int run_layout(const char *spec, int world, int node, int local_rank, con
     j.fwd_ms = c / (3.0 * (double)(M * V));
     j.bwd_ms = 2.0 * j.fwd_ms;
     for (size_t s = 0; s < slots; s++) j.want[s] = NAN;
-    if (sched == SCHED_GPIPE) run_gpipe(&j);
+    if (fsdp) run_fsdp(&j, &f);
+    else if (sched == SCHED_GPIPE) run_gpipe(&j);
     else if (sched == SCHED_1F1B) run_1f1b(&j);
     else run_interleaved(&j);
-    if (D > 1) {   /* the distributed optimizer: gradients reduce-scattered over the stage's replicas */
+    if (D > 1 && !fsdp) {   /* the distributed optimizer: gradients reduce-scattered over the stage's replicas */
       for (size_t i = 0; i < dp_n; i++) dps[i] = (float)(d + 1);
       settle(ncclReduceScatter(dps, dpr, dp_n / D, ncclFloat32, ncclSum, DP, NULL), "ncclReduceScatter", DP);
     }
@@ -937,7 +1051,7 @@ static int run_layout(const char *spec, int world, int node, int local_rank, con
       for (size_t i = 0; i < emb_n; i++) emb[i] = (float)(p == 0 ? 1 : 2);
       settle(ncclAllReduce(emb, emb, emb_n, ncclFloat32, ncclSum, EMB, NULL), "ncclAllReduce(embedding)", EMB);
     }
-    if (D > 1)     /* and the updated parameters all-gathered */
+    if (D > 1 && !fsdp)     /* and the updated parameters all-gathered */
       settle(ncclAllGather(dpr, dpg, dp_n / D, ncclFloat32, DP, NULL), "ncclAllGather", DP);
     step_sync();
     if (mb > 0 && g_async) checkpoint(io_dir, g_rank, mb, junk, junk_len);
@@ -947,7 +1061,8 @@ static int run_layout(const char *spec, int world, int node, int local_rank, con
       if (T > 1 && check_block(j.tpb + s * j.tp_n, j.tp_n, (float)(T * (T + 1) / 2), "tensor all-reduce", step))
         return 4;
     }
-    if (D > 1 && (check_block(dpr, dp_n / D, (float)(D * (D + 1) / 2), "data-parallel reduce-scatter", step) ||
+    if (fsdp && fsdp_check(&f, step)) return 4;
+    if (D > 1 && !fsdp && (check_block(dpr, dp_n / D, (float)(D * (D + 1) / 2), "data-parallel reduce-scatter", step) ||
                   check_block(dpg, dp_n, (float)(D * (D + 1) / 2), "data-parallel all-gather", step)))
       return 4;
     if (EMB && check_block(emb, emb_n, 3.0f, "embedding all-reduce", step)) return 4;
@@ -956,6 +1071,7 @@ static int run_layout(const char *spec, int world, int node, int local_rank, con
   }
   stop_finish(&stp);
   if (EMB) ncclCommDestroy(EMB);
+  if (REP) ncclCommDestroy(REP);
   ncclCommDestroy(PP);
   ncclCommDestroy(DP);
   ncclCommDestroy(TP);
