@@ -14,7 +14,7 @@ DEB_PACKAGES := python3-bpfcc python3-venv linux-headers-amd64 nftables iproute2
 SCENARIO ?= lossy-link
 DEMO_ARGS ?=
 
-.PHONY: setup system venv test test-unit test-bpf demo demo-trace bench clean chart-lint e2e
+.PHONY: setup system venv test test-lab-all test-unit test-bpf demo demo-trace bench clean chart-lint e2e
 
 setup: system venv
 
@@ -31,6 +31,11 @@ venv: $(VENV)/.installed
 
 test: setup
 	$(PY) -m pytest -n $(PYTEST_JOBS) $(PYTEST_ARGS)
+
+# The suite with the extended lab jobs too: those that repeat a fault CI covers in another
+# shape (tests/conftest.py, LAB_ALL); ~8 min more.
+test-lab-all: setup
+	INGERO_TEST_LAB_ALL=1 $(PY) -m pytest -n $(PYTEST_JOBS) $(PYTEST_ARGS)
 
 test-unit: venv
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

@@ -84,8 +84,20 @@ def _where(item) -> str:
     return Path(str(item.fspath)).resolve().relative_to(ROOT).as_posix()
 
 
+# Lab jobs that repeat a fault another CI test covers in another shape (a job or a device)
+# carry @pytest.mark.extended: `make test` leaves them out (deselected, not skipped), `make
+# test-lab-all` (INGERO_TEST_LAB_ALL=1) runs them too. Every fault keeps a CI job per device.
+LAB_ALL = os.environ.get("INGERO_TEST_LAB_ALL") == "1"
+
+
 def pytest_collection_modifyitems(config, items):
-    """The lab group first, in its files' order, then the rest (a serial run sees the same)."""
+    """The lab group first, in its files' order, then the rest (a serial run sees the same);
+    the extended lab jobs only with INGERO_TEST_LAB_ALL=1."""
+    if not LAB_ALL:
+        out = [it for it in items if it.get_closest_marker("extended")]
+        if out:
+            config.hook.pytest_deselected(items=out)
+            items[:] = [it for it in items if not it.get_closest_marker("extended")]
     serial = [it for it in items if _where(it).startswith(SERIAL)]
     picked = set(map(id, serial))
     items[:] = serial + [it for it in items if id(it) not in picked]

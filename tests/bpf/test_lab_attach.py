@@ -11,7 +11,6 @@ the test does not depend on how long the probes take to load on a busy machine.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -100,15 +99,14 @@ EMBEDDING = [f"{a}, {a + 2}" for a in (0, 1, 4, 5)]
 
 
 # One case in CI (the lab group runs one job at a time: every case costs 60-90 s): the 3D job,
-# whose twelve tensor, data and pipeline communicators are recovered; the data-parallel cases
-# (slow-rank by --pid and by --pods, lossy-link) run with INGERO_TEST_LATE_ALL=1. A TraceSession
-# on running pods is checked by tests/cluster/test_whole_flow.py (io-stall, applied late).
+# whose tensor, data, pipeline (and embedding) communicators are recovered; the data-parallel
+# cases (slow-rank by --pid and by --pods, lossy-link) are extended (INGERO_TEST_LAB_ALL=1). A
+# TraceSession on running pods is checked by tests/cluster/test_whole_flow.py (io-stall, applied late).
 CASES = [pytest.param("slow-stage", {"layout": "tp=2,pp=2,dp=2", "ranks_per_node": 4, "stage": 1}, LAYOUT,
-                      id="slow-stage-3d")]
-if os.environ.get("INGERO_TEST_LATE_ALL") == "1":
-    CASES += [pytest.param("slow-rank", {}, DP, id="slow-rank"),
-              pytest.param("slow-rank", {"by": "pods"}, DP, id="slow-rank-pods"),
-              pytest.param("lossy-link", {}, DP, id="lossy-link")]
+                      id="slow-stage-3d"),
+         pytest.param("slow-rank", {}, DP, id="slow-rank", marks=pytest.mark.extended),
+         pytest.param("slow-rank", {"by": "pods"}, DP, id="slow-rank-pods", marks=pytest.mark.extended),
+         pytest.param("lossy-link", {}, DP, id="lossy-link", marks=pytest.mark.extended)]
 
 
 @pytest.mark.parametrize("scenario,kw,comms", CASES)

@@ -261,6 +261,7 @@ def test_random_imbalance_spreads_the_device_wait_over_every_rank(tmp_path):
         con.close()
 
 
+@pytest.mark.extended      # CI: host enqueue times on built traces (tests/unit/test_verdict_gpu.py)
 def test_without_the_plugin_a_lossy_link_is_not_judged_from_host_enqueue_windows(tmp_path):
     """The same GPU-like job with no profiler plugin: host calls are enqueue times, so the
     report says so, keeps counting retransmits and blames no network from host windows."""

@@ -251,6 +251,7 @@ def test_the_dashboard_and_alert_metrics_exist_in_a_real_scrape_of_the_operator_
     assert 'ingero_sessions{phase="Completed"} 1.0' in lines
 
 
+@pytest.mark.extended      # CI: the 3D job's cpu-hog (tests/bpf/test_lab_cpu_hog.py) and the GPU-like one
 def test_cpu_hog_names_that_rank_with_cpu_contention(tmp_path):
     # 8 busy loops: with the default 3 on this 2-core machine the victim was only ~1 ms late
     # (its 3 peers share the other core three ways), see docs/operator.md.
