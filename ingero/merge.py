@@ -138,7 +138,8 @@ class Merger:
             self._skip(path, f"not a readable DuckDB file ({str(e).splitlines()[0][:160]})")
             return 0
         try:
-            # tables, and views (the operator's artifact keeps nccl_events as a view over its segments)
+            # tables, and views (the operator's artifact keeps nccl_events as a view over its segments),
+            # by unqualified name: a view naming its files relatively is shadowed (confine_views)
             tables: dict[str, set[str]] = {}
             for t, c in src.execute("SELECT table_name, column_name FROM duckdb_columns() "
                                     "WHERE database_name = 'trace' AND NOT internal").fetchall():
@@ -154,19 +155,19 @@ class Merger:
             applied = {}
             if has_offsets:
                 for node, sid, off in src.execute(
-                        "SELECT node, session_id, any_value(clock_offset_ns) FROM trace.nodes "
+                        "SELECT node, session_id, any_value(clock_offset_ns) FROM nodes "
                         "WHERE clock_offset_ns IS NOT NULL GROUP BY ALL").fetchall():
                     applied[(node, sid)] = int(off)
             total, ok = 0, 0
             for table, have in usable.items():
                 if applied and table in SHIFTED:
                     sel = _select(table, have, "coalesce(o.off, 0)")
-                    sql = (f"SELECT {sel}, {self.src} FROM trace.{table} t "
+                    sql = (f"SELECT {sel}, {self.src} FROM {table} t "
                            "LEFT JOIN (SELECT node AS o_node, session_id AS o_sid, any_value(clock_offset_ns) AS off "
-                           "FROM trace.nodes GROUP BY ALL) o ON o.o_node IS NOT DISTINCT FROM t.node "
+                           "FROM nodes GROUP BY ALL) o ON o.o_node IS NOT DISTINCT FROM t.node "
                            "AND o.o_sid IS NOT DISTINCT FROM t.session_id")
                 else:
-                    sql = f"SELECT {_select(table, have)}, {self.src} FROM trace.{table} t"
+                    sql = f"SELECT {_select(table, have)}, {self.src} FROM {table} t"
                 try:   # table by table: one unreadable table (a view whose files are gone) loses only itself
                     rel = src.sql(sql)
                     # a stream of Arrow batches (DuckDB 2: to_arrow_reader; 1.x: record_batch)

@@ -97,7 +97,8 @@ def operator_artifact(tmp_path: Path, skew_b_ns: int = 0, split: bool = False):
 
 def test_the_artifacts_view_resolves_split_ranks_as_the_merge_does_in_a_table(tmp_path):
     local = operator_artifact(tmp_path, split=True)
-    assert q(local.artifact, "SELECT count(*) FROM duckdb_views() WHERE view_name = 'nccl_events'") == [(1,)]
+    assert q(local.artifact, "SELECT count(*) FROM duckdb_views() WHERE view_name = 'nccl_events' "
+             "AND database_name = 'trace'") == [(1,)]
     assert q(local.artifact, "SELECT count(*) FROM nccl_events WHERE rank < 0 AND comm_id_hash = ?",
              [CHILD]) == [(0,)]
     merge([tmp_path / "seg"], tmp_path / "m.duckdb")          # raw segments: resolved by UPDATE
@@ -118,7 +119,8 @@ def test_an_offset_known_to_one_input_is_applied_once_to_raw_rows_of_that_node(t
 def test_an_artifact_whose_view_lost_its_files_loses_only_that_table(tmp_path):
     local = operator_artifact(tmp_path)
     whole = tables(local.artifact)
-    views = [v for (v,) in q(local.artifact, "SELECT view_name FROM duckdb_views() WHERE NOT internal")]
+    views = [v for (v,) in q(local.artifact, "SELECT view_name FROM duckdb_views() WHERE NOT internal "
+                                             "AND database_name = 'trace'")]
     if not views:
         pytest.skip("the operator's artifact holds no view over its segments (every table is copied)")
     shutil.copy(local.artifact, tmp_path / "copied.duckdb")     # copied without the folder beside it

@@ -4,6 +4,8 @@ and bad traces get one-line errors (finding 4 and 7 of the hardening issue)."""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import duckdb
@@ -12,6 +14,7 @@ import pytest
 from bench.synthetic import session
 from ingero import schema
 from ingero.cli import main
+from tests.unit.trace_fixture import write_crafted
 
 
 def _one_line_error(capsys, argv) -> str:
@@ -118,3 +121,21 @@ def test_merge_reads_a_crafted_trace_in_the_sandbox_and_copies_nothing_from_outs
     pods = {r[0] for r in con.execute("SELECT DISTINCT pod FROM nccl_events").fetchall()}
     con.close()
     assert not any("not-for-you" in (p or "") for p in pods), pods
+
+
+def test_ingero_query_in_a_folder_reads_neither_its_duckdb_temp_folder_nor_its_relative_names(tmp_path):
+    """Run where the reader's working directory holds `.tmp/secret.txt` (DuckDB's default temp
+    folder, which it allows) and an `x.parquet` shadowing the trace's own relative `x.parquet`."""
+    trace = write_crafted(tmp_path)
+
+    def query(sql):
+        return subprocess.run([sys.executable, "-m", "ingero", "query", "--format", "csv", str(trace), sql],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=60)
+
+    got = query("SELECT * FROM rel")
+    assert (got.returncode, got.stdout.split()) == (0, ["who", "the", "trace"]), got.stderr
+    for sql in ("SELECT * FROM leak_tmp", "SELECT * FROM read_text('.tmp/secret.txt')",
+                "SELECT * FROM read_parquet('x.parquet')"):
+        got = query(sql)
+        assert got.returncode != 0 and "working directory" not in got.stdout, got.stdout
+        assert got.stderr.startswith("ingero: ") and "Permission" in got.stderr, got.stderr
