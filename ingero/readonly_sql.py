@@ -53,8 +53,12 @@ class Limits:
         value that is not a finite number (1e400 parses as infinity)."""
         out = Limits(**self.__dict__)
         for v in (timeout_s, max_rows):
-            if v is not None and (isinstance(v, bool) or not math.isfinite(float(v))):
-                raise ValueError(f"{v!r} is not a finite number")
+            try:
+                finite = v is None or (not isinstance(v, bool) and math.isfinite(float(v)))
+            except OverflowError:            # an integer of thousands of digits
+                finite = False
+            if not finite:
+                raise ValueError("not a finite number")
         if timeout_s is not None:
             out.timeout_s = min(self.timeout_s, max(0.05, float(timeout_s)))
         if max_rows is not None:
@@ -175,10 +179,20 @@ def open_sandbox(source: Path | list[Path], limits: Limits | None = None, sessio
     return con
 
 
-def check_statement(con, sql: str) -> None:
-    """Exactly one SELECT/EXPLAIN statement, or QueryRefused naming what was given."""
+def check_text(sql: str) -> None:
+    """SQL text that DuckDB can take, or QueryRefused saying why."""
     if not isinstance(sql, str) or not sql.strip():
         raise QueryRefused("no SQL given: send one SELECT statement")
+    try:
+        sql.encode("utf-8")
+    except UnicodeEncodeError as e:          # a lone surrogate, e.g. JSON's "\ud800"
+        raise QueryRefused(f"query is not valid UTF-8 text ({e.reason} at character {e.start}): "
+                           "send the SQL as Unicode text") from None
+
+
+def check_statement(con, sql: str) -> None:
+    """Exactly one SELECT/EXPLAIN statement, or QueryRefused naming what was given."""
+    check_text(sql)
     try:
         stmts = con.extract_statements(sql)
     except duckdb.Error as e:
@@ -241,8 +255,13 @@ def run(con, sql: str, limits: Limits | None = None) -> Result:
 
 
 def query(source: Path | list[Path], sql: str, limits: Limits | None = None) -> Result:
-    """Open a sandbox over `source`, run `sql` within `limits`, close it."""
-    con = open_sandbox(source, limits or Limits())
+    """Open a sandbox over `source`, run `sql` within `limits`, close it. A trace that cannot
+    be opened (a damaged segment) refuses the query too, naming why."""
+    check_text(sql)
+    try:
+        con = open_sandbox(source, limits or Limits())
+    except IngeroError as e:
+        raise QueryRefused(str(e)) from None
     try:
         return run(con, sql, limits)
     finally:
