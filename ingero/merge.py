@@ -219,6 +219,21 @@ class Merger:
         for node, _ in pairs:
             self.result.offsets.setdefault(node, None)
 
+    def keep_session(self, session: str | None) -> None:
+        """Keep the staged rows of one session: `session`, or the only one there is; several
+        without `session`, or a `session` not there, is an IngeroError listing them."""
+        have = sorted({str(s) for (s,) in self.con.execute(" UNION ".join(
+            f"SELECT DISTINCT session_id FROM stage.{t}" for t in schema.TABLES)).fetchall()})
+        listed = ", ".join(have[:10]) + (", …" if len(have) > 10 else "")
+        if session is not None and session not in have:
+            raise IngeroError(f"the inputs hold no session {session!r}; they hold {listed}")
+        if session is None and len(have) > 1:
+            raise IngeroError(f"the inputs hold {len(have)} sessions ({listed}): pick one with --session "
+                              "(nodes traced apart by `ingero trace` need the same --session-id)")
+        if session is not None:
+            for t in schema.TABLES:
+                self.con.execute(f"DELETE FROM stage.{t} WHERE session_id IS DISTINCT FROM ?", [session])
+
     def finish(self) -> MergeResult:
         self._offsets_table()
         schema.create_all(self.con)
@@ -272,10 +287,13 @@ def _segment_inputs(d: Path) -> list[tuple[Path, str]]:
     return list(seen.values())
 
 
-def merge(inputs: list[Path], out: Path, offsets: dict[str, int] | None = None) -> MergeResult:
-    """Merge `inputs` (DuckDB files, segment folders, segment files) into `out`.
+def merge(inputs: list[Path], out: Path, offsets: dict[str, int] | None = None,
+          session: str | None = None) -> MergeResult:
+    """Merge `inputs` (DuckDB files, segment folders, segment files) into `out`: the rows
+    of `session`, or of the only session the inputs hold.
 
-    IngeroError when nothing usable was found (the output is then not written).
+    IngeroError when nothing usable was found, or when the inputs hold several sessions and
+    `session` names none of them (the output is then not written).
     """
     out = Path(out)
     if not out.parent.is_dir():
@@ -316,6 +334,7 @@ def merge(inputs: list[Path], out: Path, offsets: dict[str, int] | None = None) 
         if not m.result.loaded:
             why = "; ".join(m.result.skipped) or "no input given"
             raise IngeroError(f"nothing usable to merge ({why})")
+        m.keep_session(session)
         return m.finish()
     except BaseException:
         m.abort()

@@ -183,12 +183,17 @@ def test_merge_cli_names_skipped_files_and_the_offsets_it_applied(job, capsys):
     assert "NODE=NANOSECONDS" in capsys.readouterr().err
 
 
-def test_two_sessions_of_one_node_keep_their_own_event_ids(tmp_path):
+def test_two_sessions_of_one_node_are_merged_one_at_a_time_each_with_its_own_rows(tmp_path):
     write_node(tmp_path / "s1", "node-a", [0, 1], steps=3, session=SESSION)
     write_node(tmp_path / "s2", "node-a", [0, 1], steps=3, session="default.job.other")
-    res = merge([tmp_path / "s1", tmp_path / "s2"], tmp_path / "m.duckdb")
-    assert res.rows["nccl_events"] == 2 * 3 * 3 * 2 and res.rows["nodes"] == 2
-    assert q(tmp_path / "m.duckdb", "SELECT min(timestamp_ns) FROM nccl_events")[0][0] >= T0
+    with pytest.raises(IngeroError, match=r"2 sessions \(default.job.abc, default.job.other\): pick one"):
+        merge([tmp_path / "s1", tmp_path / "s2"], tmp_path / "m.duckdb")
+    assert not (tmp_path / "m.duckdb").exists()
+    for sid in (SESSION, "default.job.other"):
+        res = merge([tmp_path / "s1", tmp_path / "s2"], tmp_path / "m.duckdb", session=sid)
+        assert res.rows["nccl_events"] == 3 * 3 * 2 and res.rows["nodes"] == 1
+        assert q(tmp_path / "m.duckdb", "SELECT DISTINCT session_id FROM nccl_events") == [(sid,)]
+        assert q(tmp_path / "m.duckdb", "SELECT min(timestamp_ns) FROM nccl_events")[0][0] >= T0
 
 
 def test_device_times_of_profiler_rows_are_shifted_by_the_node_offset_like_timestamps(tmp_path):

@@ -14,7 +14,8 @@ import pytest
 from bench.synthetic import session
 from ingero import schema
 from ingero.cli import main
-from tests.unit.trace_fixture import write_crafted
+from ingero.store import build_duckdb
+from tests.unit.trace_fixture import write_crafted, write_node
 
 
 def _one_line_error(capsys, argv) -> str:
@@ -139,3 +140,24 @@ def test_ingero_query_in_a_folder_reads_neither_its_duckdb_temp_folder_nor_its_r
         got = query(sql)
         assert got.returncode != 0 and "working directory" not in got.stdout, got.stdout
         assert got.stderr.startswith("ingero: ") and "Permission" in got.stderr, got.stderr
+
+
+def test_merge_of_two_sessions_needs_session_and_an_unknown_session_of_a_file_is_an_error(tmp_path, capsys):
+    session(tmp_path / "segs", steps=5)
+    write_node(tmp_path / "segs" / "node-c", "node-c", [0, 1], steps=5, session="another")
+    out = tmp_path / "m.duckdb"
+    err = _one_line_error(capsys, ["merge", str(tmp_path / "segs"), "-o", str(out)])
+    assert "2 sessions (another, synthetic)" in err and "--session" in err and not out.exists()
+    assert "no session 'nope'" in _one_line_error(capsys, ["merge", str(tmp_path / "segs"), "-o", str(out),
+                                                            "--session", "nope"])
+    assert main(["merge", str(tmp_path / "segs"), "-o", str(out), "--session", "synthetic", "--quiet"]) == 0
+    assert main(["report", str(tmp_path / "segs"), "--session", "synthetic"]) == 0
+    apart = capsys.readouterr().out
+    assert main(["report", str(out)]) == 0 and main(["report", str(out), "--session", "synthetic"]) == 0
+    assert capsys.readouterr().out == apart * 2       # the other session's rows are not in it
+    for argv in (["report", str(out), "--session", "nope"], ["query", "--session", "nope", str(out), "SELECT 1"]):
+        assert "holds no session 'nope'; it holds synthetic" in _one_line_error(capsys, argv)
+    build_duckdb([tmp_path / "segs"], tmp_path / "both.duckdb")    # a file of both, as merge wrote them
+    for argv in (["report", str(tmp_path / "both.duckdb")],
+                 ["report", str(tmp_path / "both.duckdb"), "--session", "synthetic"]):
+        assert "holds 2 sessions (another, synthetic)" in _one_line_error(capsys, argv)
