@@ -15,7 +15,7 @@ from bench.synthetic import session
 from ingero import schema
 from ingero.cli import main
 from ingero.store import build_duckdb
-from tests.unit.trace_fixture import write_crafted, write_node
+from tests.unit.trace_fixture import write_crafted, write_job, write_node
 
 
 def _one_line_error(capsys, argv) -> str:
@@ -161,3 +161,21 @@ def test_merge_of_two_sessions_needs_session_and_an_unknown_session_of_a_file_is
     for argv in (["report", str(tmp_path / "both.duckdb")],
                  ["report", str(tmp_path / "both.duckdb"), "--session", "synthetic"]):
         assert "holds 2 sessions (another, synthetic)" in _one_line_error(capsys, argv)
+
+
+def test_terminal_control_characters_in_names_are_printed_escaped_by_report_and_query(tmp_path):
+    """Pod names that would retitle (ESC ] 0; ... BEL) and clear (ESC [2J) the reader's terminal."""
+    write_job(tmp_path / "seg")
+    trace = tmp_path / "m.duckdb"
+    assert main(["merge", str(tmp_path / "seg"), "-o", str(trace), "--quiet"]) == 0
+    con = duckdb.connect(str(trace))
+    for (table,) in con.execute("SELECT DISTINCT table_name FROM duckdb_columns() WHERE column_name = 'pod' "
+                                "AND NOT internal").fetchall():
+        con.execute(f"UPDATE {table} SET pod = '\x1b]0;pwned\x07\x1b[2J' || pod || '\u202e\n'")
+    con.close()
+    for argv in (["report", str(trace)], ["query", str(trace), "SELECT DISTINCT pod, rank FROM nccl_events"]):
+        got = subprocess.run([sys.executable, "-m", "ingero", *argv], capture_output=True, text=True, timeout=60)
+        assert got.returncode == 0, got.stderr
+        shown = got.stdout + got.stderr
+        assert not any(c in shown for c in "\x1b\x07\u202e") and "\\x1b]0;pwned\\x07\\x1b[2J" in shown, shown
+        assert "\\u202e\\x0a" in shown
