@@ -168,10 +168,10 @@ def test_bad_input_gets_one_line_naming_the_fix_and_a_non_zero_exit(flow, plugin
     assert "TraceSession default/waiting is Pending: its artifact exists once it completes; wait for it: " \
            "kubectl wait --for=condition=Completed trs/waiting -n default" in msg
     assert not (flow.tmp / "waiting").exists()           # no -o folder made for nothing
-    flow.apply("refused", selector={"matchLabels": {"a": "b"}}, ncclLibPath="lib/x.so")
+    flow.apply("refused", selector={"matchLabels": {"bad key!": "b"}})
     flow.wait_for("refused", lambda s: s.get("phase") == "Failed")
     msg = one_line_error(plugin("report", "refused"))
-    assert "failed, so it has no artifact: " in msg and "ncclLibPath" in msg
+    assert "failed, so it has no artifact: " in msg and "label key" in msg
     trace = plugin("trace", "-l", "job-name=x", "--name", "k1")
     assert "AlreadyExists" in one_line_error(trace) and "pick another --name" in trace.stderr
     missing = plugin("report", "k1", path="")             # no kubectl on PATH
