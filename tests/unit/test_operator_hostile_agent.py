@@ -5,6 +5,7 @@ is AgentBroke, which marks that node failed; a stalled download is dropped after
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 
@@ -37,6 +38,21 @@ async def _endless(req, first: bytes = b"", stall_s: float | None = None):
     return resp
 
 
+@contextlib.asynccontextmanager
+async def agent_at(app: web.Application, settings: AgentSettings | None = None, node: str = "node-a"):
+    """An AgentClient of `node` talking to `app` served on 127.0.0.1."""
+    runner = web.AppRunner(app, shutdown_timeout=0.5)     # a stalled handler is not waited for
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            yield AgentClient(node, "127.0.0.1", site._server.sockets[0].getsockname()[1], "t",
+                              settings or AgentSettings(), http)
+    finally:
+        await runner.cleanup()
+
+
 async def _run(tmp_path: Path, listing, segment=None, agent: AgentSettings | None = None,
                gather: GatherSettings | None = None):
     async def segments(req):
@@ -48,18 +64,9 @@ async def _run(tmp_path: Path, listing, segment=None, agent: AgentSettings | Non
     app = web.Application()
     app.router.add_get("/v1/sessions/s1/segments", segments)
     app.router.add_get("/v1/sessions/s1/segments/{tail:.*}", one)
-    runner = web.AppRunner(app, shutdown_timeout=0.5)     # a stalled handler is not waited for
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        async with aiohttp.ClientSession() as http:
-            client = AgentClient("node-a", "127.0.0.1", port, "t", agent or AgentSettings(), http)
-            return await fetch_new(client, "s1", LocalSession(tmp_path / "s"), 0, asyncio.Semaphore(2),
-                                   gather or GatherSettings())
-    finally:
-        await runner.cleanup()
+    async with agent_at(app, agent) as client:
+        return await fetch_new(client, "s1", LocalSession(tmp_path / "s"), 0, asyncio.Semaphore(2),
+                               gather or GatherSettings())
 
 
 def _files(tmp_path: Path) -> list[str]:
@@ -134,21 +141,11 @@ def test_a_node_that_breaks_a_bound_is_failed_at_once_and_named_in_the_gather_wa
         app.router.add_post(f"/v1/sessions/{ref.sid}/stop", stop)
         app.router.add_get("/v1/time", now)
         app.router.add_get(f"/v1/sessions/{ref.sid}/segments", segments)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
         settings = Settings(artifacts_dir=tmp_path)
         settings.gather.listing_max_entries = 10
         settings.timing.clock_samples = 1
-        try:
-            async with aiohttp.ClientSession() as http:
-                client = AgentClient("node-a", "127.0.0.1", site._server.sockets[0].getsockname()[1], "t",
-                                     settings.agent, http)
-                return await Controller(settings, kube=None)._gather_nodes(ref, Live(), {"node-a": client},
-                                                                           ["node-a"])
-        finally:
-            await runner.cleanup()
+        async with agent_at(app, settings.agent) as client:
+            return await Controller(settings, kube=None)._gather_nodes(ref, Live(), {"node-a": client}, ["node-a"])
 
     gathered, warnings, rows = asyncio.run(go())
     assert gathered == [] and len(listings) == 1, listings
