@@ -220,8 +220,12 @@ def make_server(root: Path, name: str = "ingero"):
         "max_rows (default 100). See describe_tables for the tables."))
     def query(session: str, sql: str, max_rows: int = 100) -> dict:
         path = traces.resolve(session)
+        try:
+            limits = QUERY_LIMITS.narrowed(max_rows=max_rows)
+        except ValueError:
+            raise ToolError("max_rows must be a finite number (at most 1000 rows come back)") from None
         with tool_errors():
-            res = readonly_sql.query(path, sql, QUERY_LIMITS.narrowed(max_rows=max_rows))
+            res = readonly_sql.query(path, sql, limits)
         return {"session": session, **res.to_dict()}
 
     return server

@@ -63,6 +63,8 @@ async def exercise(session: ClientSession) -> dict:
     for view in ("rel", "leak", "leak_tmp"):
         got[view] = await session.call_tool("query", {"session": "crafted/trace.duckdb",
                                                       "sql": f"SELECT * FROM {view}"})
+    got["huge_rows"] = await session.call_tool("query", {"session": ART, "sql": "SELECT 1",
+                                                         "max_rows": 10 ** 4299})
     got["crafted_report"] = await session.call_tool("straggler_report", {"session": "crafted/trace.duckdb"})
     got["crafted_rank"] = await session.call_tool("rank_detail", {"session": "crafted/trace.duckdb", "rank": 0})
     return got
@@ -85,7 +87,7 @@ def check(got: dict) -> None:
     assert "nccl_events" in got["tables"]["tables"] and got["tables"]["examples"]
     assert got["query"]["rows"] == [[11]]
     for key, words in (("refused", "COPY statements are not allowed"), ("outside", "outside the root"),
-                       ("no_rank", "rank 42 is not in")):
+                       ("no_rank", "rank 42 is not in"), ("huge_rows", "max_rows must be a finite number")):
         assert got[key].is_error and words in got[key].content[0].text, got[key].content[0].text
     # a crafted trace reads its own files only: not DuckDB's temp folder, nor a relative name in the
     # server's working directory; its tools answer with an error, not a traceback
