@@ -4,8 +4,6 @@ and bad traces get one-line errors (finding 4 and 7 of the hardening issue)."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import duckdb
@@ -124,22 +122,17 @@ def test_merge_reads_a_crafted_trace_in_the_sandbox_and_copies_nothing_from_outs
     assert not any("not-for-you" in (p or "") for p in pods), pods
 
 
-def test_ingero_query_in_a_folder_reads_neither_its_duckdb_temp_folder_nor_its_relative_names(tmp_path):
+def test_ingero_query_in_a_folder_reads_neither_its_duckdb_temp_folder_nor_its_relative_names(
+        tmp_path, monkeypatch, capsys):
     """Run where the reader's working directory holds `.tmp/secret.txt` (DuckDB's default temp
     folder, which it allows) and an `x.parquet` shadowing the trace's own relative `x.parquet`."""
     trace = write_crafted(tmp_path)
-
-    def query(sql):
-        return subprocess.run([sys.executable, "-m", "ingero", "query", "--format", "csv", str(trace), sql],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=60)
-
-    got = query("SELECT * FROM rel")
-    assert (got.returncode, got.stdout.split()) == (0, ["who", "the", "trace"]), got.stderr
+    monkeypatch.chdir(tmp_path)
+    assert main(["query", "--format", "csv", str(trace), "SELECT * FROM rel"]) == 0
+    assert capsys.readouterr().out.split() == ["who", "the", "trace"]
     for sql in ("SELECT * FROM leak_tmp", "SELECT * FROM read_text('.tmp/secret.txt')",
                 "SELECT * FROM read_parquet('x.parquet')"):
-        got = query(sql)
-        assert got.returncode != 0 and "working directory" not in got.stdout, got.stdout
-        assert got.stderr.startswith("ingero: ") and "Permission" in got.stderr, got.stderr
+        assert "Permission" in _one_line_error(capsys, ["query", str(trace), sql])
 
 
 def test_merge_of_two_sessions_needs_session_and_an_unknown_session_of_a_file_is_an_error(tmp_path, capsys):
@@ -163,7 +156,7 @@ def test_merge_of_two_sessions_needs_session_and_an_unknown_session_of_a_file_is
         assert "holds 2 sessions (another, synthetic)" in _one_line_error(capsys, argv)
 
 
-def test_terminal_control_characters_in_names_are_printed_escaped_by_report_and_query(tmp_path):
+def test_terminal_control_characters_in_names_are_printed_escaped_by_report_and_query(tmp_path, capsys):
     """Pod names that would retitle (ESC ] 0; ... BEL) and clear (ESC [2J) the reader's terminal."""
     write_job(tmp_path / "seg")
     trace = tmp_path / "m.duckdb"
@@ -174,8 +167,7 @@ def test_terminal_control_characters_in_names_are_printed_escaped_by_report_and_
         con.execute(f"UPDATE {table} SET pod = '\x1b]0;pwned\x07\x1b[2J' || pod || '\u202e\n'")
     con.close()
     for argv in (["report", str(trace)], ["query", str(trace), "SELECT DISTINCT pod, rank FROM nccl_events"]):
-        got = subprocess.run([sys.executable, "-m", "ingero", *argv], capture_output=True, text=True, timeout=60)
-        assert got.returncode == 0, got.stderr
-        shown = got.stdout + got.stderr
+        assert main(argv) == 0
+        shown = "".join(capsys.readouterr())
         assert not any(c in shown for c in "\x1b\x07\u202e") and "\\x1b]0;pwned\\x07\\x1b[2J" in shown, shown
         assert "\\u202e\\x0a" in shown
