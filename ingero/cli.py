@@ -13,7 +13,7 @@ import signal
 import sys
 
 from ingero import __version__
-from ingero.errors import IngeroError
+from ingero.errors import IngeroError, trace_error
 
 # name -> module; order is the order shown in --help.
 SUBCOMMANDS: dict[str, str] = {
@@ -99,10 +99,11 @@ def guarded(run, args, prog: str = "ingero") -> int:
     except BrokenPipeError:
         return 0
     except Exception as e:
-        if type(e).__module__.split(".")[0] not in ("duckdb", "_duckdb"):
-            raise
         # a trace DuckDB cannot read (damaged, crafted, of another version): one line, not a traceback
-        print(f"{prog}: cannot read the trace: {str(e).splitlines()[0]}", file=sys.stderr)
+        line = trace_error(e)
+        if line is None:
+            raise
+        print(f"{prog}: {line}", file=sys.stderr)
         return 1
 
 

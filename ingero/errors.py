@@ -23,3 +23,13 @@ class NotPermitted(IngeroError):
     """Missing privilege (root / CAP_BPF / CAP_PERFMON)."""
 
     exit_code = 77
+
+
+def trace_error(e: BaseException) -> str | None:
+    """The one line to show for an error a trace caused (an IngeroError, or a DuckDB error on a
+    damaged or crafted trace); None for anything else (a bug: let it raise)."""
+    if isinstance(e, IngeroError):
+        return str(e)
+    if type(e).__module__.split(".")[0] in ("duckdb", "_duckdb"):
+        return f"cannot read the trace: {(str(e).splitlines() or [type(e).__name__])[0]}"
+    return None

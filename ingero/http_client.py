@@ -101,6 +101,13 @@ class AgentError(Exception):
         self.status = status
 
 
+class AgentOverLimit(AgentError):
+    """An agent's answer broke a bound (larger than it may be): retrying gets the same."""
+
+
+MAX_ANSWER_BYTES = 64 << 20   # a JSON answer (a query's rows are capped well below by the agent)
+
+
 def describe(e: BaseException, address: str, timeout_s: float | None) -> str:
     """One line for a failed call to `address`."""
     if isinstance(e, asyncio.TimeoutError):
@@ -136,17 +143,37 @@ class Agent:
         """The exception a failure raises (subclasses name the node their own way)."""
         return AgentError(message, status)
 
-    def _request(self, method: str, path: str, timeout_s: float | None, **kw):
-        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
+    def over_limit(self, message: str) -> Exception:
+        """The exception an answer larger than its bound raises."""
+        return AgentOverLimit(message)
+
+    def _request(self, method: str, path: str, timeout_s: float | None, idle_s: float | None = None, **kw):
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s, sock_read=idle_s)
         return self.http.request(method, self.base + path, headers=self.headers, ssl=self.ssl, timeout=timeout,
                                  **self.tls_kw, **kw)
 
+    async def _body(self, resp, path: str, max_bytes: int, into=None) -> bytes | int:
+        """The answer's body (or, with `into`, a file: the bytes written there), refused past
+        `max_bytes` before more of it is read."""
+        if (resp.content_length or 0) > max_bytes:
+            raise self.over_limit(f"answered {resp.content_length} bytes for {path}; at most {max_bytes} expected")
+        got, n = bytearray(), 0
+        async for chunk in resp.content.iter_chunked(1 << 16):
+            n += len(chunk)
+            if n > max_bytes:
+                raise self.over_limit(f"answered more than {max_bytes} bytes for {path}")
+            if into is None:
+                got += chunk
+            else:
+                into.write(chunk)
+        return bytes(got) if into is None else n
+
     async def call(self, method: str, path: str, body=None, *, params: dict | None = None,
-                   timeout_s: float | None = None, missing_ok: bool = False):
-        """The agent's JSON answer; None for a 404 when `missing_ok`."""
+                   timeout_s: float | None = None, missing_ok: bool = False, max_bytes: int = MAX_ANSWER_BYTES):
+        """The agent's JSON answer (at most `max_bytes` of it); None for a 404 when `missing_ok`."""
         try:
             async with self._request(method, path, timeout_s, json=body, params=params) as resp:
-                status, reason, raw = resp.status, resp.reason, await resp.read()
+                status, reason, raw = resp.status, resp.reason, await self._body(resp, path, max_bytes)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise self.error(describe(e, self.address, timeout_s or self.timeout_s)) from None
         if status == 404 and missing_ok:
@@ -171,23 +198,24 @@ class Agent:
         """(offset_ns, rtt_ns) of the agent's clock against ours (``ingero.clock``)."""
         return await measure_offset(self.wall_ns, samples)
 
-    async def fetch(self, path: str, dest: Path, timeout_s: float, mtime_ns: int | None = None) -> int:
+    async def fetch(self, path: str, dest: Path, timeout_s: float, mtime_ns: int | None = None,
+                    max_bytes: int | None = None, idle_s: float | None = None) -> int:
         """Stream `path` into `dest` (atomically: a hidden part file renamed at the end, its
-        mtime set first when given). Returns the bytes written."""
+        mtime set first when given); refused past `max_bytes`, or when no byte came for
+        `idle_s`. Returns the bytes written."""
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.part")
-        n = 0
         try:
-            async with self._request("GET", path, timeout_s) as resp:
+            async with self._request("GET", path, timeout_s, idle_s) as resp:
                 if resp.status != 200:
                     raise self.error(f"answered {resp.status} for {path}", resp.status)
                 with open(tmp, "wb") as f:
-                    async for chunk in resp.content.iter_chunked(1 << 16):
-                        f.write(chunk)
-                        n += len(chunk)
+                    n = await self._body(resp, path, max_bytes if max_bytes is not None else 1 << 62, into=f)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             tmp.unlink(missing_ok=True)
-            raise self.error(f"{describe(e, self.address, timeout_s)} while fetching {path}") from None
+            why = f"sent no byte for {idle_s:g} s" if isinstance(e, aiohttp.SocketTimeoutError) and idle_s \
+                else describe(e, self.address, timeout_s)
+            raise self.error(f"{why} while fetching {path}") from None
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise

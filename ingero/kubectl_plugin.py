@@ -42,6 +42,7 @@ from ingero.session_follow import RESOURCE, follow
 
 KINDS = {"trs", "tracesession", "tracesessions", "tracesession.ingero.io", RESOURCE}
 PROBES = ("nccl", "tcp", "sched")
+MAX_BYTES = 64 << 30    # an artifact larger than this is refused unless --max-bytes says more
 LABEL_TERM = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_./]{0,252})=([-A-Za-z0-9_.]{0,63})")
 PROXY = re.compile(r"/api/v1/namespaces/(?P<opns>[a-z0-9-]+)/services/(https?:)?[a-z0-9-]+(:[a-z0-9-]+)?"
                    r"/proxy/v1/artifacts/(?P<ns>[^/]+)/(?P<name>[^/]+)")
@@ -76,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "folder (trace.duckdb, report.json, node segments)")
     g.add_argument("session", help="NAME or trs/NAME")
     g.add_argument("-o", "--out", type=Path, help="a new (or empty) folder; default ./NAME")
+    g.add_argument("--max-bytes", type=int, default=MAX_BYTES, metavar="N",
+                   help=f"refuse an artifact larger than this (default {MAX_BYTES >> 30} GiB)")
     g.set_defaults(_run=get_artifact)
     e = sub.add_parser("export", help="export a finished session's trace for other tools")
     es = e.add_subparsers(dest="format", metavar="FORMAT")
@@ -234,12 +237,13 @@ def fetch_error(obj: dict, stderr) -> IngeroError:
     return IngeroError(f"fetching the artifact of TraceSession {ns}/{name} failed: {msg}; {fix}")
 
 
-def download(k: Kubectl, obj: dict, dest: Path) -> list[str]:
+def download(k: Kubectl, obj: dict, dest: Path, max_bytes: int = MAX_BYTES) -> list[str]:
     """Unpack the artifact folder (streamed: kubectl get --raw .../artifact.tar) into `dest`.
-    Only plain files and folders below `dest` are written. Returns the file names."""
+    Only plain files and folders below `dest` are written, each once, `max_bytes` in all.
+    Returns the file names."""
     proc = k.popen("get", "--raw", artifact_url(obj, "artifact.tar"), stdout=subprocess.PIPE,
                    stderr=subprocess.PIPE)
-    names = []
+    names, size = [], 0
     try:
         with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
             for m in tar:
@@ -247,13 +251,23 @@ def download(k: Kubectl, obj: dict, dest: Path) -> list[str]:
                 if path.is_absolute() or ".." in path.parts or not (m.isfile() or m.isdir()):
                     raise IngeroError(f"the artifact holds {m.name!r}, which is not a plain file inside "
                                       "its folder; refusing it")
+                size += m.size
+                if size > max_bytes:
+                    raise IngeroError(f"the artifact of TraceSession {obj['metadata']['name']} is larger than "
+                                      f"--max-bytes {max_bytes}; raise it to download it all")
                 target = dest.joinpath(*path.parts)
-                if m.isdir():
-                    target.mkdir(parents=True, exist_ok=True)
-                    continue
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with tar.extractfile(m) as src, open(target, "wb") as out:
-                    shutil.copyfileobj(src, out, 1 << 20)
+                try:
+                    if m.isdir():
+                        target.mkdir(parents=True, exist_ok=True)
+                        continue
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    with tar.extractfile(m) as src, open(target, "xb") as out:
+                        shutil.copyfileobj(src, out, 1 << 20)
+                except (FileExistsError, NotADirectoryError, IsADirectoryError):
+                    raise IngeroError(f"the artifact holds {m.name!r} twice, or a file and a folder of one "
+                                      "name; refusing it") from None
+                except OSError as e:
+                    raise IngeroError(f"cannot write {target}: {e.strerror or e}") from None
                 names.append(m.name)
     except tarfile.ReadError:
         pass            # no tar: kubectl failed, said why on stderr (below)
@@ -309,7 +323,7 @@ def get_artifact(args) -> int:
     dest = args.out or Path(obj["metadata"]["name"])
     made = fresh_folder(dest)
     try:
-        names = download(k, obj, dest)
+        names = download(k, obj, dest, args.max_bytes)
     except BaseException:
         if made:
             shutil.rmtree(dest, ignore_errors=True)

@@ -18,6 +18,7 @@ root is opened.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -25,7 +26,7 @@ import numpy as np
 from mcp.server.mcpserver.exceptions import ToolError
 
 from ingero import readonly_sql, schema
-from ingero.errors import IngeroError
+from ingero.errors import IngeroError, trace_error
 
 MAX_SESSIONS = 500
 MAX_DEPTH = 8
@@ -48,6 +49,18 @@ def _latest(con, rank: int, n: int) -> list[tuple]:
     order = np.lexsort((c.seq[mine], -late))[:n]
     return [(OPS[int(c.op[k]) - 1], f"{int(c.comm_hash[c.comm[k]]):016x}", int(c.seq[k]), float(late[o]) / 1e6,
              int(c.d[k]) / 1e6) for o, k in zip(order.tolist(), mine[order].tolist())]
+
+
+@contextmanager
+def tool_errors():
+    """What a trace causes (bad input, a damaged or crafted trace) as a one-line tool error."""
+    try:
+        yield
+    except Exception as e:
+        line = trace_error(e)
+        if line is None:
+            raise
+        raise ToolError(line) from None
 
 
 EXAMPLES = [
@@ -106,12 +119,11 @@ class Traces:
         from ingero.store import open_source
 
         path = self.resolve(session)
-        try:
+        with tool_errors():
             con = open_source(path)
-        except IngeroError as e:
-            raise ToolError(str(e)) from None
         try:
-            return analyse(con), con
+            with tool_errors():
+                return analyse(con), con
         except BaseException:
             con.close()
             raise
@@ -178,7 +190,8 @@ def make_server(root: Path, name: str = "ingero"):
             row = next((r for r in rep.ranks if r.rank == rank), None)
             if row is None:
                 raise ToolError(f"rank {rank} is not in {session}; ranks there: {[r.rank for r in rep.ranks]}")
-            worst = _latest(con, rank, max(1, min(int(latest), 50)))
+            with tool_errors():
+                worst = _latest(con, rank, max(1, min(int(latest), 50)))
         finally:
             con.close()
         out = _rank_brief(row)
@@ -208,9 +221,11 @@ def make_server(root: Path, name: str = "ingero"):
     def query(session: str, sql: str, max_rows: int = 100) -> dict:
         path = traces.resolve(session)
         try:
-            res = readonly_sql.query(path, sql, QUERY_LIMITS.narrowed(max_rows=max_rows))
-        except IngeroError as e:
-            raise ToolError(str(e)) from None
+            limits = QUERY_LIMITS.narrowed(max_rows=max_rows)
+        except ValueError:
+            raise ToolError("max_rows must be a finite number (at most 1000 rows come back)") from None
+        with tool_errors():
+            res = readonly_sql.query(path, sql, limits)
         return {"session": session, **res.to_dict()}
 
     return server

@@ -138,7 +138,8 @@ class Merger:
             self._skip(path, f"not a readable DuckDB file ({str(e).splitlines()[0][:160]})")
             return 0
         try:
-            # tables, and views (the operator's artifact keeps nccl_events as a view over its segments)
+            # tables, and views (the operator's artifact keeps nccl_events as a view over its segments),
+            # by unqualified name: a view naming its files relatively is shadowed (confine_views)
             tables: dict[str, set[str]] = {}
             for t, c in src.execute("SELECT table_name, column_name FROM duckdb_columns() "
                                     "WHERE database_name = 'trace' AND NOT internal").fetchall():
@@ -154,19 +155,19 @@ class Merger:
             applied = {}
             if has_offsets:
                 for node, sid, off in src.execute(
-                        "SELECT node, session_id, any_value(clock_offset_ns) FROM trace.nodes "
+                        "SELECT node, session_id, any_value(clock_offset_ns) FROM nodes "
                         "WHERE clock_offset_ns IS NOT NULL GROUP BY ALL").fetchall():
                     applied[(node, sid)] = int(off)
             total, ok = 0, 0
             for table, have in usable.items():
                 if applied and table in SHIFTED:
                     sel = _select(table, have, "coalesce(o.off, 0)")
-                    sql = (f"SELECT {sel}, {self.src} FROM trace.{table} t "
+                    sql = (f"SELECT {sel}, {self.src} FROM {table} t "
                            "LEFT JOIN (SELECT node AS o_node, session_id AS o_sid, any_value(clock_offset_ns) AS off "
-                           "FROM trace.nodes GROUP BY ALL) o ON o.o_node IS NOT DISTINCT FROM t.node "
+                           "FROM nodes GROUP BY ALL) o ON o.o_node IS NOT DISTINCT FROM t.node "
                            "AND o.o_sid IS NOT DISTINCT FROM t.session_id")
                 else:
-                    sql = f"SELECT {_select(table, have)}, {self.src} FROM trace.{table} t"
+                    sql = f"SELECT {_select(table, have)}, {self.src} FROM {table} t"
                 try:   # table by table: one unreadable table (a view whose files are gone) loses only itself
                     rel = src.sql(sql)
                     # a stream of Arrow batches (DuckDB 2: to_arrow_reader; 1.x: record_batch)
@@ -217,6 +218,21 @@ class Merger:
             self.result.offsets[node] = off
         for node, _ in pairs:
             self.result.offsets.setdefault(node, None)
+
+    def keep_session(self, session: str | None) -> None:
+        """Keep the staged rows of one session: `session`, or the only one there is; several
+        without `session`, or a `session` not there, is an IngeroError listing them."""
+        have = sorted({str(s) for (s,) in self.con.execute(" UNION ".join(
+            f"SELECT DISTINCT session_id FROM stage.{t}" for t in schema.TABLES)).fetchall()})
+        listed = ", ".join(have[:10]) + (", …" if len(have) > 10 else "")
+        if session is not None and session not in have:
+            raise IngeroError(f"the inputs hold no session {session!r}; they hold {listed}")
+        if session is None and len(have) > 1:
+            raise IngeroError(f"the inputs hold {len(have)} sessions ({listed}): pick one with --session "
+                              "(nodes traced apart by `ingero trace` need the same --session-id)")
+        if session is not None:
+            for t in schema.TABLES:
+                self.con.execute(f"DELETE FROM stage.{t} WHERE session_id IS DISTINCT FROM ?", [session])
 
     def finish(self) -> MergeResult:
         self._offsets_table()
@@ -271,10 +287,13 @@ def _segment_inputs(d: Path) -> list[tuple[Path, str]]:
     return list(seen.values())
 
 
-def merge(inputs: list[Path], out: Path, offsets: dict[str, int] | None = None) -> MergeResult:
-    """Merge `inputs` (DuckDB files, segment folders, segment files) into `out`.
+def merge(inputs: list[Path], out: Path, offsets: dict[str, int] | None = None,
+          session: str | None = None) -> MergeResult:
+    """Merge `inputs` (DuckDB files, segment folders, segment files) into `out`: the rows
+    of `session`, or of the only session the inputs hold.
 
-    IngeroError when nothing usable was found (the output is then not written).
+    IngeroError when nothing usable was found, or when the inputs hold several sessions and
+    `session` names none of them (the output is then not written).
     """
     out = Path(out)
     if not out.parent.is_dir():
@@ -315,6 +334,7 @@ def merge(inputs: list[Path], out: Path, offsets: dict[str, int] | None = None) 
         if not m.result.loaded:
             why = "; ".join(m.result.skipped) or "no input given"
             raise IngeroError(f"nothing usable to merge ({why})")
+        m.keep_session(session)
         return m.finish()
     except BaseException:
         m.abort()

@@ -6,7 +6,8 @@ outputs, or operator artifacts, and merge them. Rows copied twice count once,
 each node's clock offset is applied when an input knows it (or when given
 with --clock-offset), split communicators' ranks are resolved, and merging
 the result with an input again changes nothing. A truncated or foreign file
-is named and skipped; the merge fails only when nothing usable is left.
+is named and skipped; the merge fails only when nothing usable is left, or
+when the inputs hold several sessions and --session names none of them.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def add_parser(sub):
     p.add_argument("--clock-offset", action="append", default=[], metavar="NODE=NS",
                    help="node's clock minus the reference clock, in ns (repeatable); "
                    "overrides what the inputs say")
+    p.add_argument("--session", metavar="ID", help="the session to merge when the inputs hold several "
+                   "(the error lists them)")
     p.add_argument("--quiet", action="store_true", help="print only warnings")
     return p
 
@@ -50,7 +53,7 @@ def parse_offsets(items: list[str]) -> dict[str, int]:
 def run(args) -> int:
     from ingero.merge import merge
 
-    res = merge(args.inputs, args.out, parse_offsets(args.clock_offset))
+    res = merge(args.inputs, args.out, parse_offsets(args.clock_offset), session=args.session)
     for s in res.skipped:
         print(f"ingero: warning: skipped {s}", file=sys.stderr)
     for w in res.warnings:

@@ -4,9 +4,10 @@ The guard is the engine, not a string filter. Each query gets a fresh
 in-memory DuckDB connection that sees the trace as views (segment
 directories) or as an attached database opened ``READ_ONLY`` (a ``.duckdb``
 file; the Parquet files its own views read are allowed when they lie in its
-folder, as the operator's artifact keeps ``nccl_events``). Then file access
-is switched off (``enable_external_access = false``, with
-``allowed_directories`` = the segment folders the views read, so
+folder, as the operator's artifact keeps ``nccl_events``, and only by absolute
+path, never relative to the working directory). Then file access is switched
+off (``enable_external_access = false``, with ``allowed_directories`` = the
+segment folders the views read, and no temp directory, so
 ``COPY ... TO``, ``ATTACH``, ``read_csv('/etc/passwd')``, ``INSTALL`` and
 ``LOAD`` all fail) and the configuration is locked, so the query cannot
 switch it back. On top of that only one ``SELECT`` (or ``EXPLAIN``)
@@ -52,8 +53,12 @@ class Limits:
         value that is not a finite number (1e400 parses as infinity)."""
         out = Limits(**self.__dict__)
         for v in (timeout_s, max_rows):
-            if v is not None and (isinstance(v, bool) or not math.isfinite(float(v))):
-                raise ValueError(f"{v!r} is not a finite number")
+            try:
+                finite = v is None or (not isinstance(v, bool) and math.isfinite(float(v)))
+            except OverflowError:            # an integer of thousands of digits
+                finite = False
+            if not finite:
+                raise ValueError("not a finite number")
         if timeout_s is not None:
             out.timeout_s = min(self.timeout_s, max(0.05, float(timeout_s)))
         if max_rows is not None:
@@ -108,17 +113,32 @@ def jsonable(v):
 _QUOTED_PARQUET = re.compile(r"'((?:[^']|'')+\.parquet)'")
 
 
-def view_files(con, folder: Path) -> list[str]:
-    """Parquet files the attached trace's views read, those inside `folder` only."""
-    out = []
+def confine_views(con, folder: Path) -> list[str]:
+    """Point the attached trace's views at Parquet files inside `folder` by absolute path;
+    returns those files (the only ones to allow).
+
+    DuckDB looks a relative name up in the working directory before ``file_search_path``,
+    and checks the name as spelled, so a relative name is never allowed: each view of the
+    trace's main schema naming files relatively is shadowed by a temporary view naming them
+    absolutely (the operator's artifact names its segments relative to its folder). A name
+    outside `folder`, or a view that cannot be shadowed, stays as it is and is refused."""
+    allowed: set[str] = set()
     for (sql,) in con.execute("SELECT sql FROM duckdb_views() WHERE database_name = 'trace' "
-                              "AND NOT internal").fetchall():
-        for m in _QUOTED_PARQUET.finditer(sql or ""):
-            name = m.group(1).replace("''", "'")
-            p = (folder / name).resolve()    # relative names: to the file's folder (file_search_path)
-            if p.is_relative_to(folder) and p.is_file():
-                out += [str(p), name]        # DuckDB checks the name as the view spells it
-    return sorted(set(out))
+                              "AND schema_name = 'main' AND NOT internal").fetchall():
+        def absolute(m):
+            p = (folder / m.group(1).replace("''", "'")).resolve()
+            if not (p.is_relative_to(folder) and p.is_file()):
+                return m.group(0)
+            allowed.add(str(p))
+            return "'" + str(p).replace("'", "''") + "'"
+
+        shadow = _QUOTED_PARQUET.sub(absolute, sql or "")
+        if shadow != sql:
+            try:
+                con.execute(re.sub(r"^\s*CREATE\s+VIEW", "CREATE TEMP VIEW", shadow, count=1, flags=re.I))
+            except duckdb.Error:
+                pass
+    return sorted(allowed)
 
 
 def open_sandbox(source: Path | list[Path], limits: Limits | None = None, session: str | None = None):
@@ -130,13 +150,12 @@ def open_sandbox(source: Path | list[Path], limits: Limits | None = None, sessio
     try:
         if isinstance(source, (str, Path)) and Path(source).is_file():
             path = Path(source).resolve()
-            con.execute("SET file_search_path = ?", [str(path.parent)])
             try:
                 con.execute("ATTACH ? AS trace (READ_ONLY)", [str(path)])
             except duckdb.Error as e:
                 raise IngeroError(f"cannot open {path} as DuckDB: {str(e).splitlines()[0]}") from e
             con.execute("USE trace")
-            files = view_files(con, path.parent)
+            files = confine_views(con, path.parent)
             if files:   # views over segments kept beside the file (the operator's artifact)
                 con.execute("SET allowed_paths = ?", [files])
         else:
@@ -150,6 +169,8 @@ def open_sandbox(source: Path | list[Path], limits: Limits | None = None, sessio
             con.execute(f"SET memory_limit = '{limits.memory_limit}'")
             con.execute(f"SET threads = {int(limits.threads)}")
             con.execute("SET max_temp_directory_size = '0B'")
+        # no spilling: DuckDB would allow reads of its temp directory, <cwd>/.tmp by default
+        con.execute("SET temp_directory = ''")
         con.execute("SET enable_external_access = false")
         con.execute("SET lock_configuration = true")
     except BaseException:
@@ -158,10 +179,20 @@ def open_sandbox(source: Path | list[Path], limits: Limits | None = None, sessio
     return con
 
 
-def check_statement(con, sql: str) -> None:
-    """Exactly one SELECT/EXPLAIN statement, or QueryRefused naming what was given."""
+def check_text(sql: str) -> None:
+    """SQL text that DuckDB can take, or QueryRefused saying why."""
     if not isinstance(sql, str) or not sql.strip():
         raise QueryRefused("no SQL given: send one SELECT statement")
+    try:
+        sql.encode("utf-8")
+    except UnicodeEncodeError as e:          # a lone surrogate, e.g. JSON's "\ud800"
+        raise QueryRefused(f"query is not valid UTF-8 text ({e.reason} at character {e.start}): "
+                           "send the SQL as Unicode text") from None
+
+
+def check_statement(con, sql: str) -> None:
+    """Exactly one SELECT/EXPLAIN statement, or QueryRefused naming what was given."""
+    check_text(sql)
     try:
         stmts = con.extract_statements(sql)
     except duckdb.Error as e:
@@ -224,8 +255,13 @@ def run(con, sql: str, limits: Limits | None = None) -> Result:
 
 
 def query(source: Path | list[Path], sql: str, limits: Limits | None = None) -> Result:
-    """Open a sandbox over `source`, run `sql` within `limits`, close it."""
-    con = open_sandbox(source, limits or Limits())
+    """Open a sandbox over `source`, run `sql` within `limits`, close it. A trace that cannot
+    be opened (a damaged segment) refuses the query too, naming why."""
+    check_text(sql)
+    try:
+        con = open_sandbox(source, limits or Limits())
+    except IngeroError as e:
+        raise QueryRefused(str(e)) from None
     try:
         return run(con, sql, limits)
     finally:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ingero.analysis import Report, analyse
 from ingero.analysis.coverage import ranks_text, span
-from ingero.query_cli import print_table
+from ingero.query_cli import print_table, printable
 from ingero.store import open_source
 
 
@@ -36,28 +36,33 @@ def render(rep: Report, out=None) -> None:
              r.offcpu_ms.get("runqueue", 0.0), r.offcpu_ms.get("io", 0.0),
              r.offcpu_ms.get("sleep", 0.0)) for r in rep.ranks]
     print_table(names, rows, out=out)
+
+    def say(text: str) -> None:      # names and evidence come from the trace
+        print(printable(text), file=out)
+
     timing = {"device": "device times (the NCCL profiler plugin)", "host": "host times",
               "host-enqueue": "host enqueue times only"}.get(rep.timing, rep.timing)
-    print(f"\nstep ~{rep.step_ms:.1f} ms (mean {rep.mean_step_ms:.1f} ms), {rep.collectives} collectives, "
-          f"{rep.retransmits} retransmits; timing: {timing}", file=out)
-    print(f"verdict: {verdict_line(rep)}", file=out)
+    print(file=out)
+    say(f"step ~{rep.step_ms:.1f} ms (mean {rep.mean_step_ms:.1f} ms), {rep.collectives} collectives, "
+        f"{rep.retransmits} retransmits; timing: {timing}")
+    say(f"verdict: {verdict_line(rep)}")
     if rep.hang is not None:
-        print(f"hang: {rep.hang.evidence}", file=out)
+        say(f"hang: {rep.hang.evidence}")
     s = rep.straggler
     if rep.verdict == "none":
         best = (f"; the best single fix ({rep.best_candidate}) would save {rep.best_saving_pct:.1f}% "
                 "of the step, under the floor" if rep.best_candidate else "")
-        print(f"straggler: none{best}", file=out)
+        say(f"straggler: none{best}")
     elif rep.verdict == "straggler":
         who = s.group if s.kind != "rank" and s.group else f"rank {s.rank} ({s.pod or s.node})"
-        print(f"straggler: {who}, cause {s.cause}, score {s.score}; would save "
-              f"~{s.saving_ms_per_step:.1f} ms/step ({s.saving_pct:.1f}%): predicted step "
-              f"{rep.predicted_step_ms:.1f} ms instead of {rep.mean_step_ms:.1f} ms", file=out)
-        print(f"evidence: {s.evidence}", file=out)
+        say(f"straggler: {who}, cause {s.cause}, score {s.score}; would save "
+            f"~{s.saving_ms_per_step:.1f} ms/step ({s.saving_pct:.1f}%): predicted step "
+            f"{rep.predicted_step_ms:.1f} ms instead of {rep.mean_step_ms:.1f} ms")
+        say(f"evidence: {s.evidence}")
         for p in s.propagated:
-            print(f"propagated: {p}", file=out)
+            say(f"propagated: {p}")
     for w in rep.warnings:
-        print(f"warning: {w}", file=out)
+        say(f"warning: {w}")
 
 
 def verdict_line(rep: Report) -> str:

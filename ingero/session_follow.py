@@ -20,6 +20,7 @@ import threading
 import time
 
 from ingero.errors import IngeroError
+from ingero.query_cli import printable
 
 RESOURCE = "tracesessions.ingero.io"
 TERMINAL = ("Completed", "Failed")
@@ -115,7 +116,7 @@ def verdict(ns: str, name: str, st: dict, out) -> int:
     if st.get("phase") == "Failed":
         why = condition(st, "Failed").get("reason") or "Failed"
         raise IngeroError(f"TraceSession {ns}/{name} failed ({why}): {st.get('message')}", exit_code=1)
-    print(f"verdict: {verdict_line(st)}", file=out)
+    print(printable(f"verdict: {verdict_line(st)}"), file=out)
     print(f"report: kubectl ingero report {name} -n {ns}", file=out, flush=True)
     return 0
 
@@ -146,7 +147,7 @@ def follow(k, ns: str, name: str, timeout_s: float | None = None, out=None) -> i
                 st = doc.get("status") or {}
                 stamp = time.strftime("%H:%M:%S")
                 for line in lines.update(st):
-                    print(f"{stamp} {line}", file=out, flush=True)
+                    print(printable(f"{stamp} {line}"), file=out, flush=True)
                 if st.get("phase") in TERMINAL:
                     return verdict(ns, name, st, out)
                 if (doc.get("metadata") or {}).get("deletionTimestamp"):

@@ -420,4 +420,33 @@ def open_source(path: Path, session: str | None = None):
         return open_sandbox(path, session=session)
     if not path.exists():
         raise IngeroError(f"{path} does not exist; pass a trace .duckdb file or a segment directory")
-    return open_sandbox(path)
+    con = open_sandbox(path)
+    try:
+        sessions = file_sessions(con)
+        if session is not None and session not in sessions:
+            raise IngeroError(f"{path} holds no session {session!r}; it holds {', '.join(sessions) or 'none'}")
+        if len(sessions) > 1:
+            raise IngeroError(f"{path} holds {len(sessions)} sessions ({', '.join(sessions[:10])}"
+                              f"{', …' if len(sessions) > 10 else ''}): write one apart with "
+                              f"`ingero merge {path} --session ID -o one.duckdb`")
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+def file_sessions(con) -> list[str]:
+    """The session ids of an opened trace file: from its state tables, or (when those are
+    empty) its event tables; [] when it does not say (or a table cannot be read: querying
+    it says why)."""
+    import duckdb
+
+    for tables in (("sessions", "nodes", "ranks"), schema.EVENT_TABLES):
+        try:
+            got = con.execute(" UNION ".join(f"SELECT DISTINCT session_id FROM {t} WHERE session_id IS NOT NULL"
+                                             for t in tables)).fetchall()
+        except duckdb.Error:
+            return []
+        if got:
+            return sorted(str(s) for (s,) in got)
+    return []

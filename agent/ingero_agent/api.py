@@ -115,6 +115,11 @@ def parse_plan(body) -> Plan:
         where = f"pods[{i}]"
         if not isinstance(p, dict) or not all(isinstance(p.get(k), str) and p.get(k) for k in ("name", "uid")):
             raise ApiError(400, f"{where} needs string 'name' and 'uid'")
+        for k in ("namespace", "node"):
+            if p.get(k) is not None and not isinstance(p[k], str):
+                raise ApiError(400, f"{where}.{k} must be a string")
+        if not isinstance(p.get("containers") or [], list):
+            raise ApiError(400, f"{where}.containers must be a list of {{name, id}}")
         containers = []
         for j, c in enumerate(p.get("containers") or []):
             if not isinstance(c, dict) or not isinstance(c.get("id", ""), str):
@@ -126,8 +131,8 @@ def parse_plan(body) -> Plan:
                 ipaddress.ip_address(ip)
             except ValueError:
                 raise ApiError(400, f"{where}.ips: {ip!r} is not an IP address") from None
-        pods.append({"name": p["name"], "namespace": str(p.get("namespace") or "default"),
-                     "uid": p["uid"], "node": p.get("node") if isinstance(p.get("node"), str) else None,
+        pods.append({"name": p["name"], "namespace": p.get("namespace") or "default",
+                     "uid": p["uid"], "node": p.get("node"),
                      "containers": containers, "ips": ips})
     probes = _str_list(body.get("probes"), "probes") or list(PROBES)
     bad = [p for p in probes if p not in PROBES]

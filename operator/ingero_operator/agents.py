@@ -24,6 +24,12 @@ class AgentUnreachable(AgentError):
     """The agent did not answer (or answered an error); the message names the node."""
 
 
+class AgentBroke(AgentUnreachable):
+    """The agent's answer broke a bound the operator sets (a listing or segment larger than
+    allowed, more data than the node or session may send): not retried, the node counts as
+    failed; the message names the node."""
+
+
 def agent_tls(settings: AgentSettings) -> Tls | None:
     """How the operator reaches agents over https (None: plain http)."""
     if not settings.tls:
@@ -43,6 +49,9 @@ class AgentClient(Agent):
 
     def error(self, message: str, status: int | None = None) -> Exception:
         return AgentUnreachable(f"{self}: {message}", status)
+
+    def over_limit(self, message: str) -> Exception:
+        return AgentBroke(f"{self}: {message}")
 
     async def time_sample(self) -> ClockSample:
         t0 = time.time_ns()
@@ -65,9 +74,11 @@ class AgentClient(Agent):
 
     async def segments(self, sid: str, since_ns: int = 0) -> dict | None:
         return await self.call("GET", f"/v1/sessions/{sid}/segments", params={"since": str(since_ns)},
-                               missing_ok=True)
+                               missing_ok=True, max_bytes=self.settings.listing_max_bytes)
 
-    async def download(self, sid: str, table: str, name: str, dest: Path, mtime_ns: int) -> int:
-        """Fetch one segment to `dest` (atomically; mtime set to the agent's). Returns bytes."""
+    async def download(self, sid: str, table: str, name: str, dest: Path, mtime_ns: int, max_bytes: int) -> int:
+        """Fetch one segment to `dest` (atomically; mtime set to the agent's), at most
+        `max_bytes` of it. Returns bytes."""
         return await self.fetch(f"/v1/sessions/{sid}/segments/{table}/{name}", dest,
-                                self.settings.download_timeout_s, mtime_ns)
+                                self.settings.download_timeout_s, mtime_ns, max_bytes,
+                                self.settings.download_idle_s)

@@ -37,6 +37,12 @@ def add_parser(sub):
     r.add_argument("--artifacts-max-bytes", type=int, default=None, metavar="N",
                    help="keep the artifact folder under N bytes: when a session completes, the oldest "
                         "merged traces are deleted (ArtifactExpired on their sessions); default no cap")
+    r.add_argument("--node-max-bytes", type=int, default=None, metavar="N",
+                   help="segments one node may send a session; past it the node counts as failed "
+                        "(default 32 GiB)")
+    r.add_argument("--session-max-bytes", type=int, default=None, metavar="N",
+                   help="segments all nodes may send a session; the node that would pass it counts as "
+                        "failed (default 128 GiB)")
     r.add_argument("--live-window", type=float, default=None, metavar="S",
                    help="while a session runs, also judge the last S seconds alone so a fault that "
                         "starts mid-session is named quickly; 0 judges the whole session only (default 6)")
@@ -116,6 +122,12 @@ def run(args) -> int:
         if args.artifacts_max_bytes < 1:
             raise IngeroError("--artifacts-max-bytes must be a positive number of bytes")
         s.artifacts_max_bytes = args.artifacts_max_bytes
+    for flag, value, attr in (("--node-max-bytes", args.node_max_bytes, "node_max_bytes"),
+                              ("--session-max-bytes", args.session_max_bytes, "session_max_bytes")):
+        if value is not None:
+            if value < 1:
+                raise IngeroError(f"{flag} must be a positive number of bytes")
+            setattr(s.gather, attr, value)
     if args.live_window is not None:
         if args.live_window < 0:
             raise IngeroError("--live-window must be >= 0 seconds (0: judge the whole session only)")

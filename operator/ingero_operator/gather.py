@@ -30,7 +30,8 @@ from ingero.comms import grow_links, resolve_split_ranks, with_grow_ids, with_sp
 from ingero.analysis import Report, analyse
 from ingero.analysis.hang import find_hang
 from ingero.store import segment_files
-from ingero_operator.agents import AgentClient, AgentUnreachable
+from ingero_operator.agents import AgentBroke, AgentClient, AgentUnreachable
+from ingero_operator.settings import GatherSettings
 
 log = logging.getLogger("ingero.operator.gather")
 
@@ -84,11 +85,20 @@ def check_entry(node: str, entry) -> str | None:
     return None
 
 
+def disk_bytes(folder: Path) -> int:
+    """Bytes of the files below `folder` (downloads in progress included)."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
+
+
 async def fetch_new(client: AgentClient, sid: str, local: LocalSession, since_ns: int,
-                    sem: asyncio.Semaphore) -> tuple[int, int, list[str]]:
-    """Download the node's segments that are new or changed.
+                    sem: asyncio.Semaphore, limits: GatherSettings | None = None) -> tuple[int, int, list[str]]:
+    """Download the node's segments that are new or changed, within `limits`: a listing of
+    more entries than allowed, segments that would take the node's or the session's folder
+    past its cap, or a segment larger than listed raise AgentBroke (the node counts as
+    failed; what it sent before stays).
 
     Returns (new cursor, files fetched, warnings naming the entries refused)."""
+    g = limits or GatherSettings()
     if not NODE_NAME.fullmatch(client.node):
         return since_ns, 0, [f"node {client.node[:80]!r}: not a node name; nothing fetched from it"]
     listing = await client.segments(sid, max(0, since_ns - LIST_OVERLAP_NS))
@@ -97,6 +107,8 @@ async def fetch_new(client: AgentClient, sid: str, local: LocalSession, since_ns
     entries = listing.get("segments") if isinstance(listing, dict) else None
     if not isinstance(entries, list):
         return since_ns, 0, [f"node {client.node}: refused a segment listing without a segments list"]
+    if len(entries) > g.listing_max_entries:
+        raise AgentBroke(f"{client}: listed {len(entries)} segments; at most {g.listing_max_entries} are taken")
     refused, todo = [], []
     root = local.node_dir(client.node).resolve()
     for e in entries:
@@ -109,15 +121,23 @@ async def fetch_new(client: AgentClient, sid: str, local: LocalSession, since_ns
             todo.append(e)
     for w in refused:
         log.warning("%s", w)
+    want = sum(e["size"] for e in todo)
+    for cap, folder, what, flag in ((g.node_max_bytes, local.node_dir(client.node), "node's", "--node-max-bytes"),
+                                    (g.session_max_bytes, local.work / "nodes", "session's", "--session-max-bytes")):
+        if want and disk_bytes(folder) + want > cap:
+            raise AgentBroke(f"{client}: its {len(todo)} new segments ({want:,} bytes) would take the {what} "
+                             f"segments past {flag} {cap:,}")
 
     async def one(e):
         async with sem:
             dest = local.node_dir(client.node) / e["table"] / e["name"]
-            await client.download(sid, e["table"], e["name"], dest, int(e["mtime_ns"]))
+            await client.download(sid, e["table"], e["name"], dest, int(e["mtime_ns"]),
+                                  e["size"] + g.size_slack_bytes)
 
     results = await asyncio.gather(*(one(e) for e in todo), return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
+        errors.sort(key=lambda e: not isinstance(e, AgentBroke))     # a broken bound first: it is final
         raise errors[0] if isinstance(errors[0], AgentUnreachable) else AgentUnreachable(
             f"{client}: {errors[0]}")
     cursor = listing.get("cursor")
@@ -444,9 +464,9 @@ def build_artifact(local: LocalSession, offsets: dict[str, int],
     trace.duckdb ``nccl_events``, ``nccl_profiler_events`` and ``sched_events`` are views
     over the node segments kept beside it
     in ``work/nodes/``, by paths relative to the session folder, so the folder is the
-    artifact and can be moved or copied whole. Readers resolve them by setting DuckDB's
-    ``file_search_path`` to the folder (``ingero.store.open_source`` does; the duckdb
-    shell does when started inside it). The analysis reads the calls through the view
+    artifact and can be moved or copied whole. Readers resolve them against the folder
+    (``ingero.store.open_source`` does, by absolute path; the duckdb shell does when
+    started inside it). The analysis reads the calls through the view
     as Arrow columns (``ingero.analysis.calls``). Copying 100 M rows into a DuckDB file took 137 s on 2
     cores; the other tables are small and are copied. See docs/benchmarks.md, "Gather,
     merge and analysis at scale".

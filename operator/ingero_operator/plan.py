@@ -16,6 +16,10 @@ from ingero.fleet_targets import agent_endpoints  # noqa: F401  (shared with `in
 PROBES = ("nccl", "tcp", "sched")
 FINISHED_PHASES = ("Succeeded", "Failed")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+# a label key: an optional DNS-subdomain prefix and "/", then a name in label-value syntax
+_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                        r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+MAX_LABELS = 64     # the CRD's maxProperties of spec.selector.matchLabels
 
 
 class SpecError(ValueError):
@@ -64,7 +68,12 @@ def parse_spec(spec) -> SessionSpec:
     labels = sel.get("matchLabels") if isinstance(sel, dict) else None
     if not isinstance(labels, dict) or not labels:
         raise SpecError("spec.selector.matchLabels is required and needs at least one label")
+    if len(labels) > MAX_LABELS:
+        raise SpecError(f"spec.selector.matchLabels has {len(labels)} labels; at most {MAX_LABELS}")
     for k, v in labels.items():
+        prefix, _, name = k.rpartition("/")
+        if not _LABEL_KEY.match(k) or len(prefix) > 253 or len(name) > 63:
+            raise SpecError(f"spec.selector.matchLabels: {k!r} is not a valid label key")
         if not isinstance(v, str) or not _LABEL_VALUE.match(v) or len(v) > 63:
             raise SpecError(f"spec.selector.matchLabels.{k}: {v!r} is not a valid label value")
     probes = spec.get("probes")
@@ -79,8 +88,9 @@ def parse_spec(spec) -> SessionSpec:
     if not isinstance(th, dict):
         raise SpecError("spec.thresholds must be an object")
     lib = spec.get("ncclLibPath")
-    if lib is not None and (not isinstance(lib, str) or not lib.startswith("/")):
-        raise SpecError(f"spec.ncclLibPath must be an absolute path, got {lib!r}")
+    if lib is not None and (not isinstance(lib, str) or not lib.startswith("/") or len(lib) > 4096
+                            or any(ord(c) < 0x20 or c == "\x7f" for c in lib)):
+        raise SpecError(f"spec.ncclLibPath must be an absolute path without control characters, got {lib!r}")
     art = spec.get("artifact") or {}
     return SessionSpec(
         match_labels=dict(labels),

@@ -25,7 +25,7 @@ from ingero.errors import IngeroError
 from ingero.http_client import new_session
 from ingero_operator import artifact_server, metrics
 from ingero_operator import plan as planning
-from ingero_operator.agents import AgentClient, AgentUnreachable, agent_tls
+from ingero_operator.agents import AgentBroke, AgentClient, AgentUnreachable, agent_tls
 from ingero_operator.gather import LocalSession, build_artifact, fetch_new, ingest_and_analyse, unheard
 from ingero_operator.kube import Kube, KubeError
 from ingero_operator.settings import Settings
@@ -329,7 +329,7 @@ class Controller:
                 return f"node {node}: no agent to fetch segments from"
             try:
                 since = 0 if since_zero else live.cursors.get(node, 0)
-                live.cursors[node], _, refused = await fetch_new(client, ref.sid, local, since, sem)
+                live.cursors[node], _, refused = await fetch_new(client, ref.sid, local, since, sem, self.s.gather)
                 live.sticky.extend(w for w in refused if w not in live.sticky)
             except AgentUnreachable as e:
                 return f"node {node}: {e}"
@@ -414,29 +414,32 @@ class Controller:
         local = self.local(ref)
 
         async def one(node):
-            client, err = agents.get(node), None
+            client, err, state = agents.get(node), None, None
             for attempt in range(t.gather_retries):
                 if client is None:
-                    err = "no ingero agent Pod found on the node"
+                    err = "could not be reached while gathering (no ingero agent Pod found on the node)"
                     break
                 try:
                     t0 = time.monotonic()
                     info = await client.stop(ref.sid)
                     t1 = time.monotonic()
                     live.clocks[node] = await client.clock_offset(t.clock_samples)
-                    _, n, refused = await fetch_new(client, ref.sid, local, 0, sem)
+                    _, n, refused = await fetch_new(client, ref.sid, local, 0, sem, self.s.gather)
                     live.sticky.extend(w for w in refused if w not in live.sticky)
                     log.info("%s/%s: node %s stopped in %.1f s, %d new segment files fetched in %.1f s",
                              ref.namespace, ref.name, node, t1 - t0, n, time.monotonic() - t1)
                     return True, node_row(node, True, (info or {}).get("state", "unknown"),
                                           (info or {}).get("pods", 0), info, live.clocks[node]), None
+                except AgentBroke as e:      # the same again on a retry
+                    err, state = f"failed: {e}", "failed"
+                    break
                 except AgentUnreachable as e:
-                    err = str(e)
+                    err = f"could not be reached while gathering ({e})"
                     await asyncio.sleep(t.retry_backoff_s * (attempt + 1))
             have = sum(1 for _ in local.node_dir(node).rglob("*.parquet")) if local.node_dir(node).exists() else 0
             part = f"{have} segment files fetched earlier are included" if have else "no data from it"
-            return False, node_row(node, False, None, 0, None, live.clocks.get(node)), \
-                f"node {node} could not be reached while gathering ({err}); the report is partial: {part}"
+            return False, node_row(node, state is not None, state, 0, None, live.clocks.get(node)), \
+                f"node {node} {err}; the report is partial: {part}"
 
         results = await asyncio.gather(*(one(n) for n in nodes))
         gathered = [n for n, (ok, _, _) in zip(nodes, results) if ok]

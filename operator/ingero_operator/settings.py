@@ -32,6 +32,9 @@ class AgentSettings:
     request_timeout_s: float = 10.0        # one API call; a tracer start returns at once
     stop_timeout_s: float = 45.0           # a stop waits for the tracer's last flush (~1-3 s)
     download_timeout_s: float = 120.0      # one segment file (a few MB at most)
+    download_idle_s: float = 20.0          # a download that sends no byte this long is dropped
+    listing_max_bytes: int = 48 << 20      # a segment listing (up to ~160 bytes an entry) larger than
+                                           # this is refused: the agent is broken or hostile
 
 
 @dataclass
@@ -64,6 +67,13 @@ class GatherSettings:
     ranks_table_rows: int = 8              # ranks written into status (worst first); all in report.json
     evidence_chars: int = 400              # status strings are bounded; full text in report.json
     max_warnings: int = 10
+    listing_max_entries: int = 250_000     # segments one listing may name: the final gather lists a
+                                           # whole session, and an agent rolls a file per busy table
+                                           # every 2 s (~1.5 a second: about two days)
+    size_slack_bytes: int = 1 << 20        # a segment may exceed its listed size by this much (state
+                                           # tables are rewritten between listing and download)
+    node_max_bytes: int = 32 << 30         # segments one node may send a session (--node-max-bytes)
+    session_max_bytes: int = 128 << 30     # segments all nodes may send a session (--session-max-bytes)
 
 
 @dataclass

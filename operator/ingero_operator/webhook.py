@@ -25,12 +25,16 @@ and a read-only mount of the host folder ``<dir>`` (volume ``ingero-profiler-plu
 pod; NCCL then logs that it found no plugin and runs on without it). A pod that
 already has the volume, sets ``NCCL_PROFILER_PLUGIN`` itself, or mounts something at
 ``<dir>`` is left as it is. A handler never denies a pod: any error is logged and the
-pod is admitted unchanged (and the configuration's failurePolicy is Ignore).
+pod is admitted unchanged (and the configuration's failurePolicy is Ignore). Only
+CREATE reviews are injected. A request that is no AdmissionReview kopf can serve
+(not JSON, nested too deeply, a missing or null ``request``, ...) is answered 400
+with the problem in one line, before kopf sees it.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import socket
 import ssl
@@ -125,6 +129,50 @@ def inject(pod: dict, plugin_dir: str) -> bool:
     return True
 
 
+OPERATIONS = ("CREATE", "UPDATE", "DELETE", "CONNECT")
+
+
+def review_problem(doc) -> str | None:
+    """What makes `doc` no AdmissionReview request that kopf can serve, in words (None: it is one)."""
+    if not isinstance(doc, dict):
+        return "an AdmissionReview must be a JSON object"
+    req = doc.get("request")
+    if not isinstance(req, dict):
+        return "the AdmissionReview has no request object"
+    if not isinstance(req.get("uid"), str) or not req["uid"]:
+        return "request.uid must be a non-empty string"
+    if req.get("operation") not in OPERATIONS:
+        return f"request.operation must be one of {', '.join(OPERATIONS)}"
+    res = req.get("resource")
+    if not isinstance(res, dict) or not all(isinstance(res.get(k), str) for k in ("group", "version", "resource")):
+        return "request.resource must be {group, version, resource} strings"
+    if not isinstance(req.get("userInfo"), dict):
+        return "request.userInfo must be an object"
+    objs = [req.get(k) for k in ("object", "oldObject")]
+    if not any(isinstance(o, dict) for o in objs) or any(o is not None and not isinstance(o, dict) for o in objs):
+        return "request.object (or oldObject) must be an object"
+    if any(isinstance(o, dict) and not isinstance(o.get("metadata") or {}, dict) for o in objs):
+        return "request.object.metadata must be an object"
+    return None
+
+
+async def serve_checked(serve, fn, request):
+    """kopf's `serve`(fn, request) for an AdmissionReview; anything else a 400 naming the problem
+    (kopf would answer it 500 and log a traceback)."""
+    from aiohttp import web
+
+    try:
+        problem = review_problem(json.loads(await request.text()))
+    except RecursionError:
+        problem = "body nests too deeply to be an AdmissionReview"
+    except ValueError:
+        problem = "body is not JSON: send an AdmissionReview"
+    if problem is None:
+        return await serve(fn, request)
+    log.warning("admission request to %s refused: %s", request.path, problem)
+    return web.Response(status=400, text=problem)
+
+
 def _pod_name(pod) -> str:
     try:
         meta = pod.get("metadata") or {}
@@ -133,12 +181,14 @@ def _pod_name(pod) -> str:
         return "?"
 
 
-def mutate(body, patch, hook: str, plugin_dir: str) -> str:
+def mutate(body, patch, hook: str, plugin_dir: str, operation: str = "CREATE") -> str:
     """One admission of a pod through `hook`; what was done, in words (also logged)."""
     try:
         pod = copy.deepcopy(dict(body))
         label = ((pod.get("metadata") or {}).get("labels") or {}).get(LABEL)
-        if hook == POD_HOOK and label != ENABLED:
+        if operation != "CREATE":
+            what = f"not injected: operation {operation}, only CREATE is injected"
+        elif hook == POD_HOOK and label != ENABLED:
             what = f"not injected: its label {LABEL} is {label!r}, not {ENABLED!r}"
         elif hook == NAMESPACE_HOOK and label == DISABLED:
             what = f"not injected: the pod opts out ({LABEL}={DISABLED})"
@@ -160,17 +210,22 @@ def register(cfg: WebhookConfig) -> None:
     """Register the admission handlers and kopf's webhook server with kopf's default registry."""
     import kopf
 
+    class CheckedServer(kopf.WebhookServer):
+        @staticmethod
+        async def _serve(fn, request):
+            return await serve_checked(kopf.WebhookServer._serve, fn, request)
+
     @kopf.on.startup(id="profiler-webhook-server")
     async def webhook_server(settings: kopf.OperatorSettings, **_):
-        settings.admission.server = kopf.WebhookServer(addr=cfg.address, port=cfg.port, certfile=str(cfg.cert),
-                                                       pkeyfile=str(cfg.key))
+        settings.admission.server = CheckedServer(addr=cfg.address, port=cfg.port, certfile=str(cfg.cert),
+                                                  pkeyfile=str(cfg.key))
         settings.admission.managed = None   # the chart's MutatingWebhookConfiguration
         log.info("profiler plugin webhook on https://%s:%d/{%s,%s}, plugin %s", cfg.address, cfg.port,
                  POD_HOOK, NAMESPACE_HOOK, cfg.plugin)
 
     for hook in (POD_HOOK, NAMESPACE_HOOK):
-        def handler(body, patch, _hook=hook, **_):
-            mutate(body, patch, _hook, cfg.plugin_dir)
+        def handler(body, patch, operation, _hook=hook, **_):
+            mutate(body, patch, _hook, cfg.plugin_dir, operation)
 
         kopf.on.mutate(group="", version="v1", plural="pods", id=hook, operations=["CREATE"],
                        ignore_failures=True)(handler)

@@ -62,7 +62,18 @@ def test_serve_false_renders_no_service_role_port_or_flag():
     assert all(p["name"] != "artifacts" for p in op["ports"])
 
 
+def test_the_operator_caps_what_a_node_and_a_session_may_send_under_the_artifact_cap():
+    from ingero.cli import build_parser
+
+    a = build_parser().parse_args(container(render(), "Deployment", "operator")["args"])
+    assert a.node_max_bytes < a.session_max_bytes < a.artifacts_max_bytes
+    a = build_parser().parse_args(container(render({"operator": {"artifacts": {
+        "nodeMaxBytes": 5 << 30, "sessionMaxBytes": 50 << 30}}}), "Deployment", "operator")["args"])
+    assert (a.node_max_bytes, a.session_max_bytes) == (5 << 30, 50 << 30)
+
+
 @pytest.mark.parametrize("values,where", [
+    ({"operator": {"artifacts": {"nodeMaxBytes": 0}}}, "/operator/artifacts/nodeMaxBytes"),
     ({"operator": {"artifacts": {"port": 0}}}, "/operator/artifacts/port"),
     ({"operator": {"artifacts": {"port": "8082"}}}, "/operator/artifacts/port"),
     ({"operator": {"artifacts": {"serve": "yes"}}}, "/operator/artifacts/serve"),

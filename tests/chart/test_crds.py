@@ -127,3 +127,32 @@ def test_every_number_in_a_tracesession_spec_has_the_operators_maximum():
                "spec": {"selector": {"matchLabels": {"a": "b"}}, "durationSeconds": huge}}
         with pytest.raises(jsonschema.ValidationError, match="maximum"):
             jsonschema.Draft7Validator(schema).validate(doc)
+
+
+def _tracesession(spec: dict) -> dict:
+    return {"apiVersion": "ingero.io/v1alpha1", "kind": "TraceSession", "metadata": {"name": "x"},
+            "spec": {"selector": {"matchLabels": {"job-name": "j"}}, **spec}}
+
+
+@pytest.mark.parametrize("case,spec,words", [
+    ("5000 labels", {"selector": {"matchLabels": {f"k{i}": "v" for i in range(5000)}}}, "too many properties"),
+    ("label value", {"selector": {"matchLabels": {"a": "bad value!"}}}, "does not match"),
+    ("long label value", {"selector": {"matchLabels": {"a": "v" * 64}}}, "is too long"),
+    ("1000 probes", {"probes": ["nccl"] * 1000}, "is too long"),
+    ("relative ncclLibPath", {"ncclLibPath": "lib/libnccl.so.2"}, "does not match"),
+    ("ncclLibPath with a newline", {"ncclLibPath": "/lib/libnccl.so.2\nLD_PRELOAD=/x"}, "does not match"),
+])
+def test_the_tracesession_schema_refuses_oversized_or_malformed_fields(case, spec, words):
+    from ingero_operator.plan import MAX_LABELS
+
+    crd = yaml.safe_load((ROOT / "crds" / "tracesession.yaml").read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    jsonschema.Draft7Validator(schema).validate(_tracesession({"ncclLibPath": "/usr/lib/libnccl.so.2",
+                                                                "probes": ["nccl", "tcp", "sched"]}))
+    with pytest.raises(jsonschema.ValidationError, match=words):
+        jsonschema.Draft7Validator(schema).validate(_tracesession(spec))
+    labels = schema["properties"]["spec"]["properties"]["selector"]["properties"]["matchLabels"]
+    assert labels["maxProperties"] == MAX_LABELS      # the operator refuses what the API server would
+    probes = schema["properties"]["spec"]["properties"]["probes"]
+    # the API server refuses duplicates in a set (uniqueItems is not allowed in a structural schema)
+    assert probes["x-kubernetes-list-type"] == "set" and probes["maxItems"] == len(probes["items"]["enum"])

@@ -162,14 +162,14 @@ def recorded(request, tmp_path_factory):
         # ttlSecondsAfterFinished 0 has the operator delete it once it has failed.
         bad = out / "bad.yaml"
         bad.write_text(yaml.safe_dump({"apiVersion": "ingero.io/v1alpha1", "kind": "TraceSession",
-                                       "metadata": {"name": "relative-lib", "namespace": "default"},
-                                       "spec": {"selector": {"matchLabels": {"a": "b"}}, "ncclLibPath": "lib/x.so",
+                                       "metadata": {"name": "bad-label-key", "namespace": "default"},
+                                       "spec": {"selector": {"matchLabels": {"bad key!": "b"}},
                                                 "ttlSecondsAfterFinished": 0}}))
         demo.kubectl("apply", "--validate=false", "-f", str(bad))
         res = demo.run()
         with urllib.request.urlopen(liveness, timeout=5) as resp:   # what the kubelet's probes ask
             health = resp.status
-        for name in ("relative-lib", demo.session_name):
+        for name in ("bad-label-key", demo.session_name):
             demo.kubectl("delete", "tracesession", name, "-n", "default", "--wait=false", "--ignore-not-found")
         # Wait for kopf to release a finalizer (a JSON patch removing it), at most 8 s. The
         # failed session's is released at once; on this embedded server the completed one's

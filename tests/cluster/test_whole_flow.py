@@ -87,14 +87,15 @@ def _malformed(demo) -> dict:
     base = {"apiVersion": "ingero.io/v1alpha1", "kind": "TraceSession", "metadata": {"namespace": "default"}}
     cases = {"unknown-probe": {"selector": {"matchLabels": {"a": "b"}}, "probes": ["gpu"]},
              "negative-duration": {"selector": {"matchLabels": {"a": "b"}}, "durationSeconds": -5},
-             "no-selector": {"probes": ["nccl"]}}
+             "no-selector": {"probes": ["nccl"]},
+             "relative-lib": {"selector": {"matchLabels": {"a": "b"}}, "ncclLibPath": "lib/x.so"}}
     for name, spec in cases.items():
         path = demo.out / f"bad-{name}.yaml"
         path.write_text(yaml.safe_dump(dict(base, metadata={"name": name, "namespace": "default"}, spec=spec)))
         proc = demo.kubectl("apply", "--validate=false", "-f", str(path), check=False)
         bad[name] = (proc.returncode, proc.stderr)
     # only the operator can judge these two: each must end Failed
-    for name, spec in (("relative-lib", {"selector": {"matchLabels": {"a": "b"}}, "ncclLibPath": "lib/x.so"}),
+    for name, spec in (("bad-label-key", {"selector": {"matchLabels": {"bad key!": "b"}}}),
                        # a session whose selector never finds a pod ends after its duration
                        ("no-pods", {"selector": {"matchLabels": {"job": "nobody"}}, "durationSeconds": 2})):
         path = demo.out / f"{name}.yaml"
@@ -136,11 +137,12 @@ def test_malformed_sessions_are_rejected_by_the_schema_naming_the_field(clean):
     assert bad["unknown-probe"][0] != 0 and 'spec.probes[0]: Unsupported value: "gpu"' in bad["unknown-probe"][1]
     assert bad["negative-duration"][0] != 0 and "spec.durationSeconds" in bad["negative-duration"][1]
     assert bad["no-selector"][0] != 0 and "spec.selector: Required value" in bad["no-selector"][1]
+    assert bad["relative-lib"][0] != 0 and "spec.ncclLibPath" in bad["relative-lib"][1]
 
 
 def test_a_spec_only_the_operator_can_judge_fails_with_a_message_and_others_still_complete(clean):
-    st = clean["extra"]["relative-lib"]
-    assert st["phase"] == "Failed" and "spec.ncclLibPath" in st["message"]
+    st = clean["extra"]["bad-label-key"]
+    assert st["phase"] == "Failed" and "'bad key!' is not a valid label key" in st["message"]
     assert clean["status"]["phase"] == "Completed"     # the operator kept serving the real session
 
 

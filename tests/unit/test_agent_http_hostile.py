@@ -72,10 +72,18 @@ def test_a_negative_or_non_numeric_content_length_is_a_400(agent, length):
     ("max_rows-inf", b'{"sql": "SELECT 1", "max_rows": 1e400}', "must be numbers"),
     ("timeout-inf", b'{"sql": "SELECT 1", "timeout_s": -1e400}', "must be numbers"),
     ("max_rows-text", b'{"sql": "SELECT 1", "max_rows": "many"}', "must be numbers"),
+    ("max_rows-4300-digits", b'{"sql": "SELECT 1", "max_rows": ' + b"9" * 4300 + b"}", "must be numbers"),
+    ("timeout-4300-digits", b'{"sql": "SELECT 1", "timeout_s": ' + b"9" * 4300 + b"}", "must be numbers"),
+    ("lone-surrogate", b'{"sql": "SELECT \'\\ud800\'"}', "not valid UTF-8"),
 ])
 def test_malformed_query_bodies_are_400s_with_one_line_reasons(agent, name, body, words):
     code, doc = _raw(agent, _post("/v1/query", body))
     assert code == 400 and words in doc["error"] and "\n" not in doc["error"], (code, doc)
+
+
+def test_a_query_over_a_damaged_segment_is_a_400_naming_it(agent):
+    code, doc = _raw(agent, _post("/v1/query", b'{"sql": "SELECT 1"}'))
+    assert code == 400 and "big.parquet" in doc["error"] and "is damaged" in doc["error"], (code, doc)
 
 
 @pytest.mark.parametrize("duration", [b"1e400", b"-1", b"2592001", b'"soon"'])
@@ -83,6 +91,16 @@ def test_a_plan_with_an_impossible_duration_is_a_400_and_starts_no_tracer(agent,
     body = b'{"session_id": "s9", "pods": [], "duration_s": ' + duration + b"}"
     code, doc = _raw(agent, _post("/v1/sessions", body))
     assert code == 400 and "duration_s must be a number from 0 to" in doc["error"], (code, doc)
+
+
+@pytest.mark.parametrize("pod,words", [
+    (b'{"name": "p", "uid": "u", "containers": 5}', "pods[0].containers must be a list"),
+    (b'{"name": "p", "uid": "u", "containers": [{"name": "c", "id": "x"}], "namespace": {}}',
+     "pods[0].namespace must be a string"),
+])
+def test_a_plan_with_a_pod_field_of_the_wrong_type_is_a_400(agent, pod, words):
+    code, doc = _raw(agent, _post("/v1/sessions", b'{"session_id": "s9", "pods": [' + pod + b"]}"))
+    assert code == 400 and words in doc["error"] and "\n" not in doc["error"], (code, doc)
 
 
 def test_half_open_connections_are_dropped_after_the_idle_timeout_and_bounded(agent):

@@ -14,12 +14,15 @@ chart's artifact-reader role with Kubernetes' RBAC rules (the last test).
 
 from __future__ import annotations
 
+import http.server
 import importlib
 import io
 import json
 import shutil
 import subprocess
 import sys
+import tarfile
+import threading
 import tomllib
 from pathlib import Path
 
@@ -165,10 +168,10 @@ def test_bad_input_gets_one_line_naming_the_fix_and_a_non_zero_exit(flow, plugin
     assert "TraceSession default/waiting is Pending: its artifact exists once it completes; wait for it: " \
            "kubectl wait --for=condition=Completed trs/waiting -n default" in msg
     assert not (flow.tmp / "waiting").exists()           # no -o folder made for nothing
-    flow.apply("refused", selector={"matchLabels": {"a": "b"}}, ncclLibPath="lib/x.so")
+    flow.apply("refused", selector={"matchLabels": {"bad key!": "b"}})
     flow.wait_for("refused", lambda s: s.get("phase") == "Failed")
     msg = one_line_error(plugin("report", "refused"))
-    assert "failed, so it has no artifact: " in msg and "ncclLibPath" in msg
+    assert "failed, so it has no artifact: " in msg and "label key" in msg
     trace = plugin("trace", "-l", "job-name=x", "--name", "k1")
     assert "AlreadyExists" in one_line_error(trace) and "pick another --name" in trace.stderr
     missing = plugin("report", "k1", path="")             # no kubectl on PATH
@@ -282,3 +285,53 @@ def test_each_change_is_printed_once_and_progress_at_most_every_ten_seconds():
     now[0] += PROGRESS_EVERY_S / 2
     assert lines.update(more) == ["progress: 4 ranks, 2/2 nodes tracing, 5,010 events, step ~55.0 ms"]
     assert lines.update({"phase": "Completed", "message": "done", "conditions": cond}) == ["Completed: done"]
+
+
+def hostile_tar() -> bytes:
+    """A tar whose member `x` (a file) is followed by `x/y`, as no folder can hold."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in (("report.json", b"{}"), ("x", b"file"), ("x/y", b"below a file")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_a_hostile_artifact_or_one_over_max_bytes_is_one_line_and_leaves_no_folder(flow, plugin, done, tmp_path):
+    """The artifact comes through the real service proxy from a server that is not the operator's."""
+    body = hostile_tar()
+
+    class Hostile(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    ns = objs.SYSTEM_NS
+    flow.cluster.create(f"/api/v1/namespaces/{ns}/services", {
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "hostile", "namespace": ns},
+        "spec": {"ports": [{"name": "artifacts", "port": 80, "targetPort": srv.server_address[1]}]}})
+    flow.cluster.create(f"/api/v1/namespaces/{ns}/endpoints", {
+        "apiVersion": "v1", "kind": "Endpoints", "metadata": {"name": "hostile", "namespace": ns},
+        "subsets": [{"addresses": [{"ip": "127.0.0.1"}],
+                     "ports": [{"name": "artifacts", "port": srv.server_address[1]}]}]})
+    proxy = flow.status("k1")["artifact"]["proxy"]
+    try:
+        flow.cluster.patch(f"{TRS}/k1/status", {"status": {"artifact": {
+            "proxy": proxy.replace(f"services/{objs.OPERATOR_SERVICE}:", "services/hostile:")}}})
+        msg = one_line_error(plugin("get-artifact", "k1", "-o", str(tmp_path / "x")))
+        assert "'x/y'" in msg and "refusing it" in msg, msg
+        assert not (tmp_path / "x").exists()
+    finally:
+        flow.cluster.patch(f"{TRS}/k1/status", {"status": {"artifact": {"proxy": proxy}}})
+        srv.shutdown()
+    msg = one_line_error(plugin("get-artifact", "k1", "-o", str(tmp_path / "small"), "--max-bytes", "1000"))
+    assert "larger than --max-bytes 1000" in msg, msg
+    assert not (tmp_path / "small").exists()

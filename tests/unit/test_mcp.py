@@ -22,7 +22,7 @@ from mcp.client.streamable_http import streamable_http_client  # noqa: E402
 
 from ingero.cli import main  # noqa: E402
 from ingero.merge import merge  # noqa: E402
-from tests.unit.trace_fixture import TOKEN, write_job  # noqa: E402
+from tests.unit.trace_fixture import TOKEN, write_crafted, write_job  # noqa: E402
 
 TOOLS = {"list_sessions", "straggler_report", "rank_detail", "describe_tables", "query"}
 ART = "ns/job/trace.duckdb"
@@ -36,6 +36,7 @@ def root(tmp_path_factory) -> Path:
     merge([d / "raw"], d / ART)
     (d / "ns" / "job" / "report.json").write_text("{}")
     (d / "secret.txt").write_text("outside every trace")
+    write_crafted(d)
     return d
 
 
@@ -59,6 +60,13 @@ async def exercise(session: ClientSession) -> dict:
     got["refused"] = await session.call_tool("query", {"session": ART, "sql": "COPY nccl_events TO 'x.csv'"})
     got["outside"] = await session.call_tool("query", {"session": "../../etc", "sql": "SELECT 1"})
     got["no_rank"] = await session.call_tool("rank_detail", {"session": ART, "rank": 42})
+    for view in ("rel", "leak", "leak_tmp"):
+        got[view] = await session.call_tool("query", {"session": "crafted/trace.duckdb",
+                                                      "sql": f"SELECT * FROM {view}"})
+    got["huge_rows"] = await session.call_tool("query", {"session": ART, "sql": "SELECT 1",
+                                                         "max_rows": 10 ** 4299})
+    got["crafted_report"] = await session.call_tool("straggler_report", {"session": "crafted/trace.duckdb"})
+    got["crafted_rank"] = await session.call_tool("rank_detail", {"session": "crafted/trace.duckdb", "rank": 0})
     return got
 
 
@@ -79,19 +87,28 @@ def check(got: dict) -> None:
     assert "nccl_events" in got["tables"]["tables"] and got["tables"]["examples"]
     assert got["query"]["rows"] == [[11]]
     for key, words in (("refused", "COPY statements are not allowed"), ("outside", "outside the root"),
-                       ("no_rank", "rank 42 is not in")):
+                       ("no_rank", "rank 42 is not in"), ("huge_rows", "max_rows must be a finite number")):
         assert got[key].is_error and words in got[key].content[0].text, got[key].content[0].text
+    # a crafted trace reads its own files only: not DuckDB's temp folder, nor a relative name in the
+    # server's working directory; its tools answer with an error, not a traceback
+    assert text(got["rel"])["rows"] == [["the trace"]]
+    for key in ("leak", "leak_tmp", "crafted_report", "crafted_rank"):
+        msg = got[key].content[0].text
+        assert got[key].is_error and "Permission" in msg and "\n" not in msg, msg
 
 
-def test_stdio_client_lists_the_tools_and_calls_each_one(root):
-    params = StdioServerParameters(command=sys.executable, args=["-m", "ingero", "mcp", "--root", str(root)])
+def test_stdio_client_lists_the_tools_and_calls_each_one(root, tmp_path):
+    params = StdioServerParameters(command=sys.executable, args=["-m", "ingero", "mcp", "--root", str(root)],
+                                   cwd=root)
 
     async def go():
-        async with stdio_client(params) as (r, w):
-            async with ClientSession(r, w) as session:
-                return await exercise(session)
+        with open(tmp_path / "stderr", "w") as errlog:
+            async with stdio_client(params, errlog=errlog) as (r, w):
+                async with ClientSession(r, w) as session:
+                    return await exercise(session)
 
     check(anyio.run(go))
+    assert "Traceback" not in (tmp_path / "stderr").read_text()
 
 
 def free_port() -> int:
@@ -106,7 +123,7 @@ def http_server(root, tmp_path_factory):
     tok.write_text(TOKEN)
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "ingero", "mcp", "--root", str(root), "--http",
-                             f"127.0.0.1:{port}", "--token-file", str(tok)],
+                             f"127.0.0.1:{port}", "--token-file", str(tok)], cwd=root,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

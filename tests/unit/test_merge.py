@@ -97,7 +97,8 @@ def operator_artifact(tmp_path: Path, skew_b_ns: int = 0, split: bool = False):
 
 def test_the_artifacts_view_resolves_split_ranks_as_the_merge_does_in_a_table(tmp_path):
     local = operator_artifact(tmp_path, split=True)
-    assert q(local.artifact, "SELECT count(*) FROM duckdb_views() WHERE view_name = 'nccl_events'") == [(1,)]
+    assert q(local.artifact, "SELECT count(*) FROM duckdb_views() WHERE view_name = 'nccl_events' "
+             "AND database_name = 'trace'") == [(1,)]
     assert q(local.artifact, "SELECT count(*) FROM nccl_events WHERE rank < 0 AND comm_id_hash = ?",
              [CHILD]) == [(0,)]
     merge([tmp_path / "seg"], tmp_path / "m.duckdb")          # raw segments: resolved by UPDATE
@@ -118,7 +119,8 @@ def test_an_offset_known_to_one_input_is_applied_once_to_raw_rows_of_that_node(t
 def test_an_artifact_whose_view_lost_its_files_loses_only_that_table(tmp_path):
     local = operator_artifact(tmp_path)
     whole = tables(local.artifact)
-    views = [v for (v,) in q(local.artifact, "SELECT view_name FROM duckdb_views() WHERE NOT internal")]
+    views = [v for (v,) in q(local.artifact, "SELECT view_name FROM duckdb_views() WHERE NOT internal "
+                                             "AND database_name = 'trace'")]
     if not views:
         pytest.skip("the operator's artifact holds no view over its segments (every table is copied)")
     shutil.copy(local.artifact, tmp_path / "copied.duckdb")     # copied without the folder beside it
@@ -181,12 +183,17 @@ def test_merge_cli_names_skipped_files_and_the_offsets_it_applied(job, capsys):
     assert "NODE=NANOSECONDS" in capsys.readouterr().err
 
 
-def test_two_sessions_of_one_node_keep_their_own_event_ids(tmp_path):
+def test_two_sessions_of_one_node_are_merged_one_at_a_time_each_with_its_own_rows(tmp_path):
     write_node(tmp_path / "s1", "node-a", [0, 1], steps=3, session=SESSION)
     write_node(tmp_path / "s2", "node-a", [0, 1], steps=3, session="default.job.other")
-    res = merge([tmp_path / "s1", tmp_path / "s2"], tmp_path / "m.duckdb")
-    assert res.rows["nccl_events"] == 2 * 3 * 3 * 2 and res.rows["nodes"] == 2
-    assert q(tmp_path / "m.duckdb", "SELECT min(timestamp_ns) FROM nccl_events")[0][0] >= T0
+    with pytest.raises(IngeroError, match=r"2 sessions \(default.job.abc, default.job.other\): pick one"):
+        merge([tmp_path / "s1", tmp_path / "s2"], tmp_path / "m.duckdb")
+    assert not (tmp_path / "m.duckdb").exists()
+    for sid in (SESSION, "default.job.other"):
+        res = merge([tmp_path / "s1", tmp_path / "s2"], tmp_path / "m.duckdb", session=sid)
+        assert res.rows["nccl_events"] == 3 * 3 * 2 and res.rows["nodes"] == 1
+        assert q(tmp_path / "m.duckdb", "SELECT DISTINCT session_id FROM nccl_events") == [(sid,)]
+        assert q(tmp_path / "m.duckdb", "SELECT min(timestamp_ns) FROM nccl_events")[0][0] >= T0
 
 
 def test_device_times_of_profiler_rows_are_shifted_by_the_node_offset_like_timestamps(tmp_path):

@@ -7,12 +7,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import aiohttp
 from aiohttp import web
 
-from ingero_operator.agents import AgentClient
 from ingero_operator.gather import LocalSession, fetch_new
-from ingero_operator.settings import AgentSettings
+from tests.unit.test_operator_hostile_agent import agent_at
 
 GOOD = "node-a__s1__0.parquet"
 HOSTILE = ["../../escaped.parquet", "/tmp/abs.parquet", "..parquet", "a/../../b.parquet",
@@ -32,18 +30,8 @@ async def _fetch(tmp_path: Path, listing: dict, node: str = "node-a"):
     app = web.Application()
     app.router.add_get("/v1/sessions/s1/segments", segments)
     app.router.add_get("/v1/sessions/s1/segments/{tail:.*}", segment)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        async with aiohttp.ClientSession() as http:
-            client = AgentClient(node, "127.0.0.1", port, "t", AgentSettings(), http)
-            local = LocalSession(tmp_path / "session")
-            got = await fetch_new(client, "s1", local, 0, asyncio.Semaphore(2))
-    finally:
-        await runner.cleanup()
+    async with agent_at(app, node=node) as client:
+        got = await fetch_new(client, "s1", LocalSession(tmp_path / "session"), 0, asyncio.Semaphore(2))
     return got, hits
 
 

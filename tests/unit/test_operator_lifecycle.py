@@ -89,14 +89,15 @@ def test_conditions_follow_the_lifecycle_with_frozen_transition_times(monkeypatc
 
 def test_bad_sessions_fail_with_their_reason_in_conditions_events_and_the_wide_columns(flow):
     # refused by the operator (the CRD schema lets it through): Failed at once
-    flow.apply("bad-lib", selector={"matchLabels": {"job-name": "none"}}, ncclLibPath="lib/libnccl.so")
+    flow.apply("bad-lib", selector={"matchLabels": {"job-name": "none", "bad key!": "x"}})
     st = flow.wait_for("bad-lib", lambda s: s.get("phase") == "Failed")
     cs = shape_ok(st)
     assert (cs["Failed"]["status"], cs["Failed"]["reason"]) == ("True", "InvalidSpec")
     assert (cs["Ready"]["status"], cs["Completed"]["status"], cs["Tracing"]["status"]) == ("False", "False", "False")
-    assert "spec.ncclLibPath must be an absolute path" in cs["Failed"]["message"] == st["message"]
+    assert "spec.selector.matchLabels: 'bad key!' is not a valid label key" in cs["Failed"]["message"] \
+        == st["message"]
     ev = [e for e in flow.wait_events("bad-lib", {"Failed"}) if e["reason"] == "Failed"]
-    assert ev[0]["type"] == "Warning" and "ncclLibPath" in ev[0]["message"]
+    assert ev[0]["type"] == "Warning" and "label key" in ev[0]["message"]
     wide = flow.kubectl("get", "tracesession", "bad-lib", "-o", "wide").stdout.splitlines()
     assert wide[0].split()[-1] == "MESSAGE" and wide[1].split()[1] == "Failed"
     assert wide[1].endswith(st["message"])
@@ -195,13 +196,14 @@ def test_a_running_session_whose_spec_is_edited_into_a_refused_one_fails_and_sto
     flow.rank_pod("job2", 0, "node-a")
     flow.apply("edited", selector={"matchLabels": {"job-name": "job2"}})
     run = flow.wait_for("edited", lambda s: s.get("phase") == "Running", timeout=30)
-    flow.kubectl("patch", "tracesession", "edited", "--type=merge", "-p", '{"spec": {"ncclLibPath": "lib/x.so"}}')
+    flow.kubectl("patch", "tracesession", "edited", "--type=merge", "-p",
+                 '{"spec": {"selector": {"matchLabels": {"bad key!": "x"}}}}')
     st = flow.wait_for("edited", lambda s: s.get("phase") == "Failed", timeout=30)
     cs = shape_ok(st, generation=2)
     assert (cs["Failed"]["status"], cs["Failed"]["reason"]) == ("True", "InvalidSpec")
     assert (cs["Tracing"]["status"], cs["Tracing"]["reason"]) == ("False", "Failed")
     assert cs["Tracing"]["lastTransitionTime"] >= conds(run)["Tracing"]["lastTransitionTime"]
-    assert "spec.ncclLibPath must be an absolute path" in st["message"]
+    assert "'bad key!' is not a valid label key" in st["message"]
     assert [e["type"] for e in flow.wait_events("edited", {"Failed"}) if e["reason"] == "Failed"] == ["Warning"]
     agent = flow.agents[0]   # node-a's agent was told to stop
     sid = st["sessionId"]

@@ -230,10 +230,48 @@ def test_a_pod_the_handler_cannot_read_is_admitted_unchanged_never_denied(webhoo
     assert "not injected: AttributeError" in webhook["log"]()
 
 
-def test_a_malformed_review_is_an_http_error_so_the_api_server_applies_the_failure_policy(webhook):
-    code, _ = post(webhook["port"], "/profiler-pod", {"kind": "AdmissionReview", "request": {"uid": "u"}},
-                   webhook["ca"])
-    assert 400 <= code < 600
+def post_raw(webhook, body: bytes) -> tuple[int, str]:
+    ctx = ssl.create_default_context(cafile=str(webhook["ca"]))
+    conn = ServiceConnection(SERVICE_DNS, webhook["port"], context=ctx, timeout=30)
+    try:
+        conn.request("POST", "/profiler-pod", body, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.read().decode(errors="replace")
+    finally:
+        conn.close()
+
+
+def test_malformed_reviews_are_400s_naming_the_problem_and_leave_no_traceback(webhook):
+    """An HTTP error makes the API server apply the failure policy (Ignore: the pod is admitted)."""
+    good = review(pod("x", {"ingero.io/profiler": "enabled"}))
+    no_user = copy.deepcopy(good)
+    del no_user["request"]["userInfo"]
+    cases = {
+        "array": (b"[]", "must be a JSON object"),
+        "no-request": (json.dumps({"kind": "AdmissionReview"}).encode(), "no request"),
+        "null-request": (json.dumps({"kind": "AdmissionReview", "request": None}).encode(), "no request"),
+        "no-uid": (json.dumps({"kind": "AdmissionReview", "request": {}}).encode(), "uid"),
+        "no-user": (json.dumps(no_user).encode(), "userInfo"),
+        "object-text": (json.dumps({**good, "request": {**good["request"], "object": "pod"}}).encode(), "object"),
+        "nested": (b'{"request": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests too deeply"),
+        "not-json": (b"{", "not JSON"),
+    }
+    for name, (body, words) in cases.items():
+        code, text = post_raw(webhook, body)
+        assert code == 400 and words in text and "\n" not in text.strip(), (name, code, text)
+    log = webhook["log"]()
+    assert "Traceback" not in log and "Error handling request" not in log, log
+    resp = admit(webhook, "/profiler-pod", pod("after", {"ingero.io/profiler": "enabled"}))
+    assert resp.get("patch"), resp      # and the server still serves
+
+
+def test_an_update_review_gets_no_patch(webhook):
+    p = pod("upd", {"ingero.io/profiler": "enabled"})
+    req = review(p, operation="UPDATE")
+    req["request"]["oldObject"] = p
+    code, doc = post(webhook["port"], "/profiler-pod", req, webhook["ca"])
+    assert code == 200 and doc["response"]["allowed"] is True, (code, doc)
+    assert "patch" not in doc["response"], doc
 
 
 def run_cli(*args: str, tmp: Path) -> subprocess.CompletedProcess:

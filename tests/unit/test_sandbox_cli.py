@@ -12,6 +12,8 @@ import pytest
 from bench.synthetic import session
 from ingero import schema
 from ingero.cli import main
+from ingero.store import build_duckdb
+from tests.unit.trace_fixture import write_crafted, write_job, write_node
 
 
 def _one_line_error(capsys, argv) -> str:
@@ -118,3 +120,54 @@ def test_merge_reads_a_crafted_trace_in_the_sandbox_and_copies_nothing_from_outs
     pods = {r[0] for r in con.execute("SELECT DISTINCT pod FROM nccl_events").fetchall()}
     con.close()
     assert not any("not-for-you" in (p or "") for p in pods), pods
+
+
+def test_ingero_query_in_a_folder_reads_neither_its_duckdb_temp_folder_nor_its_relative_names(
+        tmp_path, monkeypatch, capsys):
+    """Run where the reader's working directory holds `.tmp/secret.txt` (DuckDB's default temp
+    folder, which it allows) and an `x.parquet` shadowing the trace's own relative `x.parquet`."""
+    trace = write_crafted(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert main(["query", "--format", "csv", str(trace), "SELECT * FROM rel"]) == 0
+    assert capsys.readouterr().out.split() == ["who", "the", "trace"]
+    for sql in ("SELECT * FROM leak_tmp", "SELECT * FROM read_text('.tmp/secret.txt')",
+                "SELECT * FROM read_parquet('x.parquet')"):
+        assert "Permission" in _one_line_error(capsys, ["query", str(trace), sql])
+
+
+def test_merge_of_two_sessions_needs_session_and_an_unknown_session_of_a_file_is_an_error(tmp_path, capsys):
+    session(tmp_path / "segs", steps=5)
+    write_node(tmp_path / "segs" / "node-c", "node-c", [0, 1], steps=5, session="another")
+    out = tmp_path / "m.duckdb"
+    err = _one_line_error(capsys, ["merge", str(tmp_path / "segs"), "-o", str(out)])
+    assert "2 sessions (another, synthetic)" in err and "--session" in err and not out.exists()
+    assert "no session 'nope'" in _one_line_error(capsys, ["merge", str(tmp_path / "segs"), "-o", str(out),
+                                                            "--session", "nope"])
+    assert main(["merge", str(tmp_path / "segs"), "-o", str(out), "--session", "synthetic", "--quiet"]) == 0
+    assert main(["report", str(tmp_path / "segs"), "--session", "synthetic"]) == 0
+    apart = capsys.readouterr().out
+    assert main(["report", str(out)]) == 0 and main(["report", str(out), "--session", "synthetic"]) == 0
+    assert capsys.readouterr().out == apart * 2       # the other session's rows are not in it
+    for argv in (["report", str(out), "--session", "nope"], ["query", "--session", "nope", str(out), "SELECT 1"]):
+        assert "holds no session 'nope'; it holds synthetic" in _one_line_error(capsys, argv)
+    build_duckdb([tmp_path / "segs"], tmp_path / "both.duckdb")    # a file of both, as merge wrote them
+    for argv in (["report", str(tmp_path / "both.duckdb")],
+                 ["report", str(tmp_path / "both.duckdb"), "--session", "synthetic"]):
+        assert "holds 2 sessions (another, synthetic)" in _one_line_error(capsys, argv)
+
+
+def test_terminal_control_characters_in_names_are_printed_escaped_by_report_and_query(tmp_path, capsys):
+    """Pod names that would retitle (ESC ] 0; ... BEL) and clear (ESC [2J) the reader's terminal."""
+    write_job(tmp_path / "seg")
+    trace = tmp_path / "m.duckdb"
+    assert main(["merge", str(tmp_path / "seg"), "-o", str(trace), "--quiet"]) == 0
+    con = duckdb.connect(str(trace))
+    for (table,) in con.execute("SELECT DISTINCT table_name FROM duckdb_columns() WHERE column_name = 'pod' "
+                                "AND NOT internal").fetchall():
+        con.execute(f"UPDATE {table} SET pod = '\x1b]0;pwned\x07\x1b[2J' || pod || '\u202e\n'")
+    con.close()
+    for argv in (["report", str(trace)], ["query", str(trace), "SELECT DISTINCT pod, rank FROM nccl_events"]):
+        assert main(argv) == 0
+        shown = "".join(capsys.readouterr())
+        assert not any(c in shown for c in "\x1b\x07\u202e") and "\\x1b]0;pwned\\x07\\x1b[2J" in shown, shown
+        assert "\\u202e\\x0a" in shown

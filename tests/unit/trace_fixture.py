@@ -135,3 +135,27 @@ def serve_agent(root: Path, node: str, limits=None, slots: int = 2, trace_cmd=No
                       queries=QueryService(mgr, limits, slots), **kw)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     return srv, mgr
+
+
+def write_crafted(d: Path) -> Path:
+    """d/crafted/trace.duckdb, whose views read outside it when a reader runs in `d`: `d` holds
+    `.tmp/` (DuckDB's default temp folder) and an `x.parquet` of its own beside the trace's."""
+    import duckdb
+
+    from ingero import schema
+
+    (d / ".tmp").mkdir()
+    (d / ".tmp" / "secret.txt").write_text("in the working directory")
+    art = d / "crafted"
+    art.mkdir()
+    duckdb.execute(f"COPY (SELECT 'the trace' AS who) TO '{art / 'x.parquet'}'")
+    duckdb.execute(f"COPY (SELECT 'the working directory' AS who) TO '{d / 'x.parquet'}'")
+    con = duckdb.connect(str(art / "trace.duckdb"))
+    con.execute("SET file_search_path = ?", [str(art)])
+    con.execute("CREATE VIEW rel AS SELECT who FROM read_parquet('x.parquet')")
+    con.execute(f"CREATE VIEW leak AS SELECT content FROM read_text('{d / '.tmp' / 'secret.txt'}')")
+    con.execute("CREATE VIEW leak_tmp AS SELECT content FROM read_text('.tmp/secret.txt')")
+    cols = ", ".join(f"NULL::{ty} AS {c}" for c, ty in schema.TABLES["nccl_events"].columns)
+    con.execute(f"CREATE VIEW nccl_events AS SELECT {cols} FROM leak")
+    con.close()
+    return art / "trace.duckdb"
