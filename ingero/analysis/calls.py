@@ -55,6 +55,9 @@ _QUERY = f"""
       AND ((e.op IN ({', '.join(repr(o) for o in OPS)}) AND (e.comm_id_hash <> 0 OR e.comm <> 0) AND e.seq IS NOT NULL)
            OR e.op IN ('GROUP_START', 'GROUP_END', 'GROUP_SIMULATE_END'))"""
 _ORDER = " ORDER BY grank, t, e.event_id"
+# Without the columns only the recovery of unknown communicators reads (recover.py), and
+# unsorted: numpy orders the calls (``_call_order``) for a fraction of what ORDER BY costs
+_QUERY_KNOWN = _QUERY.replace(", e.comm AS ptr, e.count AS cnt, e.datatype AS dtype", "")
 
 # The same columns from the NCCL profiler plugin's rows: when the GPU ran each operation
 # (device start/end, on the host's clock), NCCL's own communicator hash and seq, and the
@@ -175,9 +178,11 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
     warnings: list[str] = []
     with warnings_.catch_warnings():     # (DuckDB notes the Arrow copy of a DB-API result)
         warnings_.simplefilter("ignore", UserWarning)
-        tbl = con.execute(_DEVICE_QUERY if device else _QUERY + _ORDER).to_arrow_table()
-    if not device:       # communicators created before tracing: identity from the calls
-        tbl = recover.communicators(con, tbl, OPS, warnings)
+        tbl = con.execute(_DEVICE_QUERY if device else _QUERY_KNOWN).to_arrow_table()
+        # communicators created before tracing: identity from the calls, in call order
+        recovering = not device and tbl.num_rows > 0 and bool(recover.unknown_comm(tbl, OPS).any())
+        if recovering:
+            tbl = recover.communicators(con, con.execute(_QUERY + _ORDER).to_arrow_table(), OPS, warnings)
     if tbl.num_rows == 0:
         z = np.zeros(0, np.int64)
         return Calls(z, z, z, z.astype(np.int8), z, z, z, z, z, {}, z.astype(np.uint64), z, z, z, {}), warnings
@@ -201,8 +206,11 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
     peer_c = col("peer", np.int64, -1)
     pid = col("pid", np.int64)
     grp = col("grp", np.int64, -1) if device else None
-    o = np.flatnonzero(keep)           # rows come sorted by (rank, time, event id); NULL ranks last
-    if len(o) < len(keep):
+    if device or recovering:           # rows come sorted by (rank, time, event id); NULL ranks last
+        o = np.flatnonzero(keep)
+    else:
+        o = _call_order(rank, t, col("event_id", np.uint64))
+    if len(o) < len(keep) or not (device or recovering):
         rank, t, d, op, comm_h, seq, crank, peer_c, pid, sim_end = (
             a[o] for a in (rank, t, d, op, comm_h, seq, crank, peer_c, pid, sim_end))
         grp = grp[o] if device else None
@@ -272,6 +280,28 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
                  inst_op=np.asarray(inst_op), inst_size=np.asarray(cnt), comm_members=members,
                  simulated=simulated_by_rank,
                  launch=_launches(rank, pid, comm, grp) if device else None), warnings
+
+
+def _call_order(rank: np.ndarray, t: np.ndarray, event_id: np.ndarray) -> np.ndarray:
+    """The rows with a rank (>= 0), by (rank, time, event id): one stable sort of (rank,
+    time) packed in an int64, event ids ordering the few rows that tie."""
+    keep = np.flatnonzero(rank >= 0)
+    if not len(keep):
+        return keep
+    rank, t, event_id = rank[keep], t[keep], event_id[keep]
+    t0 = int(t.min())
+    tbits = max((int(t.max()) - t0).bit_length(), 1)
+    if int(rank.max()).bit_length() + tbits > 62:
+        return keep[np.lexsort((event_id, t, rank))]
+    k = (rank << tbits) | (t - t0)
+    o = np.argsort(k, kind="stable")
+    ks = k[o]
+    tie = np.flatnonzero(ks[1:] == ks[:-1])
+    if len(tie):
+        at = np.unique(np.r_[tie, tie + 1])
+        sub = o[at]
+        o[at] = sub[np.lexsort((event_id[sub], k[sub]))]
+    return keep[o]
 
 
 def _monotonic(rank, t, d) -> tuple[np.ndarray, np.ndarray]:
@@ -449,6 +479,7 @@ class Events:
     dep_idx: np.ndarray
     p2p_pairs: int
     unpaired: int
+    schedule: object = field(default=None, repr=False)   # replay.Schedule, found by the first replay
 
 
 def _group_owners(c: Calls) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

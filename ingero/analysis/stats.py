@@ -52,13 +52,22 @@ def group_sort(keys: np.ndarray, values: np.ndarray):
 
 def group_quantile(keys: np.ndarray, values: np.ndarray, q: float):
     """(unique keys, quantile_cont(q) of each group's values), linear interpolation."""
+    uk, (qv,) = group_quantiles(keys, values, (q,))
+    return uk, qv
+
+
+def group_quantiles(keys: np.ndarray, values: np.ndarray, qs) -> tuple[np.ndarray, list]:
+    """(unique keys, [quantile_cont(q) of each group's values for q in qs]), one sort."""
     uk, starts, sizes, v = group_sort(keys, values)
-    rn = (sizes - 1) * q
-    lo = np.floor(rn).astype(np.int64)
-    hi = np.ceil(rn).astype(np.int64)
-    f = rn - lo
-    vl, vh = v[starts + lo].astype(np.float64), v[starts + hi].astype(np.float64)
-    return uk, vl + (vh - vl) * f
+    out = []
+    for q in qs:
+        rn = (sizes - 1) * q
+        lo = np.floor(rn).astype(np.int64)
+        hi = np.ceil(rn).astype(np.int64)
+        f = rn - lo
+        vl, vh = v[starts + lo].astype(np.float64), v[starts + hi].astype(np.float64)
+        out.append(vl + (vh - vl) * f)
+    return uk, out
 
 
 def quantile_at(keys: np.ndarray, values: np.ndarray, q: float, at: np.ndarray) -> np.ndarray:
@@ -138,15 +147,13 @@ def rank_rows(c: Calls, slow_collective_ms: float | None) -> tuple[dict, list[st
     uk, n = np.unique(cr, return_counts=True)
     for r, k in zip(uk.tolist(), n.tolist()):
         rows[r].collectives = k
-    _, p50 = group_quantile(cr, cd, 0.5)
-    _, p99 = group_quantile(cr, cd, 0.99)
+    _, (p50, p99) = group_quantiles(cr, cd, (0.5, 0.99))
     for r, a, b in zip(uk.tolist(), p50.tolist(), p99.tolist()):
         rows[r].p50_ms, rows[r].p99_ms = a / 1e6, b / 1e6
     W = int(cr.max()) + 1
     key = cr * 64 + co
     kk, cnt = np.unique(key, return_counts=True)
-    _, q50 = group_quantile(key, cd, 0.5)
-    _, q99 = group_quantile(key, cd, 0.99)
+    _, (q50, q99) = group_quantiles(key, cd, (0.5, 0.99))
     for k, m, a, b in zip(kk.tolist(), cnt.tolist(), q50.tolist(), q99.tolist()):
         rows[k // 64].per_op[OPS[k % 64 - 1]] = {"calls": m, "p50_ms": a / 1e6, "p99_ms": b / 1e6}
     if slow_collective_ms is not None:
@@ -215,7 +222,8 @@ def add_network(c: Calls, rows: dict, ts: np.ndarray, rk: np.ndarray, windows: b
         r.retransmits = len(mine)
         if not len(mine) or not windows:
             continue
-        sel = (c.rank == r.rank) & (c.op > 0)
+        lo, hi = np.searchsorted(c.rank, [r.rank, r.rank + 1])          # calls come rank by rank
+        sel = np.flatnonzero(c.op[lo:hi] > 0) + lo
         t, e = c.t[sel], c.t[sel] + c.d[sel]
         o = np.argsort(t, kind="stable")
         t, e = t[o], np.maximum.accumulate(e[o])

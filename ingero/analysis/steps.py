@@ -347,7 +347,8 @@ def _per_rank(tl: Timeline, values: np.ndarray) -> dict:
     """Per covered rank: the sum of `values` over its events in the window, per step."""
     ev = tl.ev
     sel = tl.inwin
-    tot = np.bincount(np.searchsorted(ev.ranks, ev.rank[sel]), weights=values[sel], minlength=len(ev.ranks))
+    seg = np.repeat(np.arange(len(ev.ranks)), np.diff(ev.off))       # events come rank by rank
+    tot = np.bincount(seg[sel], weights=values[sel], minlength=len(ev.ranks))
     keep = set(tl.covered) if tl.covered is not None else None
     return {int(r): float(v) / tl.steps for r, v in zip(ev.ranks.tolist(), tot.tolist())
             if keep is None or r in keep}
