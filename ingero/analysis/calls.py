@@ -33,6 +33,8 @@ import warnings as warnings_
 from dataclasses import dataclass, field
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from ingero.analysis import recover
 from ingero.errors import IngeroError
@@ -178,7 +180,7 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
     warnings: list[str] = []
     with warnings_.catch_warnings():     # (DuckDB notes the Arrow copy of a DB-API result)
         warnings_.simplefilter("ignore", UserWarning)
-        tbl = con.execute(_DEVICE_QUERY if device else _QUERY_KNOWN).to_arrow_table()
+        tbl = con.execute(_DEVICE_QUERY).to_arrow_table() if device else _fetch(con, _QUERY_KNOWN)
         # communicators created before tracing: identity from the calls, in call order
         recovering = not device and tbl.num_rows > 0 and bool(recover.unknown_comm(tbl, OPS).any())
         if recovering:
@@ -282,6 +284,19 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
                  launch=_launches(rank, pid, comm, grp) if device else None), warnings
 
 
+def _fetch(con, sql: str):
+    """The rows of `sql` as an Arrow table, streamed batch by batch (DuckDB never holds the
+    whole result), text columns dictionary-encoded (a handful of node, pod and op names)."""
+    batches = []
+    for b in con.sql(sql).to_arrow_reader(1 << 20):
+        cols = [pc.dictionary_encode(c) if pa.types.is_string(c.type) or pa.types.is_large_string(c.type) else c
+                for c in b.columns]
+        batches.append(pa.RecordBatch.from_arrays(cols, names=b.schema.names))
+    if not batches:
+        return con.execute(f"SELECT * FROM ({sql}) LIMIT 0").to_arrow_table()
+    return pa.Table.from_batches(batches).unify_dictionaries()
+
+
 def _call_order(rank: np.ndarray, t: np.ndarray, event_id: np.ndarray) -> np.ndarray:
     """The rows with a rank (>= 0), by (rank, time, event id): one stable sort of (rank,
     time) packed in an int64, event ids ordering the few rows that tie."""
@@ -335,8 +350,6 @@ def simulated_calls(con):
     The same query and the same steps as `load`, only run when some group was simulated."""
     if not con.execute("SELECT count(*) FROM nccl_events WHERE op = 'GROUP_SIMULATE_END' AND ret = 0").fetchone()[0]:
         return None
-    import pyarrow as pa
-
     with warnings_.catch_warnings():
         warnings_.simplefilter("ignore", UserWarning)
         tbl = con.execute(f"SELECT * FROM ({_QUERY}) q WHERE grank IS NOT NULL "
@@ -367,7 +380,9 @@ def _op_codes(tbl) -> tuple[np.ndarray, np.ndarray]:
     and the call returns ncclInProgress (7) (src/group.cc, 2.22.3 to master)."""
     code = {o: i + 1 for i, o in enumerate(OPS)}
     code.update(GROUP_START=_GS, GROUP_END=_GE, GROUP_SIMULATE_END=_GE)
-    enc = tbl.column("op").combine_chunks().dictionary_encode()     # a few distinct names
+    enc = tbl.column("op").combine_chunks()                         # a few distinct names
+    if not pa.types.is_dictionary(enc.type):
+        enc = enc.dictionary_encode()
     names = enc.dictionary.to_pylist()
     idx = enc.indices.to_numpy(zero_copy_only=False)
     op = np.array([code[o] for o in names], np.int8)[idx]
@@ -434,8 +449,6 @@ def launched_seq(rank: np.ndarray, op: np.ndarray, comm: np.ndarray, seq: np.nda
 def _codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(sorted distinct values, code of each value): np.unique(return_inverse=True), through a
     hash table (Arrow's dictionary encoding) rather than a sort of every value."""
-    import pyarrow as pa
-
     enc = pa.array(values).dictionary_encode()
     distinct = enc.dictionary.to_numpy(zero_copy_only=False)
     order = np.argsort(distinct, kind="stable")

@@ -161,6 +161,7 @@ def schedule(ev: Events) -> Schedule:
             stuck += 1
             ok[:] = True
         go = cur[ok]
+        go = go[np.argsort(ev.inst[go], kind="stable")]      # an instance's members side by side
         waiting = cur[~ok]
         gos.append(go)
         go_round[go] = k
@@ -172,47 +173,52 @@ def schedule(ev: Events) -> Schedule:
     apos = np.empty(n, np.int64)
     apos[arr] = np.arange(n)
     # own segments: the event itself, then its p2p dependencies arrived by its round
-    q = np.repeat(np.arange(n), ndeps[go])         # completion index of each dependency
+    q = np.repeat(np.arange(n), ndeps[go])         # completion index of each dependency, in order
     d = ev.dep_idx[_expand(ev.dep_ptr, go)[1]]
     keep = arr_round[d] <= go_round[go[q]]
     q, d = q[keep], d[keep]
-    own_cnt = 1 + np.bincount(q, minlength=n)
-    own_ptr = np.r_[0, np.cumsum(own_cnt)]
+    own_ptr = np.r_[0, np.cumsum(1 + np.bincount(q, minlength=n))]
     own_pos = np.empty(int(own_ptr[-1]), np.int64)
     own_pos[own_ptr[:-1]] = apos[go]
     if len(q):
-        o = np.argsort(q, kind="stable")
-        q, d = q[o], d[o]
         first = np.r_[True, q[1:] != q[:-1]]
         nth = np.arange(len(q)) - np.maximum.accumulate(np.where(first, np.arange(len(q)), 0))
         own_pos[own_ptr[q] + 1 + nth] = apos[d]
-    # instance groups: (round, instance) of each completing member
+    # instance groups: (round, instance) of the completing members, side by side in `go`
     grp_of = np.full(n, -1, np.int64)
     gq = np.flatnonzero(ev.inst[go] >= 0)
+    R = k + 1
     if len(gq):
-        R = k + 1
-        gkey = go_round[go[gq]] * ni + ev.inst[go[gq]]
-        ukey, inv = np.unique(gkey, return_inverse=True)
-        grp_of[gq] = inv.ravel()
-        g_round, g_inst = ukey // ni, ukey % ni
-        # each member joins every group of its instance from the round it arrived
-        by_inst = np.argsort(g_inst * R + g_round, kind="stable")
-        skey = (g_inst * R + g_round)[by_inst]
-        mem = np.flatnonzero(has)
-        lo = np.searchsorted(skey, ev.inst[mem] * R + arr_round[mem])
-        hi = np.searchsorted(skey, ev.inst[mem] * R + R)
-        cnt = hi - lo
-        mem_of = np.repeat(mem, cnt)
-        at = np.repeat(lo - (np.cumsum(cnt) - cnt), cnt) + np.arange(int(cnt.sum()))
-        g = by_inst[at]
-        o = np.argsort(g, kind="stable")
-        grp_pos = apos[mem_of[o]]
-        grp_ptr = np.r_[0, np.cumsum(np.bincount(g, minlength=len(ukey)))]
+        g_round, g_inst = go_round[go[gq]], ev.inst[go[gq]]
+        new_g = np.r_[True, (g_round[1:] != g_round[:-1]) | (g_inst[1:] != g_inst[:-1])]
+        gid = np.cumsum(new_g) - 1
+        grp_of[gq] = gid
+        starts = np.flatnonzero(new_g)
+        g_round, g_inst = g_round[starts], g_inst[starts]
+        sizes = np.diff(np.r_[starts, len(gq)])
         grp_rptr = np.searchsorted(g_round, np.arange(R + 1))
+        if (sizes == inst_size[g_inst]).all():
+            # every instance completes whole in one round: its members are its group
+            grp_pos = apos[go[gq]]
+            grp_ptr = np.r_[starts, len(gq)]
+        else:
+            # each member joins every group of its instance from the round it arrived
+            skey_all = g_inst * R + g_round
+            by_inst = np.argsort(skey_all, kind="stable")
+            skey = skey_all[by_inst]
+            mem = np.flatnonzero(has)
+            lo = np.searchsorted(skey, ev.inst[mem] * R + arr_round[mem])
+            hi = np.searchsorted(skey, ev.inst[mem] * R + R)
+            cnt = hi - lo
+            mem_of = np.repeat(mem, cnt)
+            g = by_inst[np.repeat(lo - (np.cumsum(cnt) - cnt), cnt) + np.arange(int(cnt.sum()))]
+            o = np.argsort(g, kind="stable")
+            grp_pos = apos[mem_of[o]]
+            grp_ptr = np.r_[0, np.cumsum(np.bincount(g, minlength=len(starts)))]
     else:
         grp_pos = np.zeros(0, np.int64)
         grp_ptr = np.zeros(1, np.int64)
-        grp_rptr = np.zeros(k + 2, np.int64)
+        grp_rptr = np.zeros(R + 1, np.int64)
     ev.schedule = Schedule(arr=arr, arr_ptr=arr_ptr, go=go, go_ptr=go_ptr, has_next=has_next[go],
                            own_pos=own_pos, own_ptr=own_ptr, grp_pos=grp_pos, grp_ptr=grp_ptr,
                            grp_of=grp_of, grp_rptr=grp_rptr, stuck_rounds=stuck)

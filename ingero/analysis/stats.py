@@ -52,12 +52,12 @@ def group_sort(keys: np.ndarray, values: np.ndarray):
 
 def group_quantile(keys: np.ndarray, values: np.ndarray, q: float):
     """(unique keys, quantile_cont(q) of each group's values), linear interpolation."""
-    uk, (qv,) = group_quantiles(keys, values, (q,))
+    uk, _, (qv,) = group_quantiles(keys, values, (q,))
     return uk, qv
 
 
-def group_quantiles(keys: np.ndarray, values: np.ndarray, qs) -> tuple[np.ndarray, list]:
-    """(unique keys, [quantile_cont(q) of each group's values for q in qs]), one sort."""
+def group_quantiles(keys: np.ndarray, values: np.ndarray, qs) -> tuple[np.ndarray, np.ndarray, list]:
+    """(unique keys, group sizes, [quantile_cont(q) of each group's values for q in qs]), one sort."""
     uk, starts, sizes, v = group_sort(keys, values)
     out = []
     for q in qs:
@@ -67,7 +67,7 @@ def group_quantiles(keys: np.ndarray, values: np.ndarray, qs) -> tuple[np.ndarra
         f = rn - lo
         vl, vh = v[starts + lo].astype(np.float64), v[starts + hi].astype(np.float64)
         out.append(vl + (vh - vl) * f)
-    return uk, out
+    return uk, sizes, out
 
 
 def quantile_at(keys: np.ndarray, values: np.ndarray, q: float, at: np.ndarray) -> np.ndarray:
@@ -144,16 +144,18 @@ def rank_rows(c: Calls, slow_collective_ms: float | None) -> tuple[dict, list[st
     if not coll.any():
         return rows, warnings
     cr, cd, ct, ci, co = c.rank[coll], c.d[coll], c.t[coll], c.inst[coll], c.op[coll].astype(np.int64)
-    uk, n = np.unique(cr, return_counts=True)
-    for r, k in zip(uk.tolist(), n.tolist()):
-        rows[r].collectives = k
-    _, (p50, p99) = group_quantiles(cr, cd, (0.5, 0.99))
-    for r, a, b in zip(uk.tolist(), p50.tolist(), p99.tolist()):
-        rows[r].p50_ms, rows[r].p99_ms = a / 1e6, b / 1e6
     W = int(cr.max()) + 1
     key = cr * 64 + co
-    kk, cnt = np.unique(key, return_counts=True)
-    _, (q50, q99) = group_quantiles(key, cd, (0.5, 0.99))
+    kk, cnt, (q50, q99) = group_quantiles(key, cd, (0.5, 0.99))
+    uk = np.unique(kk // 64)
+    if len(uk) == len(kk):           # one op per rank: its calls are its op's calls
+        n, p50, p99 = cnt, q50, q99
+    else:
+        uk, n, (p50, p99) = group_quantiles(cr, cd, (0.5, 0.99))
+    for r, k in zip(uk.tolist(), n.tolist()):
+        rows[r].collectives = k
+    for r, a, b in zip(uk.tolist(), p50.tolist(), p99.tolist()):
+        rows[r].p50_ms, rows[r].p99_ms = a / 1e6, b / 1e6
     for k, m, a, b in zip(kk.tolist(), cnt.tolist(), q50.tolist(), q99.tolist()):
         rows[k // 64].per_op[OPS[k % 64 - 1]] = {"calls": m, "p50_ms": a / 1e6, "p99_ms": b / 1e6}
     if slow_collective_ms is not None:
