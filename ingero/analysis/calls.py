@@ -180,7 +180,8 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
     warnings: list[str] = []
     with warnings_.catch_warnings():     # (DuckDB notes the Arrow copy of a DB-API result)
         warnings_.simplefilter("ignore", UserWarning)
-        tbl = con.execute(_DEVICE_QUERY).to_arrow_table() if device else _fetch(con, _QUERY_KNOWN)
+        tbl = (con.execute(_DEVICE_QUERY).to_arrow_table() if device
+               else _fetch(con, _QUERY_KNOWN, {"grank": -1, "crank": -1, "peer": -1, "ret": -1}))
         # communicators created before tracing: identity from the calls, in call order
         recovering = not device and tbl.num_rows > 0 and bool(recover.unknown_comm(tbl, OPS).any())
         if recovering:
@@ -284,14 +285,22 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
                  launch=_launches(rank, pid, comm, grp) if device else None), warnings
 
 
-def _fetch(con, sql: str):
-    """The rows of `sql` as an Arrow table, streamed batch by batch (DuckDB never holds the
-    whole result), text columns dictionary-encoded (a handful of node, pod and op names)."""
+def _fetch(con, sql: str, fills: dict):
+    """The rows of `sql` as an Arrow table, streamed batch by batch: text columns
+    dictionary-encoded (a handful of node, pod and op names), the others copied into numpy
+    memory with NULLs filled (`fills`, else 0), so DuckDB holds one batch at a time (memory
+    its allocator frees is only reused by DuckDB, and returned to the system ~10 s later)."""
     batches = []
     for b in con.sql(sql).to_arrow_reader(1 << 20):
-        cols = [pc.dictionary_encode(c) if pa.types.is_string(c.type) or pa.types.is_large_string(c.type) else c
-                for c in b.columns]
+        cols = []
+        for name, c in zip(b.schema.names, b.columns):
+            if pa.types.is_string(c.type) or pa.types.is_large_string(c.type):
+                cols.append(pc.dictionary_encode(c))
+            else:
+                c = c.fill_null(pa.scalar(fills.get(name, 0), c.type)) if c.null_count else c
+                cols.append(pa.array(np.array(c.to_numpy(), copy=True), type=c.type))
         batches.append(pa.RecordBatch.from_arrays(cols, names=b.schema.names))
+        del b
     if not batches:
         return con.execute(f"SELECT * FROM ({sql}) LIMIT 0").to_arrow_table()
     return pa.Table.from_batches(batches).unify_dictionaries()

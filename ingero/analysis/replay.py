@@ -197,31 +197,46 @@ def schedule(ev: Events) -> Schedule:
         g_round, g_inst = g_round[starts], g_inst[starts]
         sizes = np.diff(np.r_[starts, len(gq)])
         grp_rptr = np.searchsorted(g_round, np.arange(R + 1))
-        if (sizes == inst_size[g_inst]).all():
-            # every instance completes whole in one round: its members are its group
-            grp_pos = apos[go[gq]]
-            grp_ptr = np.r_[starts, len(gq)]
-        else:
-            # each member joins every group of its instance from the round it arrived
-            skey_all = g_inst * R + g_round
-            by_inst = np.argsort(skey_all, kind="stable")
-            skey = skey_all[by_inst]
-            mem = np.flatnonzero(has)
-            lo = np.searchsorted(skey, ev.inst[mem] * R + arr_round[mem])
-            hi = np.searchsorted(skey, ev.inst[mem] * R + R)
-            cnt = hi - lo
-            mem_of = np.repeat(mem, cnt)
-            g = by_inst[np.repeat(lo - (np.cumsum(cnt) - cnt), cnt) + np.arange(int(cnt.sum()))]
-            o = np.argsort(g, kind="stable")
-            grp_pos = apos[mem_of[o]]
-            grp_ptr = np.r_[0, np.cumsum(np.bincount(g, minlength=len(starts)))]
+        # an instance that completes whole in one round (all but a cycle's): its members are
+        # its group, side by side in `go`; the others' members join every group of their
+        # instance from the round they arrived
+        whole = sizes == inst_size[g_inst]
+        ng = len(starts)
+        cnt = np.where(whole, sizes, 0)
+        part = np.flatnonzero(~whole)
+        if len(part):
+            pkey = g_inst[part] * R + g_round[part]
+            by = np.argsort(pkey, kind="stable")
+            pkey = pkey[by]
+            mark = np.zeros(ni, bool)
+            mark[g_inst[part]] = True
+            mem = np.flatnonzero(has & mark[np.maximum(ev.inst, 0)])
+            lo = np.searchsorted(pkey, ev.inst[mem] * R + arr_round[mem])
+            hi = np.searchsorted(pkey, ev.inst[mem] * R + R)
+            k_mem = hi - lo
+            mem_of = np.repeat(mem, k_mem)
+            pg = part[by[np.repeat(lo - (np.cumsum(k_mem) - k_mem), k_mem) + np.arange(int(k_mem.sum()))]]
+            o = np.argsort(pg, kind="stable")
+            mem_of, pg = mem_of[o], pg[o]
+            cnt += np.bincount(pg, minlength=ng)
+        grp_ptr = np.r_[0, np.cumsum(cnt)]
+        grp_pos = np.empty(int(grp_ptr[-1]), np.int64)
+        w = np.flatnonzero(whole[gid])                 # members of whole groups, in `go` order
+        grp_pos[grp_ptr[gid[w]] + (w - starts[gid[w]])] = apos[go[gq[w]]]
+        if len(part):
+            first = np.r_[True, pg[1:] != pg[:-1]]
+            nth = np.arange(len(pg)) - np.maximum.accumulate(np.where(first, np.arange(len(pg)), 0))
+            grp_pos[grp_ptr[pg] + nth] = apos[mem_of]
     else:
         grp_pos = np.zeros(0, np.int64)
         grp_ptr = np.zeros(1, np.int64)
         grp_rptr = np.zeros(R + 1, np.int64)
-    ev.schedule = Schedule(arr=arr, arr_ptr=arr_ptr, go=go, go_ptr=go_ptr, has_next=has_next[go],
-                           own_pos=own_pos, own_ptr=own_ptr, grp_pos=grp_pos, grp_ptr=grp_ptr,
-                           grp_of=grp_of, grp_rptr=grp_rptr, stuck_rounds=stuck)
+    big = max(int(own_ptr[-1]), int(grp_ptr[-1]), n)
+    idx = np.int32 if big < np.iinfo(np.int32).max else np.int64   # positions: half the memory
+    ev.schedule = Schedule(arr=arr.astype(idx), arr_ptr=arr_ptr, go=go.astype(idx), go_ptr=go_ptr,
+                           has_next=has_next[go], own_pos=own_pos.astype(idx), own_ptr=own_ptr.astype(idx),
+                           grp_pos=grp_pos.astype(idx), grp_ptr=grp_ptr.astype(idx), grp_of=grp_of.astype(idx),
+                           grp_rptr=grp_rptr, stuck_rounds=stuck)
     return ev.schedule
 
 
