@@ -266,8 +266,9 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
         if sq.min() < 0 or sq.max() >= 1 << 38 or comm.max() >= 1 << 20:
             raise IngeroError("a collective seq or communicator count out of range for the analysis")
         ik = (comm[coll] << 43) | (op[coll].astype(np.int64) << 38) | sq
-        u, inv, cnt = np.unique(ik, return_inverse=True, return_counts=True)
-        inst[coll] = inv.ravel()
+        u, inv = _codes(ik)
+        cnt = np.bincount(inv, minlength=len(u))
+        inst[coll] = inv
         inst_comm, inst_op = u >> 43, (u >> 38) & 31
         # one rank calling one instance twice: keep the first call as the instance's
         dup = _dups(inst, rank)
@@ -470,6 +471,8 @@ def _dups(inst: np.ndarray, rank: np.ndarray) -> np.ndarray:
     """Calls whose (instance, rank) was already seen earlier in call order."""
     idx = np.flatnonzero(inst >= 0)
     key = inst[idx] * (int(rank.max()) + 1) + rank[idx]
+    if len(pc.unique(pa.array(key))) == len(key):        # none (by a hash table, not a sort)
+        return np.zeros(len(inst), bool)
     _, first = np.unique(key, return_index=True)
     dup = np.ones(len(idx), bool)
     dup[first] = False

@@ -93,21 +93,28 @@ def median_of_others(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
     if p is None:                     # keys too wide to pack: number them densely first
         p = _packed(np.unique(keys, return_inverse=True)[1].ravel(), values)
     o = np.argsort(p[0]) if p is not None else np.lexsort((values, keys))
-    k, v = keys[o], values[o].astype(np.float64)
-    new = np.r_[True, k[1:] != k[:-1]]
+    del p
+    k = keys[o]
+    new = np.empty(n, bool)
+    new[0] = True
+    np.not_equal(k[1:], k[:-1], out=new[1:])
+    del k
     starts = np.flatnonzero(new)
+    del new
     sizes = np.diff(np.r_[starts, n])
-    gs = np.repeat(starts, sizes)
-    m = np.repeat(sizes, sizes) - 1                  # others in the group
+    gs = np.repeat(starts, sizes)                    # each element's group start (sorted order)
+    m = np.repeat(sizes - 1, sizes)                  # others in the group
     i = np.arange(n) - gs                            # own index within the sorted group
-    j1 = (m - 1) // 2
-    j2 = m // 2
+    v = values[o].astype(np.float64)
 
     def pick(j):
-        jj = np.where(j < i, j, j + 1)
-        return v[np.minimum(gs + jj, n - 1)]
+        j += j >= i                                  # the j-th of the others, skipping itself
+        j += gs
+        return v[np.minimum(j, n - 1, out=j)]
 
-    med = (pick(j1) + pick(j2)) / 2
+    med = pick((m - 1) // 2)
+    med += pick(m // 2)
+    med /= 2
     med[m == 0] = np.nan
     out[o] = med
     return out
