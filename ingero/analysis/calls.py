@@ -471,8 +471,9 @@ def _dups(inst: np.ndarray, rank: np.ndarray) -> np.ndarray:
     """Calls whose (instance, rank) was already seen earlier in call order."""
     idx = np.flatnonzero(inst >= 0)
     key = inst[idx] * (int(rank.max()) + 1) + rank[idx]
-    if len(pc.unique(pa.array(key))) == len(key):        # none (by a hash table, not a sort)
-        return np.zeros(len(inst), bool)
+    span = int(key.max()) + 1 if len(key) else 0
+    if span <= 4 * len(key) and np.bincount(key, minlength=span).max(initial=0) <= 1:
+        return np.zeros(len(inst), bool)               # none: counted, not sorted
     _, first = np.unique(key, return_index=True)
     dup = np.ones(len(idx), bool)
     dup[first] = False
