@@ -1,7 +1,7 @@
 """Gather + merge + analysis at scale: 1,024 ranks along the operator's path.
 
     python -m bench.analysis_scale [--layout tp=8,pp=8,dp=16] [--collectives 100000] [--nodes 128]
-                                   [--faults slow-rank,lossy-link] [--repeat 3] [--quick]
+                                   [--faults slow-rank,lossy-link] [--repeat 3] [--quick] [--baseline DIR]
 
 With ``--layout`` (the issue's target): a tensor x pipeline x data parallel job
 (``bench.synthetic.pipeline_session``, GPipe, Megatron rank order) with as many
@@ -26,6 +26,10 @@ planted straggler.
 Side by side, at a size where it finishes in reasonable time
 (``--compare-collectives``), the straightforward path this replaced: every row
 copied into a DuckDB file, then the SQL analysis. Both reports must be equal.
+
+With ``--baseline DIR`` (another checkout, e.g. ``git worktree add /tmp/base main``), each
+measured run is followed by the same run of DIR's code on the same segments; the two
+reports must be equal.
 """
 
 from __future__ import annotations
@@ -195,7 +199,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layout", default="", help="tp=T,pp=P,dp=D: a 3D job (slow-rank only); --ranks is T*P*D")
     ap.add_argument("--ranks", type=int, default=1024)
-    # 10,000: the dependency-aware engine holds every call in memory (~0.5 GB per M rows);
+    # 10,000: the dependency-aware engine holds every call in memory (~0.4 GB per M rows);
     # 100,000 (102 M rows) no longer fits in 24 GiB (docs/benchmarks.md)
     ap.add_argument("--collectives", type=int, default=10_000)
     ap.add_argument("--nodes", type=int, default=128)
