@@ -111,12 +111,10 @@ class Schedule:
     stuck_rounds: int
 
 
-def _expand(ptr: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(row of each item, index of each item) of the CSR segments ``ptr[r]:ptr[r + 1]`` of `rows`."""
+def _expand(ptr: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The item indices of the CSR segments ``ptr[r]:ptr[r + 1]`` of `rows`, in order."""
     cnt = ptr[rows + 1] - ptr[rows]
-    tot = int(cnt.sum())
-    start = np.repeat(ptr[rows] - (np.cumsum(cnt) - cnt), cnt)
-    return np.repeat(rows, cnt), start + np.arange(tot)
+    return np.repeat(ptr[rows] - (np.cumsum(cnt) - cnt), cnt) + np.arange(int(cnt.sum()))
 
 
 def schedule(ev: Events) -> Schedule:
@@ -151,7 +149,7 @@ def schedule(ev: Events) -> Schedule:
         np.add.at(inst_cnt, ci[ci >= 0], 1)
         r = new[has_rev[new]]
         if len(r):
-            np.add.at(dep_cnt, rev_src[_expand(rev_ptr, r)[1]], 1)
+            np.add.at(dep_cnt, rev_src[_expand(rev_ptr, r)], 1)
         cur = np.concatenate([waiting, new])
         ok = dep_cnt[cur] == ndeps[cur]
         ci = ev.inst[cur]
@@ -174,7 +172,7 @@ def schedule(ev: Events) -> Schedule:
     apos[arr] = np.arange(n)
     # own segments: the event itself, then its p2p dependencies arrived by its round
     q = np.repeat(np.arange(n), ndeps[go])         # completion index of each dependency, in order
-    d = ev.dep_idx[_expand(ev.dep_ptr, go)[1]]
+    d = ev.dep_idx[_expand(ev.dep_ptr, go)]
     keep = arr_round[d] <= go_round[go[q]]
     q, d = q[keep], d[keep]
     own_ptr = np.r_[0, np.cumsum(1 + np.bincount(q, minlength=n))]
