@@ -1,7 +1,7 @@
 """Gather + merge + analysis at scale: 1,024 ranks along the operator's path.
 
     python -m bench.analysis_scale [--layout tp=8,pp=8,dp=16] [--collectives 100000] [--nodes 128]
-                                   [--faults slow-rank,lossy-link] [--repeat 3] [--quick]
+                                   [--faults slow-rank,lossy-link] [--repeat 3] [--quick] [--baseline DIR]
 
 With ``--layout`` (the issue's target): a tensor x pipeline x data parallel job
 (``bench.synthetic.pipeline_session``, GPipe, Megatron rank order) with as many
@@ -26,6 +26,10 @@ planted straggler.
 Side by side, at a size where it finishes in reasonable time
 (``--compare-collectives``), the straightforward path this replaced: every row
 copied into a DuckDB file, then the SQL analysis. Both reports must be equal.
+
+With ``--baseline DIR`` (another checkout, e.g. ``git worktree add /tmp/base main``), each
+measured run is followed by the same run of DIR's code on the same segments; the two
+reports must be equal.
 """
 
 from __future__ import annotations
@@ -178,11 +182,12 @@ def child(root: Path, ranks: int, collectives: int, nodes: int, fault: str, path
 
 
 def run_child(root: Path, ranks: int, collectives: int, nodes: int, fault: str, path: str,
-              layout: str = "") -> dict:
-    out = subprocess.run([sys.executable, "-m", "bench.analysis_scale", "--child", str(root), "--ranks",
+              layout: str = "", repo: Path = REPO) -> dict:
+    """One measured run in a fresh process, of the code in `repo` (this checkout, or --baseline's)."""
+    out = subprocess.run([sys.executable, "-m", "bench.analysis_scale", "--child", str(root.resolve()), "--ranks",
                           str(ranks), "--collectives", str(collectives), "--nodes", str(nodes),
                           "--faults", fault, "--path", path, "--layout", layout],
-                         cwd=REPO, capture_output=True, text=True)
+                         cwd=repo, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"child failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.splitlines()[-1])
@@ -194,7 +199,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layout", default="", help="tp=T,pp=P,dp=D: a 3D job (slow-rank only); --ranks is T*P*D")
     ap.add_argument("--ranks", type=int, default=1024)
-    # 10,000: the dependency-aware engine holds every call in memory (~0.5 GB per M rows);
+    # 10,000: the dependency-aware engine holds every call in memory (~0.4 GB per M rows);
     # 100,000 (102 M rows) no longer fits in 24 GiB (docs/benchmarks.md)
     ap.add_argument("--collectives", type=int, default=10_000)
     ap.add_argument("--nodes", type=int, default=128)
@@ -205,6 +210,8 @@ def main(argv=None) -> dict:
                     help="size of the side-by-side run against the straightforward path (0: skip)")
     ap.add_argument("--data", type=Path, default=REPO / "out" / "bench-data" / "analysis_scale")
     ap.add_argument("--quick", action="store_true", help="64 ranks x 2,000 collectives on 8 nodes, one run")
+    ap.add_argument("--baseline", type=Path, help="another checkout (e.g. `git worktree add /tmp/base main`): "
+                    "each run is followed by the same run of its code on the same segments; reports must be equal")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--path", default="operator", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -230,8 +237,12 @@ def main(argv=None) -> dict:
               f"{a.nodes} nodes, {a.segments_per_node} segments per node; {os.cpu_count()} CPUs")
     for fault in faults:
         root = ensure_session(a.data, a.ranks, a.collectives, a.nodes, a.segments_per_node, fault, a.layout)
-        runs = [run_child(root, a.ranks, a.collectives, a.nodes, fault, "operator", a.layout)
-                for _ in range(a.repeat)]
+        runs, base = [], []
+        for _ in range(a.repeat):     # alternating with the baseline's runs: the same load on both
+            runs.append(run_child(root, a.ranks, a.collectives, a.nodes, fault, "operator", a.layout))
+            if a.baseline:
+                base.append(run_child(root, a.ranks, a.collectives, a.nodes, fault, "operator", a.layout,
+                                      repo=a.baseline.resolve()))
         if a.layout:
             results["rows"] = runs[0]["rows"]
         secs = [r["seconds"] for r in runs]
@@ -245,11 +256,24 @@ def main(argv=None) -> dict:
                "load_before": [round(r["load_before"], 2) for r in runs],
                "written": json.loads((root / "written.json").read_text())}
         results["runs"][fault] = res
+        if base:
+            b = {"seconds_median": statistics.median(r["seconds"] for r in base),
+                 "cpu_seconds_median": statistics.median(r["cpu_seconds"] for r in base),
+                 "peak_rss_mib": max(r["peak_rss_mib"] for r in base),
+                 "reports_equal": all(x["report"] == y["report"] for x, y in zip(runs, base))}
+            res["baseline"] = {**b, "repo": str(a.baseline)}
         print(f"  {fault}: {runs[0]['rows']:,} NCCL rows; gather+merge+analysis {res['seconds_median']:.2f} s median "
               f"(min {res['seconds_min']:.2f}, max {res['seconds_max']:.2f}, {len(runs)} runs; "
               f"{res['cpu_seconds_median']:.1f} CPU-s median), "
               f"peak RSS {peak:,.0f} MiB; verdict {'as planted' if res['verdict_ok'] else 'WRONG'}: "
               f"{r0['straggler']}")
+        if base:
+            b = res["baseline"]
+            print(f"    baseline {a.baseline}: {b['seconds_median']:.2f} s median, {b['cpu_seconds_median']:.1f} CPU-s, "
+                  f"peak RSS {b['peak_rss_mib']:,.0f} MiB: this checkout "
+                  f"{b['seconds_median'] / res['seconds_median']:.2f}x faster, "
+                  f"{b['cpu_seconds_median'] / res['cpu_seconds_median']:.2f}x less CPU, "
+                  f"{b['peak_rss_mib'] / peak:.2f}x less memory; reports {'identical' if b['reports_equal'] else 'DIFFER'}")
     if a.compare_collectives:
         fault = faults[0]
         root = ensure_session(a.data, a.ranks, a.compare_collectives, a.nodes, a.segments_per_node, fault)

@@ -139,12 +139,17 @@ def host_synchronous(ev, min_spread_ns: int = 100_000, min_instances: int = 10) 
     has = np.flatnonzero(ev.inst >= 0)
     if not len(has):
         return True
-    inst, a, e = ev.inst[has], ev.a[has], ev.e[has]
-    o = np.lexsort((a, inst))
-    inst, a, e = inst[o], a[o], e[o]
-    first = np.r_[True, inst[1:] != inst[:-1]]
-    last = np.r_[inst[1:] != inst[:-1], True]
-    a_first, e_first, a_last = a[first], e[first], a[last]
+    inst, a = ev.inst[has], ev.a[has]
+    ni = int(inst.max()) + 1
+    a_first = np.full(ni, np.iinfo(np.int64).max, np.int64)
+    np.minimum.at(a_first, inst, a)
+    a_last = np.full(ni, np.iinfo(np.int64).min, np.int64)
+    np.maximum.at(a_last, inst, a)
+    eq = a == a_first[inst]                       # the earliest arriver (of equal ones the first)
+    first = np.full(ni, len(has), np.int64)
+    np.minimum.at(first, inst[eq], np.flatnonzero(eq))
+    seen = first < len(has)
+    a_first, a_last, e_first = a_first[seen], a_last[seen], ev.e[has[first[seen]]]
     sel = (a_last - a_first) >= min_spread_ns
     if sel.sum() < min_instances:
         return True

@@ -33,6 +33,8 @@ import warnings as warnings_
 from dataclasses import dataclass, field
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from ingero.analysis import recover
 from ingero.errors import IngeroError
@@ -55,6 +57,9 @@ _QUERY = f"""
       AND ((e.op IN ({', '.join(repr(o) for o in OPS)}) AND (e.comm_id_hash <> 0 OR e.comm <> 0) AND e.seq IS NOT NULL)
            OR e.op IN ('GROUP_START', 'GROUP_END', 'GROUP_SIMULATE_END'))"""
 _ORDER = " ORDER BY grank, t, e.event_id"
+# Without the columns only the recovery of unknown communicators reads (recover.py), and
+# unsorted: numpy orders the calls (``_call_order``) for a fraction of what ORDER BY costs
+_QUERY_KNOWN = _QUERY.replace(", e.comm AS ptr, e.count AS cnt, e.datatype AS dtype", "")
 
 # The same columns from the NCCL profiler plugin's rows: when the GPU ran each operation
 # (device start/end, on the host's clock), NCCL's own communicator hash and seq, and the
@@ -175,9 +180,12 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
     warnings: list[str] = []
     with warnings_.catch_warnings():     # (DuckDB notes the Arrow copy of a DB-API result)
         warnings_.simplefilter("ignore", UserWarning)
-        tbl = con.execute(_DEVICE_QUERY if device else _QUERY + _ORDER).to_arrow_table()
-    if not device:       # communicators created before tracing: identity from the calls
-        tbl = recover.communicators(con, tbl, OPS, warnings)
+        tbl = (con.execute(_DEVICE_QUERY).to_arrow_table() if device
+               else _fetch(con, _QUERY_KNOWN, {"grank": -1, "crank": -1, "peer": -1, "ret": -1}))
+        # communicators created before tracing: identity from the calls, in call order
+        recovering = not device and tbl.num_rows > 0 and bool(recover.unknown_comm(tbl, OPS).any())
+        if recovering:
+            tbl = recover.communicators(con, con.execute(_QUERY + _ORDER).to_arrow_table(), OPS, warnings)
     if tbl.num_rows == 0:
         z = np.zeros(0, np.int64)
         return Calls(z, z, z, z.astype(np.int8), z, z, z, z, z, {}, z.astype(np.uint64), z, z, z, {}), warnings
@@ -201,8 +209,11 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
     peer_c = col("peer", np.int64, -1)
     pid = col("pid", np.int64)
     grp = col("grp", np.int64, -1) if device else None
-    o = np.flatnonzero(keep)           # rows come sorted by (rank, time, event id); NULL ranks last
-    if len(o) < len(keep):
+    if device or recovering:           # rows come sorted by (rank, time, event id); NULL ranks last
+        o = np.flatnonzero(keep)
+    else:
+        o = _call_order(rank, t, col("event_id", np.uint64))
+    if len(o) < len(keep) or not (device or recovering):
         rank, t, d, op, comm_h, seq, crank, peer_c, pid, sim_end = (
             a[o] for a in (rank, t, d, op, comm_h, seq, crank, peer_c, pid, sim_end))
         grp = grp[o] if device else None
@@ -255,8 +266,9 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
         if sq.min() < 0 or sq.max() >= 1 << 38 or comm.max() >= 1 << 20:
             raise IngeroError("a collective seq or communicator count out of range for the analysis")
         ik = (comm[coll] << 43) | (op[coll].astype(np.int64) << 38) | sq
-        u, inv, cnt = np.unique(ik, return_inverse=True, return_counts=True)
-        inst[coll] = inv.ravel()
+        u, inv = _codes(ik)
+        cnt = np.bincount(inv, minlength=len(u))
+        inst[coll] = inv
         inst_comm, inst_op = u >> 43, (u >> 38) & 31
         # one rank calling one instance twice: keep the first call as the instance's
         dup = _dups(inst, rank)
@@ -272,6 +284,49 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
                  inst_op=np.asarray(inst_op), inst_size=np.asarray(cnt), comm_members=members,
                  simulated=simulated_by_rank,
                  launch=_launches(rank, pid, comm, grp) if device else None), warnings
+
+
+def _fetch(con, sql: str, fills: dict):
+    """The rows of `sql` as an Arrow table, streamed batch by batch: text columns
+    dictionary-encoded (a handful of node, pod and op names), the others copied into numpy
+    memory with NULLs filled (`fills`, else 0), so DuckDB holds one batch at a time (memory
+    its allocator frees is only reused by DuckDB, and returned to the system ~10 s later)."""
+    batches = []
+    for b in con.sql(sql).to_arrow_reader(1 << 20):
+        cols = []
+        for name, c in zip(b.schema.names, b.columns):
+            if pa.types.is_string(c.type) or pa.types.is_large_string(c.type):
+                cols.append(pc.dictionary_encode(c))
+            else:
+                c = c.fill_null(pa.scalar(fills.get(name, 0), c.type)) if c.null_count else c
+                cols.append(pa.array(np.array(c.to_numpy(), copy=True), type=c.type))
+        batches.append(pa.RecordBatch.from_arrays(cols, names=b.schema.names))
+        del b
+    if not batches:
+        return con.execute(f"SELECT * FROM ({sql}) LIMIT 0").to_arrow_table()
+    return pa.Table.from_batches(batches).unify_dictionaries()
+
+
+def _call_order(rank: np.ndarray, t: np.ndarray, event_id: np.ndarray) -> np.ndarray:
+    """The rows with a rank (>= 0), by (rank, time, event id): one stable sort of (rank,
+    time) packed in an int64, event ids ordering the few rows that tie."""
+    keep = np.flatnonzero(rank >= 0)
+    if not len(keep):
+        return keep
+    rank, t, event_id = rank[keep], t[keep], event_id[keep]
+    t0 = int(t.min())
+    tbits = max((int(t.max()) - t0).bit_length(), 1)
+    if int(rank.max()).bit_length() + tbits > 62:
+        return keep[np.lexsort((event_id, t, rank))]
+    k = (rank << tbits) | (t - t0)
+    o = np.argsort(k, kind="stable")
+    ks = k[o]
+    tie = np.flatnonzero(ks[1:] == ks[:-1])
+    if len(tie):
+        at = np.unique(np.r_[tie, tie + 1])
+        sub = o[at]
+        o[at] = sub[np.lexsort((event_id[sub], k[sub]))]
+    return keep[o]
 
 
 def _monotonic(rank, t, d) -> tuple[np.ndarray, np.ndarray]:
@@ -305,8 +360,6 @@ def simulated_calls(con):
     The same query and the same steps as `load`, only run when some group was simulated."""
     if not con.execute("SELECT count(*) FROM nccl_events WHERE op = 'GROUP_SIMULATE_END' AND ret = 0").fetchone()[0]:
         return None
-    import pyarrow as pa
-
     with warnings_.catch_warnings():
         warnings_.simplefilter("ignore", UserWarning)
         tbl = con.execute(f"SELECT * FROM ({_QUERY}) q WHERE grank IS NOT NULL "
@@ -337,7 +390,9 @@ def _op_codes(tbl) -> tuple[np.ndarray, np.ndarray]:
     and the call returns ncclInProgress (7) (src/group.cc, 2.22.3 to master)."""
     code = {o: i + 1 for i, o in enumerate(OPS)}
     code.update(GROUP_START=_GS, GROUP_END=_GE, GROUP_SIMULATE_END=_GE)
-    enc = tbl.column("op").combine_chunks().dictionary_encode()     # a few distinct names
+    enc = tbl.column("op").combine_chunks()                         # a few distinct names
+    if not pa.types.is_dictionary(enc.type):
+        enc = enc.dictionary_encode()
     names = enc.dictionary.to_pylist()
     idx = enc.indices.to_numpy(zero_copy_only=False)
     op = np.array([code[o] for o in names], np.int8)[idx]
@@ -404,8 +459,6 @@ def launched_seq(rank: np.ndarray, op: np.ndarray, comm: np.ndarray, seq: np.nda
 def _codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(sorted distinct values, code of each value): np.unique(return_inverse=True), through a
     hash table (Arrow's dictionary encoding) rather than a sort of every value."""
-    import pyarrow as pa
-
     enc = pa.array(values).dictionary_encode()
     distinct = enc.dictionary.to_numpy(zero_copy_only=False)
     order = np.argsort(distinct, kind="stable")
@@ -418,6 +471,9 @@ def _dups(inst: np.ndarray, rank: np.ndarray) -> np.ndarray:
     """Calls whose (instance, rank) was already seen earlier in call order."""
     idx = np.flatnonzero(inst >= 0)
     key = inst[idx] * (int(rank.max()) + 1) + rank[idx]
+    span = int(key.max()) + 1 if len(key) else 0
+    if span <= 4 * len(key) and np.bincount(key, minlength=span).max(initial=0) <= 1:
+        return np.zeros(len(inst), bool)               # none: counted, not sorted
     _, first = np.unique(key, return_index=True)
     dup = np.ones(len(idx), bool)
     dup[first] = False
@@ -449,6 +505,7 @@ class Events:
     dep_idx: np.ndarray
     p2p_pairs: int
     unpaired: int
+    schedule: object = field(default=None, repr=False)   # replay.Schedule, found by the first replay
 
 
 def _group_owners(c: Calls) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

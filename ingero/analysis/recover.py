@@ -76,8 +76,7 @@ def communicators(con, tbl: pa.Table, ops: list[str], warnings: list[str]) -> pa
     if tbl.num_rows == 0 or "ptr" not in tbl.column_names:
         return tbl
     comm = tbl.column("comm").fill_null(0).to_numpy().astype(np.uint64)
-    data = pc.is_in(tbl.column("op"), value_set=pa.array(ops)).to_numpy(zero_copy_only=False)
-    unknown = data & (comm == 0)
+    unknown = unknown_comm(tbl, ops)
     if not unknown.any():             # every call's communicator is known: the common case
         return tbl
     ptr = tbl.column("ptr").fill_null(0).to_numpy().astype(np.uint64)
@@ -177,6 +176,12 @@ def communicators(con, tbl: pa.Table, ops: list[str], warnings: list[str]) -> pa
         out = out.set_column(j, name, pa.array(arr, type=out.schema.field(name).type))
     keep &= ~cut
     return out.filter(pa.array(keep)) if not keep.all() else out
+
+
+def unknown_comm(tbl: pa.Table, ops: list[str]) -> np.ndarray:
+    """Per row of `tbl`: a collective or p2p call on a communicator without identity."""
+    data = pc.is_in(tbl.column("op"), value_set=pa.array(ops)).to_numpy(zero_copy_only=False)
+    return data & (tbl.column("comm").fill_null(0).to_numpy() == 0)
 
 
 class _Handle:

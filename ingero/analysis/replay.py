@@ -39,29 +39,32 @@ def measure(ev: Events) -> Measured:
         w = np.maximum(w, 0)
     ready = ev.a.copy()
     crit = ev.rank.copy()
-    # collectives: the latest member arrival of the instance
+    # collectives: the latest member arrival of the instance, and who arrived last (of equal
+    # arrivals the latest in event order)
     has = ev.inst >= 0
     if has.any():
         ni = int(ev.inst.max()) + 1
-        mx = np.full(ni, _NEG, np.int64)
-        np.maximum.at(mx, ev.inst[has], ev.a[has])
         idx = np.flatnonzero(has)
-        ready[idx] = np.maximum(ready[idx], mx[ev.inst[idx]])
-        # who arrived last per instance
-        o = np.lexsort((ev.a[idx], ev.inst[idx]))
-        last = np.r_[ev.inst[idx][o][1:] != ev.inst[idx][o][:-1], True]
-        who = np.full(ni, -1, np.int64)
-        who[ev.inst[idx][o][last]] = ev.rank[idx][o][last]
-        late = ready[idx] > ev.a[idx]
-        crit[idx[late]] = who[ev.inst[idx[late]]]
-    # p2p: the latest dependency
-    nd = np.diff(ev.dep_ptr)
+        inst, a = ev.inst[idx], ev.a[idx]
+        mx = np.full(ni, _NEG, np.int64)
+        np.maximum.at(mx, inst, a)
+        ready[idx] = np.maximum(ready[idx], mx[inst])
+        eq = a == mx[inst]
+        last = np.full(ni, -1, np.int64)
+        np.maximum.at(last, inst[eq], idx[eq])
+        late = idx[ready[idx] > a]
+        crit[late] = ev.rank[last[ev.inst[late]]]
+    # p2p: the latest dependency (of equal arrivals the last listed)
     if len(ev.dep_idx):
-        src = np.repeat(np.arange(n), nd)
+        src = np.repeat(np.arange(n), np.diff(ev.dep_ptr))
         da = ev.a[ev.dep_idx]
-        o = np.lexsort((da, src))
-        lastd = np.r_[src[o][1:] != src[o][:-1], True]
-        s_last, d_last = src[o][lastd], ev.dep_idx[o][lastd]
+        mx = np.full(n, _NEG, np.int64)
+        np.maximum.at(mx, src, da)
+        eq = np.flatnonzero(da == mx[src])
+        lastd = np.full(n, -1, np.int64)
+        np.maximum.at(lastd, src[eq], eq)
+        s_last = np.flatnonzero(lastd >= 0)
+        d_last = ev.dep_idx[lastd[s_last]]
         later = ev.a[d_last] > ready[s_last]
         ready[s_last[later]] = ev.a[d_last[later]]
         crit[s_last[later]] = ev.rank[d_last[later]]
@@ -76,73 +79,201 @@ class Replayed:
     stuck_rounds: int
 
 
-def replay(ev: Events, w: np.ndarray, x: np.ndarray) -> Replayed:
-    """Arrivals and ends of every event with own work `w` and transfers `x`."""
+@dataclass
+class Schedule:
+    """A replay's rounds, by position: each round, the events that arrive (each rank's next
+    one) and those that complete (every dependency arrived). Structural: whether an event
+    may complete depends only on which of its dependencies have arrived, never on times,
+    so the schedule is found once per Events and every replay only computes times, round
+    by round over contiguous slices.
+
+    Round 0's arrivals are every rank's first event; round k + 1's the next events of the
+    ranks whose event completed in round k, in that order (``has_next``). ``arr``/``go``:
+    the event ids in arrival/completion order, round k's at ``arr_ptr[k]:arr_ptr[k + 1]``
+    and ``go_ptr[k]:go_ptr[k + 1]``. A completing event is ready at the latest arrival
+    among itself and its p2p dependencies (arrival positions ``own_pos``, per completion
+    from ``own_ptr``) and among its instance's members (``grp_pos`` from ``grp_ptr``, one
+    group per instance and round, ``grp_of`` per completion or -1; ``grp_rptr``: each
+    round's first group), counting those arrived by its round: all of them, unless the
+    round released a cycle."""
+
+    arr: np.ndarray
+    arr_ptr: np.ndarray
+    go: np.ndarray
+    go_ptr: np.ndarray
+    has_next: np.ndarray
+    own_pos: np.ndarray
+    own_ptr: np.ndarray
+    grp_pos: np.ndarray
+    grp_ptr: np.ndarray
+    grp_of: np.ndarray
+    grp_rptr: np.ndarray
+    stuck_rounds: int
+
+
+def _expand(ptr: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The item indices of the CSR segments ``ptr[r]:ptr[r + 1]`` of `rows`, in order."""
+    cnt = ptr[rows + 1] - ptr[rows]
+    return np.repeat(ptr[rows] - (np.cumsum(cnt) - cnt), cnt) + np.arange(int(cnt.sum()))
+
+
+def schedule(ev: Events) -> Schedule:
+    """The rounds of `ev`'s replays (see Schedule), found once and kept on `ev`."""
+    if ev.schedule is not None:
+        return ev.schedule
     n = len(ev.a)
-    A = np.zeros(n, np.int64)
-    E = np.zeros(n, np.int64)
-    if n == 0:
-        return Replayed(A, E, 0)
-    nr = len(ev.ranks)
-    lo, hi = ev.off[:-1].copy(), ev.off[1:]
-    ptr = lo.copy()
-    prev_end = ev.a[lo].astype(np.int64)          # first events anchor at the measured arrival
-    arrived = np.zeros(n, bool)
-    ni = int(ev.inst.max()) + 1 if (ev.inst >= 0).any() else 0
+    has_next = np.ones(n, bool)
+    has_next[ev.off[1:] - 1] = False
+    has = ev.inst >= 0
+    ni = int(ev.inst.max()) + 1 if has.any() else 0
+    inst_size = np.bincount(ev.inst[has], minlength=ni)
     inst_cnt = np.zeros(ni, np.int64)
-    inst_size = np.bincount(ev.inst[ev.inst >= 0], minlength=ni)
-    inst_max = np.full(ni, _NEG, np.int64)
     ndeps = np.diff(ev.dep_ptr)
-    # reverse CSR: for each event, the events that depend on it
-    if len(ev.dep_idx):
-        src = np.repeat(np.arange(n), ndeps)
-        o = np.argsort(ev.dep_idx, kind="stable")
-        rev_src = src[o]
-        rev_ptr = np.zeros(n + 1, np.int64)
-        np.add.at(rev_ptr, ev.dep_idx + 1, 1)
-        rev_ptr = np.cumsum(rev_ptr)
-        has_rev = np.diff(rev_ptr) > 0
-    else:
-        rev_src = np.zeros(0, np.int64)
-        rev_ptr = np.zeros(n + 1, np.int64)
-        has_rev = np.zeros(n, bool)
+    src = np.repeat(np.arange(n), ndeps)
+    o = np.argsort(ev.dep_idx, kind="stable")       # for each event, the events that depend on it
+    rev_src = src[o]
+    rev_ptr = np.r_[0, np.cumsum(np.bincount(ev.dep_idx, minlength=n))]
+    has_rev = np.diff(rev_ptr) > 0
     dep_cnt = np.zeros(n, np.int64)
-    dep_max = np.full(n, _NEG, np.int64)
+    arr_round = np.empty(n, np.int64)
+    go_round = np.empty(n, np.int64)
+    arrs, gos = [], []
     stuck = 0
-    active = np.arange(nr)
-    while len(active):
-        cur = ptr[active]
-        new = ~arrived[cur]
-        if new.any():
-            cn = cur[new]
-            A[cn] = prev_end[active[new]] + w[cn]
-            arrived[cn] = True
-            ci = ev.inst[cn]
-            m = ci >= 0
-            if m.any():
-                np.add.at(inst_cnt, ci[m], 1)
-                np.maximum.at(inst_max, ci[m], A[cn[m]])
-            r = cn[has_rev[cn]]
-            if len(r):
-                cnt = rev_ptr[r + 1] - rev_ptr[r]
-                at = np.repeat(rev_ptr[r], cnt) + (np.arange(cnt.sum()) - np.repeat(np.cumsum(cnt) - cnt, cnt))
-                dep = rev_src[at]
-                np.add.at(dep_cnt, dep, 1)
-                np.maximum.at(dep_max, dep, np.repeat(A[r], cnt))
-        ci = ev.inst[cur]
+    waiting = np.zeros(0, np.int64)
+    new = ev.off[:-1].astype(np.int64)
+    k = 0
+    while len(new) or len(waiting):
+        arrs.append(new)
+        arr_round[new] = k
+        ci = ev.inst[new]
+        np.add.at(inst_cnt, ci[ci >= 0], 1)
+        r = new[has_rev[new]]
+        if len(r):
+            np.add.at(dep_cnt, rev_src[_expand(rev_ptr, r)], 1)
+        cur = np.concatenate([waiting, new])
         ok = dep_cnt[cur] == ndeps[cur]
+        ci = ev.inst[cur]
         m = ci >= 0
         ok[m] &= inst_cnt[ci[m]] == inst_size[ci[m]]
         if not ok.any():                        # a cycle in bad data: release everyone waiting
             stuck += 1
             ok[:] = True
-        go, rk = cur[ok], active[ok]
-        ready = np.maximum(A[go], dep_max[go])
-        gi = ev.inst[go]
-        mi = gi >= 0
-        ready[mi] = np.maximum(ready[mi], inst_max[gi[mi]])
-        E[go] = ready + x[go]
-        prev_end[rk] = E[go]
-        ptr[rk] += 1
-        active = active[ptr[active] < hi[active]]
-    return Replayed(A, E, stuck)
+        go = cur[ok]
+        go = go[np.argsort(ev.inst[go], kind="stable")]      # an instance's members side by side
+        waiting = cur[~ok]
+        gos.append(go)
+        go_round[go] = k
+        new = go[has_next[go]] + 1
+        k += 1
+    arr, go = np.concatenate(arrs), np.concatenate(gos)
+    arr_ptr = np.r_[0, np.cumsum([len(a) for a in arrs]), n]        # round k + 1 may have none
+    go_ptr = np.r_[0, np.cumsum([len(g) for g in gos])]
+    apos = np.empty(n, np.int64)
+    apos[arr] = np.arange(n)
+    # own segments: the event itself, then its p2p dependencies arrived by its round
+    q = np.repeat(np.arange(n), ndeps[go])         # completion index of each dependency, in order
+    d = ev.dep_idx[_expand(ev.dep_ptr, go)]
+    keep = arr_round[d] <= go_round[go[q]]
+    q, d = q[keep], d[keep]
+    own_ptr = np.r_[0, np.cumsum(1 + np.bincount(q, minlength=n))]
+    own_pos = np.empty(int(own_ptr[-1]), np.int64)
+    own_pos[own_ptr[:-1]] = apos[go]
+    if len(q):
+        first = np.r_[True, q[1:] != q[:-1]]
+        nth = np.arange(len(q)) - np.maximum.accumulate(np.where(first, np.arange(len(q)), 0))
+        own_pos[own_ptr[q] + 1 + nth] = apos[d]
+    # instance groups: (round, instance) of the completing members, side by side in `go`
+    grp_of = np.full(n, -1, np.int64)
+    gq = np.flatnonzero(ev.inst[go] >= 0)
+    R = k + 1
+    if len(gq):
+        g_round, g_inst = go_round[go[gq]], ev.inst[go[gq]]
+        new_g = np.r_[True, (g_round[1:] != g_round[:-1]) | (g_inst[1:] != g_inst[:-1])]
+        gid = np.cumsum(new_g) - 1
+        grp_of[gq] = gid
+        starts = np.flatnonzero(new_g)
+        g_round, g_inst = g_round[starts], g_inst[starts]
+        sizes = np.diff(np.r_[starts, len(gq)])
+        grp_rptr = np.searchsorted(g_round, np.arange(R + 1))
+        # an instance that completes whole in one round (all but a cycle's): its members are
+        # its group, side by side in `go`; the others' members join every group of their
+        # instance from the round they arrived
+        whole = sizes == inst_size[g_inst]
+        ng = len(starts)
+        cnt = np.where(whole, sizes, 0)
+        part = np.flatnonzero(~whole)
+        if len(part):
+            pkey = g_inst[part] * R + g_round[part]
+            by = np.argsort(pkey, kind="stable")
+            pkey = pkey[by]
+            mark = np.zeros(ni, bool)
+            mark[g_inst[part]] = True
+            mem = np.flatnonzero(has & mark[np.maximum(ev.inst, 0)])
+            lo = np.searchsorted(pkey, ev.inst[mem] * R + arr_round[mem])
+            hi = np.searchsorted(pkey, ev.inst[mem] * R + R)
+            k_mem = hi - lo
+            mem_of = np.repeat(mem, k_mem)
+            pg = part[by[np.repeat(lo - (np.cumsum(k_mem) - k_mem), k_mem) + np.arange(int(k_mem.sum()))]]
+            o = np.argsort(pg, kind="stable")
+            mem_of, pg = mem_of[o], pg[o]
+            cnt += np.bincount(pg, minlength=ng)
+        grp_ptr = np.r_[0, np.cumsum(cnt)]
+        grp_pos = np.empty(int(grp_ptr[-1]), np.int64)
+        w = np.flatnonzero(whole[gid])                 # members of whole groups, in `go` order
+        grp_pos[grp_ptr[gid[w]] + (w - starts[gid[w]])] = apos[go[gq[w]]]
+        if len(part):
+            first = np.r_[True, pg[1:] != pg[:-1]]
+            nth = np.arange(len(pg)) - np.maximum.accumulate(np.where(first, np.arange(len(pg)), 0))
+            grp_pos[grp_ptr[pg] + nth] = apos[mem_of]
+    else:
+        grp_pos = np.zeros(0, np.int64)
+        grp_ptr = np.zeros(1, np.int64)
+        grp_rptr = np.zeros(R + 1, np.int64)
+    big = max(int(own_ptr[-1]), int(grp_ptr[-1]), n)
+    idx = np.int32 if big < np.iinfo(np.int32).max else np.int64   # positions: half the memory
+    ev.schedule = Schedule(arr=arr.astype(idx), arr_ptr=arr_ptr, go=go.astype(idx), go_ptr=go_ptr,
+                           has_next=has_next[go], own_pos=own_pos.astype(idx), own_ptr=own_ptr.astype(idx),
+                           grp_pos=grp_pos.astype(idx), grp_ptr=grp_ptr.astype(idx), grp_of=grp_of.astype(idx),
+                           grp_rptr=grp_rptr, stuck_rounds=stuck)
+    return ev.schedule
+
+
+def replay(ev: Events, w: np.ndarray, x: np.ndarray) -> Replayed:
+    """Arrivals and ends of every event with own work `w` and transfers `x`: arrival = the
+    rank's previous end + own work (a rank's first event: its measured arrival + own work),
+    end = the latest arrival among itself and its dependencies + transfer."""
+    n = len(ev.a)
+    if n == 0:
+        return Replayed(np.zeros(0, np.int64), np.zeros(0, np.int64), 0)
+    s = schedule(ev)
+    A = w[s.arr].astype(np.int64)                  # in arrival order
+    x_go = x[s.go]
+    E = np.empty(n, np.int64)                      # in completion order
+    first = s.arr[:s.arr_ptr[1]]
+    A[:len(first)] += ev.a[first]
+    own_rel = s.own_ptr[:-1]
+    grp_rel = s.grp_ptr[:-1]
+    for k in range(len(s.go_ptr) - 1):
+        q0, q1 = int(s.go_ptr[k]), int(s.go_ptr[k + 1])
+        o0, o1 = int(s.own_ptr[q0]), int(s.own_ptr[q1])
+        ready = np.maximum.reduceat(A[s.own_pos[o0:o1]], own_rel[q0:q1] - o0)
+        g0, g1 = int(s.grp_rptr[k]), int(s.grp_rptr[k + 1])
+        if g1 > g0:
+            m0, m1 = int(s.grp_ptr[g0]), int(s.grp_ptr[g1])
+            G = np.maximum.reduceat(A[s.grp_pos[m0:m1]], grp_rel[g0:g1] - m0)
+            gl = s.grp_of[q0:q1]
+            hit = gl >= 0
+            if hit.all():
+                np.maximum(ready, G[gl - g0], out=ready)
+            else:
+                ready[hit] = np.maximum(ready[hit], G[gl[hit] - g0])
+        e = ready + x_go[q0:q1]
+        E[q0:q1] = e
+        a0, a1 = int(s.arr_ptr[k + 1]), int(s.arr_ptr[k + 2])
+        if a1 > a0:
+            A[a0:a1] += e[s.has_next[q0:q1]]
+    a_out = np.empty(n, np.int64)
+    e_out = np.empty(n, np.int64)
+    a_out[s.arr] = A
+    e_out[s.go] = E
+    return Replayed(a_out, e_out, s.stuck_rounds)

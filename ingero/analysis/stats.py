@@ -52,13 +52,22 @@ def group_sort(keys: np.ndarray, values: np.ndarray):
 
 def group_quantile(keys: np.ndarray, values: np.ndarray, q: float):
     """(unique keys, quantile_cont(q) of each group's values), linear interpolation."""
+    uk, _, (qv,) = group_quantiles(keys, values, (q,))
+    return uk, qv
+
+
+def group_quantiles(keys: np.ndarray, values: np.ndarray, qs) -> tuple[np.ndarray, np.ndarray, list]:
+    """(unique keys, group sizes, [quantile_cont(q) of each group's values for q in qs]), one sort."""
     uk, starts, sizes, v = group_sort(keys, values)
-    rn = (sizes - 1) * q
-    lo = np.floor(rn).astype(np.int64)
-    hi = np.ceil(rn).astype(np.int64)
-    f = rn - lo
-    vl, vh = v[starts + lo].astype(np.float64), v[starts + hi].astype(np.float64)
-    return uk, vl + (vh - vl) * f
+    out = []
+    for q in qs:
+        rn = (sizes - 1) * q
+        lo = np.floor(rn).astype(np.int64)
+        hi = np.ceil(rn).astype(np.int64)
+        f = rn - lo
+        vl, vh = v[starts + lo].astype(np.float64), v[starts + hi].astype(np.float64)
+        out.append(vl + (vh - vl) * f)
+    return uk, sizes, out
 
 
 def quantile_at(keys: np.ndarray, values: np.ndarray, q: float, at: np.ndarray) -> np.ndarray:
@@ -84,21 +93,28 @@ def median_of_others(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
     if p is None:                     # keys too wide to pack: number them densely first
         p = _packed(np.unique(keys, return_inverse=True)[1].ravel(), values)
     o = np.argsort(p[0]) if p is not None else np.lexsort((values, keys))
-    k, v = keys[o], values[o].astype(np.float64)
-    new = np.r_[True, k[1:] != k[:-1]]
+    del p
+    k = keys[o]
+    new = np.empty(n, bool)
+    new[0] = True
+    np.not_equal(k[1:], k[:-1], out=new[1:])
+    del k
     starts = np.flatnonzero(new)
+    del new
     sizes = np.diff(np.r_[starts, n])
-    gs = np.repeat(starts, sizes)
-    m = np.repeat(sizes, sizes) - 1                  # others in the group
+    gs = np.repeat(starts, sizes)                    # each element's group start (sorted order)
+    m = np.repeat(sizes - 1, sizes)                  # others in the group
     i = np.arange(n) - gs                            # own index within the sorted group
-    j1 = (m - 1) // 2
-    j2 = m // 2
+    v = values[o].astype(np.float64)
 
     def pick(j):
-        jj = np.where(j < i, j, j + 1)
-        return v[np.minimum(gs + jj, n - 1)]
+        j += j >= i                                  # the j-th of the others, skipping itself
+        j += gs
+        return v[np.minimum(j, n - 1, out=j)]
 
-    med = (pick(j1) + pick(j2)) / 2
+    med = pick((m - 1) // 2)
+    med += pick(m // 2)
+    med /= 2
     med[m == 0] = np.nan
     out[o] = med
     return out
@@ -113,13 +129,17 @@ def robust_z(values: dict, floor: float) -> dict:
     if len(keys) < 2:
         return {k: 0.0 for k in keys}
     x = np.asarray([float(values[k]) for k in keys])
-    out = {}
-    for i, k in enumerate(keys):
-        others = np.delete(x, i)
-        med = float(np.median(others))
-        scale = max(1.4826 * float(np.median(np.abs(others - med))), floor)
-        out[k] = (x[i] - med) / scale
-    return out
+    n = len(x)
+    z = np.empty(n)
+    for lo in range(0, n, 256):                     # rows of "the others", a block at a time
+        i = np.arange(lo, min(lo + 256, n))
+        keep = np.ones((len(i), n), bool)
+        keep[np.arange(len(i)), i] = False
+        others = np.broadcast_to(x, keep.shape)[keep].reshape(len(i), n - 1)
+        med = np.median(others, axis=1)
+        scale = np.maximum(1.4826 * np.median(np.abs(others - med[:, None]), axis=1), floor)
+        z[i] = (x[i] - med) / scale
+    return dict(zip(keys, z.tolist()))
 
 
 def rank_rows(c: Calls, slow_collective_ms: float | None) -> tuple[dict, list[str]]:
@@ -135,18 +155,18 @@ def rank_rows(c: Calls, slow_collective_ms: float | None) -> tuple[dict, list[st
     if not coll.any():
         return rows, warnings
     cr, cd, ct, ci, co = c.rank[coll], c.d[coll], c.t[coll], c.inst[coll], c.op[coll].astype(np.int64)
-    uk, n = np.unique(cr, return_counts=True)
-    for r, k in zip(uk.tolist(), n.tolist()):
-        rows[r].collectives = k
-    _, p50 = group_quantile(cr, cd, 0.5)
-    _, p99 = group_quantile(cr, cd, 0.99)
-    for r, a, b in zip(uk.tolist(), p50.tolist(), p99.tolist()):
-        rows[r].p50_ms, rows[r].p99_ms = a / 1e6, b / 1e6
     W = int(cr.max()) + 1
     key = cr * 64 + co
-    kk, cnt = np.unique(key, return_counts=True)
-    _, q50 = group_quantile(key, cd, 0.5)
-    _, q99 = group_quantile(key, cd, 0.99)
+    kk, cnt, (q50, q99) = group_quantiles(key, cd, (0.5, 0.99))
+    uk = np.unique(kk // 64)
+    if len(uk) == len(kk):           # one op per rank: its calls are its op's calls
+        n, p50, p99 = cnt, q50, q99
+    else:
+        uk, n, (p50, p99) = group_quantiles(cr, cd, (0.5, 0.99))
+    for r, k in zip(uk.tolist(), n.tolist()):
+        rows[r].collectives = k
+    for r, a, b in zip(uk.tolist(), p50.tolist(), p99.tolist()):
+        rows[r].p50_ms, rows[r].p99_ms = a / 1e6, b / 1e6
     for k, m, a, b in zip(kk.tolist(), cnt.tolist(), q50.tolist(), q99.tolist()):
         rows[k // 64].per_op[OPS[k % 64 - 1]] = {"calls": m, "p50_ms": a / 1e6, "p99_ms": b / 1e6}
     if slow_collective_ms is not None:
@@ -215,7 +235,8 @@ def add_network(c: Calls, rows: dict, ts: np.ndarray, rk: np.ndarray, windows: b
         r.retransmits = len(mine)
         if not len(mine) or not windows:
             continue
-        sel = (c.rank == r.rank) & (c.op > 0)
+        lo, hi = np.searchsorted(c.rank, [r.rank, r.rank + 1])          # calls come rank by rank
+        sel = np.flatnonzero(c.op[lo:hi] > 0) + lo
         t, e = c.t[sel], c.t[sel] + c.d[sel]
         o = np.argsort(t, kind="stable")
         t, e = t[o], np.maximum.accumulate(e[o])

@@ -26,7 +26,7 @@ within a role.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -56,12 +56,17 @@ class Timeline:
     since: np.ndarray | None = None   # per event: its ordinal since the rank's last marker
     slots: int = 1                    # ordinals per step (bound)
     covered: list | None = None       # the ranks inside the window (None: every rank)
+    boundary: np.ndarray | None = field(default=None, repr=False)   # events of the boundary instances
 
     def marker_ends(self, E: np.ndarray) -> np.ndarray:
         """(markers, steps + 1): the end of each boundary instance, for event ends E."""
-        ends = np.full(int(self.ev.inst.max()) + 1, np.iinfo(np.int64).min, np.int64)
-        has = self.ev.inst >= 0
-        np.maximum.at(ends, self.ev.inst[has], E[has])
+        ni = int(self.ev.inst.max()) + 1
+        if self.boundary is None:
+            mark = np.zeros(ni, bool)
+            mark[np.ravel(self.marker_inst)] = True
+            self.boundary = np.flatnonzero((self.ev.inst >= 0) & mark[np.maximum(self.ev.inst, 0)])
+        ends = np.full(ni, np.iinfo(np.int64).min, np.int64)
+        np.maximum.at(ends, self.ev.inst[self.boundary], E[self.boundary])
         return ends[np.atleast_2d(self.marker_inst)]
 
     def step_ns(self, E: np.ndarray) -> float:
@@ -347,7 +352,8 @@ def _per_rank(tl: Timeline, values: np.ndarray) -> dict:
     """Per covered rank: the sum of `values` over its events in the window, per step."""
     ev = tl.ev
     sel = tl.inwin
-    tot = np.bincount(np.searchsorted(ev.ranks, ev.rank[sel]), weights=values[sel], minlength=len(ev.ranks))
+    seg = np.repeat(np.arange(len(ev.ranks)), np.diff(ev.off))       # events come rank by rank
+    tot = np.bincount(seg[sel], weights=values[sel], minlength=len(ev.ranks))
     keep = set(tl.covered) if tl.covered is not None else None
     return {int(r): float(v) / tl.steps for r, v in zip(ev.ranks.tolist(), tot.tolist())
             if keep is None or r in keep}

@@ -574,13 +574,15 @@ def _network(c: Calls, tl: Timeline, rows: dict, retx):
     if len(ts) < RETX_MIN:
         return None
     ev, m = tl.ev, tl.m
-    lo, hi = m.ready, ev.e
+    # the events with any retransmit in their transfer window (few): each node's are among them
+    k = np.searchsorted(ts, ev.e, side="right") - np.searchsorted(ts, m.ready, side="left")
+    cand = np.flatnonzero((k > 0) & tl.inwin)
+    lo, hi = m.ready[cand], ev.e[cand]
     by_node: dict = {}
     for nd in sorted({n for n in nodes if n is not None}):
         sel = np.array([n == nd for n in nodes])
         t = ts[sel]
-        k = np.searchsorted(t, hi, side="right") - np.searchsorted(t, lo, side="left")
-        hit = (k > 0) & tl.inwin
+        hit = (np.searchsorted(t, hi, side="right") - np.searchsorted(t, lo, side="left")) > 0
         # retransmits of this node that fall in some transfer window
         inwin = np.zeros(len(t), bool)
         if hit.any():
@@ -588,12 +590,14 @@ def _network(c: Calls, tl: Timeline, rows: dict, retx):
             l, h = lo[hit][order], np.maximum.accumulate(hi[hit][order])
             i = np.searchsorted(l, t, side="right") - 1
             inwin = (i >= 0) & (h[np.maximum(i, 0)] >= t)
-        by_node[nd] = (int(inwin.sum()), hit, rk[sel][inwin])
+        by_node[nd] = (int(inwin.sum()), cand[hit], rk[sel][inwin])
     total = sum(v[0] for v in by_node.values())
     if total < RETX_MIN:
         return None
     node = max(by_node, key=lambda k: by_node[k][0])
-    n, hit, owners = by_node[node]
+    n, hit_idx, owners = by_node[node]
+    hit = np.zeros(len(ev.a), bool)
+    hit[hit_idx] = True
     if n < RETX_SHARE * total or hit.sum() < RETX_MIN_EVENT_SHARE * tl.inwin.sum():
         return None
     owners = owners[owners >= 0]
