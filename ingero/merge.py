@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 from ingero import schema
 from ingero.comms import resolve_split_ranks
 from ingero.errors import IngeroError
+from ingero.store import separate_recordings
 
 # Shifted by a node's clock offset, as in the operator's gather.
 SHIFTED = schema.CLOCK_COLUMNS
@@ -220,16 +221,17 @@ class Merger:
             self.result.offsets.setdefault(node, None)
 
     def keep_session(self, session: str | None) -> None:
-        """Keep the staged rows of one session: `session`, or the only one there is; several
-        without `session`, or a `session` not there, is an IngeroError listing them."""
+        """Keep the staged rows of one session: `session`, or every one when they are one job
+        traced node by node (store.separate_recordings); separate recordings without
+        `session`, or a `session` not there, is an IngeroError listing them."""
         have = sorted({str(s) for (s,) in self.con.execute(" UNION ".join(
             f"SELECT DISTINCT session_id FROM stage.{t}" for t in schema.TABLES)).fetchall()})
         listed = ", ".join(have[:10]) + (", …" if len(have) > 10 else "")
         if session is not None and session not in have:
             raise IngeroError(f"the inputs hold no session {session!r}; they hold {listed}")
-        if session is None and len(have) > 1:
-            raise IngeroError(f"the inputs hold {len(have)} sessions ({listed}): pick one with --session "
-                              "(nodes traced apart by `ingero trace` need the same --session-id)")
+        if session is None and len(have) > 1 and separate_recordings(self.con, "stage"):
+            raise IngeroError(f"the inputs hold {len(have)} sessions ({listed}) that recorded one node or "
+                              "rank twice: pick one with --session")
         if session is not None:
             for t in schema.TABLES:
                 self.con.execute(f"DELETE FROM stage.{t} WHERE session_id IS DISTINCT FROM ?", [session])
@@ -290,10 +292,10 @@ def _segment_inputs(d: Path) -> list[tuple[Path, str]]:
 def merge(inputs: list[Path], out: Path, offsets: dict[str, int] | None = None,
           session: str | None = None) -> MergeResult:
     """Merge `inputs` (DuckDB files, segment folders, segment files) into `out`: the rows
-    of `session`, or of the only session the inputs hold.
+    of `session`, or of every session when they are one job traced node by node.
 
-    IngeroError when nothing usable was found, or when the inputs hold several sessions and
-    `session` names none of them (the output is then not written).
+    IngeroError when nothing usable was found, or when the inputs hold separate recordings
+    (store.separate_recordings) and `session` names none of them (the output is then not written).
     """
     out = Path(out)
     if not out.parent.is_dir():

@@ -7,7 +7,8 @@ each node's clock offset is applied when an input knows it (or when given
 with --clock-offset), split communicators' ranks are resolved, and merging
 the result with an input again changes nothing. A truncated or foreign file
 is named and skipped; the merge fails only when nothing usable is left, or
-when the inputs hold several sessions and --session names none of them.
+when the inputs hold several sessions that recorded one node or rank twice and
+--session names none of them.
 """
 
 from __future__ import annotations

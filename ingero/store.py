@@ -414,10 +414,11 @@ def open_source(path: Path, session: str | None = None):
                               "or the segment directory `ingero trace` wrote")
         if session is not None and session not in sessions:
             raise IngeroError(f"{path} holds no session {session!r}; it holds {', '.join(sessions)}")
-        if session is None and len(sessions) > 1:
-            raise IngeroError(f"{path} holds {len(sessions)} sessions ({', '.join(sessions[:10])}"
-                              f"{', …' if len(sessions) > 10 else ''}): pick one with --session")
-        return open_sandbox(path, session=session)
+        con = open_sandbox(path, session=session)
+        if session is None and len(sessions) > 1 and separate_recordings(con):
+            con.close()
+            raise IngeroError(f"{path} holds {len(sessions)} sessions ({_listed(sessions)}): pick one with --session")
+        return con
     if not path.exists():
         raise IngeroError(f"{path} does not exist; pass a trace .duckdb file or a segment directory")
     con = open_sandbox(path)
@@ -425,14 +426,36 @@ def open_source(path: Path, session: str | None = None):
         sessions = file_sessions(con)
         if session is not None and session not in sessions:
             raise IngeroError(f"{path} holds no session {session!r}; it holds {', '.join(sessions) or 'none'}")
-        if len(sessions) > 1:
-            raise IngeroError(f"{path} holds {len(sessions)} sessions ({', '.join(sessions[:10])}"
-                              f"{', …' if len(sessions) > 10 else ''}): write one apart with "
-                              f"`ingero merge {path} --session ID -o one.duckdb`")
+        if len(sessions) > 1 and separate_recordings(con):
+            raise IngeroError(f"{path} holds {len(sessions)} sessions ({_listed(sessions)}): write one apart "
+                              f"with `ingero merge {path} --session ID -o one.duckdb`")
     except BaseException:
         con.close()
         raise
     return con
+
+
+def _listed(sessions: list[str]) -> str:
+    return ", ".join(sessions[:10]) + (", …" if len(sessions) > 10 else "")
+
+
+def separate_recordings(con, schema_name: str = "") -> bool:
+    """Whether the sessions of a trace are separate recordings that must not be read together:
+    a node or a rank recorded under two of them (two runs traced on one machine, one job traced
+    twice). Sessions of disjoint nodes and ranks are one job traced node by node (an `ingero
+    trace` per node, the lab's tracers) and are read as one. `schema_name`: where the tables
+    are (merge's staging schema)."""
+    p = f"{schema_name}." if schema_name else ""
+    for tables in (("sessions", "nodes", "ranks"), schema.EVENT_TABLES):
+        pairs = " UNION ".join(f"SELECT DISTINCT session_id, node FROM {p}{t} WHERE session_id IS NOT NULL"
+                               for t in tables)
+        if con.execute(f"SELECT count(*) FROM ({pairs})").fetchone()[0]:
+            break
+    if con.execute(f"SELECT count(*) FROM ({pairs}) GROUP BY node HAVING count(DISTINCT session_id) > 1 "
+                   "LIMIT 1").fetchall():
+        return True
+    return bool(con.execute(f"SELECT rank FROM {p}ranks WHERE rank IS NOT NULL AND session_id IS NOT NULL "
+                            "GROUP BY rank HAVING count(DISTINCT session_id) > 1 LIMIT 1").fetchall())
 
 
 def file_sessions(con) -> list[str]:

@@ -186,7 +186,7 @@ def test_merge_cli_names_skipped_files_and_the_offsets_it_applied(job, capsys):
 def test_two_sessions_of_one_node_are_merged_one_at_a_time_each_with_its_own_rows(tmp_path):
     write_node(tmp_path / "s1", "node-a", [0, 1], steps=3, session=SESSION)
     write_node(tmp_path / "s2", "node-a", [0, 1], steps=3, session="default.job.other")
-    with pytest.raises(IngeroError, match=r"2 sessions \(default.job.abc, default.job.other\): pick one"):
+    with pytest.raises(IngeroError, match=r"2 sessions \(default.job.abc, default.job.other\) that recorded one node or rank twice: pick one"):
         merge([tmp_path / "s1", tmp_path / "s2"], tmp_path / "m.duckdb")
     assert not (tmp_path / "m.duckdb").exists()
     for sid in (SESSION, "default.job.other"):
@@ -214,3 +214,14 @@ def test_device_times_of_profiler_rows_are_shifted_by_the_node_offset_like_times
     shutil.copytree(seg, local.node_dir("node-b"))
     build_artifact(local, {"node-b": SKEW})
     assert q(local.artifact, f"SELECT {cols} FROM nccl_profiler_events") == want
+
+
+def test_nodes_traced_apart_are_one_job_read_together(tmp_path):
+    # an `ingero trace` per node (the lab's tracers, a late attach by --pid): a session id
+    # each, but no node or rank recorded twice: merged and read as one job
+    write_node(tmp_path / "a", "node-a", [0, 1], steps=3, session="node-a-run")
+    write_node(tmp_path / "b", "node-b", [2, 3], steps=3, session="node-b-run")
+    merge([tmp_path / "a", tmp_path / "b"], tmp_path / "m.duckdb")
+    assert q(tmp_path / "m.duckdb", "SELECT list_sort(list(DISTINCT rank)) FROM ranks") == [([0, 1, 2, 3],)]
+    con = open_source(tmp_path / "m.duckdb")
+    con.close()

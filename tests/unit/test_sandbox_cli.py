@@ -3,7 +3,6 @@ and bad traces get one-line errors (finding 4 and 7 of the hardening issue)."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import duckdb
@@ -91,10 +90,7 @@ def test_a_duckdb_lacking_tables_reads_them_as_empty_and_lacking_columns_is_a_on
 
 def test_a_folder_holding_several_sessions_is_refused_with_the_list_or_read_with_session(tmp_path, capsys):
     session(tmp_path / "segs", steps=5)
-    other = tmp_path / "segs" / "node-c"
-    shutil.copytree(tmp_path / "segs" / "node-a", other)
-    for f in list(other.rglob("*.parquet")):
-        f.rename(f.with_name(f.name.replace("node-a__synthetic", "node-c__another")))
+    write_node(tmp_path / "segs" / "node-c", "node-c", [0, 1], steps=5, session="another")   # ranks 0, 1 again
     err = _one_line_error(capsys, ["report", str(tmp_path / "segs")])
     assert "2 sessions (another, synthetic)" in err and "--session" in err
     assert main(["report", str(tmp_path / "segs"), "--session", "synthetic"]) == 0
