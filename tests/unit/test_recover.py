@@ -24,14 +24,25 @@ STEP = 100_000_000
 MS = 1_000_000
 
 
+NAMES = ("event_id", "node", "pid", "global_rank", "rank", "nranks", "comm_id_hash", "seq", "timestamp_ns",
+         "duration_ns", "op", "comm", "count", "bytes", "datatype", "peer")
+
+
+def _trace(rows: list[tuple]) -> duckdb.DuckDBPyConnection:
+    """An in-memory trace holding `rows` (in NAMES' order) as nccl_events, all returned 0."""
+    con = duckdb.connect()
+    schema.create_all(con)
+    con.register("calls", pa.table({k: [row[i] for row in rows] for i, k in enumerate(NAMES)}))
+    con.execute(f"INSERT INTO nccl_events ({', '.join(NAMES)}, ret) SELECT *, 0 FROM calls")
+    return con
+
+
 def _job(steps=30, missed=(0, 1, 0, 2), blocking=True, node_skew_ms=3.0, ranks=(0, 1, 2, 3),
          profiler_ranks=(), slow_rank=None, seed=1):
     """A DuckDB connection holding the trace. `missed[r]`: steps rank r ran before tracing
     began (its calls then are not in the trace); `blocking`: calls return when the
     collective completes (a CPU NCCL), else right after they are queued (a GPU)."""
     rng = np.random.default_rng(seed)
-    con = duckdb.connect()
-    schema.create_all(con)
     rows = []
     seqs: dict = {}
     eid = [0]
@@ -77,11 +88,7 @@ def _job(steps=30, missed=(0, 1, 0, 2), blocking=True, node_skew_ms=3.0, ranks=(
             call(r, 0xA000 + r, "SEND", g + 2000, 1000, count=1024, peer=(r + 1) % 4)
             call(r, 0xA000 + r, "RECV", g + 4000, 1000, count=1024, peer=(r - 1) % 4)
             call(r, 0, "GROUP_END", g + 6000, MS)
-    names = ("event_id", "node", "pid", "global_rank", "rank", "nranks", "comm_id_hash", "seq", "timestamp_ns",
-             "duration_ns", "op", "comm", "count", "bytes", "datatype", "peer")
-    calls = pa.table({n: [row[i] for row in rows] for i, n in enumerate(names)})
-    con.register("calls", calls)
-    con.execute(f"INSERT INTO nccl_events ({', '.join(names)}, ret) SELECT *, 0 FROM calls")
+    con = _trace(rows)
     for r in profiler_ranks:
         con.execute("INSERT INTO nccl_profiler_events (node, pid, global_rank, device_start_ns, device_end_ns) "
                     "VALUES (?, ?, ?, ?, ?)", [f"n{r // 2}", 100 + r, r, T0, T0 + 1000])
@@ -175,8 +182,6 @@ def _pipeline(steps=20, micro=4, missed=(0, 0, 2, 1), woken_late_ms=0):
     ran before tracing began. The second pipeline runs 2 ms behind the first. A receive
     returns up to `woken_late_ms` after its data came (a busy machine)."""
     rng = np.random.default_rng(5)
-    con = duckdb.connect()
-    schema.create_all(con)
     rows, seqs, n = [], {}, {r: 0 for r in range(4)}
 
     def call(r, op, t, d, peer):
@@ -199,11 +204,7 @@ def _pipeline(steps=20, micro=4, missed=(0, 0, 2, 1), woken_late_ms=0):
                 call(second, "RECV", t + 3 * MS, 30_000, 0)          # posted later: data is there
                 call(second, "SEND", t + 8 * MS, 20_000, 0)          # gradients back
                 call(first, "RECV", t + 5 * MS, 3 * MS + 40_000, 1)  # waits for them
-    names = ("event_id", "node", "pid", "global_rank", "rank", "nranks", "comm_id_hash", "seq", "timestamp_ns",
-             "duration_ns", "op", "comm", "count", "bytes", "datatype", "peer")
-    con.register("calls", pa.table({k: [row[i] for row in rows] for i, k in enumerate(names)}))
-    con.execute(f"INSERT INTO nccl_events ({', '.join(names)}, ret) SELECT *, 0 FROM calls")
-    return con
+    return _trace(rows)
 
 
 def test_communicators_that_only_send_and_receive_get_members_and_ranks_from_their_peers():
@@ -259,8 +260,6 @@ def _in_step(steps=40, seed=3):
     later, each at its own moment, and is woken late (0-8 ms, a busy machine), so a waiting
     rank's call ends closer to the other waiting rank's than to its partner's."""
     rng = np.random.default_rng(seed)
-    con = duckdb.connect()
-    schema.create_all(con)
     rows = []
     for step in range(steps):
         base = T0 + step * STEP
@@ -272,11 +271,7 @@ def _in_step(steps=40, seed=3):
             for r, (t, e) in span.items():
                 rows.append((len(rows) + 1, f"n{r // 2}", 100 + r, r, -1, -1, 0, step, t, e - t, "ALL_REDUCE",
                              0xE000 + r, 4096, 4096 * 4, "float32", -1))
-    names = ("event_id", "node", "pid", "global_rank", "rank", "nranks", "comm_id_hash", "seq", "timestamp_ns",
-             "duration_ns", "op", "comm", "count", "bytes", "datatype", "peer")
-    con.register("calls", pa.table({k: [row[i] for row in rows] for i, k in enumerate(names)}))
-    con.execute(f"INSERT INTO nccl_events ({', '.join(names)}, ret) SELECT *, 0 FROM calls")
-    return con
+    return _trace(rows)
 
 
 def test_a_handle_whose_calls_overlap_only_its_partners_is_grouped_with_them_not_the_tightest():
