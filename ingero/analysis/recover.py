@@ -389,7 +389,8 @@ def _p2p_match(s: np.ndarray, r: np.ndarray, t, d) -> tuple[float, float, float]
         if lag is not None and np.mean(lag < -NOISE_NS) <= MAX_APART:
             a, b = (es[-k:], er) if k < 0 else (es, er[k:])
             m = len(lag)
-            agree, early = float(np.mean(lag >= -NOISE_NS)) * m / min(len(s), len(r)), 0.0
+            early = float(np.mean(lag < -NOISE_NS))
+            agree = (1.0 - early) * m / min(len(s), len(r))
             gap = float(np.median(np.abs(b[:m] - a[:m])))
     return agree, early, gap
 
@@ -452,7 +453,7 @@ def _shift(sends: np.ndarray, recvs: np.ndarray, t, d) -> tuple[int, np.ndarray 
     receive i + shift. The shift: near the one most sends have to the receive ending nearest
     them, one whose receives (but a few, MAX_APART) do not end before their send began (data
     cannot arrive before it is sent), then the shortest median wait from send to receive
-    end. (0, None) when no shift leaves MIN_CALLS pairs."""
+    end. (the nearest one, None) when no shift leaves MIN_CALLS pairs."""
     s, r = sends[np.argsort(t[sends], kind="stable")], recvs[np.argsort(t[recvs], kind="stable")]
     ts, er = t[s], t[r] + d[r]
     j = np.clip(np.searchsorted(er, ts), 0, len(er) - 1)
@@ -470,7 +471,7 @@ def _shift(sends: np.ndarray, recvs: np.ndarray, t, d) -> tuple[int, np.ndarray 
         score = (float(np.mean(lag < -NOISE_NS)) > MAX_APART, float(np.median(np.abs(lag))))
         if best is None or score < best[0]:
             best = (score, k, lag)
-    return (best[1], best[2]) if best else (0, None)
+    return (best[1], best[2]) if best else (k0, None)
 
 
 def _group_times(opname, grank, t, d) -> tuple[np.ndarray, np.ndarray]:
