@@ -186,12 +186,13 @@ def main(argv=None) -> int:
             for i in range(a.runs):
                 out = Path(tempfile.mkdtemp(prefix="verdict-lab-"))
                 t = time.monotonic()
+                cfg = dict(kw, **overrides)
                 try:
-                    rep, lab = one(dict(kw, **overrides), a.steps, load, out)
+                    rep, lab = one(cfg, a.steps, load, out)
                     s = rep.straggler
                     # a trace that cannot be judged is never right, not even for a clean job
                     ok = (check(s, lab) and rep.verdict != "cannot-judge"
-                          and (rep.timing == "device") == (kw.get("device") == "gpu"))
+                          and (rep.timing == "device") == (cfg.get("device") == "gpu"))
                     what = (rep.verdict if s is None else f"{s.kind} {s.group or s.rank} {s.cause} "
                             f"{s.saving_pct:.1f}%")
                     line = (f"load {load} {name:22s} run {i + 1}: {'RIGHT' if ok else 'WRONG'}  {what}; "
