@@ -31,7 +31,8 @@ def _one(storage: str, loop: Path, lib: Path, threads: int, rounds: int) -> dict
     from ingero_agent.elfsyms import nccl_symbols
     from ingero_agent.inflight import FrameReader, snapshot
     from ingero_agent.probes import ProbeConfig, Probes
-    from ingero_agent.stackscan import StackScanner, api_op
+    from ingero_agent.decode import op_name
+    from ingero_agent.stackscan import StackScanner
 
     late = storage == "stack"
     p = Probes(ProbeConfig(families=("nccl",), self_tgid=os.getpid(), frame_storage="auto" if late else storage))
@@ -55,7 +56,7 @@ def _one(storage: str, loop: Path, lib: Path, threads: int, rounds: int) -> dict
         scanner = StackScanner()
 
         def stacks(pid, tids):
-            return {t: api_op(f) for t, f in scanner.calls(pid, tids, lib, (st.st_dev, st.st_ino), syms).items()}
+            return {t: op_name(f) for t, f in scanner.calls(pid, tids, lib, (st.st_dev, st.st_ino), syms).items()}
         times, seen = [], 0
         for _ in range(rounds):
             t0 = time.perf_counter()

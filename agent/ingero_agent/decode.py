@@ -195,8 +195,10 @@ def _strings(raw: np.ndarray, name=lambda s: s or None) -> tuple[np.ndarray, lis
     return inv.reshape(-1), [name(u.decode(errors="replace")) for u in uniq.tolist()]
 
 
-def _op_name(func: str) -> str | None:
-    """NCCL's function name as nccl_events names ops: AllReduce -> ALL_REDUCE."""
+def op_name(func: str) -> str | None:
+    """NCCL's function name as nccl_events names ops: AllReduce (the profiler's) or
+    ncclAllReduce (the API's) -> ALL_REDUCE; ncclBcast, the old name of ncclBroadcast, too."""
+    func = "Broadcast" if func == "ncclBcast" else func.removeprefix("nccl")
     if not func:
         return None
     return schema.NCCL_PROFILER_FUNCS.get(func) or re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", func).upper()
@@ -213,7 +215,7 @@ U64_MAX = np.uint64(2**64 - 1)
 
 def nccl_profiler_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
     o = a["op"]
-    op_codes, op_names = _strings(a["func"], _op_name)
+    op_codes, op_names = _strings(a["func"], op_name)
     dt_codes, dt_names = _strings(a["datatype"], _dtype_name)
     size = np.array([_DT_BY_NAME.get(n, 0) for n in dt_names], dtype=np.int64)[dt_codes]
     count = o["count"].astype(np.int64)

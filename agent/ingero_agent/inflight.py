@@ -154,8 +154,9 @@ def snapshot(reader: FrameReader, proc: Path, pids, mono_to_wall_ns: int, now_wa
                            since_ns=c.since_mono_ns + mono_to_wall_ns)
             mine.append(row)
         if stacks is not None and not entered_any and mine:
-            for tid, op in stacks(pid, [r["tid"] for r in mine if r["state"] != "R"]).items():
-                row = next(r for r in mine if r["tid"] == tid)
+            by_tid = {r["tid"]: r for r in mine}
+            for tid, op in stacks(pid, [t for t, r in by_tid.items() if r["state"] != "R"]).items():
+                row = by_tid[tid]
                 last = (previous or {}).get((pid, tid))
                 held = last is not None and last["op"] == op and last["comm_rank"] is None and last["since_ns"]
                 row.update(op=op, since_ns=last["since_ns"] if held else now_wall_ns)

@@ -28,7 +28,6 @@ collective only queued work, and nothing is found there.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,12 +37,6 @@ from ingero_agent.elfsyms import NotElf, load_segments
 from ingero_agent.procinfo import PROC, host_path, parse_map_ranges, read_process_memory
 
 STACK_WINDOW = 256 * 1024     # bytes above the stack pointer read (NCCL's own frames take a few KB)
-_OP_NAMES = {"ncclBcast": "BROADCAST", "ncclAlltoAll": "ALL_TO_ALL"}
-
-
-def api_op(function: str) -> str:
-    """The op name (schema.NCCL_OPS) of an NCCL API function: ncclAllReduce -> ALL_REDUCE."""
-    return _OP_NAMES.get(function) or re.sub(r"(?<!^)(?=[A-Z])", "_", function[4:]).upper()
 
 
 def user_sp_pc(proc: Path, pid: int, tid: int) -> tuple[int, int] | None:

@@ -32,12 +32,12 @@ import numpy as np
 from ingero import __version__, schema
 from ingero.errors import IngeroError, NotPermitted
 from ingero.store import SegmentWriter, build_duckdb
-from ingero_agent.decode import COLUMNS, TABLES, Identity, Registry, mono_to_wall
+from ingero_agent.decode import COLUMNS, TABLES, Identity, Registry, mono_to_wall, op_name
 from ingero_agent.inflight import FrameReader, snapshot
 from ingero_agent.probes import ProbeConfig, Probes
 from ingero_agent.procinfo import int_or_none
 from ingero_agent.records import FAMILIES, FAMILY_RINGS
-from ingero_agent.stackscan import StackScanner, api_op, scan_supported
+from ingero_agent.stackscan import StackScanner, scan_supported
 from ingero_agent.targets import TargetSet, load_pods
 
 INIT_OPS = {10: "COMM_INIT_RANK", 11: "COMM_INIT_ALL", 12: "COMM_SPLIT", 15: "COMM_INIT_RANK_CONFIG",
@@ -469,7 +469,7 @@ class Tracer:
         p = self.targets.processes.get(pid)
         if p is None or p.nccl_path is None:
             return {}
-        return {tid: api_op(fn) for tid, fn in
+        return {tid: op_name(fn) for tid, fn in
                 self.stacks.calls(pid, tids, p.nccl_path, p.nccl_key, p.nccl_symbols).items()}
 
     def _progress(self, elapsed: float) -> None:

@@ -18,7 +18,8 @@ import pytest
 
 from ingero_agent.elfsyms import NCCL_SYMBOLS, defined_symbols
 from ingero_agent.inflight import thread_state
-from ingero_agent.stackscan import StackScanner, _is_call_before, api_op, scan_supported, user_sp_pc
+from ingero_agent.decode import op_name
+from ingero_agent.stackscan import StackScanner, _is_call_before, scan_supported, user_sp_pc
 from ingero.schema import NCCL_OPS
 
 LIB = r"""
@@ -121,8 +122,8 @@ def test_a_library_that_is_not_mapped_finds_nothing(blocked, tmp_path):
 
 
 def test_every_nccl_api_function_has_its_op():
-    assert {api_op(f) for f in NCCL_SYMBOLS} <= set(NCCL_OPS.values())
-    assert (api_op("ncclAllReduce"), api_op("ncclBcast"), api_op("ncclAlltoAll")) == \
+    assert {op_name(f) for f in NCCL_SYMBOLS} <= set(NCCL_OPS.values())
+    assert (op_name("ncclAllReduce"), op_name("ncclBcast"), op_name("ncclAlltoAll")) == \
         ("ALL_REDUCE", "BROADCAST", "ALL_TO_ALL")
 
 
