@@ -34,9 +34,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-# The host's sysfs, mounted read-only there by the chart (a pod's own /sys shows RDMA
-# devices only in RDMA's shared network-namespace mode), else this machine's own.
-SYSFS_ROOTS = (Path("/host/sys"), Path("/sys"))
+# sysfs's class folder: in a pod, the container's own read-only sysfs, which shows the RDMA
+# devices of the pod's network namespace (every device, in RDMA's default shared mode)
+SYS_CLASS = Path("/sys/class")
 
 # IB PortCounters as the kernel reads them (PORT_PMA_ATTR widths, bits): they saturate.
 # The data and packet counters are 64-bit where the port has the extended counters.
@@ -62,14 +62,6 @@ Q_COUNTERS_32 = frozenset((
 NOT_COUNTERS = ("lifespan",)   # hw_counters/lifespan: the driver's refresh period (ms), writable
 MAX_IB_DEVS = 32               # NCCL reads at most this many NCCL_IB_HCA entries (net_ib/common.h)
 PREFIX_MAX = 63                # ... each name cut to this (struct netIf prefix[64])
-
-
-def sysfs_root() -> Path:
-    """The first of SYSFS_ROOTS that has an RDMA class folder, else /sys."""
-    for root in SYSFS_ROOTS:
-        if (root / "class" / "infiniband").is_dir():
-            return root
-    return SYSFS_ROOTS[-1]
 
 
 def counter_delta(name: str, kind: str, prev: int, cur: int) -> int:
@@ -124,7 +116,7 @@ class RdmaSampler:
     """Reads every port's counters; `sample()` returns the increases since the last read."""
 
     def __init__(self, sysfs: Path | None = None):
-        self.sysfs = Path(sysfs) if sysfs is not None else sysfs_root()
+        self.sysfs = Path(sysfs) if sysfs is not None else SYS_CLASS.parent   # the sysfs root
         self.root = self.sysfs / "class" / "infiniband"
         self.last: dict[tuple[str, int], tuple[int, dict[tuple[str, str], int]]] = {}
         self.saturated: dict[tuple[str, int], set[str]] = {}

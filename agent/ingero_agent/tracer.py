@@ -70,7 +70,7 @@ class TraceOptions:
     progress_s: float = 1.0
     roll_s: float = 2.0        # segment roll period: drain, state tables, write segments
     rdma_s: float = 1.0        # RDMA port counters read this often (0: not at all)
-    sysfs: Path | None = None  # where /sys/class/infiniband is (default: rdma.sysfs_root())
+    sysfs: Path | None = None  # the sysfs holding class/infiniband (default: /sys)
 
 
 class Tracer:
