@@ -82,13 +82,34 @@ def test_a_nic_counting_loss_while_its_ranks_transfers_wait_is_named_network_wit
            f"out-of-sequence, {len(retx)} local ACK timeouts during the trace" in rep.warnings, rep.warnings
 
 
-@pytest.mark.parametrize("ranks", [[], [4, 5, 6, 7]], ids=["idle-nic", "nic-of-a-clean-job"])
-def test_the_same_counters_on_an_idle_nic_or_beside_transfers_that_do_not_wait_name_nobody(tmp_path, ranks):
+def _steady(calls: np.ndarray) -> np.ndarray:
+    """A rise every 2 ms over the whole trace: a link that errs all the time, in every interval."""
+    return np.arange(calls[0] - INTERVAL, calls[-1] + INTERVAL, 2_000_000)
+
+
+def test_a_nic_that_errs_in_every_interval_is_named_against_the_transfers_that_do_not_cross_it(tmp_path):
+    gt = _job(tmp_path, "network")
+    node = gt["lossy_node"]
+    seg = tmp_path / "work" / "nodes" / node
+    calls = _column(seg, "nccl_events", "timestamp_ns")
+    for other in gt["nodes"]:
+        for f in (tmp_path / "work" / "nodes" / other / "tcp_events").glob("*.parquet"):
+            f.unlink()
+    _nic(seg, node, _steady(calls), (int(calls[0]), int(calls[-1])), gt["node_ranks"])
+    s = _judge(tmp_path, gt).straggler
+    assert s is not None and (s.cause, s.node) == ("network", node), s
+    assert s.saving_ms_per_step == pytest.approx(gt["planted_saving_ms"], rel=0.25), (s, gt["planted_saving_ms"])
+
+
+@pytest.mark.parametrize("ranks,steady", [([], False), ([4, 5, 6, 7], False), ([4, 5, 6, 7], True)],
+                         ids=["idle-nic", "nic-of-a-clean-job", "nic-of-a-clean-job-erring-always"])
+def test_the_same_counters_on_an_idle_nic_or_beside_transfers_that_do_not_wait_name_nobody(tmp_path, ranks, steady):
     gt = _job(tmp_path, "clean")
     node = gt["nodes"][1]
     seg = tmp_path / "work" / "nodes" / node
     calls = _column(seg, "nccl_events", "timestamp_ns")
     times = np.sort(np.random.default_rng(3).uniform(calls[0], calls[-1], 60)).astype(np.int64)
+    times = _steady(calls) if steady else times
     for other in gt["nodes"]:
         for f in (tmp_path / "work" / "nodes" / other / "tcp_events").glob("*.parquet"):
             f.unlink()
@@ -96,5 +117,5 @@ def test_the_same_counters_on_an_idle_nic_or_beside_transfers_that_do_not_wait_n
     rep = _judge(tmp_path, gt)
     assert rep.straggler is None, rep.straggler
     note = [w for w in rep.warnings if w.startswith(f"RDMA: node {node}, mlx5_1 port 1")]
-    assert note and "6,000 out-of-sequence, 60 local ACK timeouts" in note[0], rep.warnings
+    assert note and f"{100 * len(times):,} out-of-sequence, {len(times)} local ACK timeouts" in note[0], rep.warnings
     assert ("no traced rank uses it" in note[0]) == (not ranks)
