@@ -107,8 +107,9 @@ class Port:
 
     @property
     def active(self) -> bool:
-        """Whether NCCL would use it: ACTIVE, with an InfiniBand or Ethernet link layer."""
-        return (self.state or "").split(":")[-1].strip() in ("ACTIVE", "ACTIVE_DEFER") and \
+        """Whether NCCL would use it (net_ib/init.cc): ACTIVE (not ACTIVE_DEFER), with an
+        InfiniBand or Ethernet link layer."""
+        return (self.state or "").split(":")[-1].strip() == "ACTIVE" and \
             self.link_layer in ("InfiniBand", "Ethernet")
 
 

@@ -195,6 +195,7 @@ def test_ports_from_nccl_ib_hca_then_from_open_uverbs_devices(sysfs, tmp_path):
     sysfs.device("mlx5_1", ports=(1, 2))
     sysfs.device("mlx5_2", link_layer="Ethernet")
     sysfs.device("mlx5_3", state="1: DOWN")
+    sysfs.device("mlx5_4", state="5: ACTIVE_DEFER")
     ports = _ports(sysfs, RdmaSampler(sysfs.root))
     verbs = sysfs.root / "class" / "infiniband_verbs"
     for i, (dev, devno) in enumerate((("mlx5_0", "231:192"), ("mlx5_1", "231:193"), ("mlx5_2", "1:3"))):
@@ -214,7 +215,7 @@ def test_ports_from_nccl_ib_hca_then_from_open_uverbs_devices(sysfs, tmp_path):
     assert uverbs_devices(42, proc, sysfs.root) == ["mlx5_1", "mlx5_2"]
     got, how = rank_ports(42, {}, ports, proc, sysfs.root)
     assert how == "uverbs" and [(p.device, p.port) for p in got] == [("mlx5_1", 1), ("mlx5_1", 2), ("mlx5_2", 1)]
-    got, how = rank_ports(42, {"NCCL_IB_HCA": "=mlx5_0,mlx5_1:2,mlx5_3"}, ports, proc, sysfs.root)
+    got, how = rank_ports(42, {"NCCL_IB_HCA": "=mlx5_0,mlx5_1:2,mlx5_3,mlx5_4"}, ports, proc, sysfs.root)
     assert how == "NCCL_IB_HCA" and [(p.device, p.port) for p in got] == [("mlx5_0", 1), ("mlx5_1", 2)]
     assert rank_ports(43, {}, ports, proc, sysfs.root) == ([], None)
 
