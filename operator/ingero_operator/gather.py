@@ -571,7 +571,8 @@ def build_artifact(local: LocalSession, offsets: dict[str, int],
         con.execute("SET parquet_metadata_cache = true")   # the views and the analysis read the same footers
         con.execute("SET file_search_path = ?", [str(local.root.resolve())])
         schema.create_all(con)
-        _insert(con, "tcp_events", _sources(local, "tcp_events", offsets))
+        for table in ("tcp_events", "rdma_counters"):      # few rows: copied
+            _insert(con, table, _sources(local, table, offsets))
         _load_state(con, local, offsets)
         resolve_split_ranks(con)           # comms (nccl_events is still an empty table here)
         for table in ("nccl_events", "nccl_profiler_events", "sched_events"):
