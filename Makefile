@@ -14,7 +14,7 @@ DEB_PACKAGES := python3-bpfcc python3-venv linux-headers-amd64 nftables iproute2
 SCENARIO ?= lossy-link
 DEMO_ARGS ?=
 
-.PHONY: setup system venv test test-lab-all test-unit test-bpf demo demo-trace bench clean chart-lint e2e
+.PHONY: setup system venv lint test test-lab-all test-unit test-bpf demo demo-trace bench clean chart-lint e2e
 
 setup: system venv
 
@@ -29,7 +29,11 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-test: setup
+# Static checks (pyproject.toml, [tool.ruff]): seconds, before the suite.
+lint: venv
+	$(VENV)/bin/ruff check .
+
+test: setup lint
 	$(PY) -m pytest -n $(PYTEST_JOBS) $(PYTEST_ARGS)
 
 # The suite with the extended lab jobs too: those that repeat a fault CI covers in another

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import pytest
 import yaml
 
-from tests.chart.chartlib import NAMESPACE, RELEASE, ROOT, args_of, container, find, render
+from tests.chart.chartlib import NAMESPACE, RELEASE, ROOT, container, find, render
 from tests.conftest import bpf_reason
 
 pytestmark = pytest.mark.bpf

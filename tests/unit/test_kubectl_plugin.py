@@ -151,7 +151,7 @@ def test_export_perfetto_writes_the_timeline_of_the_downloaded_trace(flow, plugi
     assert out.returncode == 0, out.stderr
     doc = json.loads((tmp_path / "k1.perfetto.json").read_text())
     names = {e.get("name") for e in doc["traceEvents"]}
-    assert "ALL_REDUCE" in names and out.stderr.startswith(f"wrote k1.perfetto.json (")
+    assert "ALL_REDUCE" in names and out.stderr.startswith("wrote k1.perfetto.json (")
     threads = {e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
     assert threads == {f"rank {r} · job-rank-{r}" for r in range(4)}
     assert doc["otherData"]["source"] == "TraceSession default/k1"

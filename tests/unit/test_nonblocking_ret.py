@@ -11,7 +11,6 @@ MCP server's slow-collective query).
 from __future__ import annotations
 
 import duckdb
-import pytest
 
 from bench.synthetic import session
 from ingero import schema
