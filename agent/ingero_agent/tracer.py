@@ -117,7 +117,8 @@ class Tracer:
         old[signal.SIGHUP] = signal.signal(signal.SIGHUP, self.request_reload if self.opts.pods_file
                                            else self.request_stop)
         self.started_ns = time.time_ns()
-        t_load = time.monotonic()
+        self.offset_ns, self.clock_rtt_ns = mono_to_wall()   # _finish writes state with it, even
+        t_load = time.monotonic()                              # after a failed start
         try:
             self.probes = Probes(self.opts.probe_config)
             for note in self.probes.notes:
