@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("bench/results.json"))
     a = ap.parse_args(argv)
     from bench import (analysis_scale, duration_encoding, ingest, live_refresh, profiler_cost, sqlite_vs_duckdb,
-                       step_overhead, storage, time_to_straggler, uprobe_cost)
+                       step_overhead, storage, time_to_straggler, tracer_stop, uprobe_cost)
 
     q = a.quick
     plan = [
@@ -42,6 +42,7 @@ def main(argv=None) -> int:
         ("ingest", ingest.main, ["--rates", "1000000", "--seconds", "2"] if q else []),
         ("step_overhead", step_overhead.main,
          ["--device", "cpu,gpu"] + (["--rounds", "1", "--seconds", "4"] if q else [])),
+        ("tracer_stop", tracer_stop.main, ["--runs", "1" if q else "3"]),
         ("time_to_straggler", time_to_straggler.main,
          ["--quick"] if q else ["--faults", "lossy-link,slow-rank,cpu-hog,io-stall"]),
     ]

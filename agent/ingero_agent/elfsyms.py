@@ -136,6 +136,15 @@ def load_segments(path: str | os.PathLike) -> list[tuple[int, int, int]]:
     return [(int(h["offset"]), int(h["vaddr"]), int(h["filesz"])) for h in ph if h["type"] == PT_LOAD]
 
 
+def file_offset(segments: list[tuple[int, int, int]], vaddr: int) -> int | None:
+    """The file offset of virtual address `vaddr` (e.g. a symbol's st_value), from the
+    load_segments of its file; None when no segment holds it."""
+    for off, va, size in segments:
+        if va <= vaddr < va + size:
+            return vaddr - va + off
+    return None
+
+
 def _occurrences(haystack: bytes, needle: bytes) -> list[int]:
     out, i = [], haystack.find(needle)
     while i >= 0:
@@ -159,3 +168,4 @@ def is_profiler_plugin(path: str | os.PathLike) -> bool:
         return PROFILER_MARKER in defined_symbols(path, (PROFILER_MARKER,))
     except (OSError, NotElf):
         return False
+

@@ -9,7 +9,10 @@ markers, so compiler messages name the real file and line) rather than
 #included. Every setting reaches the C as a -D flag.
 
 Uprobes attach per library *file* (dev, inode), for every process that maps
-it; the in-kernel filter decides whose calls are recorded. Libraries found
+it; the in-kernel filter decides whose calls are recorded. They are
+uprobe_multi links, one per program and file, where the kernel makes them
+(ingero_agent/uprobe_multi.py: stopping then takes ~0.1 s, not ~0.1 s per
+probe), else one perf event per probe. Libraries found
 in new target processes attach when the tracer's next scan sees them. So
 does the USDT probe of Ingero's NCCL profiler plugin: bcc's USDT support
 reads the plugin's .note.stapsdt (probe address, argument register) and the
@@ -19,6 +22,7 @@ probe is a uprobe at that address running the program for that register.
 from __future__ import annotations
 
 import ctypes as ct
+import errno
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from ingero.errors import IngeroError
-from ingero_agent import abi, kbtf, uprobe_names
-from ingero_agent.elfsyms import NCCL_SYMBOLS
+from ingero_agent import abi, kbtf, uprobe_multi, uprobe_names
+from ingero_agent.elfsyms import NCCL_SYMBOLS, file_offset, load_segments
 from ingero_agent.records import FAMILIES, FAMILY_RINGS, ringbuf_dtype
 from ingero_agent.ringbuf import PAGE_SIZE, MappedRing, RingWaiter, open_ring
 
@@ -231,9 +235,7 @@ class Probes:
         try:
             try:
                 self.bpf = BPF(text=self.text.encode(), cflags=self.cflags)
-                if "nccl" in cfg.families:   # bcc verifies a program when it is first attached:
-                    for fn in (b"nccl_enter_ncclAllReduce", b"nccl_return"):   # verify now
-                        self.bpf.load_func(fn, BPF.KPROBE)
+                self._load_nccl()
             except Exception:
                 # Task-local storage chosen by kernel version, yet the kernel refused it
                 # (e.g. a backport without the helper for uprobes or tracepoints): NCCL
@@ -243,6 +245,7 @@ class Probes:
                 self.cflags = [("-DINGERO_TASK_STORAGE=0" if f == "-DINGERO_TASK_STORAGE=1" else f)
                                for f in self.cflags]
                 self.bpf = BPF(text=self.text.encode(), cflags=self.cflags)
+                self._load_nccl()
                 self.notes.append("the kernel refused task-local storage for the probes' per-thread "
                                   "state: NCCL frames are kept in a hash and the target filter runs "
                                   "uncached (slower per call and per event)")
@@ -250,6 +253,11 @@ class Probes:
             raise IngeroError(f"loading the BPF program failed ({e}); the compiler/verifier "
                               "output above says why") from e
         self.attached: dict[tuple[int, int], tuple[Path, list[str]]] = {}
+        self.links: list[int] = []     # uprobe_multi link fds
+        if self.multi_off:
+            self.notes.append(f"this kernel makes no BPF uprobe_multi links ({self.multi_off}; Linux "
+                              "6.6 has them): each NCCL uprobe is a perf event of its own, and "
+                              "stopping waits ~0.1 s for each")
         uprobe_names.install(self.bpf)   # uprobes in tracefs without CAP_SYS_ADMIN: see there
         self.rings = {}
         size = cfg.ringbuf_pages * PAGE_SIZE
@@ -276,6 +284,55 @@ class Probes:
                                          "target_ips": set()}
 
     # ---- uprobes -----------------------------------------------------------
+    def _load_nccl(self) -> None:
+        """Load the NCCL programs' first pair now (bcc verifies a program when it is first
+        loaded, and a refusal must reach the task-storage fallback), for uprobe_multi links
+        where the kernel makes them (`multi_off`: None, or why each uprobe is a perf event)."""
+        self.multi_off: str | None = None
+        if "nccl" not in self.cfg.families:
+            return
+        first = b"nccl_enter_ncclAllReduce"
+        try:
+            fn = self.bpf.load_func(first, self._BPF.KPROBE, attach_type=uprobe_multi.BPF_TRACE_UPROBE_MULTI)
+            self.multi_off = uprobe_multi.unsupported(fn.fd)
+        except Exception as e:     # bcc: bare Exception; the plain load below says what is wrong
+            self.multi_off = f"loading a program for it failed: {e}"
+        if self.multi_off:         # a program made for links cannot go on a perf event
+            fn = self.bpf.funcs.pop(first, None)
+            if fn is not None:
+                os.close(fn.fd)
+        for name in (first, b"nccl_return"):
+            self._program(name.decode())
+
+    def _program(self, name: str) -> int:
+        """The fd of program `name`, loaded for uprobe_multi links or for perf events."""
+        kind = uprobe_multi.BPF_TRACE_UPROBE_MULTI if not self.multi_off else -1
+        return self.bpf.load_func(name.encode(), self._BPF.KPROBE, attach_type=kind).fd
+
+    def _attach_uprobes(self, path: Path, groups: list[tuple[str, list[int], bool]]) -> None:
+        """Run each (program, virtual addresses in `path`, on return) of `groups`: a
+        uprobe_multi link per program, or a perf-event uprobe per address. Raises OSError,
+        NotElf, or bcc's Exception."""
+        if self.multi_off:
+            for prog, addrs, ret in groups:
+                attach = self.bpf.attach_uretprobe if ret else self.bpf.attach_uprobe
+                for addr in addrs:     # bcc turns the virtual address into the file offset
+                    attach(name=os.fsencode(path), addr=addr, fn_name=prog.encode())
+            return
+        segments = load_segments(path)
+        made = []
+        try:
+            for prog, addrs, ret in groups:
+                offsets = [file_offset(segments, a) for a in addrs]
+                if None in offsets:
+                    raise OSError(errno.EINVAL, f"address 0x{addrs[offsets.index(None)]:x} is in no "
+                                  "loaded segment")
+                made.append(uprobe_multi.link_create(self._program(prog), os.fsencode(path), offsets, ret))
+        except BaseException:
+            close_side_by_side([lambda fd=fd: os.close(fd) for fd in made])
+            raise
+        self.links += made
+
     def attach_library(self, path: Path, key: tuple[int, int], symbols: dict[str, int]) -> list[str]:
         """Attach entry/return probes to the NCCL functions `path` defines.
 
@@ -284,27 +341,23 @@ class Probes:
         """
         if "nccl" not in self.cfg.families or key in self.attached:
             return []
-        done, seen_addr = [], set()
+        addr: dict[str, int] = {}
         for name in NCCL_SYMBOLS:
-            addr = symbols.get(name)
-            if addr is None or addr in seen_addr:
-                continue
-            seen_addr.add(addr)
-            ret_fn = "nccl_return_init_all" if name == "ncclCommInitAll" else "nccl_return"
-            # Symbols found only in .symtab (NCCL linked in and hidden) attach by
-            # address: bcc turns the virtual address into the file offset.
-            where = ({"addr": addr} if getattr(symbols, "from_symtab", False)
-                     else {"sym": name.encode()})
-            try:
-                self.bpf.attach_uprobe(name=os.fsencode(path), fn_name=f"nccl_enter_{name}".encode(),
-                                       **where)
-                self.bpf.attach_uretprobe(name=os.fsencode(path), fn_name=ret_fn.encode(), **where)
-            except Exception as e:
-                raise IngeroError(f"attaching a uprobe to {name} in {path} failed ({e}); check that "
-                                  f"uprobes are enabled (CONFIG_UPROBE_EVENTS){uprobe_names.HINT}") from e
-            done.append(name)
-        self.attached[key] = (path, done)
-        return done
+            a = symbols.get(name)
+            if a is not None and a not in addr.values():
+                addr[name] = a
+        # Returns first: a call whose entry is seen has its return seen too.
+        groups = [("nccl_return", [a for n, a in addr.items() if n != "ncclCommInitAll"], True),
+                  ("nccl_return_init_all", [a for n, a in addr.items() if n == "ncclCommInitAll"], True)]
+        groups = [g for g in groups if g[1]] + [(f"nccl_enter_{n}", [a], False) for n, a in addr.items()]
+        try:
+            self._attach_uprobes(path, groups)
+        except Exception as e:
+            raise IngeroError(f"attaching the uprobes of {len(addr)} NCCL functions in {path} failed "
+                              f"({e}); check that uprobes are enabled (CONFIG_UPROBE_EVENTS)"
+                              f"{uprobe_names.HINT if self.multi_off else ''}") from e
+        self.attached[key] = (path, list(addr))
+        return list(addr)
 
     def attach_profiler(self, path: Path, key: tuple[int, int]) -> int:
         """Attach the profiler plugin's USDT probe (every location of it) in `path`.
@@ -330,7 +383,7 @@ class Probes:
             raise IngeroError(f"{path} has no USDT probe ingero:{PROFILER_PROBE}"
                               + (f" (it has {', '.join(theirs)}: a plugin of another version); rebuild it "
                                  "with `ingero profiler build`" if theirs else ""))
-        done = 0
+        by_reg: dict[str, list[int]] = {}
         for i in range(probe.num_locations):
             loc = probe.get_location(i)
             arg = loc.get_argument(0)
@@ -338,15 +391,15 @@ class Probes:
             if arg.valid & F.DEREF_OFFSET or reg not in PROFILER_REGS:
                 raise IngeroError(f"the probe ingero:{PROFILER_PROBE} in {path} passes its record as {arg}, "
                                   "not in a register; rebuild the plugin with `ingero profiler build`")
-            try:
-                self.bpf.attach_uprobe(name=os.fsencode(path), addr=loc.address,
-                                       fn_name=f"ncclprof_{reg}".encode())
-            except Exception as e:
-                raise IngeroError(f"attaching the USDT probe in {path} failed ({e}); check that uprobes "
-                                  f"are enabled (CONFIG_UPROBE_EVENTS){uprobe_names.HINT}") from e
-            done += 1
+            by_reg.setdefault(reg, []).append(loc.address)
+        try:
+            self._attach_uprobes(path, [(f"ncclprof_{reg}", addrs, False) for reg, addrs in by_reg.items()])
+        except Exception as e:
+            raise IngeroError(f"attaching the USDT probe in {path} failed ({e}); check that uprobes "
+                              f"are enabled (CONFIG_UPROBE_EVENTS)"
+                              f"{uprobe_names.HINT if self.multi_off else ''}") from e
         self.attached[key] = (path, [PROFILER_PROBE])
-        return done
+        return sum(map(len, by_reg.values()))
 
     # ---- filter maps -------------------------------------------------------
     def _sync(self, table: str, want: set, make_key) -> bool:
@@ -426,30 +479,34 @@ class Probes:
             self.waiter.close()
             self.waiter = None
         names = list(self.bpf.uprobe_fds)
+        links, self.links = self.links, []
         try:
-            self._detach_side_by_side()
+            # Each detach waits in the kernel for a grace period (uprobe_unregister_sync,
+            # tracepoint_synchronize_unregister): side by side, the waits that can overlap do
+            # (links' always; perf events' not, as the kernel holds its event_mutex across
+            # each). bcc's cleanup() then finds nothing left.
+            close_side_by_side([lambda fd=fd: os.close(fd) for fd in links]
+                               + [lambda n=n: self.bpf.detach_uprobe_event(n) for n in names]
+                               + [lambda tp=tp: self.bpf.detach_tracepoint(tp)
+                                  for tp in list(self.bpf.tracepoint_fds)])
             self.bpf.cleanup()
         except Exception:
             pass
         uprobe_names.remove_left(names)   # any whose removal met a not yet released event
 
-    def _detach_side_by_side(self) -> None:
-        """Detach every uprobe and tracepoint side by side; bcc's cleanup() then finds none
-        left. Each detach waits in the kernel for a grace period (uprobe_unregister_sync,
-        tracepoint_synchronize_unregister); one after another (bcc's way), the ~50 probes
-        of a tracer kept it ~10 s in its exit on 6.x kernels, while waits that overlap
-        share their grace periods."""
-        jobs = ([(self.bpf.detach_uprobe_event, n) for n in list(self.bpf.uprobe_fds)]
-                + [(self.bpf.detach_tracepoint, tp) for tp in list(self.bpf.tracepoint_fds)])
-        if len(jobs) < 2:
-            return
-        from concurrent.futures import ThreadPoolExecutor
 
-        def one(job):
-            try:
-                job[0](job[1])
-            except Exception:
-                pass          # cleanup() tries again what is still attached
-
-        with ThreadPoolExecutor(max_workers=min(64, len(jobs)), thread_name_prefix="detach") as pool:
-            list(pool.map(one, jobs))
+def close_side_by_side(jobs: list) -> None:
+    """Run each of `jobs` (detaches, closes) in a thread of its own; an exception is dropped
+    (bcc's cleanup() tries again what is still attached)."""
+    def one(job):
+        try:
+            job()
+        except Exception:
+            pass
+    if len(jobs) < 2:
+        for job in jobs:
+            one(job)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=min(64, len(jobs)), thread_name_prefix="detach") as pool:
+        list(pool.map(one, jobs))

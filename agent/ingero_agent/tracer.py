@@ -121,7 +121,8 @@ class Tracer:
         old[signal.SIGHUP] = signal.signal(signal.SIGHUP, self.request_reload if self.opts.pods_file
                                            else self.request_stop)
         self.started_ns = time.time_ns()
-        t_load = time.monotonic()
+        self.offset_ns, self.clock_rtt_ns = mono_to_wall()   # _finish writes state with it, even
+        t_load = time.monotonic()                              # after a failed start
         try:
             self.probes = Probes(self.opts.probe_config)
             for note in self.probes.notes:
@@ -283,9 +284,12 @@ class Tracer:
                 if self.opts.done_file:
                     Path(self.opts.done_file).touch()
         finally:
-            # Detaching ~50 probes takes the kernel ~0.1-0.2 s each (side by side
-            # in Probes.close); everything recorded is on disk before this.
+            # Everything recorded is on disk before this: detaching waits for the kernel
+            # (a grace period per uprobe_multi link, side by side; ~0.1 s per probe where
+            # each uprobe is a perf event)
+            t0 = time.monotonic()
             self.probes.close()
+            self.log(f"probes detached in {time.monotonic() - t0:.2f} s")
 
     # ---- steps -----------------------------------------------------------------
     def _attach(self, path, key, syms) -> None:

@@ -12,7 +12,8 @@ With exactly the chart's list the trace reads the rank, world size and run id
 attaches the NCCL uprobes through /proc/<pid>/root and records every call,
 with RLIMIT_MEMLOCK at 64 KiB and no CAP_SYS_RESOURCE. Without any one of the
 listed capabilities it fails in the way that capability's reason predicts.
-With the list but tracefs read-only, the NCCL uprobes cannot attach (the perf
+The uprobes are uprobe_multi links (Linux 6.6), which need no tracefs. Where they
+are perf events instead and tracefs is read-only, they cannot attach (the perf
 uprobe PMU needs CAP_SYS_ADMIN from 6.16): why the agent's tracefs is writable.
 The chart's list must equal the list proven here.
 """
@@ -248,10 +249,10 @@ def test_with_the_charts_list_another_users_rank_is_identified_and_every_call_re
     assert r["events"] == ITERS + 19
     # The environment of a uid 65534 process, read without CAP_DAC_READ_SEARCH.
     assert r["ranks"] == [(r["pid"], 3, 1, 4, "caps-test", "10.1.2.3", lib)]
-    if _kernel_at_least(6, 16):
-        # No CAP_SYS_ADMIN: the uprobes were made in tracefs, under the tracer's short
-        # names (entry and return probes), and removed when it stopped.
-        assert r["in_tracefs"] >= 21 and r["left_in_tracefs"] == 0, r
+    if _kernel_at_least(6, 6):
+        # uprobe_multi links, made with CAP_BPF and CAP_PERFMON: no uprobe event in tracefs
+        assert r["in_tracefs"] == 0 and r["left_in_tracefs"] == 0, r
+        assert not any("uprobe_multi" in ln for ln in r["lines"]), r["log"]
 
 
 def test_the_environ_file_is_refused_without_dac_read_search_and_read_from_memory(lib_dir):
@@ -334,20 +335,22 @@ def test_sys_ptrace_also_lets_the_agent_attach_to_another_users_process():
         victim.wait()
 
 
-def test_without_sys_admin_the_uprobes_need_a_writable_tracefs(lib_dir, tmp_path):
-    """Why the chart mounts tracefs writable into the agent container: since Linux 6.16
-    (ba677dbe77af, also in stable kernels from July 2025) the perf uprobe PMU refuses a
-    process without CAP_SYS_ADMIN, and bcc then creates the uprobes in tracefs's
-    uprobe_events. With tracefs read-only, the NCCL uprobes cannot be attached."""
+def test_without_sys_admin_perf_event_uprobes_need_a_writable_tracefs(lib_dir, tmp_path, monkeypatch):
+    """Why the chart mounts tracefs writable into the agent container: where the uprobes
+    are perf events (a kernel without uprobe_multi links; forced here) the perf uprobe PMU
+    refuses a process without CAP_SYS_ADMIN since Linux 6.16 (ba677dbe77af, also in stable
+    kernels from July 2025), and bcc then creates the uprobes in tracefs's uprobe_events.
+    With tracefs read-only, the NCCL uprobes cannot be attached."""
     if shutil.which("unshare") is None or shutil.which("mountpoint") is None:
         pytest.skip("unshare and mountpoint (util-linux) are needed")
+    monkeypatch.setenv("INGERO_UPROBE_MULTI", "0")
     r = trace(PROVEN, lib_dir, tmp_path, wrap=tuple(READ_ONLY_TRACEFS))
     assert r["capeff"] == _mask(PROVEN), r["log"]
     if r["rc"] == 0 and not _kernel_at_least(6, 16):
         pytest.skip(f"kernel {os.uname().release}: its uprobe PMU still takes CAP_PERFMON")
     assert r["rc"] != 0 and r.get("events", 0) == 0, r["log"]
-    assert any(ln.startswith("ingero: attaching a uprobe to ncclAllReduce in ") and
-               "failed (Failed to attach BPF to uprobe)" in ln and "that tracefs is mounted writable" in ln
+    assert any(ln.startswith("ingero: attaching the uprobes of 21 NCCL functions in ") and
+               "failed (Failed to attach BPF to uretprobe)" in ln and "that tracefs is mounted writable" in ln
                for ln in r["lines"]), r["log"]
 
 

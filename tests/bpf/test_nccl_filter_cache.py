@@ -5,7 +5,9 @@ verdict is kept in its frame and reused while the target maps (target_gen)
 and the thread's cgroup stay the same. One thread of one process calls
 ncclAllReduce in phases while the targets change under it and while it moves
 between cgroups: every phase must be recorded exactly when the process is a
-target at that moment. The same with frames in the hash (older kernels)."""
+target at that moment. The same as on an older kernel: frames in the hash, and
+each uprobe a perf event of its own instead of the uprobe_multi links
+(INGERO_UPROBE_MULTI=0)."""
 
 from __future__ import annotations
 
@@ -39,6 +41,17 @@ int main(void)
 """
 
 
+KERNEL = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+
+
+def _link_type(fd: int) -> str | None:
+    """The kind of BPF link `fd` is, as the kernel says in its fdinfo."""
+    for line in open(f"/proc/self/fdinfo/{fd}"):
+        if line.startswith("link_type:"):
+            return line.split()[1]
+    return None
+
+
 @pytest.fixture
 def phases(fake_nccl, tmp_path):
     src = tmp_path / "phases.c"
@@ -51,12 +64,15 @@ def phases(fake_nccl, tmp_path):
 
 
 @pytest.mark.parametrize("storage", ["task", "hash"])
-def test_a_thread_is_recorded_exactly_while_it_is_a_target(storage, fake_nccl, phases, make_cgroup):
+def test_a_thread_is_recorded_exactly_while_it_is_a_target(storage, fake_nccl, phases, make_cgroup,
+                                                           monkeypatch):
     from ingero_agent.elfsyms import nccl_symbols
     from ingero_agent.probes import ProbeConfig, Probes, task_storage_available
 
     if storage == "task" and not task_storage_available():
         pytest.skip("this kernel has no task-local storage for uprobe programs")
+    if storage == "hash":
+        monkeypatch.setenv("INGERO_UPROBE_MULTI", "0")
     cg = make_cgroup()
     cg_id = os.stat(cg).st_ino
     p = Probes(ProbeConfig(families=("nccl",), ringbuf_pages=64, self_tgid=os.getpid(),
@@ -65,7 +81,13 @@ def test_a_thread_is_recorded_exactly_while_it_is_a_target(storage, fake_nccl, p
     try:
         assert f"-DINGERO_TASK_STORAGE={int(storage == 'task')}" in p.cflags
         st = os.stat(fake_nccl["lib"])
-        p.attach_library(fake_nccl["lib"], (st.st_dev, st.st_ino), nccl_symbols(fake_nccl["lib"]))
+        attached = p.attach_library(fake_nccl["lib"], (st.st_dev, st.st_ino), nccl_symbols(fake_nccl["lib"]))
+        if storage == "hash":     # one entry and one return perf event per function; noted once
+            assert not p.links and len(p.bpf.uprobe_fds) == 2 * len(attached) == 42
+            assert sum("uprobe_multi" in n for n in p.notes) == 1
+        elif KERNEL >= (6, 6):    # a link per program: each entry's, the two return programs'
+            assert p.multi_off is None and not p.bpf.uprobe_fds
+            assert [_link_type(fd) for fd in p.links] == ["uretprobe_multi"] * 2 + ["uprobe_multi"] * len(attached)
         proc = subprocess.Popen([str(phases)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
         def phase(n: int = 5):
