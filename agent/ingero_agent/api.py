@@ -51,9 +51,10 @@ PR_SET_PDEATHSIG = 1
 class ApiError(Exception):
     """A request the agent refuses: HTTP status and a one-line reason."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, headers: dict | None = None):
         super().__init__(message)
         self.status = status
+        self.headers = headers or {}
 
 
 def check_session_id(sid) -> str:

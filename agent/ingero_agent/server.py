@@ -21,10 +21,12 @@ loop itself, so a clock sample never queues behind other work; everything that
 blocks (DuckDB queries, starting and stopping tracers, reading segments and their
 metadata, JSON of large bodies) runs in a pool of WORKERS threads, and at most
 QueryService.slots queries run at once (a query waits QUERY_SLOT_WAIT_S for a slot,
-then gets 429). A segment is streamed from its file in CHUNK pieces. At most
-MAX_CONNECTIONS connections are open (more are closed at once), and a connection
-idle for IDLE_TIMEOUT_S (no request, a stalled handshake or body, a peer that does
-not read the answer) is closed: ``ingero_agent.connections``.
+then gets 429 with Retry-After). A segment is streamed from its file in pieces.
+Connections are bounded as every Ingero port is (``ingero.serving``): at most
+MAX_CONNECTIONS open, a new client takes the slot of the oldest idle or half-open
+one, past that a 503 with Retry-After; a connection with no request for
+IDLE_TIMEOUT_S, or whose peer does not read the answer, is closed. No thread is
+started per connection, so --max-memory-mb holds the workers' stacks and the queries.
 """
 
 from __future__ import annotations
@@ -48,20 +50,18 @@ from typing import Callable
 
 from aiohttp import web
 
-from ingero import __version__, logs, readonly_sql
+from ingero import __version__, logs, readonly_sql, serving
 from ingero.errors import IngeroError
 from ingero.tokens import read_token
 from ingero_agent.api import ApiError, SessionManager, parse_plan
-from ingero_agent.connections import Connection, Slots
 from ingero_agent.queries import QueryService
 
 log = logging.getLogger("ingero.agent")
 MAX_BODY = 4 << 20          # bytes; a plan for a few thousand pods fits
-IDLE_TIMEOUT_S = 10.0       # (with no bound, 1,500 half-open connections once held 1,503 threads
-MAX_CONNECTIONS = 64        # of the threaded server for good)
+IDLE_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 512       # a few KiB each on the event loop
 WORKERS = 8                 # threads for blocking work (each reserves a stack under --max-memory-mb)
 QUERY_SLOT_WAIT_S = 1.0
-CHUNK = 256 << 10           # bytes of a segment read and sent at a time
 SERVER = f"ingero-agent/{__version__}"
 ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tf'
 
@@ -97,7 +97,7 @@ class AgentServer:
                  max_connections: int = MAX_CONNECTIONS, idle_timeout_s: float = IDLE_TIMEOUT_S):
         self.manager, self.queries, self.socket, self.token, self.tls = manager, queries, sock, token, tls
         self.quiet, self.idle_timeout_s = quiet, idle_timeout_s
-        self.slots = Slots(max_connections)
+        self.slots = serving.Slots(serving.Bounds(max_connections, idle_timeout_s))
         self.pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="agent-work")
         self.loop = asyncio.new_event_loop()
         self._stop = self.loop.create_future()
@@ -131,14 +131,10 @@ class AgentServer:
             web.delete("/v1/sessions/{sid}", self.delete),
             web.post("/v1/query", self.query),
         ])
-        runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=2.0)
-        await runner.setup()
         self._query_slots = asyncio.Semaphore(self.queries.slots)
-        access = None if self.quiet else log
-        server = await self.loop.create_server(
-            lambda: Connection(runner.server, self.slots, self.tls, self.idle_timeout_s, error_answer,
-                               access_log=access, access_log_format=ACCESS_LOG_FORMAT),
-            sock=self.socket)
+        runner, server = await serving.start(app, self.socket, self.slots, self.tls, error_answer,
+                                             access_log=None if self.quiet else log,
+                                             access_log_format=ACCESS_LOG_FORMAT)
         try:
             await self._stop
         finally:
@@ -170,7 +166,6 @@ class AgentServer:
 
     @web.middleware
     async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
-        request.protocol.request_arrived()
         routing = request.match_info.http_exception
         if routing is not None:              # no such path (404) or not with this method (405)
             return error_answer(routing.status, f"no {request.method} {request.path}")
@@ -182,7 +177,9 @@ class AgentServer:
             return resp
         except ApiError as e:
             self._count(request, e.status)
-            return error_answer(e.status, str(e))
+            resp = error_answer(e.status, str(e))
+            resp.headers.update(e.headers)
+            return resp
         except ConnectionError:
             raise
         except Exception as e:               # keep serving; report what broke
@@ -226,7 +223,8 @@ class AgentServer:
             async with asyncio.timeout(QUERY_SLOT_WAIT_S):
                 await self._query_slots.acquire()
         except TimeoutError:
-            raise ApiError(429, "every query slot of this agent is busy; retry shortly") from None
+            raise ApiError(429, "every query slot of this agent is busy; retry shortly",
+                           {"Retry-After": "1"}) from None
         try:
             yield
         finally:
@@ -267,22 +265,8 @@ class AgentServer:
     async def download(self, request: web.Request) -> web.StreamResponse:
         m = request.match_info
         path = await self._blocking(self.manager.segment_path, m["sid"], m["table"], m["name"])
-        f = await self._blocking(open, path, "rb")
-        try:
-            left = os.fstat(f.fileno()).st_size
-            resp = web.StreamResponse(headers={"Server": SERVER, "Content-Type": "application/vnd.apache.parquet"})
-            resp.content_length = left
-            await resp.prepare(request)
-            while left > 0:
-                chunk = await self._blocking(f.read, min(CHUNK, left))
-                if not chunk:                # cut short under us: the client must not take it as whole
-                    raise ConnectionError(f"segment {path.name} ended {left} bytes early")
-                left -= len(chunk)
-                await resp.write(chunk)
-            await resp.write_eof()
-            return resp
-        finally:
-            f.close()
+        return await serving.stream_file(request, path, self.pool, {"Server": SERVER,
+                                         "Content-Type": "application/vnd.apache.parquet"})
 
     async def delete(self, request: web.Request) -> web.Response:
         sid = request.match_info["sid"]
