@@ -256,6 +256,27 @@ class Connection(Bounded, RequestHandler):
         return resp
 
 
+def uvicorn_protocol(slots: Slots) -> type:
+    """uvicorn's h11 protocol, bounded by `slots` (for an ASGI app: ``uvicorn.Config(http=...)``).
+    With TLS, uvicorn's transport hands the connection over after the handshake, which
+    asyncio bounds at 60 s."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class BoundedH11(Bounded, H11Protocol):
+        def __init__(self, *args, **kw):
+            H11Protocol.__init__(self, *args, **kw)
+            self._bound(slots, self.loop)
+
+        def busy(self) -> bool:
+            return self.cycle is not None and not self.cycle.response_complete
+
+        def on_response_complete(self) -> None:
+            self.touch()
+            super().on_response_complete()
+
+    return BoundedH11
+
+
 async def start(app: web.Application, sock: socket.socket, slots: Slots, tls: ssl.SSLContext | None = None,
                 error_answer=None, shutdown_timeout: float = 2.0, **handler_kw):
     """Serve `app` on the bound `sock` with bounded connections, on the running loop.

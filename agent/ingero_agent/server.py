@@ -37,7 +37,6 @@ import hmac
 import json
 import logging
 import os
-import resource
 import signal
 import socket
 import ssl
@@ -62,6 +61,7 @@ IDLE_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 512       # a few KiB each on the event loop
 WORKERS = 8                 # threads for blocking work (each reserves a stack under --max-memory-mb)
 QUERY_SLOT_WAIT_S = 1.0
+QUERY_SLOTS = 2             # queries at once
 SERVER = f"ingero-agent/{__version__}"
 ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tf'
 
@@ -346,10 +346,17 @@ def add_parser(sub):
                    help="POST /v1/query: rows returned at most (default 10000)")
     r.add_argument("--query-max-bytes", type=int, default=4 << 20, metavar="B",
                    help="POST /v1/query: JSON bytes of rows returned at most (default 4 MiB)")
-    r.add_argument("--max-memory-mb", type=int, default=1536, metavar="MB",
+    r.add_argument("--max-memory-mb", type=int, default=768, metavar="MB",
                    help="the agent's own process (queries included; not its tracers) may use this "
                    "much data memory; past it a query fails with an out-of-memory error instead of "
-                   "the kernel killing the agent (default 1536: 3/4 of the chart's 2 GiB limit)")
+                   "the kernel killing the agent (default 768). It must "
+                   f"hold {QUERY_SLOTS} queries of --query-memory-mb and "
+                   f"{readonly_sql.PROCESS_RESERVE_MB} MiB for the agent itself")
+    r.add_argument("--query-memory-mb", type=int, default=192, metavar="MB",
+                   help="POST /v1/query: DuckDB memory of one query (default 192); a query needing "
+                   "more is refused in one line naming this flag")
+    r.add_argument("--query-threads", type=int, default=2, metavar="N",
+                   help="POST /v1/query: DuckDB threads of one query (default 2)")
     r.add_argument("--data-max-bytes", type=int, default=0, metavar="B",
                    help="keep --data-dir under B bytes: when a session starts or stops, finished ones are "
                    "deleted, the one stopped longest ago first (never one still tracing); default 0, no cap")
@@ -367,20 +374,6 @@ def add_parser(sub):
     return p
 
 
-def bound_memory(mb: int) -> None:
-    """Bound this process's data memory (soft RLIMIT_DATA; tracers it starts drop it).
-
-    DuckDB's memory_limit does not cover every allocation: `SELECT repeat('x', 900000000)`
-    drove an agent past 3.7 GB, and under the pod's limit the kernel killed it. With the
-    bound, such an allocation fails inside DuckDB (an out-of-memory error the query returns
-    as a 400) and the agent keeps serving."""
-    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    want = mb << 20
-    if hard != resource.RLIM_INFINITY:
-        want = min(want, hard)
-    resource.setrlimit(resource.RLIMIT_DATA, (want, hard))
-
-
 def run(args) -> int:
     if getattr(args, "agent_command", None) != "serve":
         args._agent_parser.print_help()
@@ -395,13 +388,20 @@ def run(args) -> int:
         raise IngeroError("--query-timeout must be > 0, --query-max-rows >= 1 and --query-max-bytes >= 1024")
     if not 256 <= args.max_memory_mb <= 1 << 20:
         raise IngeroError(f"--max-memory-mb {args.max_memory_mb} is out of range: use 256 to 1048576")
+    if not 16 <= args.query_memory_mb <= 1 << 20 or not 1 <= args.query_threads <= 256:
+        raise IngeroError("--query-memory-mb must be 16 to 1048576 and --query-threads 1 to 256")
     if args.cgroup_root is not None and not args.cgroup_root.is_dir():
         raise IngeroError(f"--cgroup-root {args.cgroup_root} is not a folder; pass the cgroup v2 "
                           "folder that holds the pods")
     logs.setup(args.log_format, args.log_level, "ingero.agent")
     listen = parse_listen(args.listen)
     token = read_token(args.token_file)
-    bound_memory(args.max_memory_mb)
+    limits = readonly_sql.Limits(timeout_s=args.query_timeout, max_rows=args.query_max_rows,
+                                 max_bytes=args.query_max_bytes, memory_mb=args.query_memory_mb,
+                                 threads=args.query_threads,
+                                 memory_flags=f"--query-memory-mb {args.query_memory_mb} (one query) and "
+                                 f"--max-memory-mb {args.max_memory_mb} (the agent)")
+    readonly_sql.bound_process(args.max_memory_mb, limits, QUERY_SLOTS, "--max-memory-mb / --query-memory-mb")
     if args.data_max_bytes < 0:
         raise IngeroError("--data-max-bytes must be >= 0 (0: no cap)")
     try:
@@ -409,12 +409,9 @@ def run(args) -> int:
     except OSError as e:
         raise IngeroError(f"--data-dir {args.data_dir}: {e.strerror}; pass a writable folder") from None
     try:
-        limits = readonly_sql.Limits(timeout_s=args.query_timeout, max_rows=args.query_max_rows,
-                                     max_bytes=args.query_max_bytes,
-                                     memory_limit=f"{max(64, args.max_memory_mb // 3)}MB")
         srv = make_server(manager, listen, token, (args.tls_cert, args.tls_key) if args.tls_cert else None,
                           quiet=args.quiet, client_ca=args.tls_client_ca,
-                          queries=QueryService(manager, limits))
+                          queries=QueryService(manager, limits, QUERY_SLOTS))
     except OSError as e:
         raise IngeroError(f"cannot listen on {args.listen}: {e.strerror}; pick a free port") from None
     if args.metrics_port is not None:

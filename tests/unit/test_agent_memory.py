@@ -25,7 +25,7 @@ def agent(tmp_path):
     ready = tmp_path / "ready"
     proc = subprocess.Popen([sys.executable, "-m", "ingero", "agent", "serve", "--node", "n1",
                              "--listen", f"127.0.0.1:{port}", "--data-dir", str(tmp_path / "data"),
-                             "--token-file", str(tmp_path / "token"), "--max-memory-mb", "768",
+                             "--token-file", str(tmp_path / "token"), "--max-memory-mb", "768", "--query-memory-mb", "192",
                              "--ready-file", str(ready), "--quiet"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
@@ -54,10 +54,12 @@ def _peak_rss_mb(pid: int) -> float:
     raise AssertionError("no VmHWM")
 
 
-def test_a_query_allocating_gigabytes_fails_with_a_400_and_the_agent_keeps_serving(agent):
+@pytest.mark.parametrize("sql", ["SELECT repeat('x', 1073741000) AS s", "SELECT length(repeat('x', 1073741000))"])
+def test_a_query_allocating_gigabytes_fails_with_a_400_naming_the_flags_and_the_agent_keeps_serving(agent, sql):
     proc, base = agent
-    code, doc = _call(f"{base}/v1/query", {"sql": "SELECT repeat('x', 900000000) AS s"})
-    assert code == 400 and "more memory than this agent allows" in doc["error"], (code, doc)
+    code, doc = _call(f"{base}/v1/query", {"sql": sql})
+    assert code == 400 and "--query-memory-mb 192" in doc["error"] and "--max-memory-mb 768" in doc["error"], \
+        (code, doc)
     assert "\n" not in doc["error"]
     assert _peak_rss_mb(proc.pid) < 768, _peak_rss_mb(proc.pid)
     assert proc.poll() is None

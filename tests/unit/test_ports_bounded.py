@@ -65,7 +65,7 @@ def agent_proc(tmp_path):
     ready = tmp_path / "ready"
     proc = subprocess.Popen([sys.executable, "-m", "ingero", "agent", "serve", "--node", "n1",
                              "--listen", f"127.0.0.1:{port}", "--data-dir", str(tmp_path / "data"),
-                             "--token-file", str(tmp_path / "token"), "--max-memory-mb", "768",
+                             "--token-file", str(tmp_path / "token"), "--max-memory-mb", "768", "--query-memory-mb", "192",
                              "--metrics-port", str(mport), "--metrics-address", "127.0.0.1",
                              "--ready-file", str(ready), "--quiet"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -213,3 +213,70 @@ def test_500_half_open_connections_to_the_artifact_server_delay_no_download(arti
     finally:
         for s in socks:
             s.close()
+
+
+# ---- the MCP server over HTTP ---------------------------------------------------------------
+@pytest.fixture
+def mcp_http(tmp_path):
+    pytest.importorskip("mcp")
+    from tests.unit.trace_fixture import write_job
+
+    write_job(tmp_path / "raw")
+    (tmp_path / "token").write_text(TOKEN)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ingero", "mcp", "--root", str(tmp_path / "raw"), "--http",
+                             f"127.0.0.1:{port}", "--token-file", str(tmp_path / "token"),
+                             "--max-memory-mb", "768", "--query-memory-mb", "64"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            break
+        except OSError:
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.1)
+    yield proc, port
+    proc.terminate()
+    proc.wait(10)
+
+
+def _mcp_call(port: int, tool: str, args: dict):
+    import anyio
+    import httpx2
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+
+    async def go():
+        with anyio.fail_after(60):
+            async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60) as http:
+                async with streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=http) as (r, w):
+                    async with ClientSession(r, w) as session:
+                        await session.initialize()
+                        return await session.call_tool(tool, args)
+
+    return anyio.run(go)
+
+
+def test_500_half_open_connections_to_the_mcp_server_delay_no_client(mcp_http):
+    proc, port = mcp_http
+    rss0 = vm(proc.pid, "VmRSS")
+    socks = half_open(port, 500, b"POST /mcp HTTP/1.1\r\n")
+    try:
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        res = _mcp_call(port, "list_sessions", {})
+        assert not res.is_error and time.monotonic() - t0 < 2, res
+        assert proc.poll() is None and vm(proc.pid, "VmRSS") - rss0 < 50
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_a_query_allocating_gigabytes_is_a_tool_error_naming_the_flags_and_the_mcp_server_stays(mcp_http):
+    proc, port = mcp_http
+    res = _mcp_call(port, "query", {"session": ".", "sql": "SELECT repeat('x', 1073741000) AS s"})
+    assert res.is_error and "--query-memory-mb 64" in res.content[0].text, res.content[0].text
+    assert "--max-memory-mb 768" in res.content[0].text and "\n" not in res.content[0].text
+    assert proc.poll() is None and vm(proc.pid, "VmHWM") < 768
+    assert not _mcp_call(port, "describe_tables", {}).is_error
