@@ -147,10 +147,12 @@ def confine_views(con, folder: Path) -> list[str]:
     return sorted(allowed)
 
 
-def open_sandbox(source: Path | list[Path], limits: Limits | None = None, session: str | None = None):
+def open_sandbox(source: Path | list[Path], limits: Limits | None = None, session: str | None = None,
+                 memory_mb: int | None = None):
     """A locked, read-only connection over a ``.duckdb`` file or segment directories (of one
     `session`, when given). `limits`: memory and threads of the connection (None: DuckDB's
-    defaults, for the local CLI); the other bounds apply per query in ``run``."""
+    defaults, or `memory_mb` of memory, for the local CLI); the other bounds apply per query
+    in ``run``."""
     con = duckdb.connect(config={"autoinstall_known_extensions": False,
                                  "autoload_known_extensions": False})
     try:
@@ -175,6 +177,8 @@ def open_sandbox(source: Path | list[Path], limits: Limits | None = None, sessio
             con.execute(f"SET memory_limit = '{int(limits.memory_mb)}MiB'")
             con.execute(f"SET threads = {int(limits.threads)}")
             con.execute("SET max_temp_directory_size = '0B'")
+        elif memory_mb:
+            con.execute(f"SET memory_limit = '{int(memory_mb)}MiB'")
         # no spilling: DuckDB would allow reads of its temp directory, <cwd>/.tmp by default
         con.execute("SET temp_directory = ''")
         con.execute("SET enable_external_access = false")

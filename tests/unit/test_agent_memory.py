@@ -73,3 +73,14 @@ def test_a_value_larger_than_the_byte_budget_is_cut_without_being_copied_into_js
     code, doc = _call(f"{base}/v1/query", {"sql": "SELECT repeat('x', 50000000) AS s"})
     assert code == 200 and doc.get("truncated") == "bytes" and doc.get("rows") == [], (code, str(doc)[:300])
     assert _peak_rss_mb(proc.pid) < 768
+
+
+def test_ingero_query_is_bounded_too_and_names_the_flag(tmp_path):
+    from tests.unit.trace_fixture import write_job
+
+    write_job(tmp_path / "job")
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "ingero", "query", "--max-memory-mb", "768", str(tmp_path / "job"),
+                          "SELECT length(repeat('x', 1073741000)) AS s"], capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "--max-memory-mb 768" in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and time.monotonic() - t0 < 30
