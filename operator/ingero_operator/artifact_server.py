@@ -38,7 +38,6 @@ import logging
 import os
 import re
 import secrets
-import socket
 import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path

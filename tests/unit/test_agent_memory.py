@@ -13,25 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from ingero_operator.cluster_objects import free_port
-
-TOKEN = "memory-test-token-0123456789"
+from tests.unit.trace_fixture import TOKEN, spawn_agent
 
 
 @pytest.fixture
 def agent(tmp_path):
-    port = free_port()
-    (tmp_path / "token").write_text(TOKEN)
-    ready = tmp_path / "ready"
-    proc = subprocess.Popen([sys.executable, "-m", "ingero", "agent", "serve", "--node", "n1",
-                             "--listen", f"127.0.0.1:{port}", "--data-dir", str(tmp_path / "data"),
-                             "--token-file", str(tmp_path / "token"), "--max-memory-mb", "768", "--query-memory-mb", "192",
-                             "--ready-file", str(ready), "--quiet"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
-    while not ready.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
-        time.sleep(0.05)
+    proc, port = spawn_agent(tmp_path, "--max-memory-mb", "768", "--query-memory-mb", "192")
     yield proc, f"http://127.0.0.1:{port}"
     proc.terminate()
     proc.wait(10)

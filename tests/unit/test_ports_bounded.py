@@ -8,8 +8,6 @@ import json
 import os
 import socket
 import statistics
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -21,7 +19,7 @@ import pytest
 
 from ingero import serving
 from ingero_operator.cluster_objects import free_port
-from tests.unit.trace_fixture import SESSION, TOKEN, agent_data, serve_agent
+from tests.unit.trace_fixture import TOKEN, agent_data, serve_agent, spawn_agent, spawn_mcp_http
 
 pytest.importorskip("ingero_operator.artifact_server")
 from ingero_operator import artifact_server as art  # noqa: E402
@@ -59,20 +57,10 @@ def vm(pid: int | str, field: str) -> float:
 # ---- the agent, as the chart runs it: API and metrics, memory bounded ------------------------
 @pytest.fixture
 def agent_proc(tmp_path):
-    port, mport = free_port(), free_port()
-    (tmp_path / "token").write_text(TOKEN)
+    mport = free_port()
     agent_data(tmp_path / "data", "n1", [0, 1])
-    ready = tmp_path / "ready"
-    proc = subprocess.Popen([sys.executable, "-m", "ingero", "agent", "serve", "--node", "n1",
-                             "--listen", f"127.0.0.1:{port}", "--data-dir", str(tmp_path / "data"),
-                             "--token-file", str(tmp_path / "token"), "--max-memory-mb", "768", "--query-memory-mb", "192",
-                             "--metrics-port", str(mport), "--metrics-address", "127.0.0.1",
-                             "--ready-file", str(ready), "--quiet"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
-    while not ready.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
-        time.sleep(0.05)
+    proc, port = spawn_agent(tmp_path, "--max-memory-mb", "768", "--query-memory-mb", "192",
+                             "--metrics-port", str(mport), "--metrics-address", "127.0.0.1")
     yield proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{mport}/metrics"
     proc.terminate()
     proc.wait(10)
@@ -223,19 +211,8 @@ def mcp_http(tmp_path):
 
     write_job(tmp_path / "raw")
     (tmp_path / "token").write_text(TOKEN)
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ingero", "mcp", "--root", str(tmp_path / "raw"), "--http",
-                             f"127.0.0.1:{port}", "--token-file", str(tmp_path / "token"),
-                             "--max-memory-mb", "768", "--query-memory-mb", "64"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            break
-        except OSError:
-            assert proc.poll() is None, proc.stderr.read()
-            time.sleep(0.1)
+    proc, port = spawn_mcp_http(tmp_path / "raw", tmp_path / "token", "--max-memory-mb", "768",
+                                "--query-memory-mb", "64")
     yield proc, port
     proc.terminate()
     proc.wait(10)
