@@ -7,12 +7,13 @@ file; the Parquet files its own views read are allowed when they lie in its
 folder, as the operator's artifact keeps ``nccl_events``, and only by absolute
 path, never relative to the working directory). Then file access is switched
 off (``enable_external_access = false``, with ``allowed_directories`` = the
-segment folders the views read, and no temp directory, so
+segment folders the views read; the temp directory, which DuckDB allows too, is a
+fresh private folder of the connection's own, or none at all), so
 ``COPY ... TO``, ``ATTACH``, ``read_csv('/etc/passwd')``, ``INSTALL`` and
 ``LOAD`` all fail) and the configuration is locked, so the query cannot
 switch it back. On top of that only one ``SELECT`` (or ``EXPLAIN``)
 statement is accepted, and the query is bounded: a timer interrupts it,
-memory and threads are capped, spilling to disk is off, and at most
+memory and threads are capped, spilling to disk is off for served queries, and at most
 ``max_rows`` rows and about ``max_bytes`` bytes of JSON come back.
 """
 
@@ -24,9 +25,12 @@ import json
 import math
 import re
 import resource
+import shutil
+import tempfile
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -173,14 +177,19 @@ def open_sandbox(source: Path | list[Path], limits: Limits | None = None, sessio
                 con.execute("SET allowed_directories = ?", [[str(d) + "/" for d in dirs]])
             attach_segments(con, dirs, session=session)
         add_missing_tables(con)
-        if limits is not None:   # a served query: bounded, and no spilling to disk
+        # DuckDB allows reads of its temp directory (<cwd>/.tmp by default): a served query
+        # gets none (no spilling), a local one a fresh private folder holding only its spill
+        if limits is not None:
             con.execute(f"SET memory_limit = '{int(limits.memory_mb)}MiB'")
             con.execute(f"SET threads = {int(limits.threads)}")
             con.execute("SET max_temp_directory_size = '0B'")
-        elif memory_mb:
-            con.execute(f"SET memory_limit = '{int(memory_mb)}MiB'")
-        # no spilling: DuckDB would allow reads of its temp directory, <cwd>/.tmp by default
-        con.execute("SET temp_directory = ''")
+            con.execute("SET temp_directory = ''")
+        else:
+            if memory_mb:
+                con.execute(f"SET memory_limit = '{int(memory_mb)}MiB'")
+            scratch = tempfile.mkdtemp(prefix="ingero-duckdb-")
+            weakref.finalize(con, shutil.rmtree, scratch, True)
+            con.execute("SET temp_directory = ?", [scratch])
         con.execute("SET enable_external_access = false")
         con.execute("SET lock_configuration = true")
     except BaseException:
