@@ -4,11 +4,13 @@ metrics, MCP over HTTP) is an asyncio server whose connections are ``Bounded``.
 An event loop holds a connection for a few kilobytes and no thread, and each server
 keeps them within ``Bounds``:
 
-* at most ``max_connections`` are open. A connection past the bound takes the slot of
-  the oldest one that has no request in progress (a half-open or idle peer); when every
-  one is in a request, it is answered ``503`` with ``Retry-After`` and closed, never
-  reset (a TLS connection past the bound is closed: it cannot be answered before its
-  handshake);
+* at most ``max_connections`` are open, and half of them from one client address. A
+  connection past either bound takes the slot of the oldest one (of that address, past
+  its share) that has no request in progress (a half-open or idle peer); when every one
+  is in a request, it is answered ``503`` with ``Retry-After`` and closed, never reset
+  (a TLS connection past the bound is closed: it cannot be answered before its
+  handshake). One address crowding the port thus drops its own stalled connections,
+  not those of other clients;
 * a connection with no request in progress for ``idle_timeout_s`` (a peer that never
   finishes its headers, a TLS client that never says hello, an idle keep-alive) is
   aborted: a sweep once a second looks at every connection;
@@ -62,7 +64,9 @@ class Slots:
     def __init__(self, bounds: Bounds):
         self.bounds = bounds
         self.limit = bounds.max_connections
+        self.per_address = max(1, bounds.max_connections // 2)
         self.conns: dict["Bounded", None] = {}
+        self.by_address: dict[str, int] = {}
         self.refusing = 0                  # connections being answered 503
         self.dropped = 0                   # idle connections closed to make room
         self._sweeper: asyncio.TimerHandle | None = None
@@ -72,20 +76,28 @@ class Slots:
         return len(self.conns)
 
     def admit(self, conn: "Bounded") -> bool:
-        if len(self.conns) >= self.limit:
-            oldest_idle = next((c for c in self.conns if not c.busy()), None)
+        crowded = self.by_address.get(conn.address, 0) >= self.per_address
+        if crowded or len(self.conns) >= self.limit:
+            oldest_idle = next((c for c in self.conns if not c.busy()
+                                and (not crowded or c.address == conn.address)), None)
             if oldest_idle is None:
                 return False
             self.release(oldest_idle)
             oldest_idle.abort()
             self.dropped += 1
         self.conns[conn] = None
+        self.by_address[conn.address] = self.by_address.get(conn.address, 0) + 1
         if self._sweeper is None:
             self._sweeper = conn.loop_of().call_later(1.0, self._sweep)
         return True
 
     def release(self, conn: "Bounded") -> None:
-        self.conns.pop(conn, None)
+        if conn not in self.conns:
+            return
+        del self.conns[conn]
+        left = self.by_address.pop(conn.address) - 1
+        if left:
+            self.by_address[conn.address] = left
 
     def _sweep(self) -> None:
         self._sweeper = None
@@ -132,6 +144,8 @@ class Bounded:
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._raw = transport
+        peer = transport.get_extra_info("peername")
+        self.address = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
         if self._slots.admit(self):
             self.open_connection(transport)
             return

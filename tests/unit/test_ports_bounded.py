@@ -257,3 +257,31 @@ def test_a_query_allocating_gigabytes_is_a_tool_error_naming_the_flags_and_the_m
     assert "--max-memory-mb 768" in res.content[0].text and "\n" not in res.content[0].text
     assert proc.poll() is None and vm(proc.pid, "VmHWM") < 768
     assert not _mcp_call(port, "describe_tables", {}).is_error
+
+
+def test_one_address_crowding_the_port_drops_its_own_connections_not_another_clients(tmp_path):
+    import http.client
+
+    srv, _ = serve_agent(agent_data(tmp_path / "data", "n1", [0]), "n1", max_connections=8, idle_timeout_s=5)
+    port = srv.server_address[1]
+    try:
+        keep = http.client.HTTPConnection("127.0.0.1", port, timeout=5)     # an operator's keep-alive
+        for _ in range(2):
+            keep.request("GET", "/v1/time", headers={"Authorization": f"Bearer {TOKEN}"})
+            assert keep.getresponse().read() and srv.slots.open == 1
+            crowd = []
+            for _ in range(20):                 # another address: 127.0.0.2 (still loopback)
+                s = socket.socket()
+                s.bind(("127.0.0.2", 0))
+                s.connect(("127.0.0.1", port))
+                s.sendall(b"GET /v1/time HTTP/1.1\r\n")
+                crowd.append(s)
+            time.sleep(0.3)
+            assert srv.slots.by_address == {"127.0.0.1": 1, "127.0.0.2": 4}, srv.slots.by_address
+            for s in crowd:
+                s.close()
+            time.sleep(0.2)
+        keep.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()
