@@ -84,7 +84,7 @@ def test_400_half_open_metrics_connections_neither_crash_the_agent_nor_delay_a_s
             s.close()
 
 
-def test_50_concurrent_clients_of_the_api_and_metrics_get_no_5xx_but_503(agent_proc):
+def test_50_concurrent_clients_of_the_api_and_metrics_get_no_5xx(agent_proc):
     proc, api, metrics = agent_proc
     query = json.dumps({"sql": "SELECT rank, count(*) FROM nccl_events GROUP BY ALL"}).encode()
 
