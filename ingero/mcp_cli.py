@@ -6,6 +6,12 @@
 Tools: list_sessions, straggler_report, rank_detail, describe_tables, query
 (read-only, bounded SQL). Over HTTP (streamable HTTP at /mcp) every request
 needs ``Authorization: Bearer <token>``; --tls-cert/--tls-key serve https.
+Its connections are bounded as every Ingero port is (``ingero.serving``).
+
+Memory: a query's DuckDB memory is --query-memory-mb, and the whole process is
+bounded by --max-memory-mb (its data memory), so a query that allocates beyond
+them (``repeat('x', 1073741000)``) is a tool error naming both flags, not a
+server gone; at most TOOL_THREADS tool calls run at once.
 
 A client configuration for stdio, e.g.::
 
@@ -33,6 +39,11 @@ def add_parser(sub):
     p.add_argument("--token-file", type=Path, help="bearer token every HTTP request must carry (required with --http)")
     p.add_argument("--tls-cert", type=Path, help="serve https with this certificate (PEM)")
     p.add_argument("--tls-key", type=Path, help="... and this key (PEM)")
+    p.add_argument("--query-memory-mb", type=int, default=256, metavar="MB",
+                   help="DuckDB memory of one `query` tool call (default 256)")
+    p.add_argument("--max-memory-mb", type=int, default=2048, metavar="MB",
+                   help="data memory of the whole server (default 2048; 0: no bound); a query past "
+                   "it is a tool error")
     return p
 
 
@@ -75,28 +86,46 @@ def run(args) -> int:
         import mcp  # noqa: F401
     except ImportError:
         raise IngeroError("the MCP SDK is not installed: pip install 'mcp>=2,<3' (or ingero[mcp])") from None
-    from ingero.mcp_server import make_server
+    import dataclasses
+
+    import anyio
+
+    from ingero import readonly_sql, serving
+    from ingero.mcp_server import QUERY_LIMITS, TOOL_THREADS, make_server
 
     if bool(args.tls_cert) != bool(args.tls_key):
         raise IngeroError("https needs both --tls-cert and --tls-key")
-    server = make_server(args.root)
+    if not 16 <= args.query_memory_mb <= 1 << 20 or not (args.max_memory_mb == 0 or 256 <= args.max_memory_mb):
+        raise IngeroError("--query-memory-mb must be 16 to 1048576 and --max-memory-mb 0 (no bound) or >= 256")
+    bound = f" and --max-memory-mb {args.max_memory_mb}" if args.max_memory_mb else ""
+    limits = dataclasses.replace(QUERY_LIMITS, memory_mb=args.query_memory_mb,
+                                 memory_flags=f"--query-memory-mb {args.query_memory_mb} (one query){bound}")
+    server = make_server(args.root, limits=limits)
+    if args.max_memory_mb:
+        readonly_sql.bound_process(args.max_memory_mb, limits, TOOL_THREADS, "--max-memory-mb / --query-memory-mb")
+
+    async def serve(run) -> None:
+        anyio.to_thread.current_default_thread_limiter().total_tokens = TOOL_THREADS
+        await run()
+
     if not args.http:
         if args.tls_cert or args.token_file:
             raise IngeroError("--token-file and --tls-* apply to --http only; stdio needs neither")
-        server.run("stdio")
+        anyio.run(serve, server.run_stdio_async)
         return 0
-    import anyio
     import uvicorn
 
     host, port = _listen(args.http)
     app = BearerAuth(server.streamable_http_app(host=host), _token(args.token_file))
     ssl = {"ssl_certfile": str(args.tls_cert), "ssl_keyfile": str(args.tls_key)} if args.tls_cert else {}
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", **ssl)
+    slots = serving.Slots(serving.Bounds())
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", http=serving.uvicorn_protocol(slots),
+                            backlog=512, **ssl)
     scheme = "https" if args.tls_cert else "http"
     print(f"ingero mcp: {scheme}://{args.http}/mcp (bearer token required), traces under "
           f"{Path(args.root).resolve()}", file=sys.stderr, flush=True)
     try:
-        anyio.run(uvicorn.Server(config).serve)
+        anyio.run(serve, uvicorn.Server(config).serve)
     except KeyboardInterrupt:
         pass
     return 0

@@ -30,7 +30,9 @@ from ingero.errors import IngeroError, trace_error
 
 MAX_SESSIONS = 500
 MAX_DEPTH = 8
-QUERY_LIMITS = readonly_sql.Limits(timeout_s=15.0, max_rows=1000, max_bytes=1 << 20)
+QUERY_LIMITS = readonly_sql.Limits(timeout_s=15.0, max_rows=1000, max_bytes=1 << 20, memory_mb=256,
+                                   memory_flags="--query-memory-mb 256 (one query) and --max-memory-mb 2048")
+TOOL_THREADS = 4            # tool calls run at once (each a thread; more wait their turn)
 
 
 def _latest(con, rank: int, n: int) -> list[tuple]:
@@ -137,7 +139,7 @@ def _rank_brief(r) -> dict:
             "offcpu_ms": {k: round(v, 1) for k, v in r.offcpu_ms.items()}}
 
 
-def make_server(root: Path, name: str = "ingero"):
+def make_server(root: Path, name: str = "ingero", limits: readonly_sql.Limits = QUERY_LIMITS):
     from mcp.server.mcpserver import MCPServer
     from mcp.types import ToolAnnotations
 
@@ -221,11 +223,11 @@ def make_server(root: Path, name: str = "ingero"):
     def query(session: str, sql: str, max_rows: int = 100) -> dict:
         path = traces.resolve(session)
         try:
-            limits = QUERY_LIMITS.narrowed(max_rows=max_rows)
+            narrowed = limits.narrowed(max_rows=max_rows)
         except ValueError:
             raise ToolError("max_rows must be a finite number (at most 1000 rows come back)") from None
         with tool_errors():
-            res = readonly_sql.query(path, sql, limits)
+            res = readonly_sql.query(path, sql, narrowed)
         return {"session": session, **res.to_dict()}
 
     return server

@@ -4,16 +4,22 @@ SOURCE is a DuckDB file written by `ingero trace`/`ingero lab` or the
 operator (opened read-only), a folder holding one as trace.duckdb (the
 operator's artifact folder, a lab --out folder), or a directory of Parquet
 segments (exposed as views).
+
+The process is bounded in memory (--max-memory-mb, default 3/4 of the machine's):
+a query past it (``SELECT repeat('x', 1073741000)`` on a small bound, a crafted
+trace's view) is an error naming the flag, not a machine swapping.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import sys
 from pathlib import Path
 
+from ingero import readonly_sql
 from ingero.errors import IngeroError
 from ingero.store import open_source
 
@@ -39,7 +45,25 @@ def add_parser(sub):
     p.add_argument("--max-rows", type=int, default=1000,
                    help="print at most this many rows (default 1000; 0 = all)")
     p.add_argument("--tables", action="store_true", help="list tables with row counts")
+    p.add_argument("--max-memory-mb", type=int, default=default_memory_mb(), metavar="MB",
+                   help="data memory of this process, DuckDB's included (default 3/4 of the machine's: "
+                   f"{default_memory_mb()}; 0: no bound)")
     return p
+
+
+def default_memory_mb() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 3 // 4 >> 20
+
+
+def bound_memory(max_memory_mb: int) -> int | None:
+    """Bound this process to `max_memory_mb` (0: not at all); DuckDB's share of it in MiB."""
+    if not max_memory_mb:
+        return None
+    if max_memory_mb < 512:
+        raise IngeroError(f"--max-memory-mb {max_memory_mb} is too small: use 512 or more (0: no bound)")
+    duck = max_memory_mb - readonly_sql.PROCESS_RESERVE_MB
+    readonly_sql.bound_process(max_memory_mb, readonly_sql.Limits(memory_mb=duck), 1, "--max-memory-mb")
+    return duck
 
 
 # C0 and C1 controls (ESC, BEL, CR, LF, ...), DEL, and the bidi and line separators
@@ -82,7 +106,7 @@ def print_table(names: list[str], rows: list[tuple], out=None) -> None:
 def run(args) -> int:
     import duckdb
 
-    con = open_source(args.source, session=args.session)
+    con = open_source(args.source, session=args.session, memory_mb=bound_memory(args.max_memory_mb))
     try:
         if args.tables:
             names = [r[0] for r in con.execute(
@@ -95,14 +119,17 @@ def run(args) -> int:
             raise IngeroError("no SQL given: ingero query SOURCE \"SELECT ...\" (or --tables)")
         try:
             cur = con.execute(sql)
+            if cur.description is None:
+                return 0
+            names = [d[0] for d in cur.description]
+            limit = args.max_rows if args.max_rows > 0 else None
+            rows = cur.fetchmany(limit) if limit else cur.fetchall()
+            more = bool(limit and cur.fetchone() is not None)
+        except (duckdb.OutOfMemoryException, MemoryError) as e:
+            raise IngeroError(f"query needs more memory than --max-memory-mb {args.max_memory_mb} allows: "
+                              "narrow it (WHERE, LIMIT, smaller values) or raise it") from e
         except duckdb.Error as e:
             raise IngeroError(f"query failed: {str(e).splitlines()[0]}") from e
-        if cur.description is None:
-            return 0
-        names = [d[0] for d in cur.description]
-        limit = args.max_rows if args.max_rows > 0 else None
-        rows = cur.fetchmany(limit) if limit else cur.fetchall()
-        more = bool(limit and cur.fetchone() is not None)
     finally:
         con.close()
     if args.format == "csv":

@@ -7,12 +7,13 @@ file; the Parquet files its own views read are allowed when they lie in its
 folder, as the operator's artifact keeps ``nccl_events``, and only by absolute
 path, never relative to the working directory). Then file access is switched
 off (``enable_external_access = false``, with ``allowed_directories`` = the
-segment folders the views read, and no temp directory, so
+segment folders the views read; the temp directory, which DuckDB allows too, is a
+fresh private folder of the connection's own, or none at all), so
 ``COPY ... TO``, ``ATTACH``, ``read_csv('/etc/passwd')``, ``INSTALL`` and
 ``LOAD`` all fail) and the configuration is locked, so the query cannot
 switch it back. On top of that only one ``SELECT`` (or ``EXPLAIN``)
 statement is accepted, and the query is bounded: a timer interrupts it,
-memory and threads are capped, spilling to disk is off, and at most
+memory and threads are capped, spilling to disk is off for served queries, and at most
 ``max_rows`` rows and about ``max_bytes`` bytes of JSON come back.
 """
 
@@ -23,9 +24,13 @@ import decimal
 import json
 import math
 import re
+import resource
+import shutil
+import tempfile
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +40,10 @@ from ingero.errors import IngeroError
 from ingero.store import add_missing_tables, attach_segments
 
 ALLOWED = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
+# What a serving process needs beside its queries, in its data memory (VmData): the
+# interpreter, DuckDB and pyarrow (~180 MiB) and the stacks of its threads (8 MiB each,
+# reserved whole: ~20 threads at most, as no server starts one per connection).
+PROCESS_RESERVE_MB = 384
 
 
 @dataclass
@@ -44,9 +53,10 @@ class Limits:
     timeout_s: float = 10.0          # interrupted after this long
     max_rows: int = 10_000           # rows returned; more are cut (truncated = "rows")
     max_bytes: int = 4 << 20         # JSON size of the rows returned (truncated = "bytes")
-    memory_limit: str = "512MB"      # DuckDB memory_limit of the query's connection (the agent
-    #                                  also bounds its whole process: server.bound_memory)
+    memory_mb: int = 512             # DuckDB memory_limit of the query's connection, MiB
     threads: int = 2                 # DuckDB threads of the query's connection
+    # the settings that bound a query's memory, as the error names them to whoever runs it
+    memory_flags: str = "the query memory limit"
 
     def narrowed(self, timeout_s=None, max_rows=None) -> "Limits":
         """These limits, tightened (never widened) by a caller's request; ValueError for a
@@ -141,10 +151,12 @@ def confine_views(con, folder: Path) -> list[str]:
     return sorted(allowed)
 
 
-def open_sandbox(source: Path | list[Path], limits: Limits | None = None, session: str | None = None):
+def open_sandbox(source: Path | list[Path], limits: Limits | None = None, session: str | None = None,
+                 memory_mb: int | None = None):
     """A locked, read-only connection over a ``.duckdb`` file or segment directories (of one
     `session`, when given). `limits`: memory and threads of the connection (None: DuckDB's
-    defaults, for the local CLI); the other bounds apply per query in ``run``."""
+    defaults, or `memory_mb` of memory, for the local CLI); the other bounds apply per query
+    in ``run``."""
     con = duckdb.connect(config={"autoinstall_known_extensions": False,
                                  "autoload_known_extensions": False})
     try:
@@ -165,18 +177,52 @@ def open_sandbox(source: Path | list[Path], limits: Limits | None = None, sessio
                 con.execute("SET allowed_directories = ?", [[str(d) + "/" for d in dirs]])
             attach_segments(con, dirs, session=session)
         add_missing_tables(con)
-        if limits is not None:   # a served query: bounded, and no spilling to disk
-            con.execute(f"SET memory_limit = '{limits.memory_limit}'")
+        # DuckDB allows reads of its temp directory (<cwd>/.tmp by default): a served query
+        # gets none (no spilling), a local one a fresh private folder holding only its spill
+        if limits is not None:
+            con.execute(f"SET memory_limit = '{int(limits.memory_mb)}MiB'")
             con.execute(f"SET threads = {int(limits.threads)}")
             con.execute("SET max_temp_directory_size = '0B'")
-        # no spilling: DuckDB would allow reads of its temp directory, <cwd>/.tmp by default
-        con.execute("SET temp_directory = ''")
+            con.execute("SET temp_directory = ''")
+        else:
+            if memory_mb:
+                con.execute(f"SET memory_limit = '{int(memory_mb)}MiB'")
+            scratch = tempfile.mkdtemp(prefix="ingero-duckdb-")
+            weakref.finalize(con, shutil.rmtree, scratch, True)
+            con.execute("SET temp_directory = ?", [scratch])
         con.execute("SET enable_external_access = false")
         con.execute("SET lock_configuration = true")
     except BaseException:
         con.close()
         raise
     return con
+
+
+def bound_process(max_memory_mb: int, limits: Limits, queries_at_once: int, flags: str) -> None:
+    """Bound this process's data memory (soft RLIMIT_DATA) to `max_memory_mb`, after checking
+    that `queries_at_once` queries of `limits` fit in it beside PROCESS_RESERVE_MB.
+
+    DuckDB's memory_limit covers its buffers, not every allocation: ``SELECT repeat('x',
+    1073741000)`` took a process to 4 GiB under a memory_limit of 256 MiB. Under the bound
+    such an allocation fails inside DuckDB (or in Python), the query is refused in one line
+    naming `flags`, and the process keeps serving. Child processes must drop it
+    (``unbound_process``)."""
+    need = queries_at_once * limits.memory_mb + PROCESS_RESERVE_MB
+    if need > max_memory_mb:
+        raise IngeroError(f"{flags}: {queries_at_once} queries of {limits.memory_mb} MiB and {PROCESS_RESERVE_MB} "
+                          f"MiB for the process need {need} MiB, more than its {max_memory_mb} MiB: lower the "
+                          "query memory or raise the process's")
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    want = max_memory_mb << 20
+    if hard != resource.RLIM_INFINITY:
+        want = min(want, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (want, hard))
+
+
+def unbound_process() -> None:
+    """In a child (before exec): none of the bound of ``bound_process``."""
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
 
 
 def check_text(sql: str) -> None:
@@ -240,12 +286,9 @@ def run(con, sql: str, limits: Limits | None = None) -> Result:
     except duckdb.InterruptException as e:
         raise QueryRefused(f"query interrupted after {limits.timeout_s:g} s: narrow it (WHERE, LIMIT) "
                            "or raise the timeout", timeout=True) from e
-    except duckdb.OutOfMemoryException as e:
-        raise QueryRefused("query needs more memory than this agent allows: narrow it "
-                           f"(WHERE, LIMIT, smaller values) ({str(e).splitlines()[0]})") from e
-    except MemoryError as e:
-        raise QueryRefused("query result needs more memory than this agent allows: narrow it "
-                           "(WHERE, LIMIT, smaller values)") from e
+    except (duckdb.OutOfMemoryException, MemoryError) as e:
+        raise QueryRefused(f"query needs more memory than {limits.memory_flags} allow: narrow it "
+                           "(WHERE, LIMIT, smaller values) or raise them") from e
     except duckdb.Error as e:
         raise QueryRefused(f"query failed: {str(e).splitlines()[0]}") from e
     finally:

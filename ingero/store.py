@@ -394,12 +394,13 @@ def build_duckdb(sources: list[Path], out: Path) -> Path:
     return out
 
 
-def open_source(path: Path, session: str | None = None):
+def open_source(path: Path, session: str | None = None, memory_mb: int | None = None):
     """Open a trace for reading: a DuckDB file, an artifact or lab folder holding
     ``trace.duckdb``, or a directory of segments (of one `session`, when it holds several).
 
     The connection is the sandbox of ``ingero.readonly_sql``: file access is off beyond the
-    trace's own files, so a crafted trace cannot read or write anything else."""
+    trace's own files, so a crafted trace cannot read or write anything else. `memory_mb`:
+    DuckDB's memory_limit (None: its default, 80% of the machine's memory)."""
     from ingero.readonly_sql import open_sandbox
 
     path = Path(path)
@@ -414,14 +415,14 @@ def open_source(path: Path, session: str | None = None):
                               "or the segment directory `ingero trace` wrote")
         if session is not None and session not in sessions:
             raise IngeroError(f"{path} holds no session {session!r}; it holds {', '.join(sessions)}")
-        con = open_sandbox(path, session=session)
+        con = open_sandbox(path, session=session, memory_mb=memory_mb)
         if session is None and len(sessions) > 1 and separate_recordings(con):
             con.close()
             raise IngeroError(f"{path} holds {len(sessions)} sessions ({_listed(sessions)}): pick one with --session")
         return con
     if not path.exists():
         raise IngeroError(f"{path} does not exist; pass a trace .duckdb file or a segment directory")
-    con = open_sandbox(path)
+    con = open_sandbox(path, memory_mb=memory_mb)
     try:
         sessions = file_sessions(con)
         if session is not None and session not in sessions:

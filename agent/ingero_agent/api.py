@@ -19,7 +19,6 @@ starts a new tracer that continues writing the same segment folder.
 from __future__ import annotations
 
 import ctypes
-import resource
 import ipaddress
 import json
 import logging
@@ -38,7 +37,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from ingero import schema
+from ingero import readonly_sql, schema
 
 log = logging.getLogger("ingero.agent")
 
@@ -51,9 +50,10 @@ PR_SET_PDEATHSIG = 1
 class ApiError(Exception):
     """A request the agent refuses: HTTP status and a one-line reason."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, headers: dict | None = None):
         super().__init__(message)
         self.status = status
+        self.headers = headers or {}
 
 
 def check_session_id(sid) -> str:
@@ -159,13 +159,12 @@ def parse_plan(body) -> Plan:
 
 def _pdeathsig():
     """In the child: get SIGTERM (flush and exit) when the agent dies, and none of the
-    memory bound the agent's own process keeps for its queries (server.bound_memory)."""
+    memory bound the agent's own process keeps for its queries (readonly_sql.bound_process)."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
         pass
-    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
+    readonly_sql.unbound_process()
 
 
 class _Spawner(threading.Thread):

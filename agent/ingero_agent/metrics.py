@@ -10,9 +10,10 @@ the operator's session id); a deleted session's series go with it.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
 
+from ingero import serving
 from ingero_agent.api import SessionManager
 
 STATES = ("starting", "running", "stopped", "finished", "failed", "interrupted")
@@ -73,5 +74,6 @@ def registry(manager: SessionManager, slots=None) -> tuple[CollectorRegistry, Co
     return reg, requests
 
 
-def serve(reg: CollectorRegistry, port: int, addr: str) -> None:
-    start_http_server(port, addr=addr, registry=reg)
+def serve(reg: CollectorRegistry, port: int, addr: str) -> serving.ServerThread:
+    """The registry on its own bounded port (``ingero.serving``): no thread per scrape."""
+    return serving.serve_metrics(reg, port, addr)

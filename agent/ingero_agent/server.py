@@ -21,10 +21,12 @@ loop itself, so a clock sample never queues behind other work; everything that
 blocks (DuckDB queries, starting and stopping tracers, reading segments and their
 metadata, JSON of large bodies) runs in a pool of WORKERS threads, and at most
 QueryService.slots queries run at once (a query waits QUERY_SLOT_WAIT_S for a slot,
-then gets 429). A segment is streamed from its file in CHUNK pieces. At most
-MAX_CONNECTIONS connections are open (more are closed at once), and a connection
-idle for IDLE_TIMEOUT_S (no request, a stalled handshake or body, a peer that does
-not read the answer) is closed: ``ingero_agent.connections``.
+then gets 429 with Retry-After). A segment is streamed from its file in pieces.
+Connections are bounded as every Ingero port is (``ingero.serving``): at most
+MAX_CONNECTIONS open, a new client takes the slot of the oldest idle or half-open
+one, past that a 503 with Retry-After; a connection with no request for
+IDLE_TIMEOUT_S, or whose peer does not read the answer, is closed. No thread is
+started per connection, so --max-memory-mb holds the workers' stacks and the queries.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ import hmac
 import json
 import logging
 import os
-import resource
 import signal
 import socket
 import ssl
@@ -48,20 +49,19 @@ from typing import Callable
 
 from aiohttp import web
 
-from ingero import __version__, logs, readonly_sql
+from ingero import __version__, logs, readonly_sql, serving
 from ingero.errors import IngeroError
 from ingero.tokens import read_token
 from ingero_agent.api import ApiError, SessionManager, parse_plan
-from ingero_agent.connections import Connection, Slots
 from ingero_agent.queries import QueryService
 
 log = logging.getLogger("ingero.agent")
 MAX_BODY = 4 << 20          # bytes; a plan for a few thousand pods fits
-IDLE_TIMEOUT_S = 10.0       # (with no bound, 1,500 half-open connections once held 1,503 threads
-MAX_CONNECTIONS = 64        # of the threaded server for good)
+IDLE_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 512       # a few KiB each on the event loop
 WORKERS = 8                 # threads for blocking work (each reserves a stack under --max-memory-mb)
 QUERY_SLOT_WAIT_S = 1.0
-CHUNK = 256 << 10           # bytes of a segment read and sent at a time
+QUERY_SLOTS = 2             # queries at once
 SERVER = f"ingero-agent/{__version__}"
 ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tf'
 
@@ -97,7 +97,7 @@ class AgentServer:
                  max_connections: int = MAX_CONNECTIONS, idle_timeout_s: float = IDLE_TIMEOUT_S):
         self.manager, self.queries, self.socket, self.token, self.tls = manager, queries, sock, token, tls
         self.quiet, self.idle_timeout_s = quiet, idle_timeout_s
-        self.slots = Slots(max_connections)
+        self.slots = serving.Slots(serving.Bounds(max_connections, idle_timeout_s))
         self.pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="agent-work")
         self.loop = asyncio.new_event_loop()
         self._stop = self.loop.create_future()
@@ -131,14 +131,10 @@ class AgentServer:
             web.delete("/v1/sessions/{sid}", self.delete),
             web.post("/v1/query", self.query),
         ])
-        runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=2.0)
-        await runner.setup()
         self._query_slots = asyncio.Semaphore(self.queries.slots)
-        access = None if self.quiet else log
-        server = await self.loop.create_server(
-            lambda: Connection(runner.server, self.slots, self.tls, self.idle_timeout_s, error_answer,
-                               access_log=access, access_log_format=ACCESS_LOG_FORMAT),
-            sock=self.socket)
+        runner, server = await serving.start(app, self.socket, self.slots, self.tls, error_answer,
+                                             access_log=None if self.quiet else log,
+                                             access_log_format=ACCESS_LOG_FORMAT)
         try:
             await self._stop
         finally:
@@ -170,7 +166,6 @@ class AgentServer:
 
     @web.middleware
     async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
-        request.protocol.request_arrived()
         routing = request.match_info.http_exception
         if routing is not None:              # no such path (404) or not with this method (405)
             return error_answer(routing.status, f"no {request.method} {request.path}")
@@ -182,7 +177,9 @@ class AgentServer:
             return resp
         except ApiError as e:
             self._count(request, e.status)
-            return error_answer(e.status, str(e))
+            resp = error_answer(e.status, str(e))
+            resp.headers.update(e.headers)
+            return resp
         except ConnectionError:
             raise
         except Exception as e:               # keep serving; report what broke
@@ -226,7 +223,8 @@ class AgentServer:
             async with asyncio.timeout(QUERY_SLOT_WAIT_S):
                 await self._query_slots.acquire()
         except TimeoutError:
-            raise ApiError(429, "every query slot of this agent is busy; retry shortly") from None
+            raise ApiError(429, "every query slot of this agent is busy; retry shortly",
+                           {"Retry-After": "1"}) from None
         try:
             yield
         finally:
@@ -267,22 +265,8 @@ class AgentServer:
     async def download(self, request: web.Request) -> web.StreamResponse:
         m = request.match_info
         path = await self._blocking(self.manager.segment_path, m["sid"], m["table"], m["name"])
-        f = await self._blocking(open, path, "rb")
-        try:
-            left = os.fstat(f.fileno()).st_size
-            resp = web.StreamResponse(headers={"Server": SERVER, "Content-Type": "application/vnd.apache.parquet"})
-            resp.content_length = left
-            await resp.prepare(request)
-            while left > 0:
-                chunk = await self._blocking(f.read, min(CHUNK, left))
-                if not chunk:                # cut short under us: the client must not take it as whole
-                    raise ConnectionError(f"segment {path.name} ended {left} bytes early")
-                left -= len(chunk)
-                await resp.write(chunk)
-            await resp.write_eof()
-            return resp
-        finally:
-            f.close()
+        return await serving.stream_file(request, path, self.pool, {"Server": SERVER,
+                                         "Content-Type": "application/vnd.apache.parquet"})
 
     async def delete(self, request: web.Request) -> web.Response:
         sid = request.match_info["sid"]
@@ -362,10 +346,17 @@ def add_parser(sub):
                    help="POST /v1/query: rows returned at most (default 10000)")
     r.add_argument("--query-max-bytes", type=int, default=4 << 20, metavar="B",
                    help="POST /v1/query: JSON bytes of rows returned at most (default 4 MiB)")
-    r.add_argument("--max-memory-mb", type=int, default=1536, metavar="MB",
+    r.add_argument("--max-memory-mb", type=int, default=768, metavar="MB",
                    help="the agent's own process (queries included; not its tracers) may use this "
                    "much data memory; past it a query fails with an out-of-memory error instead of "
-                   "the kernel killing the agent (default 1536: 3/4 of the chart's 2 GiB limit)")
+                   "the kernel killing the agent (default 768). It must "
+                   f"hold {QUERY_SLOTS} queries of --query-memory-mb and "
+                   f"{readonly_sql.PROCESS_RESERVE_MB} MiB for the agent itself")
+    r.add_argument("--query-memory-mb", type=int, default=192, metavar="MB",
+                   help="POST /v1/query: DuckDB memory of one query (default 192); a query needing "
+                   "more is refused in one line naming this flag")
+    r.add_argument("--query-threads", type=int, default=2, metavar="N",
+                   help="POST /v1/query: DuckDB threads of one query (default 2)")
     r.add_argument("--data-max-bytes", type=int, default=0, metavar="B",
                    help="keep --data-dir under B bytes: when a session starts or stops, finished ones are "
                    "deleted, the one stopped longest ago first (never one still tracing); default 0, no cap")
@@ -383,20 +374,6 @@ def add_parser(sub):
     return p
 
 
-def bound_memory(mb: int) -> None:
-    """Bound this process's data memory (soft RLIMIT_DATA; tracers it starts drop it).
-
-    DuckDB's memory_limit does not cover every allocation: `SELECT repeat('x', 900000000)`
-    drove an agent past 3.7 GB, and under the pod's limit the kernel killed it. With the
-    bound, such an allocation fails inside DuckDB (an out-of-memory error the query returns
-    as a 400) and the agent keeps serving."""
-    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    want = mb << 20
-    if hard != resource.RLIM_INFINITY:
-        want = min(want, hard)
-    resource.setrlimit(resource.RLIMIT_DATA, (want, hard))
-
-
 def run(args) -> int:
     if getattr(args, "agent_command", None) != "serve":
         args._agent_parser.print_help()
@@ -411,13 +388,20 @@ def run(args) -> int:
         raise IngeroError("--query-timeout must be > 0, --query-max-rows >= 1 and --query-max-bytes >= 1024")
     if not 256 <= args.max_memory_mb <= 1 << 20:
         raise IngeroError(f"--max-memory-mb {args.max_memory_mb} is out of range: use 256 to 1048576")
+    if not 16 <= args.query_memory_mb <= 1 << 20 or not 1 <= args.query_threads <= 256:
+        raise IngeroError("--query-memory-mb must be 16 to 1048576 and --query-threads 1 to 256")
     if args.cgroup_root is not None and not args.cgroup_root.is_dir():
         raise IngeroError(f"--cgroup-root {args.cgroup_root} is not a folder; pass the cgroup v2 "
                           "folder that holds the pods")
     logs.setup(args.log_format, args.log_level, "ingero.agent")
     listen = parse_listen(args.listen)
     token = read_token(args.token_file)
-    bound_memory(args.max_memory_mb)
+    limits = readonly_sql.Limits(timeout_s=args.query_timeout, max_rows=args.query_max_rows,
+                                 max_bytes=args.query_max_bytes, memory_mb=args.query_memory_mb,
+                                 threads=args.query_threads,
+                                 memory_flags=f"--query-memory-mb {args.query_memory_mb} (one query) and "
+                                 f"--max-memory-mb {args.max_memory_mb} (the agent)")
+    readonly_sql.bound_process(args.max_memory_mb, limits, QUERY_SLOTS, "--max-memory-mb / --query-memory-mb")
     if args.data_max_bytes < 0:
         raise IngeroError("--data-max-bytes must be >= 0 (0: no cap)")
     try:
@@ -425,12 +409,9 @@ def run(args) -> int:
     except OSError as e:
         raise IngeroError(f"--data-dir {args.data_dir}: {e.strerror}; pass a writable folder") from None
     try:
-        limits = readonly_sql.Limits(timeout_s=args.query_timeout, max_rows=args.query_max_rows,
-                                     max_bytes=args.query_max_bytes,
-                                     memory_limit=f"{max(64, args.max_memory_mb // 3)}MB")
         srv = make_server(manager, listen, token, (args.tls_cert, args.tls_key) if args.tls_cert else None,
                           quiet=args.quiet, client_ca=args.tls_client_ca,
-                          queries=QueryService(manager, limits))
+                          queries=QueryService(manager, limits, QUERY_SLOTS))
     except OSError as e:
         raise IngeroError(f"cannot listen on {args.listen}: {e.strerror}; pick a free port") from None
     if args.metrics_port is not None:

@@ -18,9 +18,15 @@ Kubernetes ``Status`` objects, which kubectl prints as ``Error from server
 (NotFound): <message>``.
 
 It runs in its own thread with its own event loop, beside kopf's: a large
-download never delays a handler. Names in the URL are checked (DNS names, a
-URL-safe key, one of three files) and the folder is resolved inside the
-artifacts folder; nothing else on disk can be named.
+download never delays a handler. Its connections are bounded as every Ingero
+port is (``ingero.serving``: a cap, idle and half-open peers dropped, a reader
+that stops reading dropped after the idle timeout). Looking an artifact up,
+reading files and writing tar streams run in three pools of their own, so slow
+readers of tar streams never hold up a lookup or a file; at most TAR_STREAMS
+tar streams run at once, one more is answered 503 with Retry-After. Names in
+the URL are checked (DNS names, a URL-safe key, one of three files) and the
+folder is resolved inside the artifacts folder; nothing else on disk can be
+named.
 """
 
 from __future__ import annotations
@@ -32,12 +38,13 @@ import logging
 import os
 import re
 import secrets
-import socket
 import tarfile
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from aiohttp import web
+
+from ingero import serving
 
 log = logging.getLogger("ingero.operator.artifacts")
 
@@ -48,6 +55,7 @@ NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")            # a DNS
 NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")               # a DNS subdomain
 KEY = re.compile(r"[A-Za-z0-9_-]{16,128}")
 UID8 = re.compile(r"[0-9a-z-]{8}")                                       # session folder: <name>-<uid[:8]>
+TAR_STREAMS = 4            # a thread each while it runs; a stalled reader is dropped after the idle timeout
 
 
 def write_key(folder: Path) -> str:
@@ -130,8 +138,13 @@ def status_error(code: int, reason: str, message: str) -> web.Response:
 
 def make_app(root: Path) -> web.Application:
     root = Path(root)
+    lookups = ThreadPoolExecutor(2, thread_name_prefix="artifact-lookup")
+    reads = ThreadPoolExecutor(4, thread_name_prefix="artifact-read")
+    tars = ThreadPoolExecutor(TAR_STREAMS, thread_name_prefix="artifact-tar")
+    tar_slots = asyncio.Semaphore(TAR_STREAMS)
 
     async def artifact(request: web.Request) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
         ns, name, file = (request.match_info[k] for k in ("namespace", "name", "file"))
         if file not in FILES:
             return status_error(404, "NotFound", f"no file {file[:80]!r}: ask for one of {', '.join(FILES)}")
@@ -141,59 +154,43 @@ def make_app(root: Path) -> web.Application:
         if not KEY.fullmatch(key):
             return status_error(400, "BadRequest", "the key= parameter is missing or malformed: pass the "
                                 "session's status.artifact.readKey")
-        folder = await asyncio.to_thread(find, root, ns, name, key)
+        folder = await loop.run_in_executor(lookups, find, root, ns, name, key)
         if folder is None:
             return status_error(404, "NotFound", f"no artifact of TraceSession {ns}/{name} with this key: "
                                 "it expired, was deleted, or the operator's artifacts folder was lost")
         if file != "artifact.tar":
-            return web.FileResponse(folder / file, headers={"Content-Type": FILES[file]})
-        files = await asyncio.to_thread(members, folder)
-        resp = web.StreamResponse(headers={"Content-Type": FILES[file],
-                                           "Content-Disposition": f'attachment; filename="{name}.tar"'})
-        await resp.prepare(request)
-        if request.method == "HEAD":
+            return await serving.stream_file(request, folder / file, reads, {"Content-Type": FILES[file]})
+        if tar_slots.locked():
+            resp = status_error(503, "ServiceUnavailable", f"{TAR_STREAMS} artifact.tar downloads are under "
+                                "way; retry shortly")
+            resp.headers["Retry-After"] = "5"
             return resp
-        try:
-            await asyncio.to_thread(write_tar, files, _Sink(resp, asyncio.get_running_loop()))
-        except (ConnectionError, OSError) as e:    # the client went away, or a file vanished mid-way
-            log.warning("artifact %s/%s: the tar stream stopped: %s", ns, name, e)
+        async with tar_slots:
+            files = await loop.run_in_executor(lookups, members, folder)
+            resp = web.StreamResponse(headers={"Content-Type": FILES[file],
+                                               "Content-Disposition": f'attachment; filename="{name}.tar"'})
+            await resp.prepare(request)
+            if request.method == "HEAD":
+                return resp
+            try:
+                await loop.run_in_executor(tars, write_tar, files, _Sink(resp, loop))
+            except (ConnectionError, OSError) as e:    # the client went away, or a file vanished mid-way
+                log.warning("artifact %s/%s: the tar stream stopped: %s", ns, name, e)
+                return resp
+            await resp.write_eof()
             return resp
-        await resp.write_eof()
-        return resp
+
+    async def close_pools(_app) -> None:
+        for pool in (lookups, reads, tars):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     app = web.Application()
     app.router.add_get("/v1/artifacts/{namespace}/{name}/{file}", artifact)
+    app.on_cleanup.append(close_pools)
     return app
 
 
-def bind(port: int, address: str = "0.0.0.0") -> socket.socket:
-    """The listening socket, bound now so that a taken port fails the operator's start."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    return socket.create_server((address.strip("[]"), port), family=family)
-
-
-class ArtifactServer:
-    """The app on a bound socket, in a daemon thread with its own loop."""
-
-    def __init__(self, root: Path, sock: socket.socket):
-        self.root, self.sock = Path(root), sock
-        self.port = sock.getsockname()[1]
-        self._started = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ingero-artifacts", daemon=True)
-
-    def _run(self) -> None:
-        loop = asyncio.new_event_loop()
-        runner = web.AppRunner(make_app(self.root), access_log=None)
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.SockSite(runner, self.sock).start())
-        self._started.set()
-        loop.run_forever()
-
-    def start(self) -> "ArtifactServer":
-        self._thread.start()
-        self._started.wait(10)
-        return self
-
-
-def serve(root: Path, port: int, address: str = "0.0.0.0") -> ArtifactServer:
-    return ArtifactServer(root, bind(port, address)).start()
+def serve(root: Path, port: int, address: str = "0.0.0.0", bounds: serving.Bounds = serving.Bounds()) \
+        -> serving.ServerThread:
+    """The artifact server on its own bounded port, in a daemon thread with its own loop."""
+    return serving.ServerThread(make_app(root), serving.bind(port, address), bounds, "artifacts").start()

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import threading
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+
+from ingero import serving
 
 REGISTRY = CollectorRegistry()
 SESSIONS = Gauge("ingero_sessions", "TraceSessions this operator serves, by phase", ["phase"],
@@ -44,8 +46,9 @@ _phase: dict[str, str] = {}                   # uid -> phase
 _series: dict[str, list] = {}                 # uid -> [(gauge, labels)] set for that session
 
 
-def serve(port: int, addr: str = "0.0.0.0") -> None:
-    start_http_server(port, addr=addr, registry=REGISTRY)
+def serve(port: int, addr: str = "0.0.0.0") -> serving.ServerThread:
+    """REGISTRY on its own bounded port (``ingero.serving``): no thread per scrape."""
+    return serving.serve_metrics(REGISTRY, port, addr)
 
 
 def observe(uid: str, namespace: str, name: str, status: dict) -> None:

@@ -103,18 +103,44 @@ def test_a_plan_with_a_pod_field_of_the_wrong_type_is_a_400(agent, pod, words):
     assert code == 400 and words in doc["error"] and "\n" not in doc["error"], (code, doc)
 
 
-def test_half_open_connections_are_dropped_after_the_idle_timeout_and_bounded(agent):
+def test_half_open_connections_make_room_for_a_new_client_and_are_dropped_when_idle(agent):
     idle = [socket.create_connection(agent.server_address[:2]) for _ in range(8)]   # all the slots
-    extra = socket.create_connection(agent.server_address[:2])
-    extra.settimeout(5)
-    assert extra.recv(1) == b""          # past the bound: closed at once
-    time.sleep(1.5)                      # the idle timeout (0.5 s here) frees the slots
-    for s in idle:
+    t0 = time.monotonic()
+    assert _healthz(agent) == 200        # takes the oldest idle one's slot
+    assert time.monotonic() - t0 < 0.4
+    idle[0].settimeout(5)
+    assert idle[0].recv(1) == b""
+    time.sleep(2.0)                      # the idle timeout (0.5 s here) drops the others
+    for s in idle[1:]:
         s.settimeout(5)
-        assert s.recv(1) == b""
+        try:
+            assert s.recv(1) == b""
+        except ConnectionResetError:
+            pass
         s.close()
-    extra.close()
     assert _healthz(agent) == 200
+
+
+def test_past_the_bound_with_every_request_in_progress_a_client_gets_503_with_retry_after(tmp_path):
+    srv, _ = serve_agent(agent_data(tmp_path / "data", "n1", [0]), "n1", max_connections=4, idle_timeout_s=3)
+    try:
+        busy = [socket.create_connection(srv.server_address[:2]) for _ in range(4)]
+        for s in busy:                   # a request under way: its body never comes
+            s.sendall(_post("/v1/query", b'{"sql"', b"50"))
+        time.sleep(0.3)
+        with socket.create_connection(srv.server_address[:2], timeout=5) as s:
+            s.sendall(b"GET /v1/time HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode() + b"\r\n\r\n")
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in head, data
+        assert "retry" in json.loads(body)["error"]
+        for s in busy:
+            s.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()
 
 
 def test_a_request_body_that_stalls_is_a_408_and_the_connection_closes(agent):
@@ -192,20 +218,20 @@ def _self_signed(d):
     return d / "c.pem", d / "k.pem"
 
 
-def test_tls_handshakes_count_against_the_bound_and_a_silent_one_frees_its_slot(tmp_path):
+def test_tls_handshakes_count_against_the_bound_and_a_silent_one_makes_room(tmp_path):
     cert, key = _self_signed(tmp_path / "pki")
-    srv, _ = serve_agent(agent_data(tmp_path / "data", "n1", [0]), "n1", tls=(cert, key), max_connections=2,
+    srv, _ = serve_agent(agent_data(tmp_path / "data", "n1", [0]), "n1", tls=(cert, key), max_connections=4,
                          idle_timeout_s=0.5)
     ctx = ssl.create_default_context(cafile=str(cert))
     url = f"https://127.0.0.1:{srv.server_address[1]}/healthz"
-    try:
+    try:    # 127.0.0.1's share of the bound: half
         silent = [socket.create_connection(srv.server_address[:2]) for _ in range(2)]   # no ClientHello
         time.sleep(0.1)
-        with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
-            urllib.request.urlopen(url, timeout=5, context=ctx)                    # past the bound
-        time.sleep(1.5)                  # the handshake timeout (0.5 s here) frees both slots
-        with urllib.request.urlopen(url, timeout=5, context=ctx) as r:
+        assert srv.slots.open == 2
+        with urllib.request.urlopen(url, timeout=5, context=ctx) as r:              # the oldest is dropped
             assert r.status == 200
+        time.sleep(2.0)                  # the handshake timeout (0.5 s here) frees the other
+        assert srv.slots.open == 0
         for s in silent:
             s.close()
     finally:

@@ -13,25 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from ingero_operator.cluster_objects import free_port
-
-TOKEN = "memory-test-token-0123456789"
+from tests.unit.trace_fixture import TOKEN, spawn_agent
 
 
 @pytest.fixture
 def agent(tmp_path):
-    port = free_port()
-    (tmp_path / "token").write_text(TOKEN)
-    ready = tmp_path / "ready"
-    proc = subprocess.Popen([sys.executable, "-m", "ingero", "agent", "serve", "--node", "n1",
-                             "--listen", f"127.0.0.1:{port}", "--data-dir", str(tmp_path / "data"),
-                             "--token-file", str(tmp_path / "token"), "--max-memory-mb", "768",
-                             "--ready-file", str(ready), "--quiet"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
-    while not ready.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
-        time.sleep(0.05)
+    proc, port = spawn_agent(tmp_path, "--max-memory-mb", "768", "--query-memory-mb", "192")
     yield proc, f"http://127.0.0.1:{port}"
     proc.terminate()
     proc.wait(10)
@@ -54,10 +41,12 @@ def _peak_rss_mb(pid: int) -> float:
     raise AssertionError("no VmHWM")
 
 
-def test_a_query_allocating_gigabytes_fails_with_a_400_and_the_agent_keeps_serving(agent):
+@pytest.mark.parametrize("sql", ["SELECT repeat('x', 1073741000) AS s", "SELECT length(repeat('x', 1073741000))"])
+def test_a_query_allocating_gigabytes_fails_with_a_400_naming_the_flags_and_the_agent_keeps_serving(agent, sql):
     proc, base = agent
-    code, doc = _call(f"{base}/v1/query", {"sql": "SELECT repeat('x', 900000000) AS s"})
-    assert code == 400 and "more memory than this agent allows" in doc["error"], (code, doc)
+    code, doc = _call(f"{base}/v1/query", {"sql": sql})
+    assert code == 400 and "--query-memory-mb 192" in doc["error"] and "--max-memory-mb 768" in doc["error"], \
+        (code, doc)
     assert "\n" not in doc["error"]
     assert _peak_rss_mb(proc.pid) < 768, _peak_rss_mb(proc.pid)
     assert proc.poll() is None
@@ -71,3 +60,14 @@ def test_a_value_larger_than_the_byte_budget_is_cut_without_being_copied_into_js
     code, doc = _call(f"{base}/v1/query", {"sql": "SELECT repeat('x', 50000000) AS s"})
     assert code == 200 and doc.get("truncated") == "bytes" and doc.get("rows") == [], (code, str(doc)[:300])
     assert _peak_rss_mb(proc.pid) < 768
+
+
+def test_ingero_query_is_bounded_too_and_names_the_flag(tmp_path):
+    from tests.unit.trace_fixture import write_job
+
+    write_job(tmp_path / "job")
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "ingero", "query", "--max-memory-mb", "768", str(tmp_path / "job"),
+                          "SELECT length(repeat('x', 1073741000)) AS s"], capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "--max-memory-mb 768" in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and time.monotonic() - t0 < 30

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -22,7 +19,7 @@ from mcp.client.streamable_http import streamable_http_client  # noqa: E402
 
 from ingero.cli import main  # noqa: E402
 from ingero.merge import merge  # noqa: E402
-from tests.unit.trace_fixture import TOKEN, write_crafted, write_job  # noqa: E402
+from tests.unit.trace_fixture import TOKEN, spawn_mcp_http, write_crafted, write_job  # noqa: E402
 
 TOOLS = {"list_sessions", "straggler_report", "rank_detail", "describe_tables", "query"}
 ART = "ns/job/trace.duckdb"
@@ -111,28 +108,11 @@ def test_stdio_client_lists_the_tools_and_calls_each_one(root, tmp_path):
     assert "Traceback" not in (tmp_path / "stderr").read_text()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def http_server(root, tmp_path_factory):
     tok = tmp_path_factory.mktemp("tok") / "token"
     tok.write_text(TOKEN)
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ingero", "mcp", "--root", str(root), "--http",
-                             f"127.0.0.1:{port}", "--token-file", str(tok)], cwd=root,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            break
-        except OSError:
-            assert proc.poll() is None, proc.stderr.read()
-            time.sleep(0.1)
+    proc, port = spawn_mcp_http(root, tok, cwd=root)
     yield f"http://127.0.0.1:{port}/mcp"
     proc.terminate()
     proc.wait(10)

@@ -306,3 +306,17 @@ def test_bad_webhook_flags_stop_the_start_in_one_line(tmp_path, case, words):
     err = p.stderr.strip()
     assert p.returncode != 0 and words in err, err
     assert "\n" not in err and "Traceback" not in err, err
+
+
+def test_500_half_open_connections_delay_no_admission(webhook):
+    """kopf's server is aiohttp on the operator's loop: no thread per connection; half-open
+    peers (no ClientHello) cost a socket each until asyncio's handshake timeout."""
+    socks = [socket.create_connection(("127.0.0.1", webhook["port"]), timeout=5) for _ in range(500)]
+    try:
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        admit(webhook, "/profiler-pod", pod("crowded", {"ingero.io/profiler": "enabled"}))
+        assert time.monotonic() - t0 < 2
+    finally:
+        for s in socks:
+            s.close()

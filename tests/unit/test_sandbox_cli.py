@@ -167,3 +167,22 @@ def test_terminal_control_characters_in_names_are_printed_escaped_by_report_and_
         shown = "".join(capsys.readouterr())
         assert not any(c in shown for c in "\x1b\x07\u202e") and "\\x1b]0;pwned\\x07\\x1b[2J" in shown, shown
         assert "\\u202e\\x0a" in shown
+
+
+def test_a_local_query_spills_into_a_private_folder_that_holds_nothing_else_to_read(tmp_path, secret):
+    from ingero import readonly_sql
+
+    write_job(tmp_path / "job")
+    con = readonly_sql.open_sandbox(tmp_path / "job" / "node-a", memory_mb=16)
+    scratch = con.execute("SELECT current_setting('temp_directory')").fetchone()[0]
+    assert Path(scratch).is_dir() and Path(scratch).stat().st_mode & 0o077 == 0
+    # sorting ~100 MB of rows under a 16 MiB limit needs the disk (without it: OutOfMemory)
+    n, top = con.execute("SELECT count(*), max(x) FROM (SELECT (range * 7919) % 3000000 AS x, "
+                         "repeat('y', 20) AS pad FROM range(3000000) ORDER BY x DESC)").fetchone()
+    assert (n, top) == (3_000_000, 2_999_999)
+    for path in (f"{scratch}/../outside/secret.txt", str(secret), f"{secret.parent}/../outside/secret.txt"):
+        with pytest.raises(duckdb.PermissionException):
+            con.execute("SELECT content FROM read_text(?)", [path]).fetchall()
+    con.close()
+    del con
+    assert not Path(scratch).exists()

@@ -159,3 +159,50 @@ def write_crafted(d: Path) -> Path:
     con.execute(f"CREATE VIEW nccl_events AS SELECT {cols} FROM leak")
     con.close()
     return art / "trace.duckdb"
+
+
+def spawn_agent(tmp_path: Path, *args: str):
+    """`ingero agent serve` as a process (node n1, data in tmp_path/data, the test token),
+    once it listens: (process, API port). `args`: more flags."""
+    import subprocess
+    import sys
+    import time
+
+    from ingero_operator.cluster_objects import free_port
+
+    port = free_port()
+    (tmp_path / "token").write_text(TOKEN)
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-m", "ingero", "agent", "serve", "--node", "n1",
+                             "--listen", f"127.0.0.1:{port}", "--data-dir", str(tmp_path / "data"),
+                             "--token-file", str(tmp_path / "token"), "--ready-file", str(ready), "--quiet", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
+        time.sleep(0.05)
+    return proc, port
+
+
+def spawn_mcp_http(root: Path, token_file: Path, *args: str, cwd: Path | None = None):
+    """`ingero mcp --http` over `root` as a process, once it accepts: (process, port)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from ingero_operator.cluster_objects import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ingero", "mcp", "--root", str(root), "--http",
+                             f"127.0.0.1:{port}", "--token-file", str(token_file), *args], cwd=cwd,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            break
+        except OSError:
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.1)
+    return proc, port
