@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, str] = {
     "agent": "ingero_agent.server",
     "operator": "ingero_operator.cli",
     "demo": "ingero_operator.demo",
+    "check": "ingero_agent.check",
     "fleet": "ingero.fleet_cli",
     "merge": "ingero.merge_cli",
     "export": "ingero.export_cli",
