@@ -80,11 +80,23 @@ def _missing(name: str, module: str, missing: str):
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:       # the usage of the (sub)command that got them, not the top level's
+        innermost(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
     return guarded(args._run, args)
+
+
+def innermost(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
+    """The deepest subcommand parser `args` went through (`ingero lab run`, `ingero query`)."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(args, subs[0].dest, None) if subs and subs[0].dest else None
+        if name not in (subs[0].choices if subs else {}):
+            return parser
+        parser = subs[0].choices[name]
 
 
 def guarded(run, args, prog: str = "ingero") -> int:

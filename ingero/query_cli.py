@@ -14,7 +14,7 @@ import re
 import sys
 from pathlib import Path
 
-from ingero.errors import IngeroError
+from ingero.errors import IngeroError, duckdb_line
 from ingero.store import open_source
 
 
@@ -96,7 +96,7 @@ def run(args) -> int:
         try:
             cur = con.execute(sql)
         except duckdb.Error as e:
-            raise IngeroError(f"query failed: {str(e).splitlines()[0]}") from e
+            raise IngeroError(f"query failed: {duckdb_line(e)}") from e
         if cur.description is None:
             return 0
         names = [d[0] for d in cur.description]
