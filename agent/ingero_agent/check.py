@@ -25,7 +25,8 @@ from pathlib import Path
 
 from ingero_agent.cgroups import cgroup2_mount
 from ingero_agent.elfsyms import nccl_symbols
-from ingero_agent.headers import find_header_dirs
+from ingero_agent.headers import DEBUGFS, MODULES_DIR, SRC_DIR, TRACEFS, find_header_dirs
+from ingero_agent.kbtf import KERNEL_BTF
 
 MIN_KERNEL = (5, 8)          # BPF_MAP_TYPE_RINGBUF
 NCCL_GLOBS = ("usr/lib/x86_64-linux-gnu/libnccl.so*", "usr/lib64/libnccl.so*", "usr/local/cuda*/lib*/libnccl.so*",
@@ -46,8 +47,9 @@ class Check:
         return f"{status:<9}{self.name:<16}{self.detail}" + ("" if self.ok or not self.fix else f"; fix: {self.fix}")
 
 
-def _under(root: Path, path: str) -> Path:
-    return root / path.lstrip("/")
+def _under(root: Path, path: Path | str) -> Path:
+    """`path` (an absolute path on the node) under the node's root folder `root`."""
+    return root / Path(path).relative_to("/")
 
 
 def kernel(release: str) -> Check:
@@ -61,25 +63,25 @@ def kernel(release: str) -> Check:
 
 
 def btf(root: Path) -> Check:
-    p = _under(root, "/sys/kernel/btf/vmlinux")
+    p = _under(root, KERNEL_BTF)
     return Check("kernel BTF", p.is_file(), str(p) if p.is_file() else f"no {p}",
                  "a kernel built with CONFIG_DEBUG_INFO_BTF=y (most distributions' kernels are)")
 
 
 def headers(root: Path, release: str) -> Check:
-    build = _under(root, f"/lib/modules/{release}/build")
+    build = _under(root, MODULES_DIR / release / "build")
     if (build / "include").is_dir():
         return Check("kernel headers", True, str(build))
-    found = find_header_dirs(release, _under(root, "/usr/src"))
+    found = find_header_dirs(release, _under(root, SRC_DIR))
     if found is not None:
         return Check("kernel headers", True, f"{found[0]} (the agent links it at {build} at start)")
-    return Check("kernel headers", False, f"none at {build} or under {_under(root, '/usr/src')}",
+    return Check("kernel headers", False, f"none at {build} or under {_under(root, SRC_DIR)}",
                  "install the kernel's headers (Debian: linux-headers-amd64; RHEL: kernel-devel), "
                  "and mount /lib/modules and /usr/src into the agent")
 
 
 def tracefs(root: Path) -> Path | None:
-    for d in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing"):
+    for d in (TRACEFS, DEBUGFS / "tracing"):
         if (_under(root, d) / "events").is_dir():
             return _under(root, d)
     return None
@@ -89,8 +91,8 @@ def tracefs_check(root: Path) -> Check:
     t = tracefs(root)
     if t is not None:
         return Check("tracefs", True, str(t))
-    return Check("tracefs", False, f"not mounted at {_under(root, '/sys/kernel/tracing')}",
-                 "mount -t tracefs tracefs /sys/kernel/tracing (the agent tries at start, with CAP_SYS_ADMIN)")
+    return Check("tracefs", False, f"not mounted at {_under(root, TRACEFS)}",
+                 f"mount -t tracefs tracefs {TRACEFS} (the agent tries at start, with CAP_SYS_ADMIN)")
 
 
 def uprobes(root: Path) -> Check:
