@@ -194,6 +194,8 @@ def test_a_session_goes_pending_tracing_completed_and_kubectl_wait_returns_with_
     for reason in ("Normal   Tracing", "Warning  StragglerDetected", "Normal   Gathered", "Normal   Completed"):
         assert reason in events, described
     assert "ingero-operator" in events and "kopf" not in events, described
+    # kopf's per-refresh success line (every 0.5 s here) is debug-level noise (cli.quiet_timers)
+    assert "Timer 'refresh' succeeded" not in (flow.tmp / "operator.log").read_text()
     assert "Failed" not in events
     assert flow.operator.poll() is None, "the operator stopped"
 
