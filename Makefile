@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # timing tests one after another in one of them (tests/conftest.py, SERIAL), everything else
 # beside them in the other. PYTEST_JOBS=0: one process, as `pytest` alone runs it.
 PYTEST_JOBS ?= 2
-DEB_PACKAGES := python3-bpfcc python3-venv linux-headers-amd64 nftables iproute2 ethtool gcc make libc6-dev kmod procps systemtap-sdt-dev openssl prometheus
+DEB_PACKAGES := python3-bpfcc python3-venv linux-headers-amd64 nftables iproute2 ethtool gcc make libc6-dev kmod procps systemtap-sdt-dev openssl prometheus python3-argcomplete
 SCENARIO ?= lossy-link
 DEMO_ARGS ?=
 

@@ -80,6 +80,7 @@ def _missing(name: str, module: str, missing: str):
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    complete(parser)
     args, extra = parser.parse_known_args(argv)
     if extra:       # the usage of the (sub)command that got them, not the top level's
         innermost(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
@@ -87,6 +88,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     return guarded(args._run, args)
+
+
+def complete(parser: argparse.ArgumentParser) -> None:
+    """Shell completion when the shell asks for it (argcomplete, Debian's python3-argcomplete;
+    bash: eval "$(register-python-argcomplete ingero)"); nothing otherwise."""
+    try:
+        import argcomplete
+    except ImportError:
+        return
+    argcomplete.autocomplete(parser)
 
 
 def innermost(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:

@@ -439,9 +439,10 @@ def delete(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ingero.cli import guarded, innermost
+    from ingero.cli import complete, guarded, innermost
 
     parser = build_parser()
+    complete(parser)
     args, extra = parser.parse_known_args(argv)
     if extra:
         innermost(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")

@@ -49,3 +49,20 @@ def test_a_file_that_is_not_a_trace_is_one_line_with_the_fix(command, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"ingero: {ROOT / 'README.md'} is not a trace (DuckDB cannot open it: ") and \
         "pass a trace.duckdb" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("line,want", [
+    ("ingero report --j", {"--json"}),
+    ("kubectl-ingero l", {"list", "logs", "ls"}),
+])
+def test_shell_completion_offers_subcommands_and_flags(line, want):
+    """As bash asks (register-python-argcomplete): the candidates come back on fd 8."""
+    pytest.importorskip("argcomplete", reason="python3-argcomplete is not installed (make setup)")
+    import subprocess
+    import sys
+    module = "ingero.kubectl_plugin" if line.startswith("kubectl") else "ingero.cli"
+    env = {"PATH": "/usr/bin:/bin", "_ARGCOMPLETE": "1", "_ARGCOMPLETE_IFS": "\n", "COMP_LINE": line,
+           "COMP_POINT": str(len(line)), "COMP_TYPE": "9", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(["bash", "-c", '"$@" 8>&1 9>/dev/null', "-", sys.executable, "-m", module], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert {c.strip() for c in out.stdout.split("\n") if c.strip()} == want, (out.stdout, out.stderr)
