@@ -76,6 +76,8 @@ class SessionCollector:
     def collect(self):
         ns = ["namespace", "name"]
         phases = GaugeMetricFamily("ingero_sessions", "TraceSessions this operator serves, by phase", labels=["phase"])
+        phase = GaugeMetricFamily("ingero_session_phase", "1 for the phase a TraceSession is in now, 0 for the "
+                                  "others", labels=ns + ["phase"])
         straggler = GaugeMetricFamily(
             "ingero_straggler_saving_ratio",
             "Share of the step the named straggler's fix would save (replayed), while its session runs; "
@@ -99,9 +101,11 @@ class SessionCollector:
         count = dict.fromkeys(PHASES, 0)
         with self.lock:
             for st in self.sessions.values():
+                key = list(st.key)
                 if st.phase:
                     count[st.phase] = count.get(st.phase, 0) + 1
-                key = list(st.key)
+                    for p in PHASES:
+                        phase.add_metric(key + [p], 1 if st.phase == p else 0)
                 s = st.straggler
                 if s is not None and st.phase not in ENDED:
                     straggler.add_metric(key + [s["kind"], s["who"], s["ranks"], s["pod"], s["cause"]], s["saving"])
@@ -121,7 +125,7 @@ class SessionCollector:
                         lost.add_metric(key + [node], float(n["lostEvents"]))
         for p, n in count.items():
             phases.add_metric([p], n)
-        yield from (phases, straggler, verdict, step, late, retx, offcpu, reachable, lost)
+        yield from (phases, phase, straggler, verdict, step, late, retx, offcpu, reachable, lost)
 
 
 REGISTRY = CollectorRegistry()

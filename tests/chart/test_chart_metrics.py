@@ -137,7 +137,8 @@ def series(name: str, labels: dict) -> str:
 def test_the_alerts_fire_during_the_fault_and_resolve_after(tmp_path):
     """StragglerDetected on the demo's real straggler series: pending, firing with who and
     why, resolved once the session completed (the series goes, a staleness marker as in a
-    real scrape); the agent alerts on an agent that stops answering and one losing events."""
+    real scrape); TrainingJobHung while the hung job's session runs; the agent alerts on an
+    agent that stops answering and one losing events."""
     tool = promtool()
     rule = next(d for d in render(ON) if d["kind"] == "PrometheusRule")
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rule["spec"]))
@@ -150,6 +151,7 @@ def test_the_alerts_fire_during_the_fault_and_resolve_after(tmp_path):
         "description": f"Kind rank, ranks {labels['ranks']}. kubectl describe tracesession -n {ns} {name} gives "
                        "the evidence."}}
     agent = {"job": "ingero-agent", "instance": "10.0.0.7:9465"}
+    hung = {"namespace": "team-a", "name": "hung-job"}
     lost = {"node": "n7", "session": "default.job.1", "ring": "nccl"}
     test = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [{
         "interval": "1m",
@@ -157,11 +159,20 @@ def test_the_alerts_fire_during_the_fault_and_resolve_after(tmp_path):
             # running 6 minutes with the straggler named, then Completed: the series goes
             {"series": series("ingero_straggler_saving_ratio", labels), "values": f"{saving}x5 stale"},
             {"series": series("up", agent), "values": "1 1 0x8"},
-            {"series": series("ingero_agent_lost_events_total", lost), "values": "0x3 0+50x6"}],
+            {"series": series("ingero_agent_lost_events_total", lost), "values": "0x3 0+50x6"},
+            # a hung job: its session Running 6 minutes, then the job is stopped and it completes
+            {"series": series("ingero_verdict", {**hung, "verdict": "hang"}), "values": "1x10"},
+            {"series": series("ingero_session_phase", {**hung, "phase": "Running"}), "values": "1x5 0x5"}],
         "alert_rule_test": [
             {"eval_time": "1m", "alertname": "StragglerDetected", "exp_alerts": []},      # pending (for 2m)
             {"eval_time": "4m", "alertname": "StragglerDetected", "exp_alerts": [fired]},
             {"eval_time": "8m", "alertname": "StragglerDetected", "exp_alerts": []},      # 2 min after Completed
+            {"eval_time": "2m", "alertname": "TrainingJobHung", "exp_alerts": [{
+                "exp_labels": {**hung, "severity": "critical"}, "exp_annotations": {
+                    "summary": "TraceSession team-a/hung-job: the job is hung in NCCL",
+                    "description": "kubectl describe tracesession -n team-a hung-job: its Hung condition names the "
+                                   "rank the others wait for and the call."}}]},
+            {"eval_time": "7m", "alertname": "TrainingJobHung", "exp_alerts": []},       # the session completed
             {"eval_time": "3m", "alertname": "IngeroAgentDown", "exp_alerts": []},
             {"eval_time": "5m", "alertname": "IngeroAgentDown", "exp_alerts": [{
                 "exp_labels": {**agent, "severity": "warning"}, "exp_annotations": {

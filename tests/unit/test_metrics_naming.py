@@ -68,6 +68,8 @@ def test_the_operators_metrics_follow_the_naming_guide():
     assert not naming_problems(text)
     for line in ('ingero_build_info{component="operator",version=',
                  'ingero_step_seconds{name="job",namespace="ns"} 0.12',
+                 'ingero_session_phase{name="job",namespace="ns",phase="Running"} 1.0',
+                 'ingero_session_phase{name="job",namespace="ns",phase="Completed"} 0.0',
                  'ingero_rank_lateness_seconds{name="job",namespace="ns",rank="7"} 0.0015',
                  'ingero_rank_offcpu_seconds_total{name="job",namespace="ns",rank="7",reason="runqueue"} 0.012',
                  'ingero_rank_retransmits_total{name="job",namespace="ns",rank="7"} 3.0',
