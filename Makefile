@@ -10,11 +10,11 @@ PYTEST_ARGS ?=
 # timing tests one after another in one of them (tests/conftest.py, SERIAL), everything else
 # beside them in the other. PYTEST_JOBS=0: one process, as `pytest` alone runs it.
 PYTEST_JOBS ?= 2
-DEB_PACKAGES := python3-bpfcc python3-venv linux-headers-amd64 nftables iproute2 ethtool gcc make libc6-dev kmod procps systemtap-sdt-dev openssl
+DEB_PACKAGES := python3-bpfcc python3-venv linux-headers-amd64 nftables iproute2 ethtool gcc make libc6-dev kmod procps systemtap-sdt-dev openssl prometheus python3-argcomplete
 SCENARIO ?= lossy-link
 DEMO_ARGS ?=
 
-.PHONY: setup system venv lint test test-lab-all test-unit test-bpf demo demo-trace bench clean chart-lint e2e
+.PHONY: setup system venv lint test test-lab-all test-unit test-bpf demo demo-trace readme-demo bench clean chart-lint e2e
 
 setup: system venv
 
@@ -52,6 +52,12 @@ test-bpf: setup
 # TraceSession applied with kubectl, and the verdict it writes into status.
 demo: setup
 	$(VENV)/bin/ingero demo --scenario $(SCENARIO) $(DEMO_ARGS)
+
+# README's demo block (and docs/operator.md's) from a real run: the transcript is kept in
+# docs/demo-output.txt; tests/unit/test_readme_demo.py checks the blocks agree with it.
+readme-demo: setup
+	$(VENV)/bin/ingero demo --scenario lossy-link | tee docs/demo-output.txt
+	$(PY) scripts/readme_demo.py docs/demo-output.txt
 
 # The node tracer alone on a lab job (no operator): trace, query, report.
 demo-trace: setup

@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, str] = {
     "agent": "ingero_agent.server",
     "operator": "ingero_operator.cli",
     "demo": "ingero_operator.demo",
+    "check": "ingero_agent.check",
     "fleet": "ingero.fleet_cli",
     "merge": "ingero.merge_cli",
     "export": "ingero.export_cli",
@@ -79,11 +80,34 @@ def _missing(name: str, module: str, missing: str):
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    complete(parser)
+    args, extra = parser.parse_known_args(argv)
+    if extra:       # the usage of the (sub)command that got them, not the top level's
+        innermost(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
     return guarded(args._run, args)
+
+
+def complete(parser: argparse.ArgumentParser) -> None:
+    """Shell completion when the shell asks for it (argcomplete, Debian's python3-argcomplete;
+    bash: eval "$(register-python-argcomplete ingero)"); nothing otherwise."""
+    try:
+        import argcomplete
+    except ImportError:
+        return
+    argcomplete.autocomplete(parser)
+
+
+def innermost(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
+    """The deepest subcommand parser `args` went through (`ingero lab run`, `ingero query`)."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(args, subs[0].dest, None) if subs and subs[0].dest else None
+        if name not in (subs[0].choices if subs else {}):
+            return parser
+        parser = subs[0].choices[name]
 
 
 def guarded(run, args, prog: str = "ingero") -> int:

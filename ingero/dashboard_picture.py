@@ -10,6 +10,7 @@ series a panel's query reads, its label matchers and a comparison with a number 
 over the scrapes' times. It is not a PromQL engine: rate(), sum by (), histogram_quantile()
 are not applied, the panel shows the raw series they would read (its caption says so).
 Each scrape's file name becomes the series' `instance` label, as Prometheus adds one.
+The dashboard's variables ($namespace, $session) are read as "All" (`.*`).
 
 Drawing needs matplotlib (`pip install 'ingero[docs]'`); reading the queries and the
 scrapes does not.
@@ -37,7 +38,8 @@ KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "boo
 SELECTOR = re.compile(r"([A-Za-z_:][A-Za-z0-9_:]*)\s*(\{[^}]*\})?")
 MATCHER = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"\s*,?')
 COMPARISON = re.compile(r"(==|!=|>=|<=|>|<)\s*(-?\d+(?:\.\d+)?)\s*$")
-UNITS = {"percent": "%", "ms": "ms", "s": "s", "bytes": "bytes", "short": "count", "reqps": "requests"}
+VARIABLE = re.compile(r"\$\{?\w+\}?")          # Grafana's $var and ${var}, drawn as "All"
+UNITS = {"percent": "%", "percentunit": "share (1 = 100%)", "ms": "ms", "s": "s", "bytes": "bytes", "short": "count", "reqps": "requests"}
 
 
 @dataclass
@@ -116,7 +118,8 @@ def load_dashboard(path: Path = DASHBOARD) -> list[Panel]:
             continue
         panels.append(Panel(p.get("title", "?"), p.get("type", "timeseries"),
                             p.get("fieldConfig", {}).get("defaults", {}).get("unit", ""),
-                            [parse_expr(t["expr"], t.get("legendFormat", "")) for t in targets]))
+                            [parse_expr(VARIABLE.sub(".*", t["expr"]), t.get("legendFormat", ""))
+                             for t in targets]))
     if not panels:
         raise IngeroError(f"{path}: no panels with a query")
     return panels

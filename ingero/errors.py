@@ -25,11 +25,22 @@ class NotPermitted(IngeroError):
     exit_code = 77
 
 
+HINTS = ("Did you mean", "Candidate bindings")      # DuckDB's own suggestion lines
+
+
+def duckdb_line(e: BaseException) -> str:
+    """A DuckDB error as one line: its first line, and its "Did you mean ..." or
+    "Candidate bindings: ..." hint when it gives one."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+    hint = next((ln for ln in lines[1:] if ln.startswith(HINTS)), None)
+    return f"{lines[0]} {hint}" if hint else lines[0]
+
+
 def trace_error(e: BaseException) -> str | None:
     """The one line to show for an error a trace caused (an IngeroError, or a DuckDB error on a
     damaged or crafted trace); None for anything else (a bug: let it raise)."""
     if isinstance(e, IngeroError):
         return str(e)
     if type(e).__module__.split(".")[0] in ("duckdb", "_duckdb"):
-        return f"cannot read the trace: {(str(e).splitlines() or [type(e).__name__])[0]}"
+        return f"cannot read the trace: {duckdb_line(e)}"
     return None

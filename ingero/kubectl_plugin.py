@@ -4,10 +4,16 @@
     kubectl ingero report trs/train-x7k2q
     kubectl ingero get-artifact train-x7k2q -o ./train-x7k2q
     kubectl ingero export perfetto train-x7k2q -o train.json
+    kubectl ingero list -A
+    kubectl ingero logs train-x7k2q
+    kubectl ingero delete train-x7k2q
 
 `trace` creates a TraceSession (kubectl create) and, with --wait, follows it
 (phase, message, straggler, progress) until it completes: exit 0, or 1 when it
-fails. `report`, `get-artifact` and `export` read the finished session's
+fails. `list` shows the TraceSessions (phase, straggler, cause, slowdown), `logs`
+a session's Events in order and the operator's log lines about it, `delete`
+removes it (the operator stops its tracers and deletes its merged trace).
+`report`, `get-artifact` and `export` read the finished session's
 artifact from the operator's artifact server through the API server's service
 proxy (kubectl get --raw status.artifact.proxy/...), so what Kubernetes RBAC
 allows you decides what you can read: `get` on the TraceSession (its status
@@ -91,6 +97,22 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--max-events", type=int, help="sample whole collectives down to about N events")
     pf.set_defaults(_run=export_perfetto)
     e.set_defaults(_help=e)
+    ls = sub.add_parser("list", aliases=["ls"], parents=[common], help="the TraceSessions: phase, straggler, "
+                        "cause, slowdown")
+    ls.add_argument("-A", "--all-namespaces", action="store_true", help="in every namespace")
+    ls.add_argument("-l", "--selector", help="the sessions' own labels (kubectl's selector syntax, "
+                    "set-based terms too: 'team in (ml,infra)')")
+    ls.set_defaults(_run=list_sessions)
+    lg = sub.add_parser("logs", parents=[common], help="a session's Events in order, and the operator's log "
+                        "lines about it")
+    lg.add_argument("session", help="NAME or trs/NAME")
+    lg.add_argument("--operator-namespace", default="ingero-system",
+                    help="where the operator runs (the chart's release namespace; default ingero-system)")
+    lg.set_defaults(_run=logs)
+    d = sub.add_parser("delete", parents=[common], help="delete a TraceSession (the operator stops its "
+                       "tracers and deletes its merged trace)")
+    d.add_argument("session", nargs="+", help="NAME or trs/NAME")
+    d.set_defaults(_run=delete)
     return p
 
 
@@ -353,11 +375,77 @@ def export_perfetto(args) -> int:
     return 0
 
 
+# ---- list, logs, delete ----------------------------------------------------------------------
+
+def list_sessions(args) -> int:
+    k = kubectl_of(args)
+    extra = (["--all-namespaces"] if args.all_namespaces else []) + (["-l", args.selector] if args.selector else [])
+    proc = k.run("get", RESOURCE, *extra, namespaced=not args.all_namespaces)
+    if proc.returncode != 0:
+        msg = k.message(proc.stderr)
+        if "doesn't have a resource type" in msg:
+            raise IngeroError("this cluster has no TraceSession CRD (tracesessions.ingero.io): install "
+                              "Ingero (docs/install.md)")
+        raise IngeroError(f"listing TraceSessions failed: {msg}; check --kubeconfig/--context/-n and -l")
+    print(proc.stdout, end="")
+    if not proc.stdout.strip():
+        print(f"no TraceSessions in {'any namespace' if args.all_namespaces else where(k)}"
+              + (f" matching {args.selector}" if args.selector else "")
+              + "; start one: kubectl ingero trace --selector job-name=JOB", file=sys.stderr)
+    return 0
+
+
+def event_time(e: dict) -> str:
+    return e.get("lastTimestamp") or e.get("eventTime") or e.get("firstTimestamp") or \
+        e["metadata"].get("creationTimestamp") or ""
+
+
+def logs(args) -> int:
+    k = kubectl_of(args)
+    obj = get_session(k, args.session)
+    ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+    proc = k.run("get", "events", "-n", ns, "--field-selector", f"involvedObject.name={name}", "-o", "json")
+    if proc.returncode != 0:
+        raise IngeroError(f"reading the Events of TraceSession {ns}/{name} failed: {k.message(proc.stderr)}; "
+                          "check your rights to list events")
+    events = [e for e in json.loads(proc.stdout).get("items") or []
+              if e.get("involvedObject", {}).get("uid") == obj["metadata"]["uid"]]
+    for e in sorted(events, key=lambda e: (event_time(e), int(e["metadata"].get("resourceVersion") or 0))):
+        print(f"{event_time(e)}  {e.get('type', ''):<8}{e.get('reason', ''):<19}{e.get('message', '')}")
+    st = obj.get("status") or {}
+    print(f"now: {st.get('phase') or 'Pending'}: {st.get('message') or ''}".rstrip(": "))
+    proc = k.run("logs", "-n", args.operator_namespace, "-l", "app.kubernetes.io/component=operator",
+                 "--tail=-1", "--prefix")
+    if proc.returncode != 0 or not proc.stdout.strip():
+        why = k.message(proc.stderr) if proc.returncode else f"no operator pod logs in {args.operator_namespace}"
+        print(f"(the operator's log lines are not readable: {why}; its namespace is --operator-namespace)",
+              file=sys.stderr)
+        return 0
+    mine = [ln for ln in proc.stdout.splitlines() if f"{ns}/{name}:" in ln]
+    print(f"\noperator log, {len(mine)} lines about {ns}/{name}:", *mine, sep="\n")
+    return 0
+
+
+def delete(args) -> int:
+    k = kubectl_of(args)
+    for ref in args.session:
+        name = get_session(k, ref)["metadata"]["name"]         # NotFound: one line naming the fix
+        proc = k.run("delete", RESOURCE, name, "--wait=false", namespaced=True)
+        if proc.returncode != 0:
+            raise IngeroError(f"deleting TraceSession {name} failed: {k.message(proc.stderr)}; check your rights "
+                              "to delete TraceSessions")
+        print(proc.stdout.strip())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    from ingero.cli import guarded
+    from ingero.cli import complete, guarded, innermost
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    complete(parser)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        innermost(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "_run", None):
         (getattr(args, "_help", None) or parser).print_help()
         return 2

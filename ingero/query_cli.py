@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from ingero import readonly_sql
-from ingero.errors import IngeroError
+from ingero.errors import IngeroError, duckdb_line
 from ingero.store import open_source
 
 
@@ -129,7 +129,7 @@ def run(args) -> int:
             raise IngeroError(f"query needs more memory than --max-memory-mb {args.max_memory_mb} allows: "
                               "narrow it (WHERE, LIMIT, smaller values) or raise it") from e
         except duckdb.Error as e:
-            raise IngeroError(f"query failed: {str(e).splitlines()[0]}") from e
+            raise IngeroError(f"query failed: {duckdb_line(e)}") from e
     finally:
         con.close()
     if args.format == "csv":

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import duckdb
 
-from ingero.errors import IngeroError
+from ingero.errors import IngeroError, duckdb_line
 from ingero.store import add_missing_tables, attach_segments
 
 ALLOWED = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
@@ -165,7 +165,9 @@ def open_sandbox(source: Path | list[Path], limits: Limits | None = None, sessio
             try:
                 con.execute("ATTACH ? AS trace (READ_ONLY)", [str(path)])
             except duckdb.Error as e:
-                raise IngeroError(f"cannot open {path} as DuckDB: {str(e).splitlines()[0]}") from e
+                raise IngeroError(f"{path} is not a trace (DuckDB cannot open it: {duckdb_line(e)}); pass a "
+                                  "trace.duckdb (ingero trace --out, ingero lab run --trace, a session's "
+                                  "artifact) or a folder of segments") from e
             con.execute("USE trace")
             files = confine_views(con, path.parent)
             if files:   # views over segments kept beside the file (the operator's artifact)
@@ -242,7 +244,7 @@ def check_statement(con, sql: str) -> None:
     try:
         stmts = con.extract_statements(sql)
     except duckdb.Error as e:
-        raise QueryRefused(f"query does not parse: {str(e).splitlines()[0]}") from e
+        raise QueryRefused(f"query does not parse: {duckdb_line(e)}") from e
     if len(stmts) != 1:
         raise QueryRefused(f"{len(stmts)} statements given: send exactly one SELECT statement")
     if stmts[0].type not in ALLOWED:
@@ -290,7 +292,7 @@ def run(con, sql: str, limits: Limits | None = None) -> Result:
         raise QueryRefused(f"query needs more memory than {limits.memory_flags} allow: narrow it "
                            "(WHERE, LIMIT, smaller values) or raise them") from e
     except duckdb.Error as e:
-        raise QueryRefused(f"query failed: {str(e).splitlines()[0]}") from e
+        raise QueryRefused(f"query failed: {duckdb_line(e)}") from e
     finally:
         timer.cancel()
     res.elapsed_ms = (time.monotonic() - t0) * 1e3

@@ -95,6 +95,13 @@ def add_parser(sub):
     return p
 
 
+def quiet_timers(record: logging.LogRecord) -> bool:
+    """Drop kopf's "Timer 'refresh' succeeded." (one a refresh interval per running
+    session: a routine success, not news); --log-level debug keeps it."""
+    return not (record.levelno == logging.INFO and record.getMessage().startswith("Timer '")
+                and record.getMessage().endswith("' succeeded."))
+
+
 def _serve(flag: str, port: int, start) -> None:
     """Start a server on `port` now, so that a bad or taken port fails the start naming `flag`."""
     if not 1 <= port <= 65535:
@@ -191,6 +198,8 @@ def run(args) -> int:
     kopf.configure(verbose=level == "debug", quiet=level in ("warning", "error"), log_format=fmt)
     logging.getLogger().setLevel(getattr(logging, level.upper()))
     logging.getLogger("ingero.operator").setLevel(getattr(logging, level.upper()))
+    if level != "debug":
+        logging.getLogger("kopf.objects").addFilter(quiet_timers)
     from ingero_operator import handlers  # noqa: F401  (registers the handlers with kopf)
     if webhook_cfg is not None:
         webhook.register(webhook_cfg)

@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -69,6 +70,9 @@ class DemoConfig:
     metrics_out: Path | None = None        # save the operator's and agents' /metrics here (see Demo.save_scrapes)
 
 
+DATA_MAX_BYTES = 1 << 30      # each agent's data folder cap, as the DaemonSet sets one (agent.dataMaxBytes)
+
+
 @dataclass
 class DemoResult:
     status: dict = field(default_factory=dict)
@@ -77,6 +81,7 @@ class DemoResult:
     lab: dict = field(default_factory=dict)
     kubectl_wait: str = ""                         # what `kubectl wait --for=condition=Completed` said
     agent_metrics: dict = field(default_factory=dict)   # node -> its agent's /metrics, scraped while tracing
+    operator_metrics: str = ""                     # the operator's /metrics, last scraped with a straggler named
 
 
 class Demo:
@@ -184,7 +189,8 @@ class Demo:
                 "--token-file", str(self.out / "agent-token"), "--ready-file", str(ready),
                 "--cgroup-root", str(node_cgroup_root(self.lab.run_id, node.name)), "--quiet",
                 "--tls-cert", str(self.tls_dir / "tls.crt"), "--tls-key", str(self.tls_dir / "tls.key"),
-                "--metrics-port", str(mport), "--metrics-address", "127.0.0.1"])
+                "--metrics-port", str(mport), "--metrics-address", "127.0.0.1",
+                "--data-max-bytes", str(DATA_MAX_BYTES)])
         deadline = time.monotonic() + 30 * len(started)      # 30 s each, as when one started after another
         for node, api_port, ready in started:
             while not ready.exists():
@@ -263,12 +269,17 @@ class Demo:
             self.t_ranks = time.monotonic()
         t_ranks = self.t_ranks
         events = self._disruptions()
-        t_saved = t_ranks
+        t_saved = t_live = t_ranks
         while any(rp.proc.poll() is None for rp in self.lab.ranks) and not self._failed_for(GRACE_S):
             st = self.status()
             if st.get("straggler") and "first_straggler" not in res.timings:
                 res.timings["first_straggler"] = time.monotonic() - t_ranks
                 res.timings["first_straggler_pod"] = st["straggler"].get("pod")
+            if st.get("straggler") and time.monotonic() - t_live >= 2.0:
+                t_live = time.monotonic()
+                scraped = self.scrape()
+                if "\ningero_straggler_saving_ratio{" in scraped:    # (the gauge follows the status patch)
+                    res.operator_metrics = scraped
             if (st.get("verdict") or {}).get("kind") == "hang" and "first_hang" not in res.timings:
                 res.timings["first_hang"] = time.monotonic() - t_ranks
                 res.timings["first_hang_who"] = st["verdict"].get("who")
@@ -457,6 +468,14 @@ def add_parser(sub):
     return p
 
 
+def grep_transcript(port, text: str, pattern: str, what: str, drop_zero: bool = False) -> str:
+    """A `curl | grep -E` command and the lines it prints from `text`, matched here by the
+    same pattern (and `grep -v ' 0.0$'` when drop_zero)."""
+    lines = [ln for ln in text.splitlines() if re.search(pattern, ln) and not (drop_zero and ln.endswith(" 0.0"))]
+    cmd = f"curl -s http://127.0.0.1:{port}/metrics | grep -E '{pattern}'" + (" | grep -v ' 0.0$'" if drop_zero else "")
+    return f"\n$ {cmd}   # {what}\n" + "\n".join(lines)
+
+
 def _interrupt(*_):
     raise KeyboardInterrupt
 
@@ -501,18 +520,15 @@ def run(args) -> int:
                 print("(kubectl-ingero is not installed beside this Python: pip install -e . installs it)")
                 for w in res.status.get("warnings") or []:
                     print(f"warning: {w}")
-            lines = [ln for ln in demo.scrape().splitlines()
-                     if ln.startswith(("ingero_straggler", "ingero_verdict",
-                                       "ingero_sessions{phase=\"Completed\"}"))]
-            print(f"\n$ curl -s http://127.0.0.1:{demo.metrics_port}/metrics | grep -E 'ingero_(straggler|verdict)'\n"
-                  + "\n".join(lines))
+            if res.operator_metrics:
+                print(grep_transcript(demo.metrics_port, res.operator_metrics, "^ingero_straggler_saving_ratio",
+                                      "the operator, while the job runs"))
+            print(grep_transcript(demo.metrics_port, demo.scrape(), r'^ingero_(verdict|sessions)\{',
+                                  "after the verdict", drop_zero=True))
             for node, text in sorted(res.agent_metrics.items())[:1]:    # one agent, scraped while tracing
-                port = demo.agent_metrics_ports.get(node)
-                keep = [ln for ln in text.splitlines()
-                        if ln.startswith(("ingero_agent_sessions{", "ingero_agent_events{", "ingero_agent_lost_events{"))
-                        and not ln.endswith(" 0.0")]
-                print(f"\n$ curl -s http://127.0.0.1:{port}/metrics | grep -E 'ingero_agent_(sessions|events|lost)'"
-                      f"   # the agent on {node}, while tracing\n" + "\n".join(keep))
+                print(grep_transcript(demo.agent_metrics_ports.get(node), text,
+                                      r"^ingero_agent_(sessions|events_total|lost_events_total)\{",
+                                      f"the agent on {node}, while tracing", drop_zero=True))
             t = res.timings
             print(f"\ndemo: tracing ready {t['tracing_ready']:.1f} s, training {t['training']:.1f} s, "
                   f"gather {t['gather']:.1f} s"

@@ -10,6 +10,7 @@ import asyncio
 import datetime as dt
 import logging
 import shutil
+import socket
 
 import kopf
 
@@ -29,6 +30,10 @@ def _running(status, **_) -> bool:
     return (status or {}).get("phase") in ("Running", "Gathering")
 
 
+def _pending(status, **_) -> bool:
+    return (status or {}).get("phase") == "Pending"
+
+
 def _finished_with_ttl(spec, status, **_) -> bool:
     return (status or {}).get("phase") in ("Completed", "Failed") and \
         (spec or {}).get("ttlSecondsAfterFinished") is not None
@@ -43,6 +48,9 @@ def _expiring(status, **_) -> bool:
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_):
     settings.persistence.finalizer = "ingero.io/finalizer"
     settings.posting.level = logging.WARNING
+    # Events show `From: ingero-operator` (kubectl describe), and which replica (pod) posted them
+    settings.posting.reporting_component = "ingero-operator"
+    settings.posting.reporting_instance = socket.gethostname()
     settings.watching.server_timeout = 300
     # The CRDs are installed before the operator starts (Helm's crds/), so kopf's runtime
     # watch of CustomResourceDefinitions (and of Namespaces, with --watch-namespace) is not
@@ -59,7 +67,22 @@ async def close(memo: kopf.Memo, **_):
 
 @kopf.on.create(*RES)
 async def start(spec, status, meta, memo: kopf.Memo, **_):
-    await memo.controller.start(_ref(meta), dict(spec), dict(status))
+    await memo.controller.start(_ref(meta), dict(spec), dict(status))     # Pending: wait_quietly goes on
+
+
+@kopf.daemon(*RES, when=_pending)
+async def wait_quietly(spec, status, meta, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_):
+    """A Pending session looks for its pods (and agents) again until it starts, fails or
+    goes: a daemon, so the waiting logs nothing per look (Controller.pending logs each
+    reason once). Also picks up a session left Pending by an operator restart."""
+    delay = SETTINGS.timing.pending_retry_s
+    while not stopped:
+        await stopped.wait(delay)
+        if stopped:
+            return
+        delay = await memo.controller.start(_ref(meta), dict(spec), dict(status))
+        if delay is None:
+            return
 
 
 @kopf.timer(*RES, interval=SETTINGS.timing.refresh_interval_s, when=_running)

@@ -61,6 +61,7 @@ class Live:
     unreachable: set = field(default_factory=set)  # nodes whose AgentUnreachable was posted
     announced: tuple | None = None                 # (who, cause) of the last StragglerDetected Event
     hung: str | None = None                        # who the last Hung Event named
+    pending: str | None = None                     # the Pending reason last logged
     done: bool = False
 
 
@@ -114,6 +115,17 @@ class Controller:
         await self.patch(ref, {"phase": phase, "message": message, "observedGeneration": ref.generation,
                                **fields, "conditions": conds})
         live.conditions = conds
+
+    async def pending(self, ref: Ref, status: dict, reason: str, message: str, delay: float, **fields) -> float:
+        """Phase Pending with `reason`; one INFO line when the reason changes, not one per
+        look. Returns `delay`: when to look again (handlers.wait_quietly does)."""
+        await self.transition(ref, status, "Pending", reason, message, **fields)
+        live = self._state(ref)
+        if live.pending != reason:
+            live.pending = reason
+            log.info("%s/%s: pending (%s): %s; looking again every %g s", ref.namespace, ref.name, reason,
+                     message, self.s.timing.pending_retry_s)
+        return delay
 
     async def fail(self, ref: Ref, status: dict, reason: str, message: str, **fields) -> None:
         """Phase Failed: conditions Failed=True/Ready=False with `reason`, a Failed warning Event."""
@@ -186,7 +198,11 @@ class Controller:
             raise kopf.PermanentError(str(e)) from e
 
     # ---- start ---------------------------------------------------------------------
-    async def start(self, ref: Ref, spec_doc: dict, status: dict) -> None:
+    async def start(self, ref: Ref, spec_doc: dict, status: dict) -> float | None:
+        """Trace the session's pods. None once it is Running; while it has to wait (no pod
+        yet, no agent reached) it is Pending and this returns the seconds after which to
+        look again: waiting is the normal state of a session applied before its job, so
+        it is no error (no kopf.TemporaryError, which kopf logs at ERROR on every retry)."""
         try:
             spec = planning.parse_spec(spec_doc)
         except planning.SpecError as e:
@@ -206,20 +222,19 @@ class Controller:
                     await self.fail(ref, status, "NoPods", msg)
                     raise kopf.PermanentError(msg)
                 msg = f"no running pod matches {sel} in namespace {ref.namespace}; waiting for the job"
-                await self.transition(ref, status, "Pending", "WaitingForPods", msg, sessionId=ref.sid,
-                                      pendingSince=since.isoformat().replace("+00:00", "Z"))
                 delay = self.s.timing.pending_retry_s
                 if spec.duration_s:   # look again at the latest when the duration is up
                     delay = max(0.5, min(delay, spec.duration_s - (now - since).total_seconds()))
-                raise kopf.TemporaryError(msg, delay=delay)
+                return await self.pending(ref, status, "WaitingForPods", msg, delay, sessionId=ref.sid,
+                                          pendingSince=since.isoformat().replace("+00:00", "Z"))
             start = parse_iso(status.get("startTime")) or dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
             deadline = start + dt.timedelta(seconds=spec.duration_s) if spec.duration_s else None
             rows, warnings = await self._reconcile(ref, spec, live, pods, deadline)
             self._post_unreachable(ref, live, rows, warnings)
             if not any(r["agentReached"] for r in rows):
                 msg = "no ingero agent could be reached: " + "; ".join(warnings)
-                await self.transition(ref, status, "Pending", "AgentUnreachable", msg, nodes=rows)
-                raise kopf.TemporaryError(msg, delay=self.s.timing.pending_retry_s)
+                return await self.pending(ref, status, "AgentUnreachable", msg, self.s.timing.pending_retry_s,
+                                          nodes=rows)
             msg = f"tracing {len(pods)} pods on {len(rows)} nodes ({sel})"
             await self.transition(ref, status, "Running", "Tracing", msg, sessionId=ref.sid,
                                   startTime=start.isoformat().replace("+00:00", "Z"),
@@ -227,6 +242,8 @@ class Controller:
                                   nodes=rows, warnings=bounded_warnings(warnings, self.s.gather))
             self.event(ref, "Normal", "Tracing", msg)
             log.info("%s/%s: %s", ref.namespace, ref.name, msg)
+            live.pending = None
+            return None
 
     async def _reconcile(self, ref: Ref, spec, live: Live, pods: list[dict], deadline) -> tuple[list, list]:
         """Make every node's agent trace its pods (re-plan on restart or new pods)."""

@@ -32,12 +32,12 @@ def metrics_port(docs: list[dict]) -> int | None:
 
 @pytest.mark.parametrize("values", [
     ON,
-    # metrics.agent.enabled unset (null) follows metrics.enabled
-    {"metrics": {"enabled": True}},
+    # metrics.agent.enabled unset (null) follows metrics.enabled, on by default
+    {"metrics": {}},
     # names and labels the user may change, another port, IPv6
     {"fullnameOverride": "tracer", "commonLabels": {"team": "ml"}, "agent": {"podLabels": {"tier": "node"},
      "listenAddress": "[::]"}, "metrics": {"agent": {"enabled": True, "port": 9500, "podMonitor": {"enabled": True}}}},
-], ids=["on", "follows-metrics", "renamed"])
+], ids=["on", "default", "renamed"])
 def test_the_daemonset_serves_metrics_on_the_port_its_annotations_podmonitor_and_policy_name(values):
     docs = render(values)
     c = container(docs, "DaemonSet", "agent")
@@ -66,12 +66,14 @@ def test_the_daemonset_serves_metrics_on_the_port_its_annotations_podmonitor_and
     [ep] = pm["spec"]["podMetricsEndpoints"]
     assert ep["port"] in {p["name"] for p in c["ports"]} and ep["port"] == "metrics"
     assert ep["path"] == "/metrics" and ep["interval"] == "30s"
+    assert ep["relabelings"] == [{"targetLabel": "job", "replacement": "ingero-agent"}]    # IngeroAgentDown's job
     assert pm["metadata"]["labels"].get("release") == ("prom" if values is ON else None)
 
 
-@pytest.mark.parametrize("values", [None, {"metrics": {"enabled": True, "agent": {"enabled": False}}},
+@pytest.mark.parametrize("values", [{"metrics": {"enabled": False}},
+                                    {"metrics": {"enabled": True, "agent": {"enabled": False}}},
                                     {"metrics": {"agent": {"enabled": False, "podMonitor": {"enabled": False}}}}],
-                         ids=["default", "operator-only", "off"])
+                         ids=["metrics-off", "operator-only", "off"])
 def test_agent_metrics_off_serve_nothing_and_open_nothing(values):
     docs = render(values)
     c = container(docs, "DaemonSet", "agent")
@@ -113,7 +115,7 @@ def test_the_agent_metrics_objects_are_valid_kubernetes_and_lint_clean():
     ({"metrics": {"agent": {"enabled": True, "port": 9464}}},
      "metrics.agent.port 9464 is also agent.port: the agent serves its API and its metrics in one pod"),
     ({"metrics": {"enabled": True}, "agent": {"port": 9465}}, "metrics.agent.port 9465 is also agent.port"),
-    ({"metrics": {"agent": {"podMonitor": {"enabled": True}}}},
+    ({"metrics": {"enabled": False, "agent": {"podMonitor": {"enabled": True}}}},
      "metrics.agent.podMonitor.enabled=true but the agents serve no metrics"),
 ])
 def test_a_port_clash_or_a_podmonitor_without_metrics_fails_with_one_line(values, message):

@@ -59,6 +59,7 @@ def test_default_values_install_crds_operator_agent_rbac_secret_service_and_peer
         ("Role", "ingero-operator-agents"), ("RoleBinding", "ingero-operator-agents"),
         ("Deployment", "ingero-operator"), ("DaemonSet", "ingero-agent"),
         ("Service", "ingero-operator"), ("ClusterRole", "ingero-artifact-reader"),
+        ("Service", "ingero-operator-metrics"),         # metrics on by default
         # secure by default: the agents' generated certificate, NetworkPolicies of both
         ("Secret", "ingero-agent-tls"), ("NetworkPolicy", "ingero-agent"), ("NetworkPolicy", "ingero-operator")])
     assert sorted(d["metadata"]["name"] for d in crd_docs()) == [

@@ -227,8 +227,9 @@ def test_the_agents_api_port_admits_only_this_releases_operator_pods(values):
     spec = pol[0]
     assert not selects(spec["podSelector"], operator_pods)
     assert spec["policyTypes"] == ["Ingress"]
-    [rule] = spec["ingress"]
     api = next(p for p in container(docs, "DaemonSet", "agent")["ports"] if p["name"] == "api")
+    # (the other rule is the metrics port's: tests/chart/test_chart_agent_metrics.py)
+    [rule] = [r for r in spec["ingress"] if r["ports"][0]["port"] == api["containerPort"]]
     assert rule["ports"] == [{"port": api["containerPort"], "protocol": "TCP"}]
     [peer] = rule["from"]
     # A bare podSelector: pods of the policy's (the release's) namespace only ...
@@ -291,7 +292,8 @@ def test_policy_peers_are_configurable_and_off_means_no_policy():
     assert op[2:] == extra and len(op) == 3                   # no artifact port: it is not served
     assert pol["ingero-agent"]["ingress"][0]["from"][1:] == nodes
     # Nothing served but health: the operator admits nothing (the kubelet aside).
-    bare = policies(render({"operator": {"artifacts": {"serve": False}}}))["ingero-operator"]
+    bare = policies(render({"operator": {"artifacts": {"serve": False}}, "metrics": {"enabled": False}}))[
+        "ingero-operator"]
     assert bare["ingress"] == [] and bare["policyTypes"] == ["Ingress"]
     assert policies(render({"networkPolicy": {"enabled": False}})) == {}
 

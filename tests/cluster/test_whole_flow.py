@@ -57,7 +57,8 @@ def run_flow(out: Path, scenario: str, before=None, **kw) -> dict:
                "stats": {rp.rank: rp.stats for rp in demo.lab.ranks}, "extra": extra,
                "custom_columns": demo.printer_rows(), "table": demo.kubectl("get", "tracesessions").stdout,
                "describe": demo.kubectl("describe", "tracesession", "lab-job").stdout,
-               "metrics": demo.scrape(), "agent_metrics": res.agent_metrics,
+               "metrics": demo.scrape(), "live_metrics": res.operator_metrics,
+               "agent_metrics": res.agent_metrics,
                # what `make demo` prints: report.json through the service proxy (kubectl-ingero on PATH)
                "plugin_report": demo.kubectl("ingero", "report", "lab-job", check=False),
                "wait": res.kubectl_wait,    # `kubectl wait --for=condition=Completed`, started with the session
@@ -231,26 +232,33 @@ def test_conditions_follow_the_lifecycle_and_describe_lists_the_events(lossy):
 
 def test_the_dashboard_and_alert_metrics_exist_in_a_real_scrape_of_the_operator_and_agents(lossy):
     from tests.chart.test_chart_metrics import metric_names_used
+    from tests.unit.test_metrics_naming import naming_problems
 
-    lines = [ln for ln in lossy["metrics"].splitlines() if ln.startswith("ingero_")]
+    final, live = lossy["metrics"], lossy["live_metrics"]
     agents = lossy["agent_metrics"]
     assert sorted(agents) == ["lab-node-a", "lab-node-b"], agents
-    agent_lines = [ln for text in agents.values() for ln in text.splitlines() if ln.startswith("ingero_")]
-    present = {ln.split("{")[0].split(" ")[0] for ln in lines + agent_lines}
+    for text in [final, live, *agents.values()]:
+        assert not naming_problems(text)
+    present = {ln.split("{")[0].split(" ")[0] for text in [final, live, *agents.values()]
+               for ln in text.splitlines() if ln.startswith("ingero_")}
     assert metric_names_used() <= present, metric_names_used() - present
     for node, text in agents.items():     # scraped while tracing: the session, its events, its rings
         assert f'ingero_agent_sessions{{node="{node}",state="running"}} 1.0' in text, text
-        events = [ln for ln in text.splitlines() if ln.startswith("ingero_agent_events{") and 'table="nccl_events"' in ln]
+        events = [ln for ln in text.splitlines()
+                  if ln.startswith("ingero_agent_events_total{") and 'table="nccl_events"' in ln]
         assert len(events) == 1 and float(events[0].rsplit(" ", 1)[1]) > 0, events
-        assert any(ln.startswith("ingero_agent_lost_events{") and 'ring="nccl"' in ln for ln in text.splitlines())
+        assert any(ln.startswith("ingero_agent_lost_events_total{") and 'ring="nccl"' in ln for ln in text.splitlines())
         assert any(ln.startswith("ingero_agent_requests_total{") and 'route="/v1/sessions"' in ln
                    for ln in text.splitlines()), text
     s = lossy["status"]["straggler"]
-    named = [ln for ln in lines if ln.startswith("ingero_straggler{")]
-    assert len(named) == 1 and f'pod="{s["pod"]}"' in named[0] and 'cause="network"' in named[0], named
-    saving = next(ln for ln in lines if ln.startswith("ingero_straggler_saving_percent{"))
-    assert abs(float(saving.rsplit(" ", 1)[1]) - s["savingPct"]) < 0.01
-    assert 'ingero_sessions{phase="Completed"} 1.0' in lines
+    # named while the job ran (the rank and its pod, the cause, the saving as a ratio) ...
+    [named] = [ln for ln in live.splitlines() if ln.startswith("ingero_straggler_saving_ratio{")]
+    assert f'pod="{s["pod"]}"' in named and 'cause="network"' in named and 'kind="rank"' in named, named
+    assert 0 < float(named.rsplit(" ", 1)[1]) < 1
+    # ... and gone once the session completed, so StragglerDetected resolves
+    assert "ingero_straggler_saving_ratio{" not in final
+    assert 'ingero_verdict{name="lab-job",namespace="default",verdict="straggler"} 1.0' in final
+    assert 'ingero_sessions{phase="Completed"} 1.0' in final
 
 
 @pytest.mark.extended      # CI: the 3D job's cpu-hog (tests/bpf/test_lab_cpu_hog.py) and the GPU-like one
@@ -318,7 +326,7 @@ def _stop_once_traced_again(node: str, stop_file: Path):
         except Exception:      # down (killed), or not listening yet
             return None
         return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
-                   if ln.startswith("ingero_agent_events{") and 'table="nccl_events"' in ln)
+                   if ln.startswith("ingero_agent_events_total{") and 'table="nccl_events"' in ln)
 
     def watch(demo):
         was_down, seen = False, None

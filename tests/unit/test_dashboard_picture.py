@@ -32,13 +32,13 @@ def test_every_panel_reads_series_the_demo_exports():
 def test_the_straggler_panels_carry_the_verdict():
     panels = {p.title: p for p in load_dashboard(DASHBOARD)}
     samples = load_scrapes(SCRAPES)
-    named = panel_series(panels["Named straggler"], samples)      # `ingero_straggler == 1`
-    assert len(named) == 1, named
+    named = panel_series(panels["Named straggler (while the session runs)"], samples)
+    assert len(named) == 1, named                                 # `ingero_straggler_saving_ratio{…} > 0`
     (legend, points), = named.items()
-    assert all(v == 1 for _, v in points) and "rank" in legend
-    saving = panel_series(panels["Straggler saving (% of the step)"], samples)
+    assert all(0 < v < 1 for _, v in points) and "ranks 3; network, rank" in legend, legend
+    saving = panel_series(panels["Straggler saving (share of the step, while the session runs)"], samples)
     assert any(v > 0 for pts in saving.values() for _, v in pts)
-    lateness = panel_series(panels["Rank lateness (ms)"], samples)
+    lateness = panel_series(panels["Rank lateness (s)"], samples)
     assert len(lateness) >= 2                                     # one series per rank
 
 
@@ -46,9 +46,9 @@ def test_expressions_names_matchers_and_functions():
     q = parse_expr('histogram_quantile(0.9, sum by (le, step) (rate(ingero_operator_step_seconds_bucket[10m])))')
     assert [s.name for s in q.selectors] == ["ingero_operator_step_seconds_bucket"]
     assert q.functions == ["histogram_quantile", "sum", "rate"] and q.comparison is None
-    q = parse_expr('ingero_agent_lost_events{ring!="events", node=~"lab-n.*"} > 0')
+    q = parse_expr('ingero_agent_lost_events_total{ring!="events", node=~"lab-n.*"} > 0')
     (sel,) = q.selectors
-    assert sel.name == "ingero_agent_lost_events" and q.comparison == (">", 0.0)
+    assert sel.name == "ingero_agent_lost_events_total" and q.comparison == (">", 0.0)
     assert sel.matches({"ring": "records", "node": "lab-n1"})
     assert not sel.matches({"ring": "events", "node": "lab-n1"})
     assert not sel.matches({"ring": "records", "node": "other"})

@@ -335,3 +335,30 @@ def test_a_hostile_artifact_or_one_over_max_bytes_is_one_line_and_leaves_no_fold
     msg = one_line_error(plugin("get-artifact", "k1", "-o", str(tmp_path / "small"), "--max-bytes", "1000"))
     assert "larger than --max-bytes 1000" in msg, msg
     assert not (tmp_path / "small").exists()
+
+
+def test_list_logs_and_delete_against_the_api_server(flow, plugin, done):
+    out = plugin("list")
+    assert out.returncode == 0, out.stderr
+    header, *rows = out.stdout.splitlines()
+    assert header.split()[:4] == ["NAME", "PHASE", "RANKS", "STRAGGLER"]
+    assert any(r.split()[:2] == ["k1", "Completed"] for r in rows), out.stdout
+    assert plugin("ls", "-A").stdout.splitlines()[0].split()[:2] == ["NAMESPACE", "NAME"]
+    none = plugin("list", "-l", "team in (nobody)")                 # a set-based selector
+    assert none.returncode == 0 and none.stdout == "" and "no TraceSessions in" in none.stderr
+
+    out = plugin("logs", "k1")
+    assert out.returncode == 0, out.stderr
+    reasons = [ln.split()[2] for ln in out.stdout.splitlines() if ln[:4].isdigit()]
+    assert reasons[0] == "Tracing" and reasons[-1] == "Completed" and "Gathered" in reasons, out.stdout
+    assert "now: Completed: completed" in out.stdout
+    # the embedded API server answers pods/log with the Pod object: no line names the session
+    assert out.stdout.endswith("\noperator log, 0 lines about default/k1:\n"), out.stdout
+
+    created = plugin("trace", "--selector", "job-name=nobody", "--name", "kdel")
+    assert created.returncode == 0, created.stderr
+    out = plugin("delete", "trs/kdel")
+    assert out.returncode == 0 and out.stdout.strip() == 'tracesession.ingero.io "kdel" deleted', out
+    flow.wait_for("kdel", lambda s: not flow.cluster.get(f"{TRS}/kdel"), timeout=30)
+    assert "no TraceSession kdel in " in one_line_error(plugin("delete", "kdel"))
+    assert one_line_error(plugin("logs", "kdel")).startswith("kubectl-ingero: no TraceSession kdel")

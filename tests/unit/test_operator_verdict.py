@@ -179,3 +179,35 @@ def test_a_node_whose_selected_pods_sent_nothing_leaves_the_operator_unable_to_j
     ok = rep("straggler")
     unheard(local, rows[:1] + rows[2:], ok)
     assert ok.verdict == "straggler"
+
+
+def straggler_series() -> dict:
+    return {(s.labels["namespace"], s.labels["name"]): (s.labels, s.value) for m in metrics.REGISTRY.collect()
+            if m.name == "ingero_straggler_saving_ratio" for s in m.samples}
+
+
+def test_a_stage_verdict_names_the_group_and_its_ranks_never_one_members_pod():
+    stage = {"kind": "stage", "who": "stage 1 (ranks 4-7)", "ranks": [4, 5, 6, 7], "rank": 7, "pod": "job-rank-7",
+             "cause": "compute", "savingPct": 12.5}
+    metrics.observe("u-stage", "ns", "stage", {"phase": "Running", "straggler": stage})
+    labels, value = straggler_series()[("ns", "stage")]
+    assert {k: labels[k] for k in ("kind", "who", "ranks", "pod", "cause")} == {
+        "kind": "stage", "who": "stage 1 (ranks 4-7)", "ranks": "4-7", "pod": "", "cause": "compute"}
+    assert value == 0.125
+    metrics.forget("u-stage")
+
+
+def test_the_straggler_series_goes_when_the_session_ends_or_names_nobody():
+    rank = {"kind": "rank", "who": "job-rank-3", "ranks": [3], "rank": 3, "pod": "job-rank-3", "cause": "network",
+            "savingPct": 45.0}
+    metrics.observe("u-end", "ns", "end", {"phase": "Running", "straggler": rank})
+    labels, value = straggler_series()[("ns", "end")]
+    assert (labels["pod"], labels["ranks"], value) == ("job-rank-3", "3", 0.45)
+    metrics.observe("u-end", "ns", "end", {"straggler": None})             # the live verdict names nobody now
+    assert ("ns", "end") not in straggler_series()
+    metrics.observe("u-end", "ns", "end", {"straggler": rank})
+    assert ("ns", "end") in straggler_series()
+    metrics.observe("u-end", "ns", "end", {"phase": "Completed", "straggler": rank, "verdict": {"kind": "straggler"}})
+    assert ("ns", "end") not in straggler_series()                          # so StragglerDetected resolves
+    assert scrape()[("ns", "end", "straggler")] == 1                        # the final verdict stays
+    metrics.forget("u-end")
