@@ -151,6 +151,41 @@ struct ingero_nccl_prof_op {
     __u64 stream;          /* the cudaStream_t of the op's API call (NCCL_PROF_F_STREAM) */
 };
 
+/* ---- Operations in flight (the plugin's table, read live by the agent) ----
+ *
+ * The plugin keeps each communicator's operation slots in one shared-memory
+ * mapping of its own (memfd_create(INGERO_NCCL_PROF_TABLE_NAME): the line
+ * "/memfd:ingero-nccl-ops (deleted)" in /proc/<pid>/maps) that begins with a
+ * `struct ingero_nccl_prof_table`. A slot whose state word is 1 holds an
+ * operation NCCL started and that is not recorded yet: its `struct
+ * ingero_nccl_prof_op` is filled from the start (times so far; dev_start_ns
+ * once a kernel channel started) and its counters say how many kernel
+ * channels started and stopped. The agent reads the mapping through
+ * /proc/<pid>/mem at each roll (ingero_agent.devinflight): a collective the
+ * GPU started and never finished is seen without any probe having fired. A
+ * slot may be read while it is being written: a record whose size or version
+ * is wrong is skipped. */
+#define INGERO_NCCL_PROF_TABLE_NAME  "ingero-nccl-ops"
+#define INGERO_NCCL_PROF_TABLE_MAGIC 0x53504f5245474e49ULL   /* "INGEROPS" */
+
+struct ingero_nccl_prof_table {
+    __u64 magic;           /* INGERO_NCCL_PROF_TABLE_MAGIC; 0 once the communicator is finalized */
+    __u32 size;            /* sizeof(struct ingero_nccl_prof_table) */
+    __u16 version;         /* INGERO_NCCL_PROF_VERSION: the layout of the slots' records */
+    __u16 api;             /* profiler API version NCCL loaded */
+    __u64 comm_hash;
+    __s32 rank;            /* rank in the communicator */
+    __s32 nranks;
+    __u32 pid;             /* the process that created it (a forked child maps it too) */
+    __u32 nslots;
+    __u32 slots;           /* offset of slot 0 from the start of this header */
+    __u32 stride;          /* bytes from one slot to the next */
+    __u32 off_state;       /* in a slot: __u32, 1 while the operation is open */
+    __u32 off_started;     /* __s32: kernel channels started */
+    __u32 off_stopped;     /* __s32: kernel channels that reported stop */
+    __u32 off_rec;         /* struct ingero_nccl_prof_op */
+};
+
 /* One record per finished NCCL operation seen by the profiler plugin. 288 bytes. */
 struct ingero_nccl_prof_event {
     __u64 ts_ns;           /* when the probe fired */

@@ -321,6 +321,38 @@ NCCL_INFLIGHT = Table(
     "comm_id_hash, seq, comm_rank or nranks. rank is the process's torchrun RANK.",
 )
 
+NCCL_DEVICE_INFLIGHT = Table(
+    "nccl_device_inflight",
+    (
+        ("node", "VARCHAR"),
+        ("session_id", "VARCHAR"),
+        ("pid", "INTEGER"),
+        ("rank", "INTEGER"),
+        ("seen_ns", "BIGINT"),
+        ("comm_hash", "UBIGINT"),
+        ("comm_rank", "INTEGER"),
+        ("nranks", "INTEGER"),
+        ("slot", "INTEGER"),
+        ("op", "VARCHAR"),
+        ("seq", "BIGINT"),
+        ("peer", "INTEGER"),
+        ("nchannels", "INTEGER"),
+        ("channels_started", "INTEGER"),
+        ("channels_stopped", "INTEGER"),
+        ("launched_ns", "BIGINT"),
+        ("enqueued", "BOOLEAN"),
+        ("device_start_ns", "BIGINT"),
+    ),
+    "The operations Ingero's NCCL profiler plugin holds open in each traced process, as the tracer "
+    "last read them from the plugin's table (every roll and at stop; a process that is gone keeps "
+    "its last rows): NCCL started them and has not finished them. comm_hash, comm_rank, nranks and "
+    "seq are NCCL's own (as in nccl_profiler_events); launched_ns when NCCL launched it on the host, "
+    "enqueued whether the launch returned, device_start_ns when its first kernel channel started on "
+    "the GPU (NULL: not yet), channels_started/channels_stopped of nchannels. One row per "
+    "communicator has no op (slot NULL): the process has it, with nothing open. rank is the "
+    "process's torchrun RANK.",
+)
+
 NODES = Table(
     "nodes",
     (
@@ -363,13 +395,14 @@ SESSIONS = Table(
 TABLES: dict[str, Table] = {
     t.name: t
     for t in (NCCL_EVENTS, NCCL_PROFILER_EVENTS, TCP_EVENTS_TABLE, SCHED_EVENTS, SCHED_TOTALS, RANKS, COMMS,
-              NCCL_INFLIGHT, NODES, SESSIONS)
+              NCCL_INFLIGHT, NCCL_DEVICE_INFLIGHT, NODES, SESSIONS)
 }
 EVENT_TABLES = ("nccl_events", "nccl_profiler_events", "tcp_events", "sched_events")
 # Wall-clock columns per table: what a node's clock offset shifts (gather, merge).
 CLOCK_COLUMNS: dict[str, tuple[str, ...]] = {
     "nccl_events": ("timestamp_ns",), "tcp_events": ("timestamp_ns",), "sched_events": ("timestamp_ns",),
     "comms": ("timestamp_ns",), "nccl_inflight": ("seen_ns", "since_ns"),
+    "nccl_device_inflight": ("seen_ns", "launched_ns", "device_start_ns"),
     "nccl_profiler_events": ("timestamp_ns", "device_start_ns", "device_end_ns"),
 }
 

@@ -125,6 +125,27 @@ NCCL_PROF_EVENT = _dtype([
     ("op", NCCL_PROF_OP, 120),
 ], 288)
 
+# The header of the plugin's table of operations (ingero_agent.devinflight reads it live).
+NCCL_PROF_TABLE = _dtype([
+    ("magic", "<u8", 0),
+    ("size", "<u4", 8),
+    ("version", "<u2", 12),
+    ("api", "<u2", 14),
+    ("comm_hash", "<u8", 16),
+    ("rank", "<i4", 24),
+    ("nranks", "<i4", 28),
+    ("pid", "<u4", 32),
+    ("nslots", "<u4", 36),
+    ("slots", "<u4", 40),
+    ("stride", "<u4", 44),
+    ("off_state", "<u4", 48),
+    ("off_started", "<u4", 52),
+    ("off_stopped", "<u4", 56),
+    ("off_rec", "<u4", 60),
+], 64)
+NCCL_PROF_TABLE_MAGIC = 0x53504f5245474e49
+NCCL_PROF_TABLE_NAME = "ingero-nccl-ops"
+
 # ring name -> (C struct name, dtype, ring buffer map name, lost-counter slot)
 FAMILIES: dict[str, tuple[str, np.dtype, str, int]] = {
     "nccl": ("ingero_nccl_event", NCCL_EVENT, "nccl_events", 0),
@@ -139,7 +160,7 @@ FAMILY_RINGS: dict[str, tuple[str, ...]] = {
     "sched": ("sched",),
 }
 # Nested structs of the records, checked field by field like the records.
-NESTED: dict[str, np.dtype] = {"ingero_nccl_prof_op": NCCL_PROF_OP}
+NESTED: dict[str, np.dtype] = {"ingero_nccl_prof_op": NCCL_PROF_OP, "ingero_nccl_prof_table": NCCL_PROF_TABLE}
 
 # NCCL_F_* flags and OWNER_* values (bpf/ingero.h, then the decoder's own)
 NCCL_F_IN_GROUP = 1

@@ -33,6 +33,7 @@ from ingero import __version__, schema
 from ingero.errors import IngeroError, NotPermitted
 from ingero.store import SegmentWriter, build_duckdb
 from ingero_agent.decode import COLUMNS, TABLES, Identity, Registry, mono_to_wall, op_name
+from ingero_agent.devinflight import Reader as DeviceReader, rows as device_rows
 from ingero_agent.inflight import FrameReader, snapshot
 from ingero_agent.probes import ProbeConfig, Probes
 from ingero_agent.procinfo import int_or_none
@@ -96,6 +97,8 @@ class Tracer:
         self.frames: FrameReader | None = None           # open NCCL calls (ingero_agent.inflight)
         self.stacks: StackScanner | None = None          # calls entered before the probes attached
         self.inflight: dict[tuple[int, int], dict] = {}  # (pid, tid) -> its last nccl_inflight row
+        self.device = DeviceReader()                     # operations open in the profiler plugin
+        self.device_open: dict[int, list[dict]] = {}     # pid -> its last nccl_device_inflight rows
         self.inflight_s = 0.0                            # time spent reading them, all rolls
         self._noted_threads = False
 
@@ -142,6 +145,7 @@ class Tracer:
                                   f"(loading them took {time.monotonic() - t_load:.1f} s); start the trace "
                                   "earlier, or trace the job's cgroup (--cgroup) to follow new processes")
             self._put_inflight()     # at attach: the calls threads were inside already (a hung job)
+            self._put_device_inflight()
             if self.opts.ready_file:
                 Path(self.opts.ready_file).touch()
             self.log(f"tracing {','.join(self.opts.probe_config.families)} for "
@@ -418,6 +422,7 @@ class Tracer:
         self._put_rows("ranks", rows)
         self._put_rows("comms", self.comm_rows)
         self._put_inflight()
+        self._put_device_inflight()
         totals = []
         for tgid, reason, total, intervals in self.probes.sched_totals():
             ident = self.registry.by_pid.get(tgid)
@@ -462,6 +467,17 @@ class Tracer:
             self.log("note: this kernel opens no pidfd of a thread (PIDFD_THREAD, Linux 6.9): calls in "
                      "flight are seen on each process's main thread only")
         self._put_rows("nccl_inflight", list(self.inflight.values()))
+        self.inflight_s += time.perf_counter() - t0
+
+    def _put_device_inflight(self) -> None:
+        """The operations the profiler plugin of each process holds open (a process that is gone
+        keeps its last rows: a collective its rank died in shows it)."""
+        t0 = time.perf_counter()
+        pids = [p.pid for p in self.targets.processes.values() if p.alive and p.profiler_key is not None]
+        now = time.clock_gettime_ns(time.CLOCK_MONOTONIC) + self.offset_ns
+        rank_of = lambda pid: getattr(self.registry.by_pid.get(pid), "rank", None)  # noqa: E731
+        self.device_open.update(device_rows(self.device, pids, self.offset_ns, now, rank_of))
+        self._put_rows("nccl_device_inflight", [r for rows in self.device_open.values() for r in rows])
         self.inflight_s += time.perf_counter() - t0
 
     def _stack_calls(self, pid: int, tids: list[int]) -> dict[int, str]:

@@ -64,6 +64,15 @@
  * fit is updated by one thread at a time (a busy flag another thread skips,
  * never waits on) and read lock-free (sequence counter).
  *
+ * Operations in flight: the slot array lives in a shared-memory mapping
+ * (memfd, one per communicator, made at init) behind a header that describes
+ * it (bpf/ingero.h: struct ingero_nccl_prof_table). An open slot's record is
+ * filled from the op's start, and its device start from its first kernel
+ * channel, so the agent reads which operations NCCL started and never
+ * finished, and since when, from the process's memory at each roll: a
+ * collective stuck on the GPU while the host waits outside NCCL, even one that
+ * was stuck before the agent attached. Nothing more per event.
+ *
  * File sink: with INGERO_PROFILER_FILE=<path>, each record is also appended
  * to that file as one line of key=value words (the same fields, the strings
  * spelled out; one write per line), for a machine without the eBPF agent
@@ -74,6 +83,7 @@
  * file that cannot be opened): init logs one line and fails, and NCCL runs on
  * without the plugin.
  */
+#define _GNU_SOURCE                     /* memfd_create */
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -83,6 +93,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 #include <linux/types.h>
@@ -162,7 +173,9 @@ struct ctx {
     int rank, nranks, nnodes;
     uint8_t api;
     uint32_t nslots;
-    struct op *slots;
+    struct op *slots;                   /* in `table`'s mapping, after its header */
+    struct ingero_nccl_prof_table *table;   /* NULL: the slots are plain memory (no memfd) */
+    size_t table_len;
     _Atomic uint64_t next;
     _Atomic uint64_t dropped;
     _Atomic uint64_t *p2p_seq;          /* [2 * nranks]: sends to, receives from each peer */
@@ -310,12 +323,14 @@ static struct op *op_alloc(struct ctx *c)
     return NULL;
 }
 
-static void atomic_min_u64(_Atomic uint64_t *p, uint64_t v)
+/* 1 when `v` became the minimum */
+static int atomic_min_u64(_Atomic uint64_t *p, uint64_t v)
 {
     uint64_t cur = atomic_load_explicit(p, memory_order_relaxed);
-    while (v < cur && !atomic_compare_exchange_weak_explicit(p, &cur, v, memory_order_relaxed,
-                                                             memory_order_relaxed))
-        ;
+    while (v < cur)
+        if (atomic_compare_exchange_weak_explicit(p, &cur, v, memory_order_relaxed, memory_order_relaxed))
+            return 1;
+    return 0;
 }
 
 static void atomic_max_u64(_Atomic uint64_t *p, uint64_t v)
@@ -476,8 +491,8 @@ static ncclResult_t start_event(void *context, void **handle, struct ev *e)
         if (atomic_fetch_add_explicit(&o->started, 1, memory_order_relaxed) >= o->rec.nchannels)
             return ncclSuccess;
         clock_pair(&c->clk, h, e->ptimer);
-        if (e->ptimer)
-            atomic_min_u64(&o->dev_start, e->ptimer);
+        if (e->ptimer && atomic_min_u64(&o->dev_start, e->ptimer))
+            o->rec.dev_start_ns = clock_host(&c->clk, e->ptimer);   /* for a reader of the open op */
         *handle = &o->kch_tag;
     }
     return ncclSuccess;
@@ -560,11 +575,35 @@ static int open_sink(ncclDebugLogger_t log)
     return 0;
 }
 
+/* The slots, after a table header, in a memfd mapping the agent finds in /proc/<pid>/maps;
+ * plain memory where memfd_create is refused (then operations in flight are not visible). */
+static void slots_alloc(struct ctx *c, uint32_t n)
+{
+    size_t head = (sizeof(struct ingero_nccl_prof_table) + 63) & ~(size_t)63;
+    size_t len = head + (size_t)n * sizeof(struct op);
+    int fd = memfd_create(INGERO_NCCL_PROF_TABLE_NAME, MFD_CLOEXEC);
+    void *m = MAP_FAILED;
+    if (fd >= 0 && ftruncate(fd, (off_t)len) == 0)
+        m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (fd >= 0)
+        close(fd);                      /* the mapping keeps the memory */
+    if (m == MAP_FAILED) {
+        c->slots = calloc(n, sizeof(struct op));
+        return;
+    }
+    c->table = m;
+    c->table_len = len;
+    c->slots = (struct op *)((char *)m + head);
+}
+
 static void ctx_free(struct ctx *c)
 {
     if (!c)
         return;
-    free(c->slots);
+    if (c->table)
+        munmap(c->table, c->table_len);
+    else
+        free(c->slots);
     free(c->links);
     free((void *)c->p2p_seq);
     free(c);
@@ -581,7 +620,7 @@ static ncclResult_t init_common(void **context, int *mask, const char *name, uin
         return ncclInvalidArgument;
     struct ctx *c = calloc(1, sizeof(*c));
     if (c) {
-        c->slots = calloc((size_t)slots, sizeof(struct op));
+        slots_alloc(c, (uint32_t)slots);
         c->links = calloc((size_t)slots, sizeof(struct link));
         if (nranks > 0 && nranks <= (1 << 24))
             c->p2p_seq = calloc(2 * (size_t)nranks, sizeof(uint64_t));
@@ -603,6 +642,14 @@ static ncclResult_t init_common(void **context, int *mask, const char *name, uin
         c->slots[i].kch_tag = TAG_KCH;
         c->slots[i].ctx = c;
     }
+    if (c->table)
+        *c->table = (struct ingero_nccl_prof_table){
+            .size = sizeof(struct ingero_nccl_prof_table), .version = INGERO_NCCL_PROF_VERSION, .api = api,
+            .comm_hash = hash, .rank = rank, .nranks = nranks, .pid = (uint32_t)getpid(),
+            .nslots = c->nslots, .slots = (uint32_t)((char *)c->slots - (char *)c->table),
+            .stride = sizeof(struct op), .off_state = offsetof(struct op, state),
+            .off_started = offsetof(struct op, started), .off_stopped = offsetof(struct op, reported),
+            .off_rec = offsetof(struct op, rec), .magic = INGERO_NCCL_PROF_TABLE_MAGIC};
     atomic_flag_clear(&c->clk.busy);
     c->clk.window_ns = window_ms * 1000000L;
     if (name && *name)
@@ -626,6 +673,8 @@ static ncclResult_t finalize(void *context)
     for (uint32_t i = 0; i < c->nslots; i++)
         if (atomic_load_explicit(&c->slots[i].state, memory_order_acquire) == SLOT_BUSY)
             op_finish(&c->slots[i], NCCL_PROF_F_UNFINISHED);
+    if (c->table)
+        c->table->magic = 0;
     ctx_free(c);
     return ncclSuccess;
 }

@@ -288,3 +288,87 @@ def test_each_operation_carries_its_launchs_group_number_and_v5_its_calls_stream
                    "v4 AllReduce group 2 stream 0 known 0",
                    "v5 Send group 1 stream 5000 known 1", "v5 Recv group 1 stream 5001 known 1",
                    "v5 AllReduce group 2 stream 6000 known 1"]
+
+
+OPEN_DRIVER = r"""
+#include "ingero_profiler.c"
+static void *start(void *ctx, uint64_t type, void *parent, const char *func, uint64_t seq, uint64_t ptimer)
+{
+    ncclProfilerEventDescr_v5_t d;
+    memset(&d, 0, sizeof(d));
+    d.type = type;
+    d.parentObj = parent;
+    if (type == ncclProfileKernelCh) {
+        d.kernelCh.pTimer = ptimer;
+    } else {
+        d.coll.func = func;
+        d.coll.seqNumber = seq;
+        d.coll.nChannels = 2;
+    }
+    void *h = NULL;
+    start_event_v5(ctx, &h, &d);
+    return h;
+}
+int main(void)
+{
+    void *ctx, *ctx2;
+    int mask;
+    init_v5(&ctx, 0xabc, &mask, "c", 1, 4, 3, NULL);
+    init_v5(&ctx2, 0xdef, &mask, "d", 1, 2, 1, NULL);
+    /* an AllGather that finished, an AllReduce the GPU started on one of its two
+     * channels and never finished, a Broadcast launched and not yet on the GPU */
+    void *done = start(ctx, ncclProfileColl, NULL, "AllGather", 4, 0);
+    stop_event(done);
+    for (int ch = 0; ch < 2; ch++) {
+        void *k = start(ctx, ncclProfileKernelCh, done, NULL, 0, 1000 + ch);
+        record_state_v5(k, ncclProfilerKernelChStop, NULL);
+        stop_event(k);
+    }
+    void *stuck = start(ctx, ncclProfileColl, NULL, "AllReduce", 812, 0);
+    stop_event(stuck);
+    start(ctx, ncclProfileKernelCh, stuck, NULL, 0, 5000);
+    start(ctx, ncclProfileColl, NULL, "Broadcast", 9, 0);
+    printf("ready\n");
+    fflush(stdout);
+    getchar();
+    finalize(ctx);
+    printf("finalized\n");
+    fflush(stdout);
+    getchar();
+    finalize(ctx2);
+    return 0;
+}
+"""
+
+
+def test_the_operations_a_process_holds_open_are_read_from_its_memory_live(tmp_path):
+    from ingero_agent.devinflight import Reader, rows
+
+    exe = build(tmp_path, "open", OPEN_DRIVER)
+    p = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline() == "ready\n"
+        reader = Reader()
+        got = rows(reader, [p.pid], 1_000, 2_000, lambda pid: 7)[p.pid]
+        by_comm = {}
+        for r in got:
+            by_comm.setdefault(r["comm_hash"], []).append(r)
+        assert sorted(by_comm) == [0xabc, 0xdef]
+        idle = by_comm[0xdef]
+        assert [(r["op"], r["comm_rank"], r["nranks"], r["rank"]) for r in idle] == [(None, 1, 2, 7)]
+        ops = {r["op"]: r for r in by_comm[0xabc] if r["op"]}
+        assert sorted(ops) == ["ALL_REDUCE", "BROADCAST"]         # the finished AllGather is gone
+        ar, bc = ops["ALL_REDUCE"], ops["BROADCAST"]
+        assert (ar["seq"], ar["comm_rank"], ar["nranks"], ar["nchannels"]) == (812, 3, 4, 2)
+        assert (ar["channels_started"], ar["channels_stopped"], ar["enqueued"]) == (1, 0, True)
+        assert ar["device_start_ns"] is not None and ar["launched_ns"] > 1_000
+        assert (bc["seq"], bc["channels_started"], bc["enqueued"], bc["device_start_ns"]) == (9, 0, False, None)
+        assert all(r["seen_ns"] == 2_000 for r in got)
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline() == "finalized\n"
+        # a finalized communicator's table is gone (or marked): only the other one is read
+        assert [r["comm_hash"] for r in rows(reader, [p.pid], 0, 0, lambda pid: 7)[p.pid]] == [0xdef]
+    finally:
+        p.kill()
+        p.wait()
