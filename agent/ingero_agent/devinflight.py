@@ -117,12 +117,13 @@ class Reader:
 
 
 def rows(reader: Reader, pids, mono_to_wall_ns: int, now_wall_ns: int, rank_of) -> dict[int, list[dict]]:
-    """pid -> its `nccl_device_inflight` rows now, for each process in `pids` that could be read
-    (one that could not keeps its last rows: the caller's)."""
+    """pid -> its `nccl_device_inflight` rows now, for each process in `pids` that has a table
+    (one that cannot be read, or whose communicators are all finalized, keeps its last rows, the
+    caller's: a rank that gives up on a stuck collective finalizes, then exits)."""
     out: dict[int, list[dict]] = {}
     for pid in pids:
         tables = reader.read(pid)
-        if tables is None:
+        if not tables:
             continue
         rank = rank_of(pid)
         mine = []

@@ -369,6 +369,10 @@ def test_the_operations_a_process_holds_open_are_read_from_its_memory_live(tmp_p
         assert p.stdout.readline() == "finalized\n"
         # a finalized communicator's table is gone (or marked): only the other one is read
         assert [r["comm_hash"] for r in rows(reader, [p.pid], 0, 0, lambda pid: 7)[p.pid]] == [0xdef]
+        p.stdin.write("\n")
+        p.stdin.flush()
+        p.wait(10)
+        assert reader.read(p.pid) == [] and rows(reader, [p.pid], 0, 0, lambda pid: 7) == {}
     finally:
         p.kill()
         p.wait()
