@@ -41,6 +41,7 @@ KEYS = {
     "tcp_events": (("node", "session_id", "event_id"), "rank DESC NULLS LAST"),
     "sched_events": (("node", "session_id", "event_id"), "rank DESC NULLS LAST"),
     "nccl_profiler_events": (("node", "session_id", "event_id"), "rank DESC NULLS LAST"),
+    "nccl_proxy": (("node", "session_id", "event_id"), "rank DESC NULLS LAST"),
     "comms": (("node", "session_id", "pid", "comm", "comm_id_hash", "op"), "rank DESC NULLS LAST"),
     "ranks": (("node", "session_id", "pid"), "first_seen_ns NULLS LAST"),
     "sched_totals": (("node", "session_id", "pid", "reason"), "total_ns DESC NULLS LAST"),

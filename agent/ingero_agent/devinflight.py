@@ -16,6 +16,12 @@ tracer attached is seen too.
 
 A slot may be read while the plugin writes it: a record whose size or version
 is not the plugin's is skipped (the next roll reads it whole).
+
+The same mapping holds the plugin's ring of proxy summaries (one per ProxyOp:
+an operation's transfers with one peer on one channel, with the time its steps
+waited in each of NCCL's states); each read takes the entries written since the
+last one (`nccl_proxy` rows). Entries overwritten before they were read are
+counted (`lost`); one still being written is read next time.
 """
 
 from __future__ import annotations
@@ -27,8 +33,8 @@ import numpy as np
 
 from ingero_agent.decode import op_name
 from ingero_agent.procinfo import parse_map_ranges
-from ingero_agent.records import (NCCL_PROF_OP, NCCL_PROF_TABLE, NCCL_PROF_TABLE_MAGIC,
-                                  NCCL_PROF_TABLE_NAME)
+from ingero_agent.records import (NCCL_PROF_OP, NCCL_PROF_PROXY, NCCL_PROF_TABLE, NCCL_PROF_TABLE_MAGIC,
+                                  NCCL_PROF_TABLE_NAME, PROXY_NETS, PROXY_WAITS)
 
 VERSION = 2                     # bpf/ingero.h: INGERO_NCCL_PROF_VERSION
 SLOT_OPEN = 1
@@ -50,6 +56,7 @@ class Reader:
     def __init__(self, proc: Path = Path("/proc")):
         self.proc = proc
         self._names: dict[tuple[int, int], str | None] = {}    # (pid, address) -> op name
+        self._drained: dict[tuple[int, int], tuple[int, int]] = {}  # (pid, comm_hash) -> (read up to, lost)
 
     def tables(self, pid: int) -> list[tuple[int, int]]:
         """(start, length) of each of the plugin's table mappings in `pid`."""
@@ -99,7 +106,55 @@ class Reader:
                 & (rec["version"] == VERSION) & (rec["comm_hash"] == h["comm_hash"]))
         ops = [{"slot": int(i), "started": int(s["started"]), "stopped": int(s["stopped"]), "rec": s["rec"],
                 "op": self._name(fd, pid, int(s["rec"]["func"]))} for i, s in zip(np.flatnonzero(live), slots[live])]
-        return {"comm_hash": int(h["comm_hash"]), "rank": int(h["rank"]), "nranks": int(h["nranks"]), "ops": ops}
+        proxies, lost = self._drain(fd, pid, start, h)
+        return {"comm_hash": int(h["comm_hash"]), "rank": int(h["rank"]), "nranks": int(h["nranks"]), "ops": ops,
+                "proxies": proxies, "proxy_lost": lost}
+
+    def _drain(self, fd: int, pid: int, start: int, h) -> tuple[list[dict], int]:
+        """The proxy summaries written since the last read of this table, and how many were lost."""
+        n, stride = int(h["nproxy"]), int(h["proxy_stride"])
+        key = (pid, int(h["comm_hash"]))
+        done, lost = self._drained.get(key, (0, 0))
+        head = int(h["proxy_head"])
+        if not n or stride != NCCL_PROF_PROXY.itemsize or head <= done:
+            return [], lost
+        if head - done > n:
+            lost += head - done - n
+            done = head - n
+        out = []
+        first = done + 1
+        while first <= head:        # entries first..head, in at most two runs (the ring wraps)
+            at = (first - 1) % n
+            count = min(head - first + 1, n - at)
+            try:
+                raw = os.pread(fd, count * stride, start + int(h["proxy"]) + at * stride)
+            except OSError:
+                break
+            got = np.frombuffer(raw, NCCL_PROF_PROXY, count=len(raw) // stride)
+            want = np.arange(first, first + len(got), dtype=np.uint64)
+            ok = got["seq"] == want
+            if not ok.all():        # one being written: stop before it; overwritten ones: lost
+                bad = int(np.argmin(ok))
+                writing = got["seq"][bad] < want[bad]
+                lost += 0 if writing else int((got["seq"][bad:] > want[bad:]).sum())
+                out += [self._proxy(fd, pid, e) for e in got[:bad][ok[:bad]]]
+                first += bad if writing else len(got)
+                break
+            out += [self._proxy(fd, pid, e) for e in got]
+            first += len(got)
+        self._drained[key] = (first - 1, lost)
+        return out, lost
+
+    def _proxy(self, fd: int, pid: int, e) -> dict:
+        w = e["wait_ns"]
+        return {"timestamp_ns": int(e["start_ns"]), "duration_ns": int(e["stop_ns"]) - int(e["start_ns"]),
+                "op": self._name(fd, pid, int(e["func"])), "seq": int(e["op_seq"]) if e["func"] else None,
+                "channel": int(e["channel"]), "is_send": bool(e["is_send"]), "peer": int(e["peer"]),
+                "net": PROXY_NETS.get(int(e["net"])), "nic_device": e["nic_device"].decode(errors="replace") or None,
+                "nic_port": int(e["nic_port"]) if e["nic_port"] >= 0 else None,
+                "nic_index": int(e["nic_index"]) if e["nic_index"] >= 0 else None, "bytes": int(e["bytes"]),
+                "nsteps": int(e["nsteps"]), "steps": int(e["steps"]),
+                **{name: int(w[i]) for i, name in enumerate(PROXY_WAITS)}}
 
     def _name(self, fd: int, pid: int, addr: int) -> str | None:
         """The op of NCCL's function name at `addr` (a static string of NCCL's: read once)."""
@@ -116,15 +171,30 @@ class Reader:
         return self._names[key]
 
 
-def rows(reader: Reader, pids, mono_to_wall_ns: int, now_wall_ns: int, rank_of) -> dict[int, list[dict]]:
-    """pid -> its `nccl_device_inflight` rows now, for each process in `pids` that has a table
-    (one that cannot be read, or whose communicators are all finalized, keeps its last rows, the
-    caller's: a rank that gives up on a stuck collective finalizes, then exits)."""
+def read_all(reader: Reader, pids, mono_to_wall_ns: int, now_wall_ns: int, rank_of):
+    """(pid -> its `nccl_device_inflight` rows now, for each process in `pids` that has a table
+    (one that cannot be read, or whose communicators are all finalized, has none: the caller
+    keeps its last rows, as a rank that gives up on a stuck collective finalizes, then exits);
+    the `nccl_proxy` rows of every summary written since the last read, peer_rank filled where
+    the peer's process is among `pids`)."""
+    tables = {pid: t for pid in pids if (t := reader.read(pid))}
+    open_rows = rows(tables, mono_to_wall_ns, now_wall_ns, rank_of)
+    where = {(t["comm_hash"], t["rank"]): rank_of(pid) for pid, ts in tables.items() for t in ts}
+    proxy = []
+    for pid, ts in tables.items():
+        rank = rank_of(pid)
+        for t in ts:
+            for p in t["proxies"]:
+                proxy.append({**p, "timestamp_ns": p["timestamp_ns"] + mono_to_wall_ns, "pid": pid, "rank": rank,
+                              "comm_hash": t["comm_hash"], "comm_rank": t["rank"], "lost": t["proxy_lost"],
+                              "peer_rank": where.get((t["comm_hash"], p["peer"]))})
+    return open_rows, proxy
+
+
+def rows(tables: dict[int, list[dict]], mono_to_wall_ns: int, now_wall_ns: int, rank_of) -> dict[int, list[dict]]:
+    """pid -> its `nccl_device_inflight` rows now, from its tables as Reader.read gave them."""
     out: dict[int, list[dict]] = {}
-    for pid in pids:
-        tables = reader.read(pid)
-        if not tables:
-            continue
+    for pid, tables in tables.items():
         rank = rank_of(pid)
         mine = []
         for t in tables:

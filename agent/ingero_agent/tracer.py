@@ -33,7 +33,7 @@ from ingero import __version__, schema
 from ingero.errors import IngeroError, NotPermitted
 from ingero.store import SegmentWriter, build_duckdb
 from ingero_agent.decode import COLUMNS, TABLES, Identity, Registry, mono_to_wall, op_name
-from ingero_agent.devinflight import Reader as DeviceReader, rows as device_rows
+from ingero_agent.devinflight import Reader as DeviceReader, read_all as read_device
 from ingero_agent.inflight import FrameReader, snapshot
 from ingero_agent.probes import ProbeConfig, Probes
 from ingero_agent.procinfo import int_or_none
@@ -471,13 +471,16 @@ class Tracer:
 
     def _put_device_inflight(self) -> None:
         """The operations the profiler plugin of each process holds open (a process that is gone
-        keeps its last rows: a collective its rank died in shows it)."""
+        keeps its last rows: a collective its rank died in shows it), and its proxy summaries."""
         t0 = time.perf_counter()
         pids = [p.pid for p in self.targets.processes.values() if p.alive and p.profiler_key is not None]
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC) + self.offset_ns
         rank_of = lambda pid: getattr(self.registry.by_pid.get(pid), "rank", None)  # noqa: E731
-        self.device_open.update(device_rows(self.device, pids, self.offset_ns, now, rank_of))
+        open_rows, proxy = read_device(self.device, pids, self.offset_ns, now, rank_of)
+        self.device_open.update(open_rows)
         self._put_rows("nccl_device_inflight", [r for rows in self.device_open.values() for r in rows])
+        if proxy:
+            self.writer.append("nccl_proxy", {c: [r[c] for r in proxy] for c in proxy[0]})
         self.inflight_s += time.perf_counter() - t0
 
     def _stack_calls(self, pid: int, tids: list[int]) -> dict[int, str]:

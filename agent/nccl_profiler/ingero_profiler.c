@@ -88,12 +88,16 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 #include <linux/types.h>
@@ -114,11 +118,17 @@
 
 _Static_assert(INGERO_NCCL_PROF_VERSION == 2, "rename the probe nccl_op_v2 with the record version");
 _Static_assert(sizeof(struct ingero_nccl_prof_op) == 168, "record layout changed: bump its version");
+_Static_assert(sizeof(struct ingero_nccl_prof_proxy) == 144, "proxy summary layout changed: bump the version");
 
 #define TAG_OP  0x504f4f5245474e49ULL   /* "INGEROOP": first word of an op handle */
 #define TAG_KCH 0x434b4f5245474e49ULL   /* "INGEROKC": handle of an op's kernel-channel events */
 #define TAG_GRP 0x50524f5245474e49ULL   /* "INGERORP": handle of a Group event */
 #define TAG_API 0x41504f5245474e49ULL   /* "INGEROPA": handle of a CollApi/P2pApi event */
+#define TAG_PRX 0x58505f5245474e49ULL   /* "INGER_PX": handle of a ProxyOp event */
+#define TAG_STP 0x54535f5245474e49ULL   /* "INGER_ST": handle of a ProxyStep event */
+#define PROXY_STEPS 8                   /* NCCL_STEPS (src/include/device.h): steps in flight per ProxyOp */
+#define DEFAULT_PROXY_RING 4096
+#define NIC_CACHE 64                    /* sockets whose interface is remembered, per communicator */
 #define SLOT_FREE 0u
 #define SLOT_BUSY 1u
 #define ALLOC_TRIES 8                   /* busy slots passed over before an op is dropped */
@@ -168,6 +178,26 @@ struct op {
     struct ingero_nccl_prof_op rec;
 };
 
+/* A ProxyOp: NCCL's transfers of one operation with one peer on one channel, one
+ * direction; its steps' times in each state are summed into `rec` (one record per
+ * ProxyOp, never one per step). All its events come from one proxy thread. */
+struct proxy;
+struct step {
+    uint64_t tag;                       /* TAG_STP */
+    struct proxy *p;
+    int state;                          /* NCCL_PROXY_* the step is in now; -1: none yet */
+    uint64_t since;                     /* ... since then (host ns) */
+    uint64_t trans;                     /* its transSize, as last recorded */
+};
+
+struct proxy {
+    uint64_t tag;                       /* TAG_PRX */
+    struct ctx *ctx;
+    _Atomic uint32_t state;             /* SLOT_FREE / SLOT_BUSY */
+    struct ingero_nccl_prof_proxy rec;
+    struct step steps[PROXY_STEPS];     /* NCCL reuses step % NCCL_STEPS */
+};
+
 struct ctx {
     uint64_t comm_hash;
     int rank, nranks, nnodes;
@@ -176,6 +206,12 @@ struct ctx {
     struct op *slots;                   /* in `table`'s mapping, after its header */
     struct ingero_nccl_prof_table *table;   /* NULL: the slots are plain memory (no memfd) */
     size_t table_len;
+    struct ingero_nccl_prof_proxy *ring;    /* in `table`'s mapping; NULL: no proxy summaries */
+    uint32_t nring;
+    struct proxy *proxies;              /* [nslots] */
+    _Atomic uint64_t next_proxy;
+    struct { int fd; char name[16]; } nic[NIC_CACHE];   /* socket -> its interface; fd -1: free */
+    pthread_mutex_t nic_mu;
     _Atomic uint64_t next;
     _Atomic uint64_t dropped;
     _Atomic uint64_t *p2p_seq;          /* [2 * nranks]: sends to, receives from each peer */
@@ -190,6 +226,9 @@ struct ctx {
 /* What startEvent needs from a descriptor; the same field names in v4, v5, v6. */
 struct ev {
     uint64_t type;
+    int64_t net_id;                     /* NetPlugin: the network plugin's id (type and version bits) */
+    void *net_data;                     /* ... and its descriptor */
+    int channel, nsteps, chunk, is_send, step;   /* ProxyOp / ProxyStep */
     void *parent;                       /* KernelCh: its op; Coll/P2p v5+: the API event */
     void *group;                        /* Coll/P2p: the Group event */
     void *stream;                       /* CollApi/P2pApi: the call's stream */
@@ -459,6 +498,136 @@ static uint64_t link_value(const void *h, uint64_t tag, uint8_t *known)
     return ((const struct link *)h)->value;
 }
 
+/* ---- proxy summaries -------------------------------------------------- */
+
+static struct proxy *proxy_alloc(struct ctx *c)
+{
+    for (int i = 0; i < ALLOC_TRIES; i++) {
+        uint64_t n = atomic_fetch_add_explicit(&c->next_proxy, 1, memory_order_relaxed);
+        struct proxy *p = &c->proxies[n % c->nslots];
+        uint32_t want = SLOT_FREE;
+        if (atomic_compare_exchange_strong_explicit(&p->state, &want, SLOT_BUSY, memory_order_acquire,
+                                                    memory_order_relaxed))
+            return p;
+    }
+    __atomic_fetch_add(&c->table->proxy_dropped, 1, __ATOMIC_RELAXED);
+    return NULL;
+}
+
+static int wait_index(ncclProfilerEventState_t state)
+{
+    switch (state) {
+    case ncclProfilerProxyStepSendGPUWait: return NCCL_PROXY_SEND_GPU;
+    case ncclProfilerProxyStepSendPeerWait_v4: return NCCL_PROXY_SEND_PEER;
+    case ncclProfilerProxyStepSendWait: return NCCL_PROXY_SEND_NET;
+    case ncclProfilerProxyStepRecvWait: return NCCL_PROXY_RECV_NET;
+    case ncclProfilerProxyStepRecvFlushWait: return NCCL_PROXY_RECV_FLUSH;
+    case ncclProfilerProxyStepRecvGPUWait: return NCCL_PROXY_RECV_GPU;
+    default: return -1;
+    }
+}
+
+/* The time since the step entered its state goes to that state. */
+static void step_close(struct step *st, uint64_t now)
+{
+    if (st->state >= 0 && now > st->since)
+        st->p->rec.wait_ns[st->state] += now - st->since;
+}
+
+/* The ProxyOp's summary into the ring: numbered, then published (`seq` last). */
+static void ring_put(struct ctx *c, const struct ingero_nccl_prof_proxy *r)
+{
+    uint64_t n = __atomic_fetch_add(&c->table->proxy_head, 1, __ATOMIC_RELAXED) + 1;
+    struct ingero_nccl_prof_proxy *e = &c->ring[(n - 1) % c->nring];
+    __atomic_store_n(&e->seq, 0, __ATOMIC_RELAXED);
+    atomic_thread_fence(memory_order_release);
+    memcpy((char *)e + sizeof(e->seq), (const char *)r + sizeof(r->seq), sizeof(*r) - sizeof(r->seq));
+    __atomic_store_n(&e->seq, n, __ATOMIC_RELEASE);
+}
+
+/* The interface of a socket's local address ("lo", "eth0", ...), remembered per socket:
+ * a connection's first NetPlugin event pays the lookup, later ones a scan of the cache. */
+static void nic_of_socket(struct ctx *c, int fd, char out[16])
+{
+    pthread_mutex_lock(&c->nic_mu);
+    int free_at = -1;
+    for (int i = 0; i < NIC_CACHE; i++) {
+        if (c->nic[i].fd == fd) {
+            memcpy(out, c->nic[i].name, 16);
+            pthread_mutex_unlock(&c->nic_mu);
+            return;
+        }
+        if (c->nic[i].fd < 0 && free_at < 0)
+            free_at = i;
+    }
+    pthread_mutex_unlock(&c->nic_mu);
+    char name[16] = "";
+    struct sockaddr_storage ss;
+    socklen_t len = sizeof(ss);
+    struct ifaddrs *ifs = NULL;
+    if (getsockname(fd, (struct sockaddr *)&ss, &len) == 0 && getifaddrs(&ifs) == 0) {
+        for (struct ifaddrs *i = ifs; i && !name[0]; i = i->ifa_next) {
+            if (!i->ifa_addr || i->ifa_addr->sa_family != ss.ss_family)
+                continue;
+            int same = ss.ss_family == AF_INET
+                ? ((struct sockaddr_in *)i->ifa_addr)->sin_addr.s_addr == ((struct sockaddr_in *)&ss)->sin_addr.s_addr
+                : ss.ss_family == AF_INET6 && !memcmp(&((struct sockaddr_in6 *)i->ifa_addr)->sin6_addr,
+                                                      &((struct sockaddr_in6 *)&ss)->sin6_addr, 16);
+            if (same)
+                snprintf(name, sizeof(name), "%s", i->ifa_name);
+        }
+        freeifaddrs(ifs);
+    }
+    memcpy(out, name, 16);
+    pthread_mutex_lock(&c->nic_mu);
+    if (free_at >= 0 && c->nic[free_at].fd < 0) {
+        c->nic[free_at].fd = fd;
+        memcpy(c->nic[free_at].name, name, 16);
+    }
+    pthread_mutex_unlock(&c->nic_mu);
+}
+
+/* A NetPlugin event under a step: which NIC its ProxyOp uses (the first one seen). */
+static void net_event(struct ctx *c, struct step *st, int64_t id, const void *data)
+{
+    struct ingero_nccl_prof_proxy *r = &st->p->rec;
+    uint32_t type = (uint32_t)id & NCCL_PROFILER_NET_TYPE_MASK;
+    if (r->net || !data)
+        return;
+    if (type == NCCL_PROFILER_NET_TYPE_SOCK && ((const ncclProfilerNetSockDescr_v1_t *)data)->type == ncclProfileSocket) {
+        r->net = NCCL_PROXY_NET_SOCKET;
+        nic_of_socket(c, ((const ncclProfilerNetSockDescr_v1_t *)data)->sock.fd, r->nic_device);
+    } else if (type == NCCL_PROFILER_NET_TYPE_IB && ((const ncclProfilerNetIbDescr_v1_t *)data)->type == ncclProfileQp) {
+        r->net = NCCL_PROXY_NET_IB;
+        r->nic_index = ((const ncclProfilerNetIbDescr_v1_t *)data)->qp.device;
+    }
+}
+
+static void proxy_start(struct ctx *c, void **handle, const struct ev *e)
+{
+    struct proxy *p = proxy_alloc(c);
+    if (!p)
+        return;
+    struct ingero_nccl_prof_proxy *r = &p->rec;
+    memset(r, 0, sizeof(*r));
+    const struct op *o = e->parent;
+    if (o && o->tag == TAG_OP && atomic_load_explicit(&o->state, memory_order_relaxed) == SLOT_BUSY) {
+        r->op_seq = o->rec.seq;
+        r->func = o->rec.func;
+    }
+    r->peer = e->peer;
+    r->channel = (uint8_t)e->channel;
+    r->nsteps = e->nsteps;
+    r->chunk_size = e->chunk;
+    r->is_send = (uint8_t)(e->is_send != 0);
+    r->nic_port = -1;
+    r->nic_index = -1;
+    for (int i = 0; i < PROXY_STEPS; i++)
+        p->steps[i] = (struct step){.tag = TAG_STP, .p = p, .state = -1};
+    r->start_ns = now_ns();
+    *handle = p;
+}
+
 static ncclResult_t start_event(void *context, void **handle, struct ev *e)
 {
     struct ctx *c = context;
@@ -494,7 +663,22 @@ static ncclResult_t start_event(void *context, void **handle, struct ev *e)
         if (e->ptimer && atomic_min_u64(&o->dev_start, e->ptimer))
             o->rec.dev_start_ns = clock_host(&c->clk, e->ptimer);   /* for a reader of the open op */
         *handle = &o->kch_tag;
-    }
+    } else if (e->type == ncclProfileProxyOp && c->ring) {
+        proxy_start(c, handle, e);
+    } else if (e->type == ncclProfileProxyStep) {
+        struct proxy *p = e->parent;
+        if (!p || p->tag != TAG_PRX || e->step < 0)
+            return ncclSuccess;
+        struct step *st = &p->steps[e->step % PROXY_STEPS];
+        st->state = -1;
+        st->since = now_ns();
+        st->trans = 0;
+        *handle = st;
+    } else if (e->type == ncclProfileNetPlugin) {
+        struct step *st = e->parent;
+        if (st && st->tag == TAG_STP)
+            net_event(c, st, e->net_id, e->net_data);
+    }   /* NetPlugin events get no handle: their stop and updates are not needed */
     return ncclSuccess;
 }
 
@@ -509,12 +693,40 @@ static ncclResult_t stop_event(void *handle)
         op_release(o);
     } else if (tag == TAG_KCH) {
         op_release(op_of_kch(handle));
+    } else if (tag == TAG_STP) {
+        struct step *st = handle;
+        step_close(st, now_ns());
+        st->p->rec.bytes += st->trans;
+        st->p->rec.steps++;
+        st->state = -1;
+    } else if (tag == TAG_PRX) {
+        struct proxy *p = handle;
+        p->rec.stop_ns = now_ns();
+        for (int i = 0; i < PROXY_STEPS; i++)     /* steps NCCL never stopped (an error): their wait so far */
+            step_close(&p->steps[i], p->rec.stop_ns);
+        ring_put(p->ctx, &p->rec);
+        atomic_store_explicit(&p->state, SLOT_FREE, memory_order_release);
     }   /* TAG_GRP, TAG_API: the ring reuses them */
     return ncclSuccess;
 }
 
-static ncclResult_t record_state(void *handle, ncclProfilerEventState_t state, uint64_t ptimer)
+/* `arg`: the state's argument (KernelChStop: the GPU timer; a proxy step state: transSize). */
+static ncclResult_t record_state(void *handle, ncclProfilerEventState_t state, uint64_t arg)
 {
+    if (handle && *(uint64_t *)handle == TAG_STP) {
+        struct step *st = handle;
+        int w = wait_index(state);
+        uint64_t now = now_ns();
+        step_close(st, now);
+        if (w >= 0) {
+            st->state = w;
+            st->since = now;
+        }
+        if (arg)
+            st->trans = arg;
+        return ncclSuccess;
+    }
+    uint64_t ptimer = arg;
     if (!handle || state != ncclProfilerKernelChStop || *(uint64_t *)handle != TAG_KCH)
         return ncclSuccess;
     struct op *o = op_of_kch(handle);
@@ -577,10 +789,11 @@ static int open_sink(ncclDebugLogger_t log)
 
 /* The slots, after a table header, in a memfd mapping the agent finds in /proc/<pid>/maps;
  * plain memory where memfd_create is refused (then operations in flight are not visible). */
-static void slots_alloc(struct ctx *c, uint32_t n)
+static void slots_alloc(struct ctx *c, uint32_t n, uint32_t nring)
 {
     size_t head = (sizeof(struct ingero_nccl_prof_table) + 63) & ~(size_t)63;
-    size_t len = head + (size_t)n * sizeof(struct op);
+    size_t ring = (head + (size_t)n * sizeof(struct op) + 63) & ~(size_t)63;
+    size_t len = ring + (size_t)nring * sizeof(struct ingero_nccl_prof_proxy);
     int fd = memfd_create(INGERO_NCCL_PROF_TABLE_NAME, MFD_CLOEXEC);
     void *m = MAP_FAILED;
     if (fd >= 0 && ftruncate(fd, (off_t)len) == 0)
@@ -594,6 +807,10 @@ static void slots_alloc(struct ctx *c, uint32_t n)
     c->table = m;
     c->table_len = len;
     c->slots = (struct op *)((char *)m + head);
+    if (nring) {
+        c->ring = (struct ingero_nccl_prof_proxy *)((char *)m + ring);
+        c->nring = nring;
+    }
 }
 
 static void ctx_free(struct ctx *c)
@@ -605,27 +822,33 @@ static void ctx_free(struct ctx *c)
     else
         free(c->slots);
     free(c->links);
+    free(c->proxies);
     free((void *)c->p2p_seq);
+    pthread_mutex_destroy(&c->nic_mu);
     free(c);
 }
 
 static ncclResult_t init_common(void **context, int *mask, const char *name, uint64_t hash, int nnodes,
                                 int nranks, int rank, ncclDebugLogger_t log, uint8_t api)
 {
-    long slots, window_ms;
+    long slots, window_ms, nring;
     *context = NULL;
     if (env_number("INGERO_PROFILER_SLOTS", DEFAULT_SLOTS, 16, 1L << 20, &slots, log) ||
         env_number("INGERO_PROFILER_CLOCK_WINDOW_MS", DEFAULT_WINDOW_MS, 1, 600000, &window_ms, log) ||
+        env_number("INGERO_PROFILER_PROXY_RING", DEFAULT_PROXY_RING, 0, 1L << 20, &nring, log) ||
         open_sink(log))
         return ncclInvalidArgument;
     struct ctx *c = calloc(1, sizeof(*c));
     if (c) {
-        slots_alloc(c, (uint32_t)slots);
+        pthread_mutex_init(&c->nic_mu, NULL);
+        slots_alloc(c, (uint32_t)slots, (uint32_t)nring);
         c->links = calloc((size_t)slots, sizeof(struct link));
+        if (c->ring)
+            c->proxies = calloc((size_t)slots, sizeof(struct proxy));
         if (nranks > 0 && nranks <= (1 << 24))
             c->p2p_seq = calloc(2 * (size_t)nranks, sizeof(uint64_t));
     }
-    if (!c || !c->slots || !c->links || (nranks > 0 && !c->p2p_seq)) {
+    if (!c || !c->slots || !c->links || (c->ring && !c->proxies) || (nranks > 0 && !c->p2p_seq)) {
         say(log, NCCL_LOG_WARN, "Ingero profiler: out of memory for the operation slots; the plugin is off");
         ctx_free(c);
         return ncclSystemError;
@@ -641,7 +864,11 @@ static ncclResult_t init_common(void **context, int *mask, const char *name, uin
         c->slots[i].tag = TAG_OP;
         c->slots[i].kch_tag = TAG_KCH;
         c->slots[i].ctx = c;
+        if (c->proxies)
+            c->proxies[i] = (struct proxy){.tag = TAG_PRX, .ctx = c};
     }
+    for (int i = 0; i < NIC_CACHE; i++)
+        c->nic[i].fd = -1;
     if (c->table)
         *c->table = (struct ingero_nccl_prof_table){
             .size = sizeof(struct ingero_nccl_prof_table), .version = INGERO_NCCL_PROF_VERSION, .api = api,
@@ -649,16 +876,19 @@ static ncclResult_t init_common(void **context, int *mask, const char *name, uin
             .nslots = c->nslots, .slots = (uint32_t)((char *)c->slots - (char *)c->table),
             .stride = sizeof(struct op), .off_state = offsetof(struct op, state),
             .off_started = offsetof(struct op, started), .off_stopped = offsetof(struct op, reported),
-            .off_rec = offsetof(struct op, rec), .magic = INGERO_NCCL_PROF_TABLE_MAGIC};
+            .off_rec = offsetof(struct op, rec),
+            .proxy = c->ring ? (uint32_t)((char *)c->ring - (char *)c->table) : 0, .nproxy = c->nring,
+            .proxy_stride = sizeof(struct ingero_nccl_prof_proxy), .magic = INGERO_NCCL_PROF_TABLE_MAGIC};
     atomic_flag_clear(&c->clk.busy);
     c->clk.window_ns = window_ms * 1000000L;
     if (name && *name)
         snprintf(c->name, sizeof(c->name), "%s", name);
-    *mask = ncclProfileColl | ncclProfileP2p | ncclProfileKernelCh;
+    *mask = ncclProfileColl | ncclProfileP2p | ncclProfileKernelCh
+          | (c->ring ? ncclProfileProxyOp | ncclProfileProxyStep | ncclProfileNetPlugin : 0);
     char msg[256];
     snprintf(msg, sizeof(msg), "Ingero profiler: comm %s hash 0x%llx rank %d of %d on %d nodes, profiler "
-             "API v%d, %ld slots", c->name[0] ? c->name : "-", (unsigned long long)hash, rank, nranks, nnodes,
-             api, slots);
+             "API v%d, %ld slots, %u proxy summaries", c->name[0] ? c->name : "-", (unsigned long long)hash, rank,
+             nranks, nnodes, api, slots, c->nring);
     say(log, NCCL_LOG_INFO, msg);
     *context = c;
     return ncclSuccess;
@@ -714,13 +944,26 @@ static ncclResult_t finalize(void *context)
             e.nch = d->p2p.nChannels;                                                          \
         } else if (e.type == ncclProfileKernelCh) {                                            \
             e.ptimer = d->kernelCh.pTimer;                                                     \
+        } else if (e.type == ncclProfileProxyOp) {                                             \
+            e.channel = d->proxyOp.channelId;                                                  \
+            e.peer = d->proxyOp.peer;                                                          \
+            e.nsteps = d->proxyOp.nSteps;                                                      \
+            e.chunk = d->proxyOp.chunkSize;                                                    \
+            e.is_send = d->proxyOp.isSend;                                                     \
+        } else if (e.type == ncclProfileProxyStep) {                                           \
+            e.step = d->proxyStep.step;                                                        \
+        } else if (e.type == ncclProfileNetPlugin) {                                           \
+            e.net_id = d->netPlugin.id;                                                        \
+            e.net_data = d->netPlugin.data;                                                    \
         }                                                                                      \
         return start_event(context, handle, &e);                                               \
     }                                                                                          \
     static ncclResult_t record_state_##V(void *handle, ncclProfilerEventState_##V##_t state,   \
                                          ncclProfilerEventStateArgs_##V##_t *args)             \
     {                                                                                          \
-        return record_state(handle, state, args ? args->kernelCh.pTimer : 0);                  \
+        uint64_t arg = !args ? 0 : state == ncclProfilerKernelChStop ? args->kernelCh.pTimer    \
+                     : args->proxyStep.transSize;                                              \
+        return record_state(handle, state, arg);                                               \
     }
 
 INGERO_START_EVENT(v4, LINKS_V4)
