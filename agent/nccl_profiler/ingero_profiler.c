@@ -2,7 +2,7 @@
  *
  * Loaded by NCCL inside the training process (NCCL_PROFILER_PLUGIN=<path> or
  * =ingero with the library on the loader path). It asks NCCL for collective,
- * point-to-point and kernel-channel events, and for every finished operation
+ * point-to-point, kernel-channel and proxy events, and for every finished operation
  * fires one USDT probe, `ingero:nccl_op_v2`, whose only argument is the
  * address of a `struct ingero_nccl_prof_op` (bpf/ingero.h): communicator
  * (commHash, rank, size, name), NCCL's sequence number, op, count, datatype,
@@ -29,6 +29,15 @@
  *                counters move; the start descriptor and the KernelChStop
  *                state carry the GPU's globaltimer (`pTimer`, ns) of the
  *                kernel's own start and stop on that channel.
+ *   ProxyOp      one per operation, channel, peer and direction on the network
+ *                transport, started and stopped by NCCL's proxy thread; its
+ *                parentObj is the op's Coll/P2p handle.
+ *   ProxyStep    one per network transfer of a ProxyOp (its parentObj); its states
+ *                (SendGPUWait, SendPeerWait_v4, SendWait; RecvWait, RecvFlushWait,
+ *                RecvGPUWait) are timed and summed per ProxyOp: one summary per
+ *                ProxyOp, never one record per step (see "Operations in flight").
+ *   NetPlugin    from the network plugin, under a step: the socket's fd or the IB
+ *                device index, which names the NIC of the ProxyOp.
  * An op is finished when NCCL stopped its host event and every channel it
  * announced (`nChannels`) reported stop. Device start = first channel start,
  * device stop = last channel stop. Ops without channels (nChannels 0) finish
@@ -71,11 +80,15 @@
  * channel, so the agent reads which operations NCCL started and never
  * finished, and since when, from the process's memory at each roll: a
  * collective stuck on the GPU while the host waits outside NCCL, even one that
- * was stuck before the agent attached. Nothing more per event.
+ * was stuck before the agent attached. Nothing more per event. The same
+ * mapping holds a ring of proxy summaries (INGERO_PROFILER_PROXY_RING entries
+ * per communicator, default 4096; 0: no proxy events), drained by the agent at
+ * each roll; a summary costs two clock reads per step state and one ring write.
  *
  * File sink: with INGERO_PROFILER_FILE=<path>, each record is also appended
  * to that file as one line of key=value words (the same fields, the strings
- * spelled out; one write per line), for a machine without the eBPF agent
+ * spelled out; one write per line; "op ..." per operation, "proxy ..." per
+ * proxy summary), for a machine without the eBPF agent
  * (scripts/gpu-check.sh). Built with -DINGERO_PROFILER_NO_USDT (no
  * <sys/sdt.h> there), the USDT probe is left out and the file is the only sink.
  *
@@ -543,6 +556,24 @@ static void ring_put(struct ctx *c, const struct ingero_nccl_prof_proxy *r)
     atomic_thread_fence(memory_order_release);
     memcpy((char *)e + sizeof(e->seq), (const char *)r + sizeof(r->seq), sizeof(*r) - sizeof(r->seq));
     __atomic_store_n(&e->seq, n, __ATOMIC_RELEASE);
+    int fd = atomic_load_explicit(&sink_fd, memory_order_relaxed);
+    if (fd < 0)
+        return;
+    char line[512];
+    const __u64 *w = r->wait_ns;
+    int len = snprintf(line, sizeof(line),
+                       "proxy comm=%016llx rank=%d func=%s seq=%llu channel=%u send=%u peer=%d net=%u nic=%s "
+                       "nic_index=%d bytes=%llu steps=%d/%d start=%llu stop=%llu send_gpu=%llu send_peer=%llu "
+                       "send_net=%llu recv_net=%llu recv_flush=%llu recv_gpu=%llu\n",
+                       (unsigned long long)c->comm_hash, c->rank, str_or(r->func, "-"),
+                       (unsigned long long)r->op_seq, r->channel, r->is_send, r->peer, r->net,
+                       r->nic_device[0] ? r->nic_device : "-", r->nic_index, (unsigned long long)r->bytes, r->steps,
+                       r->nsteps, (unsigned long long)r->start_ns, (unsigned long long)r->stop_ns,
+                       (unsigned long long)w[0], (unsigned long long)w[1], (unsigned long long)w[2],
+                       (unsigned long long)w[3], (unsigned long long)w[4], (unsigned long long)w[5]);
+    if (len > 0 && (size_t)len < sizeof(line) && write(fd, line, (size_t)len) < 0) {
+        /* a full disk loses lines, never the job */
+    }
 }
 
 /* The interface of a socket's local address ("lo", "eth0", ...), remembered per socket:

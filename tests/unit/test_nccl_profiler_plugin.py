@@ -410,7 +410,8 @@ def test_the_operations_a_process_holds_open_are_read_from_its_memory_live(tmp_p
 
     exe = build(tmp_path, "open", OPEN_DRIVER)
     p = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                         env={**os.environ, "INGERO_PROFILER_PROXY_RING": "16"})
+                         env={**os.environ, "INGERO_PROFILER_PROXY_RING": "16",
+                              "INGERO_PROFILER_FILE": str(tmp_path / "sink")})
     try:
         assert p.stdout.readline() == "ready\n"
         reader = Reader()
@@ -445,6 +446,12 @@ def test_the_operations_a_process_holds_open_are_read_from_its_memory_live(tmp_p
         assert len(other) == 16 and {x["lost"] for x in other} == {24} and {x["peer"] for x in other} == {0, 1}
         assert [x["peer_rank"] for x in other][:2] == [None, 7]     # its rank 1 is this process (rank 7)
         assert read_all(reader, [p.pid], 0, 0, lambda pid: 7)[1] == []      # read once
+        # the file sink (a machine without the agent) has the summary as a line too
+        sink = [line for line in (tmp_path / "sink").read_text().splitlines()
+                if line.startswith("proxy comm=0000000000000abc")]
+        assert len(sink) == 1 and sink[0].startswith("proxy ")
+        assert {"func=AllReduce", "seq=812", "channel=1", "send=1", "peer=2", "nic=lo", "bytes=150",
+                "steps=2/2"} <= set(sink[0].split())
         p.stdin.write("\n")
         p.stdin.flush()
         assert p.stdout.readline() == "finalized\n"

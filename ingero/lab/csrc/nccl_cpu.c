@@ -33,6 +33,9 @@
  * collectives have 2 channels, point-to-point calls 1. A launch's calls on one
  * communicator are one kernel (one Group event; NCCL: one plan): their channels
  * carry the kernel's start and stop stamps, one device interval for all of them.
+ * The transfers get NCCL's proxy events (nccl_coll.c, nccl_net.c): a ProxyOp per
+ * direction of a ring collective and per peer of the other transfers, a ProxyStep
+ * per transfer whose network wait is the wait on its socket.
  */
 #define _GNU_SOURCE
 #include <pthread.h>

@@ -17,7 +17,10 @@
  * nccl_profiler_abi.h, mirrored from NVIDIA's headers), filled as NCCL's v4,
  * v5 and v6 adapters fill them: v4 sees no API events, and a task's
  * parentObj is its group there; v5 and v6 get the CollApi/P2pApi handle as
- * parentObj and the group in coll.parentGroup / p2p.parentGroup.
+ * parentObj and the group in coll.parentGroup / p2p.parentGroup. Proxy events
+ * (ProxyOp under a task, ProxyStep under a ProxyOp, a NetPlugin socket event
+ * under a step, as src/plugin/profiler.cc and src/transport/net_socket.cc make
+ * them) are started when the plugin asked for them or for an event below them.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
