@@ -361,6 +361,59 @@ NCCL_INFLIGHT = Table(
     "comm_id_hash, seq, comm_rank or nranks. rank is the process's torchrun RANK.",
 )
 
+RDMA_COUNTERS = Table(
+    "rdma_counters",
+    (
+        ("event_id", "UBIGINT"),
+        ("timestamp_ns", "BIGINT"),
+        ("node", "VARCHAR"),
+        ("session_id", "VARCHAR"),
+        ("device", "VARCHAR"),
+        ("port", "INTEGER"),
+        ("counter", "VARCHAR"),
+        ("delta", "BIGINT"),
+        ("interval_ns", "BIGINT"),
+    ),
+    "How much each RDMA port counter of the node rose in each sampling interval (increases "
+    "above zero only): device and port as in /sys/class/infiniband (port 0: the device's own "
+    "hw_counters), counter the file's name in counters/ or hw_counters/, delta its increase "
+    "(bytes for port_xmit_data and port_rcv_data, which count 4-byte words), interval_ns the "
+    "time since the port's previous read, timestamp_ns when it was read.",
+)
+
+RDMA_PORTS = Table(
+    "rdma_ports",
+    (
+        ("node", "VARCHAR"),
+        ("session_id", "VARCHAR"),
+        ("device", "VARCHAR"),
+        ("port", "INTEGER"),
+        ("state", "VARCHAR"),
+        ("phys_state", "VARCHAR"),
+        ("rate", "VARCHAR"),
+        ("link_layer", "VARCHAR"),
+        ("saturated", "VARCHAR"),
+    ),
+    "The node's RDMA ports as first seen in the session (state, phys_state, rate and link_layer "
+    "as sysfs shows them), and the counters that were at their maximum at the last read "
+    "(comma-separated: IB PortCounters stop there, so their increases are lower bounds).",
+)
+
+RDMA_RANKS = Table(
+    "rdma_ranks",
+    (
+        ("node", "VARCHAR"),
+        ("session_id", "VARCHAR"),
+        ("pid", "INTEGER"),
+        ("rank", "INTEGER"),
+        ("device", "VARCHAR"),
+        ("port", "INTEGER"),
+        ("source", "VARCHAR"),
+    ),
+    "The active RDMA ports each traced process may use, and how that was found: NCCL_IB_HCA "
+    "(its environment, with NCCL's syntax) or uverbs (the RDMA devices it holds open).",
+)
+
 NCCL_DEVICE_INFLIGHT = Table(
     "nccl_device_inflight",
     (
@@ -434,17 +487,19 @@ SESSIONS = Table(
 
 TABLES: dict[str, Table] = {
     t.name: t
-    for t in (NCCL_EVENTS, NCCL_PROFILER_EVENTS, NCCL_PROXY, TCP_EVENTS_TABLE, SCHED_EVENTS, SCHED_TOTALS, RANKS, COMMS,
-              NCCL_INFLIGHT, NCCL_DEVICE_INFLIGHT, NODES, SESSIONS)
+    for t in (NCCL_EVENTS, NCCL_PROFILER_EVENTS, NCCL_PROXY, TCP_EVENTS_TABLE, SCHED_EVENTS, SCHED_TOTALS, RANKS,
+              COMMS, NCCL_INFLIGHT, NCCL_DEVICE_INFLIGHT, RDMA_COUNTERS, RDMA_PORTS, RDMA_RANKS, NODES, SESSIONS)
 }
-EVENT_TABLES = ("nccl_events", "nccl_profiler_events", "nccl_proxy", "tcp_events", "sched_events")
+EVENT_TABLES = ("nccl_events", "nccl_profiler_events", "nccl_proxy", "tcp_events", "sched_events",
+                "rdma_counters")
 # Wall-clock columns per table: what a node's clock offset shifts (gather, merge).
 CLOCK_COLUMNS: dict[str, tuple[str, ...]] = {
     "nccl_events": ("timestamp_ns",), "tcp_events": ("timestamp_ns",), "sched_events": ("timestamp_ns",),
     "comms": ("timestamp_ns",), "nccl_inflight": ("seen_ns", "since_ns"),
+    "nccl_profiler_events": ("timestamp_ns", "device_start_ns", "device_end_ns"),
+    "rdma_counters": ("timestamp_ns",),
     "nccl_device_inflight": ("seen_ns", "launched_ns", "device_start_ns"),
     "nccl_proxy": ("timestamp_ns",),
-    "nccl_profiler_events": ("timestamp_ns", "device_start_ns", "device_end_ns"),
 }
 
 

@@ -89,17 +89,20 @@ class Plan:
     nccl_lib: str | None = None
     sched_min_us: float | None = None
     duration_s: float | None = None
+    rdma_s: float | None = None
 
     def same_probes(self, other: "Plan") -> bool:
         """True when only the pods differ: the running tracer can take the new pods."""
         return (self.probes == other.probes and self.nccl_lib == other.nccl_lib
-                and self.sched_min_us == other.sched_min_us and self.duration_s == other.duration_s)
+                and self.sched_min_us == other.sched_min_us and self.duration_s == other.duration_s
+                and self.rdma_s == other.rdma_s)
 
     def same_targets(self, other: "Plan") -> bool:
         """True when `other` traces exactly the same thing (the duration may differ)."""
         key = lambda p: sorted(json.dumps(x, sort_keys=True) for x in p.pods)  # noqa: E731
         return (key(self) == key(other) and self.probes == other.probes
-                and self.nccl_lib == other.nccl_lib and self.sched_min_us == other.sched_min_us)
+                and self.nccl_lib == other.nccl_lib and self.sched_min_us == other.sched_min_us
+                and self.rdma_s == other.rdma_s)
 
 
 def parse_plan(body) -> Plan:
@@ -142,13 +145,15 @@ def parse_plan(body) -> Plan:
     if nccl_lib is not None and (not isinstance(nccl_lib, str) or not nccl_lib.startswith("/")):
         raise ApiError(400, "nccl_lib must be an absolute path")
     nums = {}
-    for k, most in (("sched_min_us", 60e6), ("duration_s", 30 * 24 * 3600.0)):
+    for k, most in (("sched_min_us", 60e6), ("duration_s", 30 * 24 * 3600.0), ("rdma_s", 3600.0)):
         v = body.get(k)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= most):
             raise ApiError(400, f"{k} must be a number from 0 to {most:g}")
         nums[k] = float(v) if v is not None else None
     if nums["duration_s"] == 0:
         nums["duration_s"] = None
+    if nums["rdma_s"] is not None and 0 < nums["rdma_s"] < 0.1:
+        raise ApiError(400, "rdma_s must be 0 (off) or from 0.1 to 3600")
     return Plan(sid, pods, [p for p in PROBES if p in probes], nccl_lib, **nums)
 
 
@@ -315,6 +320,8 @@ class SessionManager:
             argv += ["--nccl-lib", p.nccl_lib]
         if p.sched_min_us is not None:
             argv += ["--sched-min-us", str(p.sched_min_us)]
+        if p.rdma_s is not None:
+            argv += ["--rdma-seconds", str(p.rdma_s)]
         if p.duration_s:
             argv += ["--duration", f"{p.duration_s:g}s"]
         return argv

@@ -19,10 +19,11 @@ from ingero_agent.elfsyms import is_profiler_plugin, nccl_symbols
 PROC = Path("/proc")
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
+ENV_VARS = TORCHRUN_VARS + ("NCCL_IB_HCA",)   # ... and the RDMA ports NCCL may use (rdma.py)
 DEFAULT_CONFIG = Path("/etc/ingero/agent.yaml")
 
 
-def parse_environ(data: bytes, keys: tuple[str, ...] = TORCHRUN_VARS) -> dict[str, str]:
+def parse_environ(data: bytes, keys: tuple[str, ...] = ENV_VARS) -> dict[str, str]:
     """The `keys` present in a NUL-separated environment block."""
     out = {}
     for item in data.split(b"\0"):
@@ -38,7 +39,7 @@ ENV_MAX = 1 << 20   # bytes of an environment block read from process memory at 
 
 
 def read_environ(pid: int, proc: Path = PROC) -> dict[str, str]:
-    """The torchrun variables of process `pid`'s environment ({} when unreadable).
+    """The ENV_VARS of process `pid`'s environment ({} when unreadable).
 
     /proc/<pid>/environ first. It is mode 0400 and owned by the process's
     user, so for a process of another user the agent (uid 0 without

@@ -99,6 +99,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--segment-seconds", type=float, default=2.0, metavar="S",
                    help="write a segment (and drain the rings, if no burst woke the tracer "
                         "earlier) this often (default 2; live views see data this late)")
+    p.add_argument("--rdma-seconds", type=float, default=1.0, metavar="S",
+                   help="read the RDMA ports' counters (/sys/class/infiniband) this often "
+                        "(default 1; 0: not at all)")
     p.add_argument("--done-file", type=Path, metavar="PATH",
                    help="touch this file once the last segments are on disk (detaching the "
                         "probes afterwards can take seconds; a supervisor need not wait for it)")
@@ -161,6 +164,8 @@ def run(args) -> int:
     if not 0.1 <= args.segment_seconds <= 3600:
         raise IngeroError(f"--segment-seconds {args.segment_seconds} is out of range; "
                           "pass 0.1 to 3600")
+    if args.rdma_seconds != 0 and not 0.1 <= args.rdma_seconds <= 3600:
+        raise IngeroError(f"--rdma-seconds {args.rdma_seconds} is out of range; pass 0 (off) or 0.1 to 3600")
     cfg = ProbeConfig(families=families, trace_all=args.all,
                       sched_min_ns=int(args.sched_min_us * 1000),
                       ringbuf_pages=args.ringbuf_pages, self_tgid=os.getpid())
@@ -194,6 +199,6 @@ def run(args) -> int:
     opts = TraceOptions(segments=seg, node=node, session_id=session, probe_config=cfg, out=out,
                         duration_s=duration, nccl_libs=libs, ready_file=args.ready_file, done_file=args.done_file,
                         profiler_libs=plugins,
-                        pods_file=args.pods, roll_s=args.segment_seconds,
+                        pods_file=args.pods, roll_s=args.segment_seconds, rdma_s=args.rdma_seconds,
                         quiet=args.quiet)
     return Tracer(opts, targets).run()

@@ -37,6 +37,7 @@ from ingero_agent.devinflight import Reader as DeviceReader, read_all as read_de
 from ingero_agent.inflight import FrameReader, snapshot
 from ingero_agent.probes import ProbeConfig, Probes
 from ingero_agent.procinfo import int_or_none
+from ingero_agent.rdma import RdmaSampler
 from ingero_agent.records import FAMILIES, FAMILY_RINGS
 from ingero_agent.stackscan import StackScanner, scan_supported
 from ingero_agent.targets import TargetSet, load_pods
@@ -69,6 +70,8 @@ class TraceOptions:
     scan_s: float = 1.0        # full rescan: also new pod/container cgroups, clock offset
     progress_s: float = 1.0
     roll_s: float = 2.0        # segment roll period: drain, state tables, write segments
+    rdma_s: float = 1.0        # RDMA port counters read this often (0: not at all)
+    sysfs: Path | None = None  # the sysfs holding class/infiniband (default: /sys)
 
 
 class Tracer:
@@ -101,6 +104,7 @@ class Tracer:
         self.device_open: dict[int, list[dict]] = {}     # pid -> its last nccl_device_inflight rows
         self.inflight_s = 0.0                            # time spent reading them, all rolls
         self._noted_threads = False
+        self.rdma: RdmaSampler | None = None             # RDMA port counters (ingero_agent.rdma)
 
     # ---- lifecycle -----------------------------------------------------------
     def request_stop(self, *_):
@@ -183,10 +187,12 @@ class Tracer:
         next_roll = t0 + o.roll_s
         next_poll = t0 + o.poll_s if waiter is None else float("inf")
         next_progress = t0 + o.progress_s if not o.quiet else float("inf")
+        self.rdma = RdmaSampler(o.sysfs) if o.rdma_s > 0 else None
+        next_rdma = t0 if self.rdma is not None else float("inf")
         end = deadline if deadline is not None else float("inf")
         while not self._stop:
             now = time.monotonic()
-            due = min(next_scan, next_quick, next_roll, next_poll, next_progress, end)
+            due = min(next_scan, next_quick, next_roll, next_poll, next_progress, next_rdma, end)
             woke = False
             if due > now:
                 if waiter is not None:
@@ -226,6 +232,9 @@ class Tracer:
             elif now >= next_quick:
                 self._scan(quick=True)
                 next_quick = now + self._next_quick_period()
+            if now >= next_rdma:
+                self._sample_rdma()
+                next_rdma = now + o.rdma_s
             if now >= next_roll:
                 self._put_state()
                 self.writer.flush(wait=False)
@@ -430,6 +439,11 @@ class Tracer:
                            "reason": schema.OFFCPU_REASONS.get(reason), "total_ns": total,
                            "intervals": intervals})
         self._put_rows("sched_totals", totals)
+        if self.rdma is not None:
+            self._put_rows("rdma_ports", self.rdma.port_rows())
+            self._put_rows("rdma_ranks", self.rdma.rank_rows(
+                [(r["pid"], r["rank"], self.targets.processes[r["pid"]].env) for r in rows],
+                getattr(self.targets, "proc", Path("/proc"))))
         lost = self.probes.lost()
         for fam, ring in self.probes.rings.items():
             lost[fam] += ring.skipped
@@ -448,6 +462,15 @@ class Tracer:
             "probes": ",".join(self.opts.probe_config.families),
             "targets": self.targets.describe(), "status": self.status,
         }])
+
+    def _sample_rdma(self) -> None:
+        mono = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        rows = self.rdma.sample(mono)
+        if rows:
+            dev, port, name, delta, interval = zip(*rows)
+            self.writer.append("rdma_counters", {
+                "timestamp_ns": np.full(len(rows), mono + self.offset_ns, np.int64), "device": list(dev),
+                "port": list(port), "counter": list(name), "delta": list(delta), "interval_ns": list(interval)})
 
     def _put_inflight(self) -> None:
         """Each NCCL process's threads now: state, and the NCCL call each is inside, if any

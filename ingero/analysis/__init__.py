@@ -26,9 +26,10 @@ from ingero.analysis.hang import find_hang
 from ingero.analysis.model import Hang, RankRow, Report, Straggler
 from ingero.analysis.proxy import add_proxy_waits
 from ingero.analysis.replay import measure
-from ingero.analysis.stats import add_network, add_offcpu, rank_rows, retransmits, robust_z, runqueue_tails
+from ingero.analysis.stats import (add_network, add_offcpu, rank_rows, rdma_ports, retransmits, robust_z,
+                                   runqueue_tails)
 from ingero.analysis.steps import own_per_rank, timeline, wait_per_rank
-from ingero.analysis.verdict import decide
+from ingero.analysis.verdict import decide, rdma_notes
 
 __all__ = ["Hang", "RankRow", "Report", "Straggler", "analyse", "robust_z"]
 
@@ -78,6 +79,8 @@ def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[
     wire = ~retx[3] if timing != "host-enqueue" else np.zeros(len(retx[0]), bool)
     judged_retx = (retx[0][wire], retx[1][wire], [n for n, k in zip(retx[2], wire) if k], int(retx[3].sum()))
     add_offcpu(con, rows)
+    rdma = rdma_ports(con)
+    warnings += rdma_notes(rdma)
     total_retx = len(retx[0])
     collectives = sum(r.collectives for r in rows.values())
     if ev.unpaired:
@@ -112,7 +115,8 @@ def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[
     for r, s in tl.stage_of.items():
         if r in rows:
             rows[r].stage = s
-    straggler, info = decide(c, tl, rows, judged_retx, traced_ns, runqueue_tails(con))
+    straggler, info = decide(c, tl, rows, judged_retx, traced_ns, runqueue_tails(con),
+                             rdma=rdma if timing != "host-enqueue" else None)
     if info.get("stuck_rounds"):
         warnings.append(f"the replay met {info['stuck_rounds']} cycles in the calls' dependencies "
                         "(mismatched send/recv?) and released them")

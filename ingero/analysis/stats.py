@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 
 from ingero.analysis.calls import OPS, Calls, _RECV, _SEND
@@ -273,3 +275,95 @@ def runqueue_tails(con) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     cols = con.execute(q).fetchnumpy()
     g, e, rq = (np.asarray(cols[k], np.int64) for k in ("g", "e", "rq"))
     return g, e - rq, e
+
+
+# RDMA counters that count loss or congestion on a port, as the evidence names them (the
+# kernel's sysfs-class-infiniband; mlx5's Q and congestion counters, "vport_" + name in
+# switchdev mode). port_xmit_wait is not among them: a busy port waits for credits too.
+RDMA_EVIDENCE = {
+    "symbol_error": "symbol errors", "link_error_recovery": "link error recoveries",
+    "link_downed": "link downs", "port_rcv_errors": "receive errors",
+    "port_rcv_remote_physical_errors": "remote physical errors", "port_xmit_discards": "discarded sends",
+    "local_link_integrity_errors": "link integrity errors",
+    "excessive_buffer_overrun_errors": "buffer overruns", "out_of_sequence": "out-of-sequence",
+    "packet_seq_err": "packet sequence errors", "implied_nak_seq_err": "implied NAK sequence errors",
+    "local_ack_timeout_err": "local ACK timeouts", "rnr_nak_retry_err": "RNR NAK retries",
+    "req_transport_retries_exceeded": "transport retries exceeded",
+    "req_rnr_retries_exceeded": "RNR retries exceeded", "duplicate_request": "duplicate requests",
+    "np_cnp_sent": "CNPs sent", "rp_cnp_handled": "CNPs handled",
+    "np_ecn_marked_roce_packets": "ECN-marked packets",
+}
+
+
+@dataclass
+class RdmaPort:
+    """One RDMA port's loss and congestion counters over the trace, and the ranks behind it."""
+
+    node: str | None
+    device: str
+    port: int
+    ranks: list                # global ranks that use it
+    how: str | None            # nccl_proxy | NCCL_IB_HCA | uverbs (None: no traced rank uses it)
+    start: np.ndarray          # sampling intervals with a rise, sorted: [start, end] wall ns
+    end: np.ndarray
+    by_counter: dict           # counter -> its rise in each interval
+    count: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))   # all of them, per interval
+
+    def totals(self, sel: np.ndarray | None = None) -> list[tuple[str, int]]:
+        """(what, how many) per counter, the most first, over the intervals `sel` (all)."""
+        got = [(RDMA_EVIDENCE[k], int(v.sum() if sel is None else v[sel].sum())) for k, v in self.by_counter.items()]
+        return sorted(((w, n) for w, n in got if n), key=lambda x: -x[1])
+
+    def label(self) -> str:
+        return f"{self.device} port {self.port}"
+
+
+def _has_table(con, name: str, cols: tuple[str, ...]) -> bool:
+    have = {c for (c,) in con.execute("SELECT column_name FROM duckdb_columns() WHERE table_name = ? "
+                                      "AND NOT internal", [name]).fetchall()}
+    return set(cols) <= have
+
+
+def rdma_ports(con) -> list[RdmaPort]:
+    """Every port whose loss or congestion counters rose, with the ranks that use it: from the
+    profiler plugin's proxy table (the NIC each channel used) where it names a rank, else from
+    the agent's rdma_ranks (NCCL_IB_HCA, or the devices the rank holds open)."""
+    if not _has_table(con, "rdma_counters", ("node", "device", "port", "counter", "delta", "interval_ns")):
+        return []
+    names = [*RDMA_EVIDENCE, *(f"vport_{k}" for k in RDMA_EVIDENCE)]
+    rows = con.execute(
+        "SELECT node, device, port, regexp_replace(counter, '^vport_', '') AS c, timestamp_ns - interval_ns, "
+        "timestamp_ns, sum(delta) FROM rdma_counters WHERE counter IN (SELECT unnest(?::VARCHAR[])) "
+        "AND delta > 0 AND timestamp_ns IS NOT NULL GROUP BY ALL ORDER BY 1, 2, 3, 6", [names]).fetchall()
+    if not rows:
+        return []
+    uses: dict = {}
+    proxy: set = set()
+    if _has_table(con, "nccl_proxy", ("rank", "nic_device", "nic_port")):
+        node = "p.node" if _has_table(con, "nccl_proxy", ("node",)) else "NULL"
+        for nd, dev, port, rank in con.execute(
+                f"SELECT DISTINCT coalesce({node}, r.node), p.nic_device, p.nic_port, p.rank FROM nccl_proxy p "
+                "LEFT JOIN (SELECT rank, any_value(node) AS node FROM ranks GROUP BY ALL) r ON r.rank = p.rank "
+                "WHERE p.rank IS NOT NULL AND p.nic_device IS NOT NULL").fetchall():
+            uses.setdefault((nd, dev, port), {})[rank] = "nccl_proxy"
+            proxy.add(rank)
+    if _has_table(con, "rdma_ranks", ("node", "rank", "device", "port", "source")):
+        for nd, dev, port, rank, how in con.execute(
+                "SELECT DISTINCT node, device, port, rank, source FROM rdma_ranks WHERE rank IS NOT NULL").fetchall():
+            if rank not in proxy:
+                uses.setdefault((nd, dev, port), {})[rank] = how
+    out: list[RdmaPort] = []
+    for key in dict.fromkeys((nd, dev, port) for nd, dev, port, *_ in rows):
+        mine = [r for r in rows if (r[0], r[1], r[2]) == key]
+        spans = sorted({(s, e) for *_, s, e, _ in mine})
+        at = {s: i for i, s in enumerate(spans)}
+        by: dict = {}
+        for *_, c, s, e, d in mine:
+            by.setdefault(c, np.zeros(len(spans), np.int64))[at[(s, e)]] += int(d)
+        who = uses.get(key, {})
+        out.append(RdmaPort(node=key[0], device=key[1], port=key[2], ranks=sorted(who),
+                            how=",".join(sorted(set(who.values()))) or None,
+                            start=np.array([s for s, _ in spans], np.int64), end=np.array([e for _, e in spans], np.int64),
+                            by_counter=by, count=np.sum(list(by.values()), axis=0)))
+    return out
+

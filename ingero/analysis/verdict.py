@@ -85,11 +85,12 @@ class Candidate:
 
 
 def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int,
-           tails: tuple | None = None) -> tuple[Straggler | None, dict]:
+           tails: tuple | None = None, rdma: list | None = None) -> tuple[Straggler | None, dict]:
     """The verdict and the figures behind it (base and predicted step, best candidate).
 
     `tails`: the runqueue tails of the ranks' off-CPU intervals, (rank, start, end) arrays
-    (`stats.runqueue_tails`); without them only the per-wait test names cpu-contention."""
+    (`stats.runqueue_tails`); without them only the per-wait test names cpu-contention.
+    `rdma`: the RDMA ports whose loss or congestion counters rose (`stats.rdma_ports`)."""
     ev, m = tl.ev, tl.m
     base = replay(ev, m.w, m.x)
     base_step = tl.step_ns(base.e)
@@ -208,8 +209,9 @@ def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int,
                                score=round(min(ratio.values()), 2),
                                why=f"every one of its ranks works {min(ratio.values()):.2f}x or more what the "
                                    "same role does elsewhere"))
-    net = _network(c, tl, rows, retx)
-    if net is not None:
+    for nic, net in ((False, _network(c, tl, rows, retx)), (True, _rdma_network(tl, rows, rdma))):
+        if net is None:
+            continue
         node, hit, why, score, rank, single = net
         x = m.x.copy()
         clean = m.x[~hit & tl.inwin]
@@ -221,7 +223,7 @@ def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int,
         label = f"rank {rank} on {node}" if single else f"node {node}"
         members = [rank] if single else sorted(r for r, v in rows.items() if v.node == node)
         cands.append(Candidate("network", members, saving(x=x), label, cause="network", why=why,
-                               score=score, extra={"node": node, "single": single, **last_replay()}))
+                               score=score, extra={"node": node, "single": single, "rdma": nic, **last_replay()}))
     best_single = best_so_far[0]
     best_so_far[0] = 0.0          # "fix everyone" is judged against its own floor
     spread = Candidate("spread", sorted(own), saving(all_w, need=SPREAD_FLOOR_PCT / 100 * base_step),
@@ -542,7 +544,7 @@ def _starved_behind(net: Candidate, rows: dict, tl: Timeline, traced_ns: int, ow
     collectives too (the lab's 2x2 cpu-hog)."""
     node = net.extra.get("node")
     vals = {k: x.offcpu_ms.get("runqueue", 0.0) for k, x in rows.items()}
-    if node is None or len(vals) < 3 or tl.steps <= 0:
+    if node is None or net.extra.get("rdma") or len(vals) < 3 or tl.steps <= 0:   # RDMA: no TCP timers
         return None
     base = max(OFFCPU_FLOOR_MS, OFFCPU_FLOOR_TRACED * traced_ns / 1e6)
     z = robust_z(vals, base)
@@ -629,6 +631,78 @@ def _proxy_evidence(rows: dict, node) -> str:
     return (f"; NCCL's proxy: {node}'s ranks' sends waited up to {max(mine):.0f} ms on the network, "
             f"the other ranks' {float(np.median(others)):.0f} ms at median")
 
+
+def _rdma_network(tl: Timeline, rows: dict, ports: list | None):
+    """The RDMA port whose loss or congestion counters rose while transfers that cross it were
+    in flight, if concentrated there, as `_network` returns it: (node, events hit, evidence,
+    share, a rank behind it, that rank alone?). A transfer crosses a port when a rank behind it
+    exchanges with a rank on another node (a collective instance or a send/recv pair holding
+    both); it is hit when it overlaps a sampling interval in which the counters rose. A port
+    no traced rank uses is evidence for nobody."""
+    if not ports:
+        return None
+    ev, m = tl.ev, tl.m
+    n = len(ev.a)
+    if not n:
+        return None
+    nodes = sorted({v.node for v in rows.values() if v.node is not None})
+    code = np.full(int(ev.rank.max()) + 1, -1)
+    for r, v in rows.items():
+        if 0 <= r < len(code) and v.node is not None:
+            code[r] = nodes.index(v.node)
+    has = ev.inst >= 0
+    ni = int(ev.inst.max()) + 1 if has.any() else 0
+    src = np.repeat(np.arange(n), np.diff(ev.dep_ptr))
+    found = []
+    for p in ports:
+        behind = [r for r in p.ranks if r in rows]
+        if not behind or p.node not in nodes:
+            continue
+        mine = np.isin(ev.rank, behind)
+        far = (code[ev.rank] >= 0) & (code[ev.rank] != nodes.index(p.node))
+        cross = np.zeros(n, bool)
+        if ni:
+            both = (np.bincount(ev.inst[has], mine[has], ni) > 0) & (np.bincount(ev.inst[has], far[has], ni) > 0)
+            cross[has] = both[ev.inst[has]]
+        pair = (mine[src] & far[ev.dep_idx]) | (far[src] & mine[ev.dep_idx])
+        cross[src[pair]] = True
+        cross &= tl.inwin
+        i = np.searchsorted(p.start, ev.e, side="right") - 1       # the port's intervals are disjoint
+        hit = cross & (i >= 0) & (p.end[np.maximum(i, 0)] >= m.ready)
+        # its intervals that overlap a crossing transfer: the rises counted as evidence
+        lo, hi = m.ready[cross], ev.e[cross]
+        o = np.argsort(lo, kind="stable")
+        lo, hi = lo[o], np.maximum.accumulate(hi[o])
+        j = np.searchsorted(lo, p.end, side="right") - 1
+        during = (j >= 0) & (hi[np.maximum(j, 0)] >= p.start) if len(lo) else np.zeros(len(p.start), bool)
+        found.append((int(p.count[during].sum()), p, hit, behind, during))
+    total = sum(f[0] for f in found)
+    if total < RETX_MIN:
+        return None
+    k, p, hit, behind, during = max(found, key=lambda f: f[0])
+    clean = m.x[~hit & tl.inwin]
+    if k < RETX_SHARE * total or hit.sum() < RETX_MIN_EVENT_SHARE * tl.inwin.sum() or not len(clean):
+        return None
+    what = ", ".join(f"{c:,} {w}" for w, c in p.totals(during))
+    who = f"rank {behind[0]}" if len(behind) == 1 else _span(behind)
+    why = (f"network: {p.label()}: {what} while transfers crossing it were in flight ({who} use it, "
+           f"mapped by {p.how}; {int(during.sum())} sampling intervals); transfers with them take "
+           f"{np.median(m.x[hit]) / 1e6:.1f} ms at median vs {np.median(clean) / 1e6:.1f} ms without, in "
+           f"{int(hit.sum())} of {int(tl.inwin.sum())} sync events")
+    node_ranks = [r for r, v in rows.items() if v.node == p.node]
+    single = len(behind) == 1 or len(node_ranks) == 1
+    return p.node, hit, why, round(k / total, 2), behind[0] if single else min(node_ranks), single
+
+
+def rdma_notes(ports: list) -> list[str]:
+    """One line per RDMA port whose loss or congestion counters rose: what, and whose it is."""
+    out = []
+    for p in ports:
+        who = ((f"rank {p.ranks[0]}" if len(p.ranks) == 1 else _span(p.ranks)) + f", mapped by {p.how}"
+               if p.ranks else "no traced rank uses it")
+        what = ", ".join(f"{c:,} {w}" for w, c in p.totals())
+        out.append(f"RDMA: node {p.node}, {p.label()} ({who}): {what} during the trace")
+    return out
 
 def _straggler(k: Candidate, tl: Timeline, rows: dict, base_step: float, excess: dict, base) -> Straggler:
     if k.kind == "spread":

@@ -33,6 +33,7 @@ class SessionSpec:
     probes: tuple = PROBES
     slow_collective_ms: float | None = None
     sched_min_us: float | None = None
+    rdma_s: float | None = None       # RDMA counters' sampling period; 0: off
     nccl_lib: str | None = None
     retention_h: int | None = None
     ttl_s: int | None = None
@@ -45,6 +46,7 @@ MAXIMUM = {
     "spec.durationSeconds": 30 * 24 * 3600,           # a month of tracing
     "spec.thresholds.slowCollectiveMs": 3_600_000,    # an hour
     "spec.thresholds.schedMinMicros": 60_000_000,     # a minute
+    "spec.rdmaSeconds": 3600,                         # an hour between two counter reads
     "spec.artifact.retentionHours": 24 * 366,         # a year
     "spec.ttlSecondsAfterFinished": 366 * 24 * 3600,  # a year
 }
@@ -92,12 +94,16 @@ def parse_spec(spec) -> SessionSpec:
                             or any(ord(c) < 0x20 or c == "\x7f" for c in lib)):
         raise SpecError(f"spec.ncclLibPath must be an absolute path without control characters, got {lib!r}")
     art = spec.get("artifact") or {}
+    rdma_s = _number(spec.get("rdmaSeconds"), "spec.rdmaSeconds", 0)
+    if rdma_s is not None and 0 < rdma_s < 0.1:
+        raise SpecError(f"spec.rdmaSeconds must be 0 (off) or at least 0.1, got {rdma_s!r}")
     return SessionSpec(
         match_labels=dict(labels),
         duration_s=_number(spec.get("durationSeconds"), "spec.durationSeconds", 1, integer=True),
         probes=tuple(p for p in PROBES if p in probes),
         slow_collective_ms=_number(th.get("slowCollectiveMs"), "spec.thresholds.slowCollectiveMs", 0),
         sched_min_us=_number(th.get("schedMinMicros"), "spec.thresholds.schedMinMicros", 0),
+        rdma_s=rdma_s,
         nccl_lib=lib,
         retention_h=_number(art.get("retentionHours") if isinstance(art, dict) else None,
                             "spec.artifact.retentionHours", 1, integer=True),
@@ -168,6 +174,8 @@ def node_plan(sid: str, pods: list[dict], spec: SessionSpec, duration_s: float |
         body["nccl_lib"] = spec.nccl_lib
     if spec.sched_min_us is not None:
         body["sched_min_us"] = spec.sched_min_us
+    if spec.rdma_s is not None:
+        body["rdma_s"] = spec.rdma_s
     if duration_s:
         body["duration_s"] = round(duration_s, 3)
     return body

@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.bpf.conftest import spawn
 
@@ -26,6 +27,13 @@ def test_duration_ends_the_trace_with_start_progress_and_summary_lines(tmp_path)
     assert con.execute("SELECT status, probes FROM sessions").fetchall() == [("completed", "sched")]
     assert con.execute("SELECT events_sched, lost_sched FROM nodes").fetchall() == [(n, 0)]
     assert (tmp_path / "t.duckdb.segments" / "sched_events").is_dir()
+    # the RDMA ports' counters are read every second whatever the probes: a machine without
+    # InfiniBand/RoCE (this one: no CONFIG_INFINIBAND) gives empty tables and no error
+    ports = list(Path("/sys/class/infiniband").glob("*/ports/*"))
+    assert con.execute("SELECT count(*) FROM rdma_ports").fetchone()[0] == len(ports)
+    if not ports:
+        assert con.execute("SELECT count(*) FROM rdma_counters").fetchone()[0] == 0
+    assert not [ln for ln in lines if "rror" in ln or "Traceback" in ln], lines
 
 
 def test_sigterm_stops_the_trace_and_keeps_every_recorded_event(fake_nccl, trace, tmp_path):

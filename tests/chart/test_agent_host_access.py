@@ -23,6 +23,9 @@ NOT_FROM_HOST = {
                          "/sys/kernel/tracing has no events/, and for uprobe_events (as bcc) only "
                          "when it exists; the chart mounts tracefs",
     "/etc/ingero/agent.yaml": "optional config file naming the node; the chart passes --node=$(NODE_NAME)",
+    "/sys/class": "the RDMA ports' counters (class/infiniband, class/infiniband_verbs) are read from the "
+                  "container's own read-only sysfs: it shows the pod network namespace's RDMA devices, "
+                  "which in RDMA's default shared mode are all of the node's (docs/tracing.md)",
     "/sys/kernel/btf/vmlinux": "only checked to exist (task-local frames need kernel BTF): the "
                                "container's own read-only sysfs shows the host kernel's BTF; "
                                "without it the probes keep per-thread frames in a hash",
@@ -74,7 +77,7 @@ def test_the_agent_code_names_the_host_paths_this_test_expects():
     # If this fails, the agent reads a new host path: serve it in the chart (or add it to
     # NOT_FROM_HOST with the reason) and update this list.
     roots = sorted({p for p in code_paths() if not within(p, "/proc")})
-    assert roots == ["/etc/ingero/agent.yaml", "/lib/modules", "/sys/kernel/btf/vmlinux", "/sys/kernel/debug",
+    assert roots == ["/etc/ingero/agent.yaml", "/lib/modules", "/sys/class", "/sys/kernel/btf/vmlinux", "/sys/kernel/debug",
                      "/sys/kernel/debug/tracing", "/sys/kernel/debug/tracing/events", "/sys/kernel/tracing", "/sys/kernel/tracing/events",
                      "/usr/src"]
 

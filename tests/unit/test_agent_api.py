@@ -128,6 +128,8 @@ def test_traversal_in_urls_gets_no_file_outside_the_data_dir(agent, tmp_path):
     ({"session_id": "s", "pods": pods(), "probes": ["gpu"]}, "unknown probe"),
     ({"session_id": "s", "pods": pods(), "nccl_lib": "lib.so"}, "absolute"),
     ({"session_id": "s", "pods": pods(), "duration_s": -1}, "duration_s"),
+    ({"session_id": "s", "pods": pods(), "rdma_s": 0.01}, "rdma_s must be 0 (off) or from 0.1"),
+    ({"session_id": "s", "pods": pods(), "rdma_s": 4000}, "rdma_s"),
     ({"session_id": "s", "pods": [dict(pods()[0], ips=["999.1.1.1"])]}, "not an IP")])
 def test_bad_plans_are_refused_with_a_message_naming_the_field(body, needle):
     with pytest.raises(ApiError) as e:
@@ -203,6 +205,18 @@ def test_a_new_pod_in_the_plan_goes_to_the_running_tracer_without_a_restart(agen
         time.sleep(0.02)
     assert hup.read_text() == "2\n" and first.poll() is None     # it read the new pods file
     assert json.loads((mgr.root / "s1" / "plan.json").read_text())["pods"] == pods(2)
+
+
+def test_the_rdma_counters_period_of_the_plan_reaches_the_tracer_and_a_new_one_restarts_it(agent):
+    srv, mgr = agent
+    call(srv, "POST", "/v1/sessions", {"session_id": "s1", "pods": pods(1), "rdma_s": 0.5})
+    _wait_state(srv, "s1", "running")
+    argv = mgr._argv(mgr.sessions["s1"])
+    assert argv[argv.index("--rdma-seconds") + 1] == "0.5"
+    status, doc = call(srv, "POST", "/v1/sessions", {"session_id": "s1", "pods": pods(1), "rdma_s": 0})
+    assert status == 200 and doc["starts"] == 2
+    argv = mgr._argv(mgr.sessions["s1"])
+    assert argv[argv.index("--rdma-seconds") + 1] == "0.0"
 
 
 def test_other_probes_in_the_plan_restart_the_tracer_on_the_same_segments(agent):

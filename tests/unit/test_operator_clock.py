@@ -9,6 +9,7 @@ import pytest
 
 from ingero.store import SegmentWriter, open_source
 from ingero_operator.agents import ClockSample, estimate_offset
+from ingero_operator import gather
 from ingero_operator.gather import LocalSession, build_artifact, ingest_and_analyse
 
 
@@ -62,16 +63,36 @@ def test_merge_shifts_each_nodes_timestamps_by_its_offset(tmp_path):
     assert max(r.late_ms for r in rep.ranks) < 1e-6   # aligned: nobody is late
 
 
-def test_live_ingest_adds_each_segment_once(tmp_path):
+def _calls(local: LocalSession) -> tuple[int, int]:
+    con = duckdb.connect(str(local.live_db), read_only=True)
+    try:
+        return (con.execute("SELECT count(*) FROM nccl_events").fetchone()[0],
+                con.execute("SELECT count(*) FROM _ingested WHERE tbl = 'nccl_events'").fetchone()[0])
+    finally:
+        con.close()
+
+
+def test_live_ingest_adds_each_announced_segment_once_and_scans_the_folder_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(gather, "_SCANNED", set())
     local = LocalSession(tmp_path / "ns" / "job")
     _node(local, "a", [1_000, 2_000])
-    ingest_and_analyse(local, {"a": 0})
+    ingest_and_analyse(local, {"a": 0})       # the first refresh: every segment in the folder
     ingest_and_analyse(local, {"a": 0})       # nothing new: nothing added twice
-    _node(local, "a", [3_000])                # a new segment appears (written by a resumed writer)
+    assert _calls(local) == (2, 1)
+    before = set(local.files("a", "nccl_events"))
+    _node(local, "a", [3_000])                # a new segment, not announced: not listed again
     ingest_and_analyse(local, {"a": 0})
-    con = duckdb.connect(str(local.live_db), read_only=True)
-    assert con.execute("SELECT count(*) FROM nccl_events").fetchone()[0] == 3
-    assert con.execute("SELECT count(*) FROM _ingested WHERE tbl = 'nccl_events'").fetchone()[0] == 2
+    assert _calls(local) == (2, 1)
+    (new,) = set(local.files("a", "nccl_events")) - before
+    local.announce("a", "nccl_events", new.name)     # as the gather does after each download
+    local.announce("a", "nccl_events", new.name)
+    ingest_and_analyse(local, {"a": 0})
+    assert _calls(local) == (3, 2)
+    assert not local.announced.exists()
+    _node(local, "a", [4_000])
+    gather._SCANNED.clear()                   # a restarted operator lists the folder once
+    ingest_and_analyse(local, {"a": 0})
+    assert _calls(local) == (4, 3)
 
 
 def test_a_fault_starting_mid_session_is_named_from_the_recent_window(tmp_path):

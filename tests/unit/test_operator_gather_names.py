@@ -45,7 +45,8 @@ def test_hostile_segment_names_are_refused_and_reported_and_nothing_lands_outsid
     assert fetched == 1 and hits == [f"nccl_events/{GOOD}"] and cursor == 5
     assert len(refused) == len(HOSTILE) and all(w.startswith("node node-a: refused") for w in refused)
     files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
-    assert files == [f"session/work/nodes/node-a/nccl_events/{GOOD}"], files
+    assert files == ["session/work/announced.tsv", f"session/work/nodes/node-a/nccl_events/{GOOD}"], files
+    assert (tmp_path / "session/work/announced.tsv").read_text() == f"node-a\tnccl_events\t{GOOD}\n"
 
 
 def test_unknown_tables_and_non_numeric_sizes_are_refused(tmp_path):

@@ -29,6 +29,8 @@ def test_spec_defaults_to_all_probes_and_open_ended():
     ({"selector": {"matchLabels": {"a": "b"}}, "durationSeconds": -1}, "spec.durationSeconds"),
     ({"selector": {"matchLabels": {"a": "b"}}, "durationSeconds": 1.5}, "spec.durationSeconds"),
     ({"selector": {"matchLabels": {"a": "b"}}, "thresholds": {"schedMinMicros": -3}}, "spec.thresholds.schedMinMicros"),
+    ({"selector": {"matchLabels": {"a": "b"}}, "rdmaSeconds": 0.05}, "spec.rdmaSeconds must be 0 (off) or at least 0.1"),
+    ({"selector": {"matchLabels": {"a": "b"}}, "rdmaSeconds": 7200}, "spec.rdmaSeconds"),
     ({"selector": {"matchLabels": {"a": "b"}}, "ncclLibPath": "lib/x.so"}, "spec.ncclLibPath"),
     ({"selector": {"matchLabels": {"a": "b"}}, "ncclLibPath": "/lib/x.so\nLD_PRELOAD=/tmp/y"}, "spec.ncclLibPath"),
     ({"selector": {"matchLabels": {"a": "bad value!"}}}, "spec.selector.matchLabels.a"),
@@ -72,10 +74,12 @@ def test_agents_are_found_by_node_from_pod_ip_and_the_named_port():
 
 def test_node_plan_has_what_the_agent_api_takes():
     spec = parse_spec({"selector": {"matchLabels": {"a": "b"}}, "probes": ["nccl", "sched"],
-                       "ncclLibPath": "/opt/nccl/libnccl.so.2", "thresholds": {"schedMinMicros": 500}})
+                       "ncclLibPath": "/opt/nccl/libnccl.so.2", "thresholds": {"schedMinMicros": 500},
+                       "rdmaSeconds": 0})
     body = node_plan("ml.job.1234abcd", [pod_entry(pod("w-0", "n1"))], spec, duration_s=30.0)
     assert body["session_id"] == "ml.job.1234abcd" and body["probes"] == ["nccl", "sched"]
     assert body["nccl_lib"] == "/opt/nccl/libnccl.so.2" and body["sched_min_us"] == 500.0
+    assert body["rdma_s"] == 0.0
     assert body["duration_s"] == 30.0 and body["pods"][0]["uid"] == "uid-w-0"
 
 
