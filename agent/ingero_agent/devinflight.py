@@ -39,7 +39,7 @@ from ingero_agent.records import (NCCL_PROF_OP, NCCL_PROF_PROXY, NCCL_PROF_TABLE
 VERSION = 2                     # bpf/ingero.h: INGERO_NCCL_PROF_VERSION
 SLOT_OPEN = 1
 NO_SEQ = (1 << 64) - 1          # a p2p op whose peer was out of range
-MAPPING = f"/memfd:{NCCL_PROF_TABLE_NAME}"
+_MAPPING = f" /memfd:{NCCL_PROF_TABLE_NAME}".encode()   # a maps line's path, after the spaces
 
 
 def _slot_dtype(h) -> np.dtype:
@@ -59,12 +59,19 @@ class Reader:
         self._drained: dict[tuple[int, int], tuple[int, int]] = {}  # (pid, comm_hash) -> (read up to, lost)
 
     def tables(self, pid: int) -> list[tuple[int, int]]:
-        """(start, length) of each of the plugin's table mappings in `pid`."""
+        """(start, length) of each of the plugin's table mappings in `pid` (only their lines of
+        /proc/<pid>/maps are parsed: a PyTorch process maps thousands of files)."""
         try:
-            maps = parse_map_ranges((self.proc / str(pid) / "maps").read_text())
+            with open(f"{self.proc}/{pid}/maps", "rb") as f:
+                text = f.read()
         except OSError:
             return []
-        return [(m.start, m.end - m.start) for m in maps if m.path.startswith(MAPPING)]
+        out = []
+        for line in text.splitlines():
+            if _MAPPING in line:
+                m = parse_map_ranges(line.decode(errors="replace"))[0]
+                out.append((m.start, m.end - m.start))
+        return out
 
     def read(self, pid: int) -> list[dict] | None:
         """Each table of `pid`: {comm_hash, rank, nranks, ops: open slots' records}; None when the
@@ -73,7 +80,7 @@ class Reader:
         if not maps:
             return []
         try:
-            fd = os.open(self.proc / str(pid) / "mem", os.O_RDONLY)
+            fd = os.open(f"{self.proc}/{pid}/mem", os.O_RDONLY)
         except OSError:
             return None
         try:
