@@ -361,18 +361,26 @@ static struct op *op_of_kch(void *handle)
     return (struct op *)((char *)handle - offsetof(struct op, kch_tag));
 }
 
-static struct op *op_alloc(struct ctx *c)
+/* A free slot of an array of `n` slots of `stride` bytes whose state word is at `state`
+ * bytes into each, taken in turn (counter `next`); NULL after ALLOC_TRIES busy ones. */
+static void *slot_claim(_Atomic uint64_t *next, void *base, size_t stride, uint32_t n, size_t state)
 {
     for (int i = 0; i < ALLOC_TRIES; i++) {
-        uint64_t n = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed);
-        struct op *o = &c->slots[n % c->nslots];
+        char *s = (char *)base + atomic_fetch_add_explicit(next, 1, memory_order_relaxed) % n * stride;
         uint32_t want = SLOT_FREE;
-        if (atomic_compare_exchange_strong_explicit(&o->state, &want, SLOT_BUSY, memory_order_acquire,
-                                                    memory_order_relaxed))
-            return o;
+        if (atomic_compare_exchange_strong_explicit((_Atomic uint32_t *)(s + state), &want, SLOT_BUSY,
+                                                    memory_order_acquire, memory_order_relaxed))
+            return s;
     }
-    atomic_fetch_add_explicit(&c->dropped, 1, memory_order_relaxed);
     return NULL;
+}
+
+static struct op *op_alloc(struct ctx *c)
+{
+    struct op *o = slot_claim(&c->next, c->slots, sizeof(*o), c->nslots, offsetof(struct op, state));
+    if (!o)
+        atomic_fetch_add_explicit(&c->dropped, 1, memory_order_relaxed);
+    return o;
 }
 
 /* 1 when `v` became the minimum */
@@ -515,16 +523,10 @@ static uint64_t link_value(const void *h, uint64_t tag, uint8_t *known)
 
 static struct proxy *proxy_alloc(struct ctx *c)
 {
-    for (int i = 0; i < ALLOC_TRIES; i++) {
-        uint64_t n = atomic_fetch_add_explicit(&c->next_proxy, 1, memory_order_relaxed);
-        struct proxy *p = &c->proxies[n % c->nslots];
-        uint32_t want = SLOT_FREE;
-        if (atomic_compare_exchange_strong_explicit(&p->state, &want, SLOT_BUSY, memory_order_acquire,
-                                                    memory_order_relaxed))
-            return p;
-    }
-    __atomic_fetch_add(&c->table->proxy_dropped, 1, __ATOMIC_RELAXED);
-    return NULL;
+    struct proxy *p = slot_claim(&c->next_proxy, c->proxies, sizeof(*p), c->nslots, offsetof(struct proxy, state));
+    if (!p)
+        __atomic_fetch_add(&c->table->proxy_dropped, 1, __ATOMIC_RELAXED);
+    return p;
 }
 
 static int wait_index(ncclProfilerEventState_t state)
