@@ -102,6 +102,7 @@ class Tracer:
         self.inflight: dict[tuple[int, int], dict] = {}  # (pid, tid) -> its last nccl_inflight row
         self.device = DeviceReader()                     # operations open in the profiler plugin
         self.device_open: dict[int, list[dict]] = {}     # pid -> its last nccl_device_inflight rows
+        self.device_s = 0.0                              # time spent reading the plugin's tables, all rolls
         self.inflight_s = 0.0                            # time spent reading them, all rolls
         self._noted_threads = False
         self.rdma: RdmaSampler | None = None             # RDMA port counters (ingero_agent.rdma)
@@ -504,7 +505,7 @@ class Tracer:
         self._put_rows("nccl_device_inflight", [r for rows in self.device_open.values() for r in rows])
         if proxy:
             self.writer.append("nccl_proxy", {c: [r[c] for r in proxy] for c in proxy[0]})
-        self.inflight_s += time.perf_counter() - t0
+        self.device_s += time.perf_counter() - t0
 
     def _stack_calls(self, pid: int, tids: list[int]) -> dict[int, str]:
         """tid -> the op of the NCCL API call the thread is inside, read from its stack."""
@@ -532,7 +533,8 @@ class Tracer:
         if self.loop_cpu_s is not None and self.loop_wall_s:
             self.log(f"tracing used {self.loop_cpu_s:.2f} s CPU in {self.loop_wall_s:.1f} s "
                      f"({100 * self.loop_cpu_s / self.loop_wall_s:.2f}% of a core), "
-                     f"{self.drains} ring drains, {self.inflight_s * 1e3:.0f} ms reading calls in flight")
+                     f"{self.drains} ring drains, {self.inflight_s * 1e3:.0f} ms reading calls in flight, "
+                     f"{self.device_s * 1e3:.0f} ms reading the profiler plugin's tables")
 
 
 def _cpu_seconds() -> float:
