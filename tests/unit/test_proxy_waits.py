@@ -32,3 +32,19 @@ def test_without_proxy_summaries_nothing_is_added():
     add_proxy_waits(duckdb.connect(), rows)         # a trace without the table
     assert all(v.net_wait_ms is None for v in rows.values())
     assert _proxy_evidence(rows, "a") == ""
+
+
+def test_a_peer_on_another_node_gets_its_global_rank_once_the_traces_are_merged():
+    from ingero.comms import resolve_split_ranks
+
+    con = duckdb.connect()
+    schema.create_all(con)
+    for node, pid, rank, comm_rank in (("a", 100, 0, 0), ("b", 200, 5, 1)):
+        con.execute("INSERT INTO nccl_device_inflight (node, pid, rank, comm_hash, comm_rank) VALUES (?, ?, ?, 7, ?)",
+                    [node, pid, rank, comm_rank])
+    con.execute("INSERT INTO nccl_proxy (node, rank, comm_hash, peer, peer_rank) VALUES "
+                "('a', 0, 7, 1, NULL), ('b', 5, 7, 0, 0), ('a', 0, 7, 3, NULL), ('a', 0, 8, 1, NULL)")
+    resolve_split_ranks(con)
+    got = con.execute("SELECT rank, comm_hash, peer, peer_rank FROM nccl_proxy ORDER BY ALL").fetchall()
+    # peer 3 of communicator 7 and communicator 8 were not traced: still unknown
+    assert got == [(0, 7, 1, 5), (0, 7, 3, None), (0, 8, 1, None), (5, 7, 0, 0)]
