@@ -220,6 +220,7 @@ class Tracer:
                 exec_pending, last_exec_scan = False, now
             if now >= next_scan:
                 self._scan()
+                self._put_device_inflight()    # a process's proxy summaries die with it: read often
                 next_scan = now + o.scan_s
                 gone = self.targets.pids_gone()
                 if not gone or len(gone) < len(self.targets.pids):
@@ -497,7 +498,9 @@ class Tracer:
         """The operations the profiler plugin of each process holds open (a process that is gone
         keeps its last rows: a collective its rank died in shows it), and its proxy summaries."""
         t0 = time.perf_counter()
-        pids = [p.pid for p in self.targets.processes.values() if p.alive and p.profiler_key is not None]
+        # every NCCL process: NCCL loads the plugin at its first communicator, after its library
+        pids = [p.pid for p in self.targets.processes.values()
+                if p.alive and (p.nccl_key is not None or p.pid in self.nccl_pids)]
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC) + self.offset_ns
         rank_of = lambda pid: getattr(self.registry.by_pid.get(pid), "rank", None)  # noqa: E731
         open_rows, proxy = read_device(self.device, pids, self.offset_ns, now, rank_of)

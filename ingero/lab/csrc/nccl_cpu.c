@@ -510,8 +510,8 @@ static ncclResult_t run_comm_calls(struct call *calls, int n, struct ncclComm *c
       continue;
     }
     tasks[nops] = k->task;
-    ops[nops++] = (struct ncpu_op){c->fds[k->peer], k->kind == K_SEND, k->peer,
-                                   k->kind == K_SEND ? (char *)k->sbuf : (char *)k->rbuf, bytes, 0, NULL};
+    ops[nops++] = (struct ncpu_op){.fd = c->fds[k->peer], .is_send = k->kind == K_SEND, .peer = k->peer,
+                                   .buf = k->kind == K_SEND ? (char *)k->sbuf : (char *)k->rbuf, .len = bytes};
   }
   if (nops) {
     ncpu_prof_single_begin(c, tasks, ops, nops, tasks + n);

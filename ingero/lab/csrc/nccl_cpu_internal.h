@@ -57,6 +57,7 @@ struct ncpu_op {
   size_t len;
   size_t done;
   void *step;            /* the profiler's ProxyStep of this transfer (NULL: none) */
+  int peer_wait;         /* its step is in SendPeerWait (the peer's window is closed) */
 };
 
 /* nccl_net.c */

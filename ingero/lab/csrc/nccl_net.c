@@ -21,7 +21,7 @@
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
-#include <netinet/tcp.h>
+#include <linux/tcp.h>   /* TCP_NODELAY; struct tcp_info with tcpi_snd_wnd (glibc's has none) */
 #include <poll.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -419,6 +419,23 @@ static void step_posted(struct ncclComm *comm, struct ncpu_op *o) {
   ncpu_prof_proxy_step_state(o->step, o->is_send ? NCPU_SEND_WAIT : NCPU_RECV_WAIT, o->len);
 }
 
+/* A send that cannot go on waits for the peer (NCCL: SendPeerWait, no clear-to-send
+ * credit) when the peer's advertised window is closed: it does not read, its buffer is
+ * full; else for the network (SendWait: its segments in flight are not acknowledged, e.g.
+ * lost and resent). Recorded when the state changes. */
+static void send_blocked(struct ncpu_op *o) {
+  if (!o->step || !o->is_send || o->done == o->len) return;
+  struct tcp_info ti;
+  socklen_t n = sizeof ti;
+  if (getsockopt(o->fd, IPPROTO_TCP, TCP_INFO, &ti, &n) != 0 || n < offsetof(struct tcp_info, tcpi_snd_wnd) + 4)
+    return;   /* not TCP (a socketpair), or an old kernel: the network it stays */
+  int peer = ti.tcpi_snd_wnd == 0;
+  if (peer != o->peer_wait) {
+    o->peer_wait = peer;
+    ncpu_prof_proxy_step_state(o->step, peer ? NCPU_SEND_PEER_WAIT : NCPU_SEND_WAIT, o->len);
+  }
+}
+
 static void step_moved(struct ncpu_op *o) {
   if (!o->step) return;
   if (o->is_send) {
@@ -464,9 +481,13 @@ ncclResult_t ncpu_run_ops(struct ncclComm *comm, struct ncpu_op *ops, int nops) 
       if (got > 0) {
         o->done += (size_t)got;
         if (o->done == o->len) step_moved(o);
+        else send_blocked(o);   /* a short send: its buffer is full */
         continue;
       }
-      if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
+      if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+        send_blocked(o);
+        continue;
+      }
       ncpu_set_error(comm, "rank %d: connection to rank %d %s", comm->rank, o->peer,
                      got == 0 ? "closed by the peer" : strerror(errno));
       return ncclRemoteError;

@@ -302,8 +302,9 @@ void *ncpu_prof_proxy_step_start(void *ctx, void *proxy_op, int step) {
 }
 
 void ncpu_prof_proxy_step_state(void *h, enum ncpu_prof_wait w, size_t trans) {
-  static const ncclProfilerEventState_t STATE[] = {ncclProfilerProxyStepSendGPUWait, ncclProfilerProxyStepSendWait,
-                                                  ncclProfilerProxyStepRecvWait, ncclProfilerProxyStepRecvGPUWait};
+  static const ncclProfilerEventState_t STATE[] = {ncclProfilerProxyStepSendGPUWait, ncclProfilerProxyStepSendPeerWait_v4,
+                                                  ncclProfilerProxyStepSendWait, ncclProfilerProxyStepRecvWait,
+                                                  ncclProfilerProxyStepRecvGPUWait};
   if (!h) return;
   ncclProfilerEventStateArgs_v5_t a5 = {.proxyStep = {.transSize = trans}};
   ncclProfilerEventStateArgs_v4_t a4 = {.proxyStep = {.transSize = trans}};
