@@ -420,16 +420,17 @@ static void step_posted(struct ncclComm *comm, struct ncpu_op *o) {
 }
 
 /* A send that cannot go on waits for the peer (NCCL: SendPeerWait, no clear-to-send
- * credit) when the peer's advertised window is closed: it does not read, its buffer is
- * full; else for the network (SendWait: its segments in flight are not acknowledged, e.g.
- * lost and resent). Recorded when the state changes. */
+ * credit) when what it has in flight fills the peer's advertised window: the peer does
+ * not read fast enough; else for the network (SendWait: its segments in flight are not
+ * acknowledged, e.g. lost and resent, or the congestion window holds it back). Recorded
+ * when the state changes. */
 static void send_blocked(struct ncpu_op *o) {
   if (!o->step || !o->is_send || o->done == o->len) return;
   struct tcp_info ti;
   socklen_t n = sizeof ti;
   if (getsockopt(o->fd, IPPROTO_TCP, TCP_INFO, &ti, &n) != 0 || n < offsetof(struct tcp_info, tcpi_snd_wnd) + 4)
     return;   /* not TCP (a socketpair), or an old kernel: the network it stays */
-  int peer = ti.tcpi_snd_wnd == 0;
+  int peer = (uint64_t)ti.tcpi_unacked * ti.tcpi_snd_mss + ti.tcpi_snd_mss > ti.tcpi_snd_wnd;
   if (peer != o->peer_wait) {
     o->peer_wait = peer;
     ncpu_prof_proxy_step_state(o->step, peer ? NCPU_SEND_PEER_WAIT : NCPU_SEND_WAIT, o->len);
