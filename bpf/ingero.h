@@ -151,6 +151,90 @@ struct ingero_nccl_prof_op {
     __u64 stream;          /* the cudaStream_t of the op's API call (NCCL_PROF_F_STREAM) */
 };
 
+/* ---- Operations in flight (the plugin's table, read live by the agent) ----
+ *
+ * The plugin keeps each communicator's operation slots in one shared-memory
+ * mapping of its own (memfd_create(INGERO_NCCL_PROF_TABLE_NAME): the line
+ * "/memfd:ingero-nccl-ops (deleted)" in /proc/<pid>/maps) that begins with a
+ * `struct ingero_nccl_prof_table`. A slot whose state word is 1 holds an
+ * operation NCCL started and that is not recorded yet: its `struct
+ * ingero_nccl_prof_op` is filled from the start (times so far; dev_start_ns
+ * once a kernel channel started) and its counters say how many kernel
+ * channels started and stopped. The agent reads the mapping through
+ * /proc/<pid>/mem at each roll (ingero_agent.devinflight): a collective the
+ * GPU started and never finished is seen without any probe having fired. A
+ * slot may be read while it is being written: a record whose size or version
+ * is wrong is skipped.
+ *
+ * The same mapping holds a ring of proxy summaries (`proxy`, `nproxy`
+ * entries): one `struct ingero_nccl_prof_proxy` per ProxyOp NCCL stopped,
+ * numbered from 1 (`proxy_head`: how many were written), that the agent
+ * drains at each roll: an entry whose `seq` is not the number it expects was
+ * overwritten (counted lost) or is being written (read next time). */
+#define INGERO_NCCL_PROF_TABLE_NAME  "ingero-nccl-ops"
+#define INGERO_NCCL_PROF_TABLE_MAGIC 0x53504f5245474e49ULL   /* "INGEROPS" */
+
+struct ingero_nccl_prof_table {
+    __u64 magic;           /* INGERO_NCCL_PROF_TABLE_MAGIC; 0 once the communicator is finalized */
+    __u32 size;            /* sizeof(struct ingero_nccl_prof_table) */
+    __u16 version;         /* INGERO_NCCL_PROF_VERSION: the layout of the slots' records */
+    __u16 api;             /* profiler API version NCCL loaded */
+    __u64 comm_hash;
+    __s32 rank;            /* rank in the communicator */
+    __s32 nranks;
+    __u32 pid;             /* the process that created it (a forked child maps it too) */
+    __u32 nslots;
+    __u32 slots;           /* offset of slot 0 from the start of this header */
+    __u32 stride;          /* bytes from one slot to the next */
+    __u32 off_state;       /* in a slot: __u32, 1 while the operation is open */
+    __u32 off_started;     /* __s32: kernel channels started */
+    __u32 off_stopped;     /* __s32: kernel channels that reported stop */
+    __u32 off_rec;         /* struct ingero_nccl_prof_op */
+    __u32 proxy;           /* offset of the proxy ring's entry 0 from the start of this header; 0: none */
+    __u32 nproxy;          /* its entries */
+    __u32 proxy_stride;    /* bytes from one entry to the next */
+    __u32 _pad;
+    __u64 proxy_head;      /* entries written so far; entry n (from 1) is at (n - 1) % nproxy */
+    __u64 proxy_dropped;   /* ProxyOps not summarised: no free slot */
+};
+
+/* ingero_nccl_prof_proxy.wait_ns: time in each of NCCL's proxy step states
+ * (src/include/plugin/nccl_profiler.h), from the state's record to the next
+ * one or to the step's stop. */
+#define NCCL_PROXY_SEND_GPU   0   /* ProxyStepSendGPUWait: the send waits for the GPU's data */
+#define NCCL_PROXY_SEND_PEER  1   /* ProxyStepSendPeerWait_v4: ... for the receiver's clear-to-send */
+#define NCCL_PROXY_SEND_NET   2   /* ProxyStepSendWait: ... for the network to complete it */
+#define NCCL_PROXY_RECV_NET   3   /* ProxyStepRecvWait: the receive waits for the network's data */
+#define NCCL_PROXY_RECV_FLUSH 4   /* ProxyStepRecvFlushWait: ... for the flush to GPU memory */
+#define NCCL_PROXY_RECV_GPU   5   /* ProxyStepRecvGPUWait: ... for the GPU to consume it */
+#define NCCL_PROXY_WAITS      6
+
+#define NCCL_PROXY_NET_IB     1   /* ingero_nccl_prof_proxy.net: the NetPlugin events that named the NIC */
+#define NCCL_PROXY_NET_SOCKET 2
+
+/* One ProxyOp (an operation's transfers with one peer on one channel, one
+ * direction), summarised over its steps. Times CLOCK_MONOTONIC ns. 144 bytes. */
+struct ingero_nccl_prof_proxy {
+    __u64 seq;             /* its number in the ring (from 1); 0 while it is being written */
+    __u64 op_seq;          /* the operation's seq, as in its ingero_nccl_prof_op */
+    __u64 func;            /* const char *: the operation's NCCL function name; 0: parent unknown */
+    __u64 start_ns;        /* ProxyOp started */
+    __u64 stop_ns;         /* ... and stopped */
+    __u64 bytes;           /* the steps' transSize, summed */
+    __u64 wait_ns[NCCL_PROXY_WAITS];
+    __s32 peer;            /* the peer's rank in the communicator */
+    __s32 nsteps;          /* steps NCCL announced */
+    __s32 steps;           /* steps that stopped */
+    __s32 chunk_size;
+    __s32 nic_port;        /* -1: unknown (sockets have none; the IB events give no port) */
+    __s32 nic_index;       /* IB: NCCL's network device index (the QP events' `device`); -1 */
+    __u8  is_send;
+    __u8  channel;
+    __u8  net;             /* NCCL_PROXY_NET_*; 0: no NetPlugin event seen */
+    __u8  _pad[5];
+    char  nic_device[16];  /* sockets: the interface of the connection's local address; "": unknown */
+};
+
 /* One record per finished NCCL operation seen by the profiler plugin. 288 bytes. */
 struct ingero_nccl_prof_event {
     __u64 ts_ns;           /* when the probe fired */

@@ -9,6 +9,10 @@ numbers the members and writes rank and nranks into `comms` and into the
 child's rows of `nccl_events`. Nested splits resolve level by level. A split
 whose parent was not traced on every one of its ranks stays unresolved
 (rank -1): a numbering from part of the members would be wrong.
+
+Likewise the global rank of a proxy summary's peer (`nccl_proxy.peer_rank`): a
+tracer knows it only for peers on its own node; the merged trace knows every
+traced process's rank in each of NCCL's communicators (`nccl_device_inflight`).
 """
 
 from __future__ import annotations
@@ -114,8 +118,25 @@ def with_split_ranks(events_sql: str) -> str:
           ON s.node IS NOT DISTINCT FROM e.node AND s.pid = e.pid AND s.comm_id_hash = e.comm_id_hash"""
 
 
+def resolve_proxy_peers(con) -> int:
+    """Fill `nccl_proxy.peer_rank` where the peer's process was traced (real tables; a trace
+    without the tables is left alone). Returns how many rows were filled."""
+    import duckdb
+
+    try:
+        return con.execute("""
+            UPDATE nccl_proxy SET peer_rank = m.g
+            FROM (SELECT comm_hash, comm_rank, any_value(rank) AS g FROM nccl_device_inflight
+                  WHERE rank IS NOT NULL GROUP BY ALL) m
+            WHERE nccl_proxy.peer_rank IS NULL AND nccl_proxy.comm_hash = m.comm_hash
+              AND nccl_proxy.peer = m.comm_rank""").fetchone()[0]
+    except duckdb.CatalogException:
+        return 0
+
+
 def resolve_split_ranks(con) -> int:
-    """Fill rank/nranks of split children in `comms` and `nccl_events` (real tables).
+    """Fill rank/nranks of split children in `comms` and `nccl_events` (real tables), and the
+    proxy summaries' peers (resolve_proxy_peers).
 
     Grown communicators get their one identity first (resolve_grow_ids).
     Returns how many communicator rows were resolved.
@@ -158,4 +179,5 @@ def resolve_split_ranks(con) -> int:
             FROM ({RESOLVED_SPLITS}) c
             WHERE nccl_events.node IS NOT DISTINCT FROM c.node AND nccl_events.pid = c.pid
               AND nccl_events.comm_id_hash = c.comm_id_hash AND nccl_events.rank < 0""")
+    resolve_proxy_peers(con)
     return resolved

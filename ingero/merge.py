@@ -41,6 +41,7 @@ KEYS = {
     "tcp_events": (("node", "session_id", "event_id"), "rank DESC NULLS LAST"),
     "sched_events": (("node", "session_id", "event_id"), "rank DESC NULLS LAST"),
     "nccl_profiler_events": (("node", "session_id", "event_id"), "rank DESC NULLS LAST"),
+    "nccl_proxy": (("node", "session_id", "event_id"), "rank DESC NULLS LAST"),
     "rdma_counters": (("node", "session_id", "event_id"), "timestamp_ns"),
     "rdma_ports": (("node", "session_id", "device", "port"), "state NULLS LAST"),
     "rdma_ranks": (("node", "session_id", "pid", "device", "port"), "rank DESC NULLS LAST"),
@@ -48,6 +49,7 @@ KEYS = {
     "ranks": (("node", "session_id", "pid"), "first_seen_ns NULLS LAST"),
     "sched_totals": (("node", "session_id", "pid", "reason"), "total_ns DESC NULLS LAST"),
     "nccl_inflight": (("node", "session_id", "pid", "tid"), "seen_ns DESC NULLS LAST"),
+    "nccl_device_inflight": (("node", "session_id", "pid", "comm_hash", "slot"), "seen_ns DESC NULLS LAST"),
     "nodes": (("node", "session_id"), "ended_ns DESC NULLS LAST, "
               "coalesce(events_nccl, 0) + coalesce(events_tcp, 0) + coalesce(events_sched, 0) "
               "+ coalesce(events_nccl_profiler, 0) DESC"),

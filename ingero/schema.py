@@ -199,6 +199,46 @@ NCCL_PROFILER_EVENTS = Table(
     "communicator: they share one device interval), stream the CUDA stream it was called on.",
 )
 
+NCCL_PROXY = Table(
+    "nccl_proxy",
+    (
+        ("event_id", "UBIGINT"),
+        ("timestamp_ns", "BIGINT"),
+        ("duration_ns", "BIGINT"),
+        ("comm_hash", "UBIGINT"),
+        ("comm_rank", "INTEGER"),
+        ("op", "VARCHAR"),
+        ("seq", "BIGINT"),
+        ("channel", "INTEGER"),
+        ("is_send", "BOOLEAN"),
+        ("peer", "INTEGER"),
+        ("peer_rank", "INTEGER"),
+        ("net", "VARCHAR"),
+        ("nic_device", "VARCHAR"),
+        ("nic_port", "INTEGER"),
+        ("nic_index", "INTEGER"),
+        ("bytes", "BIGINT"),
+        ("nsteps", "INTEGER"),
+        ("steps", "INTEGER"),
+        ("send_gpu_wait_ns", "BIGINT"),
+        ("send_peer_wait_ns", "BIGINT"),
+        ("send_net_wait_ns", "BIGINT"),
+        ("recv_net_wait_ns", "BIGINT"),
+        ("recv_flush_wait_ns", "BIGINT"),
+        ("recv_gpu_wait_ns", "BIGINT"),
+        ("lost", "BIGINT"),
+    ) + _IDENTITY,
+    "One row per NCCL proxy operation (ProxyOp: an operation's transfers with one peer on one channel, "
+    "one direction) as Ingero's profiler plugin summarised it over its steps: timestamp_ns when the "
+    "proxy started it, the operation (op, seq, comm_hash as in nccl_profiler_events), peer its rank in "
+    "the communicator and peer_rank its global rank (NULL: its process was not traced), the NIC its "
+    "NetPlugin events named (net ib or socket; nic_device the socket's interface, nic_index NCCL's IB "
+    "device index; nic_port NULL: not known), bytes moved, and the time its steps spent in each of "
+    "NCCL's wait states: for the GPU's data, for the peer's clear-to-send, for the network to send, "
+    "for the network's data, for the flush, for the GPU to consume it. lost: summaries of the "
+    "process's communicator overwritten before the tracer read them, so far.",
+)
+
 TCP_EVENTS_TABLE = Table(
     "tcp_events",
     (
@@ -374,6 +414,38 @@ RDMA_RANKS = Table(
     "(its environment, with NCCL's syntax) or uverbs (the RDMA devices it holds open).",
 )
 
+NCCL_DEVICE_INFLIGHT = Table(
+    "nccl_device_inflight",
+    (
+        ("node", "VARCHAR"),
+        ("session_id", "VARCHAR"),
+        ("pid", "INTEGER"),
+        ("rank", "INTEGER"),
+        ("seen_ns", "BIGINT"),
+        ("comm_hash", "UBIGINT"),
+        ("comm_rank", "INTEGER"),
+        ("nranks", "INTEGER"),
+        ("slot", "INTEGER"),
+        ("op", "VARCHAR"),
+        ("seq", "BIGINT"),
+        ("peer", "INTEGER"),
+        ("nchannels", "INTEGER"),
+        ("channels_started", "INTEGER"),
+        ("channels_stopped", "INTEGER"),
+        ("launched_ns", "BIGINT"),
+        ("enqueued", "BOOLEAN"),
+        ("device_start_ns", "BIGINT"),
+    ),
+    "The operations Ingero's NCCL profiler plugin holds open in each traced process, as the tracer "
+    "last read them from the plugin's table (every roll and at stop; a process that is gone keeps "
+    "its last rows): NCCL started them and has not finished them. comm_hash, comm_rank, nranks and "
+    "seq are NCCL's own (as in nccl_profiler_events); launched_ns when NCCL launched it on the host, "
+    "enqueued whether the launch returned, device_start_ns when its first kernel channel started on "
+    "the GPU (NULL: not yet), channels_started/channels_stopped of nchannels. One row per "
+    "communicator has no op (slot NULL): the process has it, with nothing open. rank is the "
+    "process's torchrun RANK.",
+)
+
 NODES = Table(
     "nodes",
     (
@@ -415,16 +487,19 @@ SESSIONS = Table(
 
 TABLES: dict[str, Table] = {
     t.name: t
-    for t in (NCCL_EVENTS, NCCL_PROFILER_EVENTS, TCP_EVENTS_TABLE, SCHED_EVENTS, SCHED_TOTALS, RANKS, COMMS,
-              NCCL_INFLIGHT, RDMA_COUNTERS, RDMA_PORTS, RDMA_RANKS, NODES, SESSIONS)
+    for t in (NCCL_EVENTS, NCCL_PROFILER_EVENTS, NCCL_PROXY, TCP_EVENTS_TABLE, SCHED_EVENTS, SCHED_TOTALS, RANKS,
+              COMMS, NCCL_INFLIGHT, NCCL_DEVICE_INFLIGHT, RDMA_COUNTERS, RDMA_PORTS, RDMA_RANKS, NODES, SESSIONS)
 }
-EVENT_TABLES = ("nccl_events", "nccl_profiler_events", "tcp_events", "sched_events", "rdma_counters")
+EVENT_TABLES = ("nccl_events", "nccl_profiler_events", "nccl_proxy", "tcp_events", "sched_events",
+                "rdma_counters")
 # Wall-clock columns per table: what a node's clock offset shifts (gather, merge).
 CLOCK_COLUMNS: dict[str, tuple[str, ...]] = {
     "nccl_events": ("timestamp_ns",), "tcp_events": ("timestamp_ns",), "sched_events": ("timestamp_ns",),
     "comms": ("timestamp_ns",), "nccl_inflight": ("seen_ns", "since_ns"),
     "nccl_profiler_events": ("timestamp_ns", "device_start_ns", "device_end_ns"),
     "rdma_counters": ("timestamp_ns",),
+    "nccl_device_inflight": ("seen_ns", "launched_ns", "device_start_ns"),
+    "nccl_proxy": ("timestamp_ns",),
 }
 
 

@@ -170,8 +170,8 @@ def main() -> int:
     dist.destroy_process_group()
 
     sink = Path(os.environ["INGERO_PROFILER_FILE"])
-    rows = [dict(w.split("=", 1) for w in line.split()[1:]) for line in sink.read_text().splitlines()] \
-        if sink.exists() else []
+    rows = [dict(w.split("=", 1) for w in line.split()[1:]) for line in sink.read_text().splitlines()
+            if line.startswith("op ")] if sink.exists() else []
     if not rows:
         cannot("the plugin wrote no record: was it loaded? (NCCL_DEBUG=INFO says; NCCL_PROFILER_PLUGIN="
                f"{os.environ.get('NCCL_PROFILER_PLUGIN')})")

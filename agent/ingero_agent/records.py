@@ -125,6 +125,58 @@ NCCL_PROF_EVENT = _dtype([
     ("op", NCCL_PROF_OP, 120),
 ], 288)
 
+# The header of the plugin's table of operations (ingero_agent.devinflight reads it live).
+NCCL_PROF_TABLE = _dtype([
+    ("magic", "<u8", 0),
+    ("size", "<u4", 8),
+    ("version", "<u2", 12),
+    ("api", "<u2", 14),
+    ("comm_hash", "<u8", 16),
+    ("rank", "<i4", 24),
+    ("nranks", "<i4", 28),
+    ("pid", "<u4", 32),
+    ("nslots", "<u4", 36),
+    ("slots", "<u4", 40),
+    ("stride", "<u4", 44),
+    ("off_state", "<u4", 48),
+    ("off_started", "<u4", 52),
+    ("off_stopped", "<u4", 56),
+    ("off_rec", "<u4", 60),
+    ("proxy", "<u4", 64),
+    ("nproxy", "<u4", 68),
+    ("proxy_stride", "<u4", 72),
+    ("_pad", "<u4", 76),
+    ("proxy_head", "<u8", 80),
+    ("proxy_dropped", "<u8", 88),
+], 96)
+# One ProxyOp's summary in the plugin's ring (the same mapping).
+NCCL_PROF_PROXY = _dtype([
+    ("seq", "<u8", 0),
+    ("op_seq", "<u8", 8),
+    ("func", "<u8", 16),
+    ("start_ns", "<u8", 24),
+    ("stop_ns", "<u8", 32),
+    ("bytes", "<u8", 40),
+    ("wait_ns", "(6,)<u8", 48),
+    ("peer", "<i4", 96),
+    ("nsteps", "<i4", 100),
+    ("steps", "<i4", 104),
+    ("chunk_size", "<i4", 108),
+    ("nic_port", "<i4", 112),
+    ("nic_index", "<i4", 116),
+    ("is_send", "u1", 120),
+    ("channel", "u1", 121),
+    ("net", "u1", 122),
+    ("_pad", "(5,)u1", 123),
+    ("nic_device", "S16", 128),
+], 144)
+# its wait_ns, in NCCL's proxy step states (bpf/ingero.h NCCL_PROXY_*): the nccl_proxy columns
+PROXY_WAITS = ("send_gpu_wait_ns", "send_peer_wait_ns", "send_net_wait_ns", "recv_net_wait_ns",
+               "recv_flush_wait_ns", "recv_gpu_wait_ns")
+PROXY_NETS = {1: "ib", 2: "socket"}
+NCCL_PROF_TABLE_MAGIC = 0x53504f5245474e49
+NCCL_PROF_TABLE_NAME = "ingero-nccl-ops"
+
 # ring name -> (C struct name, dtype, ring buffer map name, lost-counter slot)
 FAMILIES: dict[str, tuple[str, np.dtype, str, int]] = {
     "nccl": ("ingero_nccl_event", NCCL_EVENT, "nccl_events", 0),
@@ -139,7 +191,8 @@ FAMILY_RINGS: dict[str, tuple[str, ...]] = {
     "sched": ("sched",),
 }
 # Nested structs of the records, checked field by field like the records.
-NESTED: dict[str, np.dtype] = {"ingero_nccl_prof_op": NCCL_PROF_OP}
+NESTED: dict[str, np.dtype] = {"ingero_nccl_prof_op": NCCL_PROF_OP, "ingero_nccl_prof_table": NCCL_PROF_TABLE,
+                               "ingero_nccl_prof_proxy": NCCL_PROF_PROXY}
 
 # NCCL_F_* flags and OWNER_* values (bpf/ingero.h, then the decoder's own)
 NCCL_F_IN_GROUP = 1

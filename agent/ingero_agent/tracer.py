@@ -33,6 +33,7 @@ from ingero import __version__, schema
 from ingero.errors import IngeroError, NotPermitted
 from ingero.store import SegmentWriter, build_duckdb
 from ingero_agent.decode import COLUMNS, TABLES, Identity, Registry, mono_to_wall, op_name
+from ingero_agent.devinflight import Reader as DeviceReader, read_all as read_device
 from ingero_agent.inflight import FrameReader, snapshot
 from ingero_agent.probes import ProbeConfig, Probes
 from ingero_agent.procinfo import int_or_none
@@ -99,6 +100,9 @@ class Tracer:
         self.frames: FrameReader | None = None           # open NCCL calls (ingero_agent.inflight)
         self.stacks: StackScanner | None = None          # calls entered before the probes attached
         self.inflight: dict[tuple[int, int], dict] = {}  # (pid, tid) -> its last nccl_inflight row
+        self.device = DeviceReader()                     # operations open in the profiler plugin
+        self.device_open: dict[int, list[dict]] = {}     # pid -> its last nccl_device_inflight rows
+        self.device_s = 0.0                              # time spent reading the plugin's tables, all rolls
         self.inflight_s = 0.0                            # time spent reading them, all rolls
         self._noted_threads = False
         self.rdma: RdmaSampler | None = None             # RDMA port counters (ingero_agent.rdma)
@@ -147,6 +151,7 @@ class Tracer:
                                   f"(loading them took {time.monotonic() - t_load:.1f} s); start the trace "
                                   "earlier, or trace the job's cgroup (--cgroup) to follow new processes")
             self._put_inflight()     # at attach: the calls threads were inside already (a hung job)
+            self._put_device_inflight()
             if self.opts.ready_file:
                 Path(self.opts.ready_file).touch()
             self.log(f"tracing {','.join(self.opts.probe_config.families)} for "
@@ -216,6 +221,7 @@ class Tracer:
                 exec_pending, last_exec_scan = False, now
             if now >= next_scan:
                 self._scan()
+                self._put_device_inflight()    # a process's proxy summaries die with it: read often
                 next_scan = now + o.scan_s
                 gone = self.targets.pids_gone()
                 if not gone or len(gone) < len(self.targets.pids):
@@ -431,6 +437,7 @@ class Tracer:
         self._put_rows("ranks", rows)
         self._put_rows("comms", self.comm_rows)
         self._put_inflight()
+        self._put_device_inflight()
         totals = []
         for tgid, reason, total, intervals in self.probes.sched_totals():
             ident = self.registry.by_pid.get(tgid)
@@ -491,6 +498,22 @@ class Tracer:
         self._put_rows("nccl_inflight", list(self.inflight.values()))
         self.inflight_s += time.perf_counter() - t0
 
+    def _put_device_inflight(self) -> None:
+        """The operations the profiler plugin of each process holds open (a process that is gone
+        keeps its last rows: a collective its rank died in shows it), and its proxy summaries."""
+        t0 = time.perf_counter()
+        # every NCCL process: NCCL loads the plugin at its first communicator, after its library
+        pids = [p.pid for p in self.targets.processes.values()
+                if p.alive and (p.nccl_key is not None or p.pid in self.nccl_pids)]
+        now = time.clock_gettime_ns(time.CLOCK_MONOTONIC) + self.offset_ns
+        rank_of = lambda pid: getattr(self.registry.by_pid.get(pid), "rank", None)  # noqa: E731
+        open_rows, proxy = read_device(self.device, pids, self.offset_ns, now, rank_of)
+        self.device_open.update(open_rows)
+        self._put_rows("nccl_device_inflight", [r for rows in self.device_open.values() for r in rows])
+        if proxy:
+            self.writer.append("nccl_proxy", {c: [r[c] for r in proxy] for c in proxy[0]})
+        self.device_s += time.perf_counter() - t0
+
     def _stack_calls(self, pid: int, tids: list[int]) -> dict[int, str]:
         """tid -> the op of the NCCL API call the thread is inside, read from its stack."""
         p = self.targets.processes.get(pid)
@@ -517,7 +540,8 @@ class Tracer:
         if self.loop_cpu_s is not None and self.loop_wall_s:
             self.log(f"tracing used {self.loop_cpu_s:.2f} s CPU in {self.loop_wall_s:.1f} s "
                      f"({100 * self.loop_cpu_s / self.loop_wall_s:.2f}% of a core), "
-                     f"{self.drains} ring drains, {self.inflight_s * 1e3:.0f} ms reading calls in flight")
+                     f"{self.drains} ring drains, {self.inflight_s * 1e3:.0f} ms reading calls in flight, "
+                     f"{self.device_s * 1e3:.0f} ms reading the profiler plugin's tables")
 
 
 def _cpu_seconds() -> float:

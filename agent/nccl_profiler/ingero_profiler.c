@@ -2,7 +2,7 @@
  *
  * Loaded by NCCL inside the training process (NCCL_PROFILER_PLUGIN=<path> or
  * =ingero with the library on the loader path). It asks NCCL for collective,
- * point-to-point and kernel-channel events, and for every finished operation
+ * point-to-point, kernel-channel and proxy events, and for every finished operation
  * fires one USDT probe, `ingero:nccl_op_v2`, whose only argument is the
  * address of a `struct ingero_nccl_prof_op` (bpf/ingero.h): communicator
  * (commHash, rank, size, name), NCCL's sequence number, op, count, datatype,
@@ -29,6 +29,15 @@
  *                counters move; the start descriptor and the KernelChStop
  *                state carry the GPU's globaltimer (`pTimer`, ns) of the
  *                kernel's own start and stop on that channel.
+ *   ProxyOp      one per operation, channel, peer and direction on the network
+ *                transport, started and stopped by NCCL's proxy thread; its
+ *                parentObj is the op's Coll/P2p handle.
+ *   ProxyStep    one per network transfer of a ProxyOp (its parentObj); its states
+ *                (SendGPUWait, SendPeerWait_v4, SendWait; RecvWait, RecvFlushWait,
+ *                RecvGPUWait) are timed and summed per ProxyOp: one summary per
+ *                ProxyOp, never one record per step (see "Operations in flight").
+ *   NetPlugin    from the network plugin, under a step: the socket's fd or the IB
+ *                device index, which names the NIC of the ProxyOp.
  * An op is finished when NCCL stopped its host event and every channel it
  * announced (`nChannels`) reported stop. Device start = first channel start,
  * device stop = last channel stop. Ops without channels (nChannels 0) finish
@@ -64,9 +73,22 @@
  * fit is updated by one thread at a time (a busy flag another thread skips,
  * never waits on) and read lock-free (sequence counter).
  *
+ * Operations in flight: the slot array lives in a shared-memory mapping
+ * (memfd, one per communicator, made at init) behind a header that describes
+ * it (bpf/ingero.h: struct ingero_nccl_prof_table). An open slot's record is
+ * filled from the op's start, and its device start from its first kernel
+ * channel, so the agent reads which operations NCCL started and never
+ * finished, and since when, from the process's memory at each roll: a
+ * collective stuck on the GPU while the host waits outside NCCL, even one that
+ * was stuck before the agent attached. Nothing more per event. The same
+ * mapping holds a ring of proxy summaries (INGERO_PROFILER_PROXY_RING entries
+ * per communicator, default 4096; 0: no proxy events), drained by the agent at
+ * each roll; a summary costs two clock reads per step state and one ring write.
+ *
  * File sink: with INGERO_PROFILER_FILE=<path>, each record is also appended
  * to that file as one line of key=value words (the same fields, the strings
- * spelled out; one write per line), for a machine without the eBPF agent
+ * spelled out; one write per line; "op ..." per operation, "proxy ..." per
+ * proxy summary), for a machine without the eBPF agent
  * (scripts/gpu-check.sh). Built with -DINGERO_PROFILER_NO_USDT (no
  * <sys/sdt.h> there), the USDT probe is left out and the file is the only sink.
  *
@@ -74,15 +96,21 @@
  * file that cannot be opened): init logs one line and fails, and NCCL runs on
  * without the plugin.
  */
+#define _GNU_SOURCE                     /* memfd_create */
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 #include <linux/types.h>
@@ -103,11 +131,17 @@
 
 _Static_assert(INGERO_NCCL_PROF_VERSION == 2, "rename the probe nccl_op_v2 with the record version");
 _Static_assert(sizeof(struct ingero_nccl_prof_op) == 168, "record layout changed: bump its version");
+_Static_assert(sizeof(struct ingero_nccl_prof_proxy) == 144, "proxy summary layout changed: bump the version");
 
 #define TAG_OP  0x504f4f5245474e49ULL   /* "INGEROOP": first word of an op handle */
 #define TAG_KCH 0x434b4f5245474e49ULL   /* "INGEROKC": handle of an op's kernel-channel events */
 #define TAG_GRP 0x50524f5245474e49ULL   /* "INGERORP": handle of a Group event */
 #define TAG_API 0x41504f5245474e49ULL   /* "INGEROPA": handle of a CollApi/P2pApi event */
+#define TAG_PRX 0x58505f5245474e49ULL   /* "INGER_PX": handle of a ProxyOp event */
+#define TAG_STP 0x54535f5245474e49ULL   /* "INGER_ST": handle of a ProxyStep event */
+#define PROXY_STEPS 8                   /* NCCL_STEPS (src/include/device.h): steps in flight per ProxyOp */
+#define DEFAULT_PROXY_RING 4096
+#define NIC_CACHE 64                    /* sockets whose interface is remembered, per communicator */
 #define SLOT_FREE 0u
 #define SLOT_BUSY 1u
 #define ALLOC_TRIES 8                   /* busy slots passed over before an op is dropped */
@@ -157,12 +191,40 @@ struct op {
     struct ingero_nccl_prof_op rec;
 };
 
+/* A ProxyOp: NCCL's transfers of one operation with one peer on one channel, one
+ * direction; its steps' times in each state are summed into `rec` (one record per
+ * ProxyOp, never one per step). All its events come from one proxy thread. */
+struct proxy;
+struct step {
+    uint64_t tag;                       /* TAG_STP */
+    struct proxy *p;
+    int state;                          /* NCCL_PROXY_* the step is in now; -1: none yet */
+    uint64_t since;                     /* ... since then (host ns) */
+    uint64_t trans;                     /* its transSize, as last recorded */
+};
+
+struct proxy {
+    uint64_t tag;                       /* TAG_PRX */
+    struct ctx *ctx;
+    _Atomic uint32_t state;             /* SLOT_FREE / SLOT_BUSY */
+    struct ingero_nccl_prof_proxy rec;
+    struct step steps[PROXY_STEPS];     /* NCCL reuses step % NCCL_STEPS */
+};
+
 struct ctx {
     uint64_t comm_hash;
     int rank, nranks, nnodes;
     uint8_t api;
     uint32_t nslots;
-    struct op *slots;
+    struct op *slots;                   /* in `table`'s mapping, after its header */
+    struct ingero_nccl_prof_table *table;   /* NULL: the slots are plain memory (no memfd) */
+    size_t table_len;
+    struct ingero_nccl_prof_proxy *ring;    /* in `table`'s mapping; NULL: no proxy summaries */
+    uint32_t nring;
+    struct proxy *proxies;              /* [nslots] */
+    _Atomic uint64_t next_proxy;
+    struct { int fd; char name[16]; } nic[NIC_CACHE];   /* socket -> its interface; fd -1: free */
+    pthread_mutex_t nic_mu;
     _Atomic uint64_t next;
     _Atomic uint64_t dropped;
     _Atomic uint64_t *p2p_seq;          /* [2 * nranks]: sends to, receives from each peer */
@@ -177,6 +239,9 @@ struct ctx {
 /* What startEvent needs from a descriptor; the same field names in v4, v5, v6. */
 struct ev {
     uint64_t type;
+    int64_t net_id;                     /* NetPlugin: the network plugin's id (type and version bits) */
+    void *net_data;                     /* ... and its descriptor */
+    int channel, nsteps, chunk, is_send, step;   /* ProxyOp / ProxyStep */
     void *parent;                       /* KernelCh: its op; Coll/P2p v5+: the API event */
     void *group;                        /* Coll/P2p: the Group event */
     void *stream;                       /* CollApi/P2pApi: the call's stream */
@@ -296,26 +361,36 @@ static struct op *op_of_kch(void *handle)
     return (struct op *)((char *)handle - offsetof(struct op, kch_tag));
 }
 
-static struct op *op_alloc(struct ctx *c)
+/* A free slot of an array of `n` slots of `stride` bytes whose state word is at `state`
+ * bytes into each, taken in turn (counter `next`); NULL after ALLOC_TRIES busy ones. */
+static void *slot_claim(_Atomic uint64_t *next, void *base, size_t stride, uint32_t n, size_t state)
 {
     for (int i = 0; i < ALLOC_TRIES; i++) {
-        uint64_t n = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed);
-        struct op *o = &c->slots[n % c->nslots];
+        char *s = (char *)base + atomic_fetch_add_explicit(next, 1, memory_order_relaxed) % n * stride;
         uint32_t want = SLOT_FREE;
-        if (atomic_compare_exchange_strong_explicit(&o->state, &want, SLOT_BUSY, memory_order_acquire,
-                                                    memory_order_relaxed))
-            return o;
+        if (atomic_compare_exchange_strong_explicit((_Atomic uint32_t *)(s + state), &want, SLOT_BUSY,
+                                                    memory_order_acquire, memory_order_relaxed))
+            return s;
     }
-    atomic_fetch_add_explicit(&c->dropped, 1, memory_order_relaxed);
     return NULL;
 }
 
-static void atomic_min_u64(_Atomic uint64_t *p, uint64_t v)
+static struct op *op_alloc(struct ctx *c)
+{
+    struct op *o = slot_claim(&c->next, c->slots, sizeof(*o), c->nslots, offsetof(struct op, state));
+    if (!o)
+        atomic_fetch_add_explicit(&c->dropped, 1, memory_order_relaxed);
+    return o;
+}
+
+/* 1 when `v` became the minimum */
+static int atomic_min_u64(_Atomic uint64_t *p, uint64_t v)
 {
     uint64_t cur = atomic_load_explicit(p, memory_order_relaxed);
-    while (v < cur && !atomic_compare_exchange_weak_explicit(p, &cur, v, memory_order_relaxed,
-                                                             memory_order_relaxed))
-        ;
+    while (v < cur)
+        if (atomic_compare_exchange_weak_explicit(p, &cur, v, memory_order_relaxed, memory_order_relaxed))
+            return 1;
+    return 0;
 }
 
 static void atomic_max_u64(_Atomic uint64_t *p, uint64_t v)
@@ -444,6 +519,148 @@ static uint64_t link_value(const void *h, uint64_t tag, uint8_t *known)
     return ((const struct link *)h)->value;
 }
 
+/* ---- proxy summaries -------------------------------------------------- */
+
+static struct proxy *proxy_alloc(struct ctx *c)
+{
+    struct proxy *p = slot_claim(&c->next_proxy, c->proxies, sizeof(*p), c->nslots, offsetof(struct proxy, state));
+    if (!p)
+        __atomic_fetch_add(&c->table->proxy_dropped, 1, __ATOMIC_RELAXED);
+    return p;
+}
+
+static int wait_index(ncclProfilerEventState_t state)
+{
+    switch (state) {
+    case ncclProfilerProxyStepSendGPUWait: return NCCL_PROXY_SEND_GPU;
+    case ncclProfilerProxyStepSendPeerWait_v4: return NCCL_PROXY_SEND_PEER;
+    case ncclProfilerProxyStepSendWait: return NCCL_PROXY_SEND_NET;
+    case ncclProfilerProxyStepRecvWait: return NCCL_PROXY_RECV_NET;
+    case ncclProfilerProxyStepRecvFlushWait: return NCCL_PROXY_RECV_FLUSH;
+    case ncclProfilerProxyStepRecvGPUWait: return NCCL_PROXY_RECV_GPU;
+    default: return -1;
+    }
+}
+
+/* The time since the step entered its state goes to that state. */
+static void step_close(struct step *st, uint64_t now)
+{
+    if (st->state >= 0 && now > st->since)
+        st->p->rec.wait_ns[st->state] += now - st->since;
+}
+
+/* The ProxyOp's summary into the ring: numbered, then published (`seq` last). */
+static void ring_put(struct ctx *c, const struct ingero_nccl_prof_proxy *r)
+{
+    uint64_t n = __atomic_fetch_add(&c->table->proxy_head, 1, __ATOMIC_RELAXED) + 1;
+    struct ingero_nccl_prof_proxy *e = &c->ring[(n - 1) % c->nring];
+    __atomic_store_n(&e->seq, 0, __ATOMIC_RELAXED);
+    atomic_thread_fence(memory_order_release);
+    memcpy((char *)e + sizeof(e->seq), (const char *)r + sizeof(r->seq), sizeof(*r) - sizeof(r->seq));
+    __atomic_store_n(&e->seq, n, __ATOMIC_RELEASE);
+    int fd = atomic_load_explicit(&sink_fd, memory_order_relaxed);
+    if (fd < 0)
+        return;
+    char line[512];
+    const __u64 *w = r->wait_ns;
+    int len = snprintf(line, sizeof(line),
+                       "proxy comm=%016llx rank=%d func=%s seq=%llu channel=%u send=%u peer=%d net=%u nic=%s "
+                       "nic_index=%d bytes=%llu steps=%d/%d start=%llu stop=%llu send_gpu=%llu send_peer=%llu "
+                       "send_net=%llu recv_net=%llu recv_flush=%llu recv_gpu=%llu\n",
+                       (unsigned long long)c->comm_hash, c->rank, str_or(r->func, "-"),
+                       (unsigned long long)r->op_seq, r->channel, r->is_send, r->peer, r->net,
+                       r->nic_device[0] ? r->nic_device : "-", r->nic_index, (unsigned long long)r->bytes, r->steps,
+                       r->nsteps, (unsigned long long)r->start_ns, (unsigned long long)r->stop_ns,
+                       (unsigned long long)w[0], (unsigned long long)w[1], (unsigned long long)w[2],
+                       (unsigned long long)w[3], (unsigned long long)w[4], (unsigned long long)w[5]);
+    if (len > 0 && (size_t)len < sizeof(line) && write(fd, line, (size_t)len) < 0) {
+        /* a full disk loses lines, never the job */
+    }
+}
+
+/* The interface of a socket's local address ("lo", "eth0", ...), remembered per socket:
+ * a connection's first NetPlugin event pays the lookup, later ones a scan of the cache. */
+static void nic_of_socket(struct ctx *c, int fd, char out[16])
+{
+    pthread_mutex_lock(&c->nic_mu);
+    int free_at = -1;
+    for (int i = 0; i < NIC_CACHE; i++) {
+        if (c->nic[i].fd == fd) {
+            memcpy(out, c->nic[i].name, 16);
+            pthread_mutex_unlock(&c->nic_mu);
+            return;
+        }
+        if (c->nic[i].fd < 0 && free_at < 0)
+            free_at = i;
+    }
+    pthread_mutex_unlock(&c->nic_mu);
+    char name[16] = "";
+    struct sockaddr_storage ss;
+    socklen_t len = sizeof(ss);
+    struct ifaddrs *ifs = NULL;
+    if (getsockname(fd, (struct sockaddr *)&ss, &len) == 0 && getifaddrs(&ifs) == 0) {
+        for (struct ifaddrs *i = ifs; i && !name[0]; i = i->ifa_next) {
+            if (!i->ifa_addr || i->ifa_addr->sa_family != ss.ss_family)
+                continue;
+            int same = ss.ss_family == AF_INET
+                ? ((struct sockaddr_in *)i->ifa_addr)->sin_addr.s_addr == ((struct sockaddr_in *)&ss)->sin_addr.s_addr
+                : ss.ss_family == AF_INET6 && !memcmp(&((struct sockaddr_in6 *)i->ifa_addr)->sin6_addr,
+                                                      &((struct sockaddr_in6 *)&ss)->sin6_addr, 16);
+            if (same)
+                snprintf(name, sizeof(name), "%s", i->ifa_name);
+        }
+        freeifaddrs(ifs);
+    }
+    memcpy(out, name, 16);
+    pthread_mutex_lock(&c->nic_mu);
+    if (free_at >= 0 && c->nic[free_at].fd < 0) {
+        c->nic[free_at].fd = fd;
+        memcpy(c->nic[free_at].name, name, 16);
+    }
+    pthread_mutex_unlock(&c->nic_mu);
+}
+
+/* A NetPlugin event under a step: which NIC its ProxyOp uses (the first one seen). */
+static void net_event(struct ctx *c, struct step *st, int64_t id, const void *data)
+{
+    struct ingero_nccl_prof_proxy *r = &st->p->rec;
+    uint32_t type = (uint32_t)id & NCCL_PROFILER_NET_TYPE_MASK;
+    if (r->net || !data)
+        return;
+    if (type == NCCL_PROFILER_NET_TYPE_SOCK && ((const ncclProfilerNetSockDescr_v1_t *)data)->type == ncclProfileSocket) {
+        r->net = NCCL_PROXY_NET_SOCKET;
+        nic_of_socket(c, ((const ncclProfilerNetSockDescr_v1_t *)data)->sock.fd, r->nic_device);
+    } else if (type == NCCL_PROFILER_NET_TYPE_IB && ((const ncclProfilerNetIbDescr_v1_t *)data)->type == ncclProfileQp) {
+        r->net = NCCL_PROXY_NET_IB;
+        r->nic_index = ((const ncclProfilerNetIbDescr_v1_t *)data)->qp.device;
+    }
+}
+
+static void proxy_start(struct ctx *c, void **handle, const struct ev *e)
+{
+    struct proxy *p = proxy_alloc(c);
+    if (!p)
+        return;
+    struct ingero_nccl_prof_proxy *r = &p->rec;
+    memset(r, 0, sizeof(*r));
+    const struct op *o = e->parent;
+    if (o && o->tag == TAG_OP && atomic_load_explicit(&o->state, memory_order_relaxed) == SLOT_BUSY) {
+        r->op_seq = o->rec.seq;
+        r->func = o->rec.func;
+    }
+    r->peer = e->peer;
+    r->channel = (uint8_t)e->channel;
+    r->nsteps = e->nsteps;
+    r->chunk_size = e->chunk;
+    r->is_send = (uint8_t)(e->is_send != 0);
+    r->nic_port = -1;
+    r->nic_index = -1;
+    for (int i = 0; i < PROXY_STEPS; i++)
+        p->steps[i] = (struct step){.tag = TAG_STP, .p = p, .state = -1};
+    r->start_ns = now_ns();
+    *handle = p;
+}
+
 static ncclResult_t start_event(void *context, void **handle, struct ev *e)
 {
     struct ctx *c = context;
@@ -476,10 +693,25 @@ static ncclResult_t start_event(void *context, void **handle, struct ev *e)
         if (atomic_fetch_add_explicit(&o->started, 1, memory_order_relaxed) >= o->rec.nchannels)
             return ncclSuccess;
         clock_pair(&c->clk, h, e->ptimer);
-        if (e->ptimer)
-            atomic_min_u64(&o->dev_start, e->ptimer);
+        if (e->ptimer && atomic_min_u64(&o->dev_start, e->ptimer))
+            o->rec.dev_start_ns = clock_host(&c->clk, e->ptimer);   /* for a reader of the open op */
         *handle = &o->kch_tag;
-    }
+    } else if (e->type == ncclProfileProxyOp && c->ring) {
+        proxy_start(c, handle, e);
+    } else if (e->type == ncclProfileProxyStep) {
+        struct proxy *p = e->parent;
+        if (!p || p->tag != TAG_PRX || e->step < 0)
+            return ncclSuccess;
+        struct step *st = &p->steps[e->step % PROXY_STEPS];
+        st->state = -1;
+        st->since = now_ns();
+        st->trans = 0;
+        *handle = st;
+    } else if (e->type == ncclProfileNetPlugin) {
+        struct step *st = e->parent;
+        if (st && st->tag == TAG_STP)
+            net_event(c, st, e->net_id, e->net_data);
+    }   /* NetPlugin events get no handle: their stop and updates are not needed */
     return ncclSuccess;
 }
 
@@ -494,12 +726,40 @@ static ncclResult_t stop_event(void *handle)
         op_release(o);
     } else if (tag == TAG_KCH) {
         op_release(op_of_kch(handle));
+    } else if (tag == TAG_STP) {
+        struct step *st = handle;
+        step_close(st, now_ns());
+        st->p->rec.bytes += st->trans;
+        st->p->rec.steps++;
+        st->state = -1;
+    } else if (tag == TAG_PRX) {
+        struct proxy *p = handle;
+        p->rec.stop_ns = now_ns();
+        for (int i = 0; i < PROXY_STEPS; i++)     /* steps NCCL never stopped (an error): their wait so far */
+            step_close(&p->steps[i], p->rec.stop_ns);
+        ring_put(p->ctx, &p->rec);
+        atomic_store_explicit(&p->state, SLOT_FREE, memory_order_release);
     }   /* TAG_GRP, TAG_API: the ring reuses them */
     return ncclSuccess;
 }
 
-static ncclResult_t record_state(void *handle, ncclProfilerEventState_t state, uint64_t ptimer)
+/* `arg`: the state's argument (KernelChStop: the GPU timer; a proxy step state: transSize). */
+static ncclResult_t record_state(void *handle, ncclProfilerEventState_t state, uint64_t arg)
 {
+    if (handle && *(uint64_t *)handle == TAG_STP) {
+        struct step *st = handle;
+        int w = wait_index(state);
+        uint64_t now = now_ns();
+        step_close(st, now);
+        if (w >= 0) {
+            st->state = w;
+            st->since = now;
+        }
+        if (arg)
+            st->trans = arg;
+        return ncclSuccess;
+    }
+    uint64_t ptimer = arg;
     if (!handle || state != ncclProfilerKernelChStop || *(uint64_t *)handle != TAG_KCH)
         return ncclSuccess;
     struct op *o = op_of_kch(handle);
@@ -560,33 +820,68 @@ static int open_sink(ncclDebugLogger_t log)
     return 0;
 }
 
+/* The slots, after a table header, in a memfd mapping the agent finds in /proc/<pid>/maps;
+ * plain memory where memfd_create is refused (then operations in flight are not visible). */
+static void slots_alloc(struct ctx *c, uint32_t n, uint32_t nring)
+{
+    size_t head = (sizeof(struct ingero_nccl_prof_table) + 63) & ~(size_t)63;
+    size_t ring = (head + (size_t)n * sizeof(struct op) + 63) & ~(size_t)63;
+    size_t len = ring + (size_t)nring * sizeof(struct ingero_nccl_prof_proxy);
+    int fd = memfd_create(INGERO_NCCL_PROF_TABLE_NAME, MFD_CLOEXEC);
+    void *m = MAP_FAILED;
+    if (fd >= 0 && ftruncate(fd, (off_t)len) == 0)
+        m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (fd >= 0)
+        close(fd);                      /* the mapping keeps the memory */
+    if (m == MAP_FAILED) {
+        c->slots = calloc(n, sizeof(struct op));
+        return;
+    }
+    c->table = m;
+    c->table_len = len;
+    c->slots = (struct op *)((char *)m + head);
+    if (nring) {
+        c->ring = (struct ingero_nccl_prof_proxy *)((char *)m + ring);
+        c->nring = nring;
+    }
+}
+
 static void ctx_free(struct ctx *c)
 {
     if (!c)
         return;
-    free(c->slots);
+    if (c->table)
+        munmap(c->table, c->table_len);
+    else
+        free(c->slots);
     free(c->links);
+    free(c->proxies);
     free((void *)c->p2p_seq);
+    pthread_mutex_destroy(&c->nic_mu);
     free(c);
 }
 
 static ncclResult_t init_common(void **context, int *mask, const char *name, uint64_t hash, int nnodes,
                                 int nranks, int rank, ncclDebugLogger_t log, uint8_t api)
 {
-    long slots, window_ms;
+    long slots, window_ms, nring;
     *context = NULL;
     if (env_number("INGERO_PROFILER_SLOTS", DEFAULT_SLOTS, 16, 1L << 20, &slots, log) ||
         env_number("INGERO_PROFILER_CLOCK_WINDOW_MS", DEFAULT_WINDOW_MS, 1, 600000, &window_ms, log) ||
+        env_number("INGERO_PROFILER_PROXY_RING", DEFAULT_PROXY_RING, 0, 1L << 20, &nring, log) ||
         open_sink(log))
         return ncclInvalidArgument;
     struct ctx *c = calloc(1, sizeof(*c));
     if (c) {
-        c->slots = calloc((size_t)slots, sizeof(struct op));
+        pthread_mutex_init(&c->nic_mu, NULL);
+        slots_alloc(c, (uint32_t)slots, (uint32_t)nring);
         c->links = calloc((size_t)slots, sizeof(struct link));
+        if (c->ring)
+            c->proxies = calloc((size_t)slots, sizeof(struct proxy));
         if (nranks > 0 && nranks <= (1 << 24))
             c->p2p_seq = calloc(2 * (size_t)nranks, sizeof(uint64_t));
     }
-    if (!c || !c->slots || !c->links || (nranks > 0 && !c->p2p_seq)) {
+    if (!c || !c->slots || !c->links || (c->ring && !c->proxies) || (nranks > 0 && !c->p2p_seq)) {
         say(log, NCCL_LOG_WARN, "Ingero profiler: out of memory for the operation slots; the plugin is off");
         ctx_free(c);
         return ncclSystemError;
@@ -602,16 +897,31 @@ static ncclResult_t init_common(void **context, int *mask, const char *name, uin
         c->slots[i].tag = TAG_OP;
         c->slots[i].kch_tag = TAG_KCH;
         c->slots[i].ctx = c;
+        if (c->proxies)
+            c->proxies[i] = (struct proxy){.tag = TAG_PRX, .ctx = c};
     }
+    for (int i = 0; i < NIC_CACHE; i++)
+        c->nic[i].fd = -1;
+    if (c->table)
+        *c->table = (struct ingero_nccl_prof_table){
+            .size = sizeof(struct ingero_nccl_prof_table), .version = INGERO_NCCL_PROF_VERSION, .api = api,
+            .comm_hash = hash, .rank = rank, .nranks = nranks, .pid = (uint32_t)getpid(),
+            .nslots = c->nslots, .slots = (uint32_t)((char *)c->slots - (char *)c->table),
+            .stride = sizeof(struct op), .off_state = offsetof(struct op, state),
+            .off_started = offsetof(struct op, started), .off_stopped = offsetof(struct op, reported),
+            .off_rec = offsetof(struct op, rec),
+            .proxy = c->ring ? (uint32_t)((char *)c->ring - (char *)c->table) : 0, .nproxy = c->nring,
+            .proxy_stride = sizeof(struct ingero_nccl_prof_proxy), .magic = INGERO_NCCL_PROF_TABLE_MAGIC};
     atomic_flag_clear(&c->clk.busy);
     c->clk.window_ns = window_ms * 1000000L;
     if (name && *name)
         snprintf(c->name, sizeof(c->name), "%s", name);
-    *mask = ncclProfileColl | ncclProfileP2p | ncclProfileKernelCh;
+    *mask = ncclProfileColl | ncclProfileP2p | ncclProfileKernelCh
+          | (c->ring ? ncclProfileProxyOp | ncclProfileProxyStep | ncclProfileNetPlugin : 0);
     char msg[256];
     snprintf(msg, sizeof(msg), "Ingero profiler: comm %s hash 0x%llx rank %d of %d on %d nodes, profiler "
-             "API v%d, %ld slots", c->name[0] ? c->name : "-", (unsigned long long)hash, rank, nranks, nnodes,
-             api, slots);
+             "API v%d, %ld slots, %u proxy summaries", c->name[0] ? c->name : "-", (unsigned long long)hash, rank,
+             nranks, nnodes, api, slots, c->nring);
     say(log, NCCL_LOG_INFO, msg);
     *context = c;
     return ncclSuccess;
@@ -626,6 +936,8 @@ static ncclResult_t finalize(void *context)
     for (uint32_t i = 0; i < c->nslots; i++)
         if (atomic_load_explicit(&c->slots[i].state, memory_order_acquire) == SLOT_BUSY)
             op_finish(&c->slots[i], NCCL_PROF_F_UNFINISHED);
+    if (c->table)
+        c->table->magic = 0;
     ctx_free(c);
     return ncclSuccess;
 }
@@ -665,13 +977,26 @@ static ncclResult_t finalize(void *context)
             e.nch = d->p2p.nChannels;                                                          \
         } else if (e.type == ncclProfileKernelCh) {                                            \
             e.ptimer = d->kernelCh.pTimer;                                                     \
+        } else if (e.type == ncclProfileProxyOp) {                                             \
+            e.channel = d->proxyOp.channelId;                                                  \
+            e.peer = d->proxyOp.peer;                                                          \
+            e.nsteps = d->proxyOp.nSteps;                                                      \
+            e.chunk = d->proxyOp.chunkSize;                                                    \
+            e.is_send = d->proxyOp.isSend;                                                     \
+        } else if (e.type == ncclProfileProxyStep) {                                           \
+            e.step = d->proxyStep.step;                                                        \
+        } else if (e.type == ncclProfileNetPlugin) {                                           \
+            e.net_id = d->netPlugin.id;                                                        \
+            e.net_data = d->netPlugin.data;                                                    \
         }                                                                                      \
         return start_event(context, handle, &e);                                               \
     }                                                                                          \
     static ncclResult_t record_state_##V(void *handle, ncclProfilerEventState_##V##_t state,   \
                                          ncclProfilerEventStateArgs_##V##_t *args)             \
     {                                                                                          \
-        return record_state(handle, state, args ? args->kernelCh.pTimer : 0);                  \
+        uint64_t arg = !args ? 0 : state == ncclProfilerKernelChStop ? args->kernelCh.pTimer    \
+                     : args->proxyStep.transSize;                                              \
+        return record_state(handle, state, arg);                                               \
     }
 
 INGERO_START_EVENT(v4, LINKS_V4)

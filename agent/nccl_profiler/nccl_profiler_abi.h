@@ -7,6 +7,8 @@
  *   src/include/plugin/profiler/profiler_v4.h  (first in NCCL 2.27.3)
  *   src/include/plugin/profiler/profiler_v5.h  (first in NCCL 2.28.3)
  *   src/include/plugin/profiler/profiler_v6.h  (first in NCCL 2.29.2)
+ *   src/include/plugin/profiler/net_ib_v1.h, net_socket_v1.h  the network plugins'
+ *       NetPlugin event descriptors; the plugin id's type bits (nccl_profiler.h)
  *   plugins/profiler/example/nccl/{err.h,common.h}  ncclResult_t, the logger
  * NVIDIA's headers are C++ (`bool`, <cstdint>); this is the same layout in C11
  * (<stdbool.h>: a 1-byte bool on x86-64 and aarch64 as in C++).
@@ -432,5 +434,53 @@ typedef struct {
                                    ncclProfilerEventStateArgs_v6_t* eStateArgs);
   ncclResult_t (*finalize)(void* context);
 } ncclProfiler_v6_t;
+
+/* ---- src/include/plugin/nccl_profiler.h: a NetPlugin event's netPlugin.id ---- */
+#define NCCL_PROFILER_NET_VER_BITS (16)
+#define NCCL_PROFILER_NET_VER_MASK (~0U >> NCCL_PROFILER_NET_VER_BITS)
+#define NCCL_PROFILER_NET_TYPE_MASK (~0U << NCCL_PROFILER_NET_VER_BITS)
+
+typedef enum {
+  NCCL_PROFILER_NET_TYPE_IB = (1U << NCCL_PROFILER_NET_VER_BITS),
+  NCCL_PROFILER_NET_TYPE_SOCK = (2U << NCCL_PROFILER_NET_VER_BITS),
+} ncclProfilerNetType;
+
+/* ---- src/include/plugin/profiler/net_ib_v1.h ------------------------------ */
+#define NCCL_PROFILER_NET_IB_VER 1
+
+enum {
+  ncclProfileQp = (1 << 0),
+};
+
+typedef struct {
+  uint8_t type;        // event type (plugin defined)
+  union {
+    struct {
+      int device;      // network device id
+      uint64_t wr_id;  // work request id
+      int opcode;      // ibv opcode
+      int qpNum;       // QP number
+      size_t length;   // work request data length
+    } qp;
+  };
+} ncclProfilerNetIbDescr_v1_t;
+
+/* ---- src/include/plugin/profiler/net_socket_v1.h -------------------------- */
+#define NCCL_PROFILER_NET_SOCKET_VER 1
+
+enum {
+  ncclProfileSocket = (1 << 0),
+};
+
+typedef struct {
+  uint8_t type;        // event type (plugin defined)
+  union {
+    struct {
+      int fd;
+      int op;          // src/include/socket.h: NCCL_SOCKET_SEND 0, NCCL_SOCKET_RECV 1
+      size_t length;
+    } sock;
+  };
+} ncclProfilerNetSockDescr_v1_t;
 
 #endif /* INGERO_NCCL_PROFILER_ABI_H */

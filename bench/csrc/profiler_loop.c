@@ -5,7 +5,9 @@
  * as the call returns, a Group event, the Coll event (its parentObj the
  * CollApi event, its parentGroup the Group event) started and stopped, the
  * Group event stopped, and per channel a KernelCh start, its KernelChStop
- * state and its stop, with GPU timestamps taken from the host clock. "none":
+ * state and its stop, with GPU timestamps taken from the host clock, and per
+ * channel a send ProxyOp of two ProxySteps, each through the SendGPUWait and
+ * SendWait states (what the plugin's proxy summaries cost). "none":
  * no plugin loaded, NCCL skips every call (only the loop's own clock reads
  * remain). Waits for a line on stdin first, so the benchmark can attach
  * probes to this process before the loop. */
@@ -73,6 +75,34 @@ static void one_op(uint64_t seq)
         d.kernelCh.channelId = c;
         d.kernelCh.pTimer = now_ns();
         k[c] = start(&d);
+    }
+    /* the proxy thread's network transfers: per channel a send ProxyOp of two steps,
+     * each through NCCL's send states (transport/net.cc) */
+    for (int c = 0; c < 2; c++) {
+        memset(&d, 0, sizeof(d));
+        d.type = ncclProfileProxyOp;
+        d.parentObj = op;
+        d.proxyOp.channelId = c;
+        d.proxyOp.peer = 1;
+        d.proxyOp.nSteps = 2;
+        d.proxyOp.chunkSize = 2048;
+        d.proxyOp.isSend = 1;
+        void *px = start(&d);
+        for (int s = 0; s < 2; s++) {
+            memset(&d, 0, sizeof(d));
+            d.type = ncclProfileProxyStep;
+            d.parentObj = px;
+            d.proxyStep.step = s;
+            void *st = start(&d);
+            ncclProfilerEventStateArgs_v5_t a = {.proxyStep = {.transSize = 2048}};
+            if (p && st) {
+                p->recordEventState(st, ncclProfilerProxyStepSendGPUWait, &a);
+                p->recordEventState(st, ncclProfilerProxyStepSendWait, &a);
+                p->stopEvent(st);
+            }
+        }
+        if (p && px)
+            p->stopEvent(px);
     }
     for (int c = 0; c < 2; c++) {
         ncclProfilerEventStateArgs_v5_t a = {.kernelCh = {.pTimer = now_ns()}};

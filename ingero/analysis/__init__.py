@@ -24,6 +24,7 @@ from ingero.analysis.calls import device_timing, events, load
 from ingero.analysis.coverage import coverage, judge
 from ingero.analysis.hang import find_hang
 from ingero.analysis.model import Hang, RankRow, Report, Straggler
+from ingero.analysis.proxy import add_proxy_waits
 from ingero.analysis.replay import measure
 from ingero.analysis.stats import (add_network, add_offcpu, rank_rows, rdma_ports, retransmits, robust_z,
                                    runqueue_tails)
@@ -71,6 +72,7 @@ def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[
                         "time); timing is host-side only and the network is not judged from host windows. "
                         "Load Ingero's NCCL profiler plugin for device times (docs/tracing.md)")
     add_network(c, rows, retx[0], retx[1], windows=timing != "host-enqueue")
+    add_proxy_waits(con, rows)
     # judged for a lossy link: retransmits on connections that leave their node (inside a node
     # there is no wire to lose a segment on: a receiver that does not drain its socket, e.g.
     # starved of CPU, makes its local peer retransmit), and none from host windows

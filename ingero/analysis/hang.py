@@ -21,6 +21,14 @@ inside it when the probes attached, ingero_agent.stackscan) has no communicator 
 waits in one collective op found that way are taken for one instance, among every traced
 rank, and each lasted at least from when it was first seen (since_ns) to when it was last
 seen. A job that hung before the trace began is named that way.
+
+On a GPU the host only queues a collective and waits in the stream's synchronisation, outside
+NCCL: the wait is on the device. Ingero's profiler plugin holds every operation NCCL started
+and has not finished, and the tracer reads them live (``nccl_device_inflight``): one the GPU
+started (a kernel channel began) and did not finish is a wait too, at least from its device
+start to when it was last seen, with NCCL's own communicator hash and seq (the same on every
+rank, as in ``nccl_profiler_events``), so the ranks waiting in one instance are grouped as
+host waits are.
 """
 
 from __future__ import annotations
@@ -52,7 +60,8 @@ _RANK_OF = """LEFT JOIN (SELECT node, pid, any_value(rank) AS rank FROM ranks GR
 _OPEN = f"""
     SELECT COALESCE(r.rank, i.rank) AS grank, i.op, COALESCE(i.comm_id_hash, 0) AS comm, i.seq,
            i.since_ns AS since, i.seen_ns - i.since_ns AS waited, i.state, NULL::INTEGER AS ret,
-           i.comm_rank IS NULL AS on_stack     -- the probes give every call one (-1: not known)
+           i.comm_rank IS NULL AS on_stack,    -- the probes give every call one (-1: not known)
+           false AS on_device
     FROM nccl_inflight i {_RANK_OF.format(a="i")}
     WHERE i.op IN ({_CALLS}) AND i.seen_ns - i.since_ns >= $min_ns
       AND NOT EXISTS (SELECT 1 FROM nccl_events e
@@ -61,9 +70,17 @@ _OPEN = f"""
 # calls that failed after a long wait
 _FAILED = f"""
     SELECT COALESCE(r.rank, e.global_rank) AS grank, e.op, COALESCE(e.comm_id_hash, 0) AS comm, e.seq,
-           e.timestamp_ns AS since, e.duration_ns AS waited, NULL AS state, e.ret, false AS on_stack
+           e.timestamp_ns AS since, e.duration_ns AS waited, NULL AS state, e.ret, false AS on_stack,
+           false AS on_device
     FROM nccl_events e {_RANK_OF.format(a="e")}
     WHERE e.op IN ({_CALLS}) AND e.ret NOT IN ({_OK}) AND e.duration_ns >= $min_ns"""
+# operations the GPU started and never finished (the profiler plugin's, read live)
+_DEVICE = f"""
+    SELECT COALESCE(r.rank, d.rank) AS grank, d.op, d.comm_hash AS comm, d.seq, d.device_start_ns AS since,
+           d.seen_ns - d.device_start_ns AS waited, NULL AS state, NULL::INTEGER AS ret, false AS on_stack,
+           true AS on_device
+    FROM nccl_device_inflight d {_RANK_OF.format(a="d")}
+    WHERE d.op IN ({_CALLS}) AND d.device_start_ns IS NOT NULL AND d.seen_ns - d.device_start_ns >= $min_ns"""
 
 
 def find_hang(con, min_s: float = HANG_MIN_S) -> Hang | None:
@@ -98,9 +115,14 @@ def _waits(con, min_s: float) -> list[dict]:
     rank's own p99 of that op on that communicator."""
     params = {"min_ns": int(min_s * 1e9)}
     waits = [w for w in _rows(con, _FAILED, params) + _rows(con, _OPEN, params, inflight=True)
-             if w["grank"] is not None]
-    usual = _usual_ns(con, {(w["grank"], w["op"], w["comm"]) for w in waits})
-    return [w for w in waits if w["waited"] >= USUAL_FACTOR * usual[(w["grank"], w["op"], w["comm"])]]
+             + _rows(con, _DEVICE, params, inflight=True) if w["grank"] is not None]
+    states = _thread_states(con) if any(w["on_device"] for w in waits) else {}
+    for w in waits:
+        if w["on_device"] and states.get(w["grank"]) and all(s in STOPPED_STATES for s in states[w["grank"]]):
+            w["state"] = "T"    # the rank's threads, the device's included, are stopped
+    key = lambda w: (w["grank"], w["op"], w["comm"], w["on_device"])  # noqa: E731
+    usual = _usual_ns(con, {key(w) for w in waits})
+    return [w for w in waits if w["waited"] >= USUAL_FACTOR * usual[key(w)]]
 
 
 @dataclass
@@ -115,6 +137,7 @@ class _At:
     entered: set                # ranks that called it and saw it return
     collective: bool
     on_stack: bool = False      # found on the waiters' stacks: communicator and seq unknown
+    on_device: bool = False     # operations the GPU started and never finished (profiler plugin)
 
 
 def _choose(con, waits: list[dict], longest: dict) -> _At:
@@ -130,7 +153,8 @@ def _choose(con, waits: list[dict], longest: dict) -> _At:
         w = max(waits, key=lambda w: w["waited"])
         held = {r: x for r, x in longest.items() if x["state"] not in STOPPED_STATES}
         return _At(w["comm"], w["op"], w["seq"], held, _members(con, None), set(), False)
-    cands = [_At(c, o, q, held, _members(con, c), _entered(con, c, o, q), True)
+    cands = [_At(c, o, q, held, _members(con, c), _entered(con, c, o, q), True,
+                 on_device=any(w["on_device"] for w in held.values()))
              if q is not None else _At(c, o, q, held, _members(con, None), set(), True, on_stack=True)
              for (c, o, q), held in by_inst.items()]
 
@@ -138,7 +162,8 @@ def _choose(con, waits: list[dict], longest: dict) -> _At:
         cause = any(m not in at.held and m not in at.entered
                     and (m not in longest or longest[m]["state"] in STOPPED_STATES) for m in at.members)
         cause |= any(w["state"] in STOPPED_STATES for w in at.held.values())
-        return cause, len(at.held), max(w["waited"] for w in at.held.values())
+        # a host call and its operation on the device are one wait: the host's names the call
+        return cause, len(at.held), not at.on_device, max(w["waited"] for w in at.held.values())
     return max(cands, key=rank)
 
 
@@ -180,8 +205,11 @@ def _hang(con, at: _At, ro: _Roles, longest: dict) -> Hang:
     failed = sorted(r for r in ro.waiting if held[r]["ret"] is not None)
     gave_up = ("" if not failed else " and gave up with an NCCL error" if len(failed) == len(ro.waiting)
                else f" ({_ranks(failed)} gave up with an NCCL error)")
-    parts = [f"{_ranks(ro.waiting)} wait{'s' if len(ro.waiting) == 1 else ''} in {_call(at.op, at.comm, at.seq)} "
-             f"for {'at least ' if at.on_stack else ''}{waited_s:.0f} s{gave_up}"]
+    where = " on the device" if at.on_device else ""
+    parts = [f"{_ranks(ro.waiting)} wait{'s' if len(ro.waiting) == 1 else ''} in {_call(at.op, at.comm, at.seq)}"
+             f"{where} for {'at least ' if at.on_stack or at.on_device else ''}{waited_s:.0f} s{gave_up}"]
+    if at.on_device:
+        parts[0] += " (the GPU started it and never finished it; the host waits outside NCCL)"
     if at.on_stack:
         parts[0] += (" (found inside it on their threads' stacks: they were in it when the probes attached, "
                      "its communicator is not known)")
@@ -308,14 +336,19 @@ def _rows(con, sql: str, params: dict, inflight: bool = False) -> list[dict]:
 
 
 def _usual_ns(con, keys: set) -> dict:
-    """(rank, op, comm) -> p99 of the rank's successful calls of that op on that comm, ns."""
+    """(rank, op, comm, on_device) -> p99 of the rank's successful calls of that op on that comm
+    (on the device: of its operations' device times), ns."""
+    host = f"""SELECT quantile_cont(e.duration_ns, 0.99) AS v FROM nccl_events e {_RANK_OF.format(a="e")}
+               WHERE COALESCE(r.rank, e.global_rank) = $g AND e.op = $op AND COALESCE(e.comm_id_hash, 0) = $comm
+                 AND e.ret IN ({_OK})"""
+    device = f"""SELECT quantile_cont(e.device_duration_ns, 0.99) AS v FROM nccl_profiler_events e
+                 {_RANK_OF.format(a="e")}
+                 WHERE COALESCE(r.rank, e.global_rank) = $g AND e.op = $op AND e.comm_hash = $comm
+                   AND NOT COALESCE(e.unfinished, false)"""
     out = {}
-    for grank, op, comm in keys:
-        v = con.execute(f"""SELECT quantile_cont(e.duration_ns, 0.99) FROM nccl_events e {_RANK_OF.format(a="e")}
-                            WHERE COALESCE(r.rank, e.global_rank) = ? AND e.op = ?
-                              AND COALESCE(e.comm_id_hash, 0) = ?
-                              AND e.ret IN ({_OK})""", [grank, op, comm]).fetchone()[0]
-        out[(grank, op, comm)] = v or 0
+    for grank, op, comm, on_device in keys:
+        got = _rows(con, device if on_device else host, {"g": grank, "op": op, "comm": comm}, inflight=True)
+        out[(grank, op, comm, on_device)] = (got[0]["v"] if got else None) or 0
     return out
 
 
@@ -328,18 +361,31 @@ def _members(con, comm: int | None) -> set:
     if comm is None:
         ranks |= {x["g"] for x in _rows(con, f"""SELECT DISTINCT COALESCE(r.rank, i.rank) AS g
                                                  FROM nccl_inflight i {_RANK_OF.format(a="i")}""", {}, inflight=True)}
+    else:   # NCCL's own hash of it: the profiler plugin's operations, finished or open
+        for t, a, g in (("nccl_profiler_events", "e", "e.global_rank"), ("nccl_device_inflight", "d", "d.rank")):
+            ranks |= {x["g"] for x in _rows(con, f"""SELECT DISTINCT COALESCE(r.rank, {g}) AS g FROM {t} {a}
+                                                     {_RANK_OF.format(a=a)} WHERE {a}.comm_hash = $comm""",
+                                            {"comm": comm}, inflight=True)}
     return ranks - {None}
 
 
 def _size(con, comm: int) -> int:
-    return con.execute("SELECT COALESCE(max(nranks), 0) FROM nccl_events WHERE comm_id_hash = ?", [comm]).fetchone()[0]
+    sizes = [x["n"] for t, c in (("nccl_events", "comm_id_hash"), ("nccl_profiler_events", "comm_hash"),
+                                 ("nccl_device_inflight", "comm_hash"))
+             for x in _rows(con, f"SELECT max(nranks) AS n FROM {t} WHERE {c} = $comm", {"comm": comm}, inflight=True)]
+    return max([n for n in sizes if n is not None], default=0)
 
 
 def _entered(con, comm: int, op: str, seq: int) -> set:
-    """Ranks that called the instance and saw it return (with any result)."""
+    """Ranks that called the instance and saw it return (with any result), or whose device
+    finished it (the profiler plugin's record, NCCL's hash and seq)."""
     rows = con.execute(f"""SELECT DISTINCT COALESCE(r.rank, e.global_rank) FROM nccl_events e {_RANK_OF.format(a="e")}
                            WHERE e.comm_id_hash = ? AND e.op = ? AND e.seq = ?""", [comm, op, seq]).fetchall()
-    return {g for (g,) in rows if g is not None}
+    dev = _rows(con, f"""SELECT DISTINCT COALESCE(r.rank, e.global_rank) AS g FROM nccl_profiler_events e
+                         {_RANK_OF.format(a="e")} WHERE e.comm_hash = $comm AND e.op = $op AND e.seq = $seq
+                           AND NOT COALESCE(e.unfinished, false)""", {"comm": comm, "op": op, "seq": seq},
+                inflight=True)
+    return {g for (g,) in rows if g is not None} | {x["g"] for x in dev if x["g"] is not None}
 
 
 def _last_call_end(con, ranks: list) -> dict:

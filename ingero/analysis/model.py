@@ -26,6 +26,7 @@ class RankRow:
     stage: int | None = None      # pipeline stage, when the job has a pipeline
     own_ms: float = 0.0           # own work per step: time between its blocking calls
     wait_ms: float = 0.0          # per step: time blocked on other ranks at its calls
+    net_wait_ms: float | None = None  # its sends' wait on the network, whole trace (nccl_proxy)
 
 
 @dataclass

@@ -617,9 +617,19 @@ def _network(c: Calls, tl: Timeline, rows: dict, retx):
            f"{f' (rank {rank} owns {int(np.max(np.unique(owners, return_counts=True)[1]))})' if len(owners) else ''}; "
            f"transfers with one in flight take {np.median(slow) / 1e6:.1f} ms at median vs "
            f"{(np.median(clean) if len(clean) else 0) / 1e6:.1f} ms without, in {int(hit.sum())} of "
-           f"{int(tl.inwin.sum())} sync events, with arrivals on time")
+           f"{int(tl.inwin.sum())} sync events, with arrivals on time{_proxy_evidence(rows, node)}")
     return node, hit, why, round(n / total, 2), rank, single
 
+
+def _proxy_evidence(rows: dict, node) -> str:
+    """NCCL's own view of the same link, when the profiler plugin summarised proxy operations:
+    how long the node's ranks' sends waited on the network against the other ranks'."""
+    mine = [v.net_wait_ms for v in rows.values() if v.node == node and v.net_wait_ms is not None]
+    others = [v.net_wait_ms for v in rows.values() if v.node != node and v.net_wait_ms is not None]
+    if not mine or not others:
+        return ""
+    return (f"; NCCL's proxy: {node}'s ranks' sends waited up to {max(mine):.0f} ms on the network, "
+            f"the other ranks' {float(np.median(others)):.0f} ms at median")
 
 
 def _rdma_network(tl: Timeline, rows: dict, ports: list | None):

@@ -230,8 +230,27 @@ def test_a_lossy_link_retransmits_on_the_victims_node_on_the_gpu_like_device_too
                                       GROUP BY 1""").fetchall())
         victim = report["victim_node"]
         assert by_node.get(victim, 0) >= 20 and by_node[victim] >= 0.9 * sum(by_node.values()), by_node
+        _proxy_waits_show_the_lossy_link(con, report)
     finally:
         con.close()
+
+
+def _proxy_waits_show_the_lossy_link(con, report) -> None:
+    """The plugin's proxy summaries (nccl_proxy): every rank's transfers, over its node's
+    interface (the NetPlugin socket events), none lost; the victim's sends, whose segments
+    the lossy switch port drops, wait on the network several times longer than the others'."""
+    ranks = {r["rank"] for r in report["ranks"]}
+    rows = con.execute("""SELECT rank, count(*), count(DISTINCT nic_device), bool_and(net = 'socket'),
+                                 sum(lost), sum(send_net_wait_ns) / 1e6, sum(bytes)
+                          FROM nccl_proxy GROUP BY rank""").fetchall()
+    assert {r[0] for r in rows} == ranks, rows
+    assert all(n >= 4 * STEPS // 2 and nics == 1 and sock and lost == 0 and b > 0
+               for _, n, nics, sock, lost, _, b in rows), rows
+    ops = {op for (op,) in con.execute("SELECT DISTINCT op FROM nccl_proxy").fetchall()}
+    assert {"ALL_REDUCE", "SEND", "RECV"} <= ops, ops
+    send_ms = {r: ms for r, *_, ms, _ in rows}
+    victim = send_ms.pop(report["victim_rank"])
+    assert victim >= 30 and victim >= 3 * statistics.median(send_ms.values()), (victim, send_ms)
 
 
 def test_a_slower_pipeline_stage_is_the_one_that_waits_least_on_the_device(tmp_path):

@@ -7,15 +7,16 @@ but calls NCCL no more): the others block in their next collective until the lab
 rank as the one the others wait for. The same rank stopped for 15 s and then continued is
 no hang (ingero.lab.truth.hang_problem judges both against the lab's lab.json).
 
-On the GPU-like device (`--device gpu`) the others do not wait inside an NCCL call: their
-calls only queue the work, and they wait in the step's stream synchronisation. Nothing is
-in flight on the host; the job standing still around a stopped rank is the hang there.
+On the GPU-like device (`--device gpu`, with the profiler plugin) the others do not wait
+inside an NCCL call: their calls only queue the work, and they wait in the step's stream
+synchronisation. Nothing is in flight on the host; the collective their devices started and
+never finished, read live from the plugin's table (`nccl_device_inflight`), is the hang there.
 
 The run stopped for good is also traced a second time, by tracers started after the hang
 began (`ingero lab run --trace-after`): no probe sees the waiting ranks enter their call,
 and the hang must be named all the same, from the calls found on their threads' stacks
-(ingero_agent.stackscan), or on the GPU-like device, where no host thread waits inside
-NCCL, from the job making no call at all while the victim is stopped.
+(ingero_agent.stackscan), or on the GPU-like device from the plugin's open operations, which
+were open before the tracers attached.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ def _run(out, hang_s=None, late=False, **kw):
     from ingero.lab.runner import LabConfig
     from ingero.lab.tracers import run_traced
 
+    if kw.pop("profiler", False):
+        from ingero_agent.profiler_build import build_profiler
+
+        kw["profiler_plugin"] = build_profiler()
     cfg = LabConfig(scenario="hang", nodes=2, seconds=30, fault_after_s=6.0, timeout_s=LATE_TIMEOUT_S if late else 20,
                     hang_s=hang_s, out_dir=out, background_load=background_load(), **kw)
     run = run_traced(cfg, late_after_s=LATE_AFTER_S if late else None)
@@ -66,7 +71,7 @@ def _report(db) -> dict:
 # and the job's standstill names the stopped rank. The data-parallel CPU case runs through the
 # operator in tests/cluster/test_whole_flow.py; it, the 3D job and the sleeping rank are
 # extended (INGERO_TEST_LAB_ALL=1).
-SHAPES = [pytest.param({"device": "gpu"}, id="dp-gpu"),
+SHAPES = [pytest.param({"device": "gpu", "profiler": True}, id="dp-gpu"),
           pytest.param({}, id="dp", marks=pytest.mark.extended),
           pytest.param({"layout": "tp=2,pp=2,dp=2", "ranks_per_node": 4}, id="3d", marks=pytest.mark.extended),
           pytest.param({"hang_mode": "sleep"}, id="dp-sleep", marks=pytest.mark.extended)]
@@ -89,7 +94,9 @@ def test_a_rank_stopped_for_good_is_named_as_the_hang_also_by_a_trace_begun_afte
     assert ("its threads sleep outside NCCL" if sleeps else "threads are stopped") in h["evidence"], h["evidence"]
     _check_late(run, shape)
     if shape.get("device") == "gpu":
-        assert h["op"] is None and "the job stands still" in h["evidence"], h
+        assert h["op"] in COLLECTIVE_OPS and h["seq"] is not None, h
+        assert f"wait in {h['op']} #{h['seq']} of communicator" in h["evidence"], h["evidence"]
+        assert "on the device for at least" in h["evidence"], h["evidence"]
         return
     assert h["op"] in COLLECTIVE_OPS, h
     from ingero.store import open_source
@@ -124,7 +131,8 @@ def _check_late(run, shape) -> None:
     problem = hang_problem(h, lab)
     assert not problem, (problem, h)
     if shape.get("device") == "gpu":
-        assert h.op is None and "no rank made an NCCL call in the" in h.evidence, h
+        assert h.op in COLLECTIVE_OPS and h.seq is not None and "on the device" in h.evidence, h
+        assert h.waited_s >= 10, h
         return
     assert h.op in COLLECTIVE_OPS and h.seq is None, h
     assert "found inside it on their threads' stacks" in h.evidence, h.evidence

@@ -56,7 +56,8 @@ def start_harness(plugin, tmp_path, api: int, ops: int, cgroup=None, nccl=None):
     if nccl:
         argv.append(str(nccl))
     h = spawn(argv, cgroup, env=ENV)
-    assert h.stdout.readline().split() == ["mask", str(2 | 4 | 64)]   # Coll | P2p | KernelCh
+    # Coll | P2p | KernelCh, and ProxyOp | ProxyStep | NetPlugin for the proxy summaries
+    assert h.stdout.readline().split() == ["mask", str(2 | 4 | 64 | 8 | 16 | 128)]
     assert h.stdout.readline().strip() == "ready"
     return h, go
 

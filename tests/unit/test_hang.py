@@ -270,6 +270,70 @@ def test_a_job_standing_still_around_a_stopped_rank_is_a_hang_without_a_call_in_
     assert "rank 2: its threads are stopped; rank 0: its threads sleep outside NCCL" in h.evidence
 
 
+PCOMM = 0x5EED00C0FFEE0001      # NCCL's own hash of COMM (the profiler plugin's)
+
+
+def device_open(con, rank, seen, op=None, seq=None, dev_start=None, slot=0, comm=PCOMM):
+    """A row of nccl_device_inflight: an operation of `rank` the plugin holds open (op None: the
+    communicator, with nothing open)."""
+    con.execute("""INSERT INTO nccl_device_inflight (node, pid, rank, seen_ns, comm_hash, comm_rank, nranks,
+                   slot, op, seq, nchannels, channels_started, channels_stopped, launched_ns, enqueued,
+                   device_start_ns) VALUES (?, ?, ?, ?, ?, ?, 4, ?, ?, ?, 2, ?, 0, ?, true, ?)""",
+                [NODE_OF[rank], 100 + rank, rank, seen, comm, rank, slot if op else None, op, seq,
+                 2 if dev_start else 0, dev_start - 1_000_000 if dev_start else None, dev_start])
+
+
+def device_done(con, rank, seq, t, d, comm=PCOMM):
+    con.execute("""INSERT INTO nccl_profiler_events (event_id, node, pid, global_rank, op, nranks, comm_hash, seq,
+                   timestamp_ns, device_start_ns, device_end_ns, device_duration_ns, unfinished)
+                   VALUES (?, ?, ?, ?, 'ALL_REDUCE', 4, ?, ?, ?, ?, ?, ?, false)""",
+                [next(_EID), NODE_OF[rank], 100 + rank, rank, comm, seq, t, t, t + d, d])
+
+
+def _gpu_hang(con, stopped_inside: bool = False):
+    """The GPU-like device: the others' ALL_REDUCE #20 (NCCL's seq) started on their GPUs and never
+    finished; their host threads sleep in the stream synchronisation; rank 2 is stopped."""
+    for r in range(4):
+        for s in range(20):
+            device_done(con, r, s, T0 + s * 50_000_000, 4_000_000)
+    _quiet(con, 21)
+    for r in (0, 1, 3):
+        device_open(con, r, END + 21 * S, op="ALL_REDUCE", seq=20, dev_start=END + S)
+    device_open(con, 2, END + 21 * S)
+    if stopped_inside:
+        device_open(con, 2, END + 21 * S, op="ALL_REDUCE", seq=20, dev_start=END + S // 2, slot=3)
+
+
+def test_a_collective_the_gpus_started_and_never_finished_is_named_with_the_rank_that_never_entered():
+    con = trace()
+    _gpu_hang(con)
+    h = find_hang(con)
+    assert h.missing == [2] and [w["rank"] for w in h.waiting] == [0, 1, 3]
+    assert (h.op, h.seq, h.comm, round(h.waited_s)) == ("ALL_REDUCE", 20, f"{PCOMM:016x}", 20)
+    assert h.evidence == (f"ranks 0, 1, 3 wait in ALL_REDUCE #20 of communicator {PCOMM:016x} on the device for "
+                          "at least 20 s (the GPU started it and never finished it; the host waits outside "
+                          "NCCL); rank 2 never entered it (its last call ended 21 s ago; its threads are stopped)")
+    assert analyse(con).verdict == "hang"
+
+
+def test_a_rank_stopped_while_its_gpu_ran_the_collective_is_named_inside_it():
+    con = trace()
+    _gpu_hang(con, stopped_inside=True)
+    h = find_hang(con)
+    assert h.missing == [2] and [w["rank"] for w in h.waiting] == [0, 1, 3]
+    assert "rank 2 entered it 20 s ago and its threads are stopped" in h.evidence
+
+
+def test_a_device_operation_open_for_long_on_a_job_whose_collectives_take_that_long_is_no_hang():
+    con = trace()
+    for r in range(4):
+        for s in range(20):     # each took 2 s on the device: 20 s open is not 20x that
+            device_done(con, r, s, T0 + s * 50_000_000, 2 * S)
+        device_open(con, r, END + 21 * S, op="ALL_REDUCE", seq=20, dev_start=END + S)
+    _quiet(con, 21, stopped=())
+    assert find_hang(con) is None
+
+
 @pytest.mark.parametrize("seen_after_s, stopped", [(20, ()), (8, (2,))], ids=["nobody-stopped", "short"])
 def test_a_quiet_spell_without_a_stopped_rank_or_too_short_is_no_hang(seen_after_s, stopped):
     con = trace()

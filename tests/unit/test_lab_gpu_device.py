@@ -251,9 +251,11 @@ def test_no_plugin_is_loaded_with_nccl_profiler_plugin_none(bins, tmp_path):
     assert all(r["verified"] for r in res) and not (tmp_path / "x.rec").exists()
 
 
-def sink_lines(path: Path) -> list[dict]:
-    """The plugin's file sink: one dict per `op key=value ...` line."""
-    return [dict(w.split("=", 1) for w in line.split()[1:]) for line in path.read_text().splitlines()]
+def sink_lines(path: Path, kind: str = "op") -> list[dict]:
+    """The plugin's file sink: one dict per `op key=value ...` line (`kind="proxy"`: per proxy
+    summary line)."""
+    return [dict(w.split("=", 1) for w in line.split()[1:]) for line in path.read_text().splitlines()
+            if line.startswith(kind + " ")]
 
 
 def test_ingeros_plugin_writes_each_operation_with_its_launch_and_stream_to_its_file_sink(bins, tmp_path):
@@ -278,6 +280,10 @@ def test_ingeros_plugin_writes_each_operation_with_its_launch_and_stream_to_its_
              ["AllGather", "ReduceScatter"]])
         for g in launches.values():
             assert len({(o["dev_start_raw"], o["dev_stop_raw"]) for o in g}) == 1
+        # the transfers' proxy summaries: each collective's and p2p call's, over the loopback socket
+        proxy = sink_lines(tmp_path / f"rank{r}.ops", "proxy")
+        assert {p["func"] for p in proxy} >= {"AllReduce", "AllGather", "Send", "Recv"}, proxy
+        assert all(p["net"] == "2" and p["nic"] == "lo" and int(p["bytes"]) > 0 for p in proxy), proxy
 
 
 def test_a_file_sink_that_cannot_be_opened_leaves_the_job_running_without_the_plugin(bins, tmp_path):

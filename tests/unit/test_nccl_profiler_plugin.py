@@ -12,6 +12,7 @@ points until the preallocated slots run out.
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import subprocess
@@ -288,3 +289,178 @@ def test_each_operation_carries_its_launchs_group_number_and_v5_its_calls_stream
                    "v4 AllReduce group 2 stream 0 known 0",
                    "v5 Send group 1 stream 5000 known 1", "v5 Recv group 1 stream 5001 known 1",
                    "v5 AllReduce group 2 stream 6000 known 1"]
+
+
+OPEN_DRIVER = r"""
+#include "ingero_profiler.c"
+#include <arpa/inet.h>
+static void pause_ms(int ms)
+{
+    struct timespec ts = {0, ms * 1000000L};
+    nanosleep(&ts, NULL);
+}
+static void *proxy_event(void *ctx, uint64_t type, void *parent, int a, int b)
+{
+    ncclProfilerEventDescr_v5_t d;
+    memset(&d, 0, sizeof(d));
+    d.type = type;
+    d.parentObj = parent;
+    if (type == ncclProfileProxyOp) {
+        d.proxyOp.channelId = 1;
+        d.proxyOp.peer = a;
+        d.proxyOp.nSteps = 2;
+        d.proxyOp.isSend = 1;
+    } else {
+        d.proxyStep.step = a;
+    }
+    void *h = NULL;
+    start_event_v5(ctx, &h, &d);
+    return h;
+}
+static void step_state(void *st, ncclProfilerEventState_t s, size_t trans)
+{
+    ncclProfilerEventStateArgs_v5_t a = {.proxyStep = {.transSize = trans}};
+    record_state_v5(st, s, &a);
+}
+/* a TCP connection on the loopback interface: what NCCL's socket transport names in its events */
+static int loopback_socket(void)
+{
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof(a);
+    int l = socket(AF_INET, SOCK_STREAM, 0), s = socket(AF_INET, SOCK_STREAM, 0);
+    bind(l, (struct sockaddr *)&a, sizeof(a));
+    listen(l, 1);
+    getsockname(l, (struct sockaddr *)&a, &len);
+    connect(s, (struct sockaddr *)&a, sizeof(a));
+    return s;
+}
+static void *start(void *ctx, uint64_t type, void *parent, const char *func, uint64_t seq, uint64_t ptimer)
+{
+    ncclProfilerEventDescr_v5_t d;
+    memset(&d, 0, sizeof(d));
+    d.type = type;
+    d.parentObj = parent;
+    if (type == ncclProfileKernelCh) {
+        d.kernelCh.pTimer = ptimer;
+    } else {
+        d.coll.func = func;
+        d.coll.seqNumber = seq;
+        d.coll.nChannels = 2;
+    }
+    void *h = NULL;
+    start_event_v5(ctx, &h, &d);
+    return h;
+}
+int main(void)
+{
+    void *ctx, *ctx2;
+    int mask;
+    init_v5(&ctx, 0xabc, &mask, "c", 1, 4, 3, NULL);
+    init_v5(&ctx2, 0xdef, &mask, "d", 1, 2, 1, NULL);
+    /* an AllGather that finished, an AllReduce the GPU started on one of its two
+     * channels and never finished, a Broadcast launched and not yet on the GPU */
+    void *done = start(ctx, ncclProfileColl, NULL, "AllGather", 4, 0);
+    stop_event(done);
+    for (int ch = 0; ch < 2; ch++) {
+        void *k = start(ctx, ncclProfileKernelCh, done, NULL, 0, 1000 + ch);
+        record_state_v5(k, ncclProfilerKernelChStop, NULL);
+        stop_event(k);
+    }
+    void *stuck = start(ctx, ncclProfileColl, NULL, "AllReduce", 812, 0);
+    stop_event(stuck);
+    start(ctx, ncclProfileKernelCh, stuck, NULL, 0, 5000);
+    start(ctx, ncclProfileColl, NULL, "Broadcast", 9, 0);
+    /* the stuck AllReduce's send to peer 2 on channel 1: two steps, summarised once */
+    void *px = proxy_event(ctx, ncclProfileProxyOp, stuck, 2, 0);
+    void *st = proxy_event(ctx, ncclProfileProxyStep, px, 0, 0);
+    step_state(st, ncclProfilerProxyStepSendGPUWait, 100);
+    ncclProfilerNetSockDescr_v1_t sock = {.type = ncclProfileSocket, .sock = {.fd = loopback_socket(), .length = 100}};
+    ncclProfilerEventDescr_v5_t net = {.type = ncclProfileNetPlugin, .parentObj = st};
+    net.netPlugin.id = NCCL_PROFILER_NET_TYPE_SOCK | 1;
+    net.netPlugin.data = &sock;
+    void *nh = NULL;
+    start_event_v5(ctx, &nh, &net);
+    pause_ms(20);
+    step_state(st, ncclProfilerProxyStepSendWait, 100);
+    pause_ms(30);
+    stop_event(st);
+    st = proxy_event(ctx, ncclProfileProxyStep, px, 1, 0);
+    step_state(st, ncclProfilerProxyStepSendWait, 50);
+    pause_ms(10);
+    stop_event(st);
+    stop_event(px);
+    /* 40 summaries on the other communicator: more than its ring holds */
+    for (int i = 0; i < 40; i++)
+        stop_event(proxy_event(ctx2, ncclProfileProxyOp, NULL, i % 2, 0));
+    printf("ready\n");
+    fflush(stdout);
+    getchar();
+    finalize(ctx);
+    printf("finalized\n");
+    fflush(stdout);
+    getchar();
+    finalize(ctx2);
+    return 0;
+}
+"""
+
+
+def test_the_operations_a_process_holds_open_are_read_from_its_memory_live(tmp_path):
+    from ingero_agent.devinflight import Reader, read_all
+
+    exe = build(tmp_path, "open", OPEN_DRIVER)
+    p = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "INGERO_PROFILER_PROXY_RING": "16",
+                              "INGERO_PROFILER_FILE": str(tmp_path / "sink")})
+    try:
+        assert p.stdout.readline() == "ready\n"
+        reader = Reader()
+        opened, proxy = read_all(reader, [p.pid], 1_000, 2_000, lambda pid: 7)
+        got = opened[p.pid]
+        by_comm = {}
+        for r in got:
+            by_comm.setdefault(r["comm_hash"], []).append(r)
+        assert sorted(by_comm) == [0xabc, 0xdef]
+        idle = by_comm[0xdef]
+        assert [(r["op"], r["comm_rank"], r["nranks"], r["rank"]) for r in idle] == [(None, 1, 2, 7)]
+        ops = {r["op"]: r for r in by_comm[0xabc] if r["op"]}
+        assert sorted(ops) == ["ALL_REDUCE", "BROADCAST"]         # the finished AllGather is gone
+        ar, bc = ops["ALL_REDUCE"], ops["BROADCAST"]
+        assert (ar["seq"], ar["comm_rank"], ar["nranks"], ar["nchannels"]) == (812, 3, 4, 2)
+        assert (ar["channels_started"], ar["channels_stopped"], ar["enqueued"]) == (1, 0, True)
+        assert ar["device_start_ns"] is not None and ar["launched_ns"] > 1_000
+        assert (bc["seq"], bc["channels_started"], bc["enqueued"], bc["device_start_ns"]) == (9, 0, False, None)
+        assert all(r["seen_ns"] == 2_000 for r in got)
+        # one summary of the AllReduce's ProxyOp (its steps' waits), the other ring's newest 16
+        mine = [x for x in proxy if x["comm_hash"] == 0xabc]
+        assert len(mine) == 1
+        x = mine[0]
+        assert (x["op"], x["seq"], x["channel"], x["is_send"], x["peer"], x["comm_rank"]) == ("ALL_REDUCE", 812, 1,
+                                                                                                 True, 2, 3)
+        assert (x["net"], x["nic_device"], x["nic_port"], x["bytes"], x["steps"], x["nsteps"]) == (
+            "socket", "lo", None, 150, 2, 2)
+        assert 15e6 <= x["send_gpu_wait_ns"] < x["send_net_wait_ns"] and x["send_net_wait_ns"] >= 35e6
+        assert x["recv_net_wait_ns"] == x["recv_flush_wait_ns"] == x["recv_gpu_wait_ns"] == 0
+        assert x["duration_ns"] >= 55e6 and x["timestamp_ns"] > 1_000
+        other = [x for x in proxy if x["comm_hash"] == 0xdef]
+        assert len(other) == 16 and {x["lost"] for x in other} == {24} and {x["peer"] for x in other} == {0, 1}
+        assert [x["peer_rank"] for x in other][:2] == [None, 7]     # its rank 1 is this process (rank 7)
+        assert read_all(reader, [p.pid], 0, 0, lambda pid: 7)[1] == []      # read once
+        # the file sink (a machine without the agent) has the summary as a line too
+        sink = [line for line in (tmp_path / "sink").read_text().splitlines()
+                if line.startswith("proxy comm=0000000000000abc")]
+        assert len(sink) == 1 and sink[0].startswith("proxy ")
+        assert {"func=AllReduce", "seq=812", "channel=1", "send=1", "peer=2", "nic=lo", "bytes=150",
+                "steps=2/2"} <= set(sink[0].split())
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline() == "finalized\n"
+        # a finalized communicator's table is gone (or marked): only the other one is read
+        assert [r["comm_hash"] for r in read_all(reader, [p.pid], 0, 0, lambda pid: 7)[0][p.pid]] == [0xdef]
+        p.stdin.write("\n")
+        p.stdin.flush()
+        p.wait(10)
+        assert reader.read(p.pid) == [] and read_all(reader, [p.pid], 0, 0, lambda pid: 7) == ({}, [])
+    finally:
+        p.kill()
+        p.wait()

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "nccl_cpu_internal.h"
+#include "nccl_prof.h"
 
 size_t ncpu_type_size(ncclDataType_t t) {
   static const size_t sizes[ncclNumTypes] = {1, 1, 4, 4, 8, 8, 2, 4, 8, 2};
@@ -104,13 +105,63 @@ static inline int mod(int a, int n) { return ((a % n) + n) % n; }
 /* Element offset of chunk i when count elements are cut into n chunks. */
 static inline size_t chunk_off(size_t count, int i, int n) { return count * (size_t)i / (size_t)n; }
 
+/* The profiler's view of the collective this thread runs (NCCL: its proxy's): a
+ * ProxyOp per direction on channel 0, begun at the first ring step, and the
+ * receive step whose data the caller still consumes. */
+static __thread struct {
+  struct ncclComm *comm;
+  void *task, *send, *recv, *recv_step;
+  int nsteps, nsend, nrecv;
+} prof;
+
+void ncpu_coll_profile(struct ncclComm *c, void *task, int nsteps) {
+  prof.comm = c, prof.task = task, prof.nsteps = nsteps;
+  prof.send = prof.recv = prof.recv_step = NULL;
+  prof.nsend = prof.nrecv = 0;
+}
+
+static void recv_consumed(void) {
+  ncpu_prof_stop(prof.recv_step);
+  prof.recv_step = NULL;
+}
+
+void ncpu_coll_profile_end(void) {
+  recv_consumed();
+  ncpu_prof_stop(prof.send);
+  ncpu_prof_stop(prof.recv);
+  prof.task = prof.send = prof.recv = NULL;
+}
+
+/* A ring step: send to `to` while receiving from `from`. The caller consumes the
+ * received data, then calls recv_consumed(). */
 static ncclResult_t exchange(struct ncclComm *c, int to, void *sbuf, size_t slen, int from,
                              void *rbuf, size_t rlen) {
   struct ncpu_op ops[2] = {
-      {c->fds[to], 1, to, sbuf, slen, 0, 0},
-      {c->fds[from], 0, from, rbuf, rlen, 0, 0},
+      {.fd = c->fds[to], .is_send = 1, .peer = to, .buf = sbuf, .len = slen},
+      {.fd = c->fds[from], .is_send = 0, .peer = from, .buf = rbuf, .len = rlen},
   };
-  return ncpu_run_ops(c, ops, 2);
+  if (prof.task && prof.comm == c) {
+    void *ctx = c->prof_ctx;
+    if (!prof.send) prof.send = ncpu_prof_proxy_op_start(ctx, prof.task, 0, to, prof.nsteps, (int)slen, 1);
+    if (!prof.recv) prof.recv = ncpu_prof_proxy_op_start(ctx, prof.task, 0, from, prof.nsteps, (int)rlen, 0);
+    recv_consumed();
+    ops[0].step = ncpu_prof_proxy_step_start(ctx, prof.send, prof.nsend++);
+    ncpu_prof_proxy_step_state(ops[0].step, NCPU_SEND_GPU_WAIT, slen);
+    ops[1].step = prof.recv_step = ncpu_prof_proxy_step_start(ctx, prof.recv, prof.nrecv++);
+  }
+  ncclResult_t res = ncpu_run_ops(c, ops, 2);
+  ncpu_prof_stop(ops[0].step);    /* a send that did not finish (an error) */
+  return res;
+}
+
+/* Broadcast and reduce: one step with each peer, each its own ProxyOp. */
+static ncclResult_t run_single(struct ncclComm *c, struct ncpu_op *ops, int n) {
+  void *tasks[n > 0 ? n : 1], *proxies[n > 0 ? n : 1];
+  for (int i = 0; i < n; i++) tasks[i] = prof.comm == c ? prof.task : NULL;
+  ncpu_prof_single_begin(c, tasks, ops, n, proxies);
+  ncclResult_t res = ncpu_run_ops(c, ops, n);
+  ncpu_prof_single_end(ops, n, proxies);
+  return res;
 }
 
 /* In place: afterwards chunk `rank` of buf holds the reduction over all ranks. */
@@ -127,6 +178,7 @@ static ncclResult_t ring_reduce_scatter(struct ncclComm *c, char *buf, size_t co
     size_t ro = chunk_off(count, rc, n), rn = chunk_off(count, rc + 1, n) - ro;
     res = exchange(c, next, buf + so * es, sn * es, prev, tmp, rn * es);
     if (res == ncclSuccess) reduce(buf + ro * es, tmp, rn, t, op);
+    recv_consumed();
   }
   free(tmp);
   return res;
@@ -141,6 +193,7 @@ static ncclResult_t ring_all_gather(struct ncclComm *c, char *buf, size_t count,
     size_t so = chunk_off(count, sc, n), sn = chunk_off(count, sc + 1, n) - so;
     size_t ro = chunk_off(count, rc, n), rn = chunk_off(count, rc + 1, n) - ro;
     res = exchange(c, next, buf + so * es, sn * es, prev, buf + ro * es, rn * es);
+    recv_consumed();
   }
   return res;
 }
@@ -188,31 +241,34 @@ ncclResult_t ncpu_broadcast(struct ncclComm *c, const void *s, void *r, size_t c
                             ncclDataType_t t, int root) {
   size_t bytes = count * ncpu_type_size(t);
   if (c->rank != root) {
-    struct ncpu_op op = {c->fds[root], 0, root, r, bytes, 0, 0};
-    return ncpu_run_ops(c, &op, 1);
+    struct ncpu_op op = {.fd = c->fds[root], .is_send = 0, .peer = root, .buf = r, .len = bytes};
+    return run_single(c, &op, 1);
   }
   if (s != r) memmove(r, s, bytes);
   struct ncpu_op ops[c->nranks];
   int n = 0;
   for (int p = 0; p < c->nranks; p++)
-    if (p != root) ops[n++] = (struct ncpu_op){c->fds[p], 1, p, r, bytes, 0};
-  return ncpu_run_ops(c, ops, n);
+    if (p != root) ops[n++] = (struct ncpu_op){.fd = c->fds[p], .is_send = 1, .peer = p, .buf = r, .len = bytes};
+  return run_single(c, ops, n);
 }
 
 ncclResult_t ncpu_reduce(struct ncclComm *c, const void *s, void *r, size_t count,
                          ncclDataType_t t, ncclRedOp_t op, int root) {
   size_t es = ncpu_type_size(t), bytes = count * es;
   if (c->rank != root) {
-    struct ncpu_op o = {c->fds[root], 1, root, (char *)s, bytes, 0, 0};
-    return ncpu_run_ops(c, &o, 1);
+    struct ncpu_op o = {.fd = c->fds[root], .is_send = 1, .peer = root, .buf = (char *)s, .len = bytes};
+    return run_single(c, &o, 1);
   }
   char *tmp = malloc(bytes * (c->nranks - 1) + 1);
   if (!tmp) return ncclSystemError;
   struct ncpu_op ops[c->nranks];
   int n = 0;
   for (int p = 0; p < c->nranks; p++)
-    if (p != root) { ops[n] = (struct ncpu_op){c->fds[p], 0, p, tmp + bytes * n, bytes, 0}; n++; }
-  ncclResult_t res = ncpu_run_ops(c, ops, n);
+    if (p != root) {
+      ops[n] = (struct ncpu_op){.fd = c->fds[p], .is_send = 0, .peer = p, .buf = tmp + bytes * n, .len = bytes};
+      n++;
+    }
+  ncclResult_t res = run_single(c, ops, n);
   if (res == ncclSuccess) {
     if (s != r) memmove(r, s, bytes);
     for (int k = 0; k < n; k++) reduce(r, tmp + bytes * k, count, t, op);

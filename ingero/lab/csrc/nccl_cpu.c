@@ -33,6 +33,9 @@
  * collectives have 2 channels, point-to-point calls 1. A launch's calls on one
  * communicator are one kernel (one Group event; NCCL: one plan): their channels
  * carry the kernel's start and stop stamps, one device interval for all of them.
+ * The transfers get NCCL's proxy events (nccl_coll.c, nccl_net.c): a ProxyOp per
+ * direction of a ring collective and per peer of the other transfers, a ProxyStep
+ * per transfer whose network wait is the wait on its socket.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -449,7 +452,7 @@ const char *ncclGetLastError(ncclComm_t comm) {
 
 /* ---- calls and groups --------------------------------------------------- */
 
-static ncclResult_t run_collective(const struct call *k) {
+static ncclResult_t run_collective_now(const struct call *k) {
   struct ncclComm *c = k->comm;
   switch (k->kind) {
     case K_ALLREDUCE: return ncpu_allreduce(c, k->sbuf, k->rbuf, k->count, k->type, k->op);
@@ -463,6 +466,17 @@ static ncclResult_t run_collective(const struct call *k) {
 
 static int is_p2p(const struct call *k) { return k->kind == K_SEND || k->kind == K_RECV; }
 
+/* A collective, with the profiler's proxy events of its ring steps: 2 (N-1) per
+ * direction for all-reduce (reduce-scatter, then all-gather), N-1 for either half. */
+static ncclResult_t run_collective(const struct call *k) {
+  int n = k->comm->nranks;
+  int nsteps = k->kind == K_ALLREDUCE ? 2 * (n - 1) : k->kind == K_ALLGATHER || k->kind == K_REDUCESCATTER ? n - 1 : 1;
+  ncpu_coll_profile(k->comm, k->task, nsteps);
+  ncclResult_t res = run_collective_now(k);
+  ncpu_coll_profile_end();
+  return res;
+}
+
 static int nchannels(const struct call *k) { return is_p2p(k) ? P2P_CHANNELS : COLL_CHANNELS; }
 
 /* Runs the calls of one communicator as one kernel: p2p together, then collectives
@@ -473,7 +487,8 @@ static int nchannels(const struct call *k) { return is_p2p(k) ? P2P_CHANNELS : C
 static ncclResult_t run_comm_calls(struct call *calls, int n, struct ncclComm *c) {
   struct ncpu_op *ops = malloc(sizeof *ops * (n ? n : 1));
   void **kch = calloc((size_t)(n ? n : 1), sizeof(void *) * COLL_CHANNELS);
-  if (!ops || !kch) { free(ops); free(kch); return ncclSystemError; }
+  void **tasks = calloc((size_t)(n ? n : 1), 2 * sizeof(void *));   /* then the ProxyOps */
+  if (!ops || !kch || !tasks) { free(ops); free(kch); free(tasks); return ncclSystemError; }
   int nops = 0;
   ncclResult_t res = ncclSuccess;
   uint64_t g = ncpu_dev_timer(ncpu_dev_raw());
@@ -494,16 +509,21 @@ static ncclResult_t run_comm_calls(struct call *calls, int n, struct ncclComm *c
         }
       continue;
     }
-    ops[nops++] = (struct ncpu_op){c->fds[k->peer], k->kind == K_SEND, k->peer,
-                                   k->kind == K_SEND ? (char *)k->sbuf : (char *)k->rbuf, bytes, 0};
+    tasks[nops] = k->task;
+    ops[nops++] = (struct ncpu_op){.fd = c->fds[k->peer], .is_send = k->kind == K_SEND, .peer = k->peer,
+                                   .buf = k->kind == K_SEND ? (char *)k->sbuf : (char *)k->rbuf, .len = bytes};
   }
-  if (nops) res = ncpu_run_ops(c, ops, nops);
+  if (nops) {
+    ncpu_prof_single_begin(c, tasks, ops, nops, tasks + n);
+    res = ncpu_run_ops(c, ops, nops);
+    ncpu_prof_single_end(ops, nops, tasks + n);
+  }
   for (int i = 0; i < n && res == ncclSuccess; i++)
     if (calls[i].comm == c && !is_p2p(&calls[i])) res = run_collective(&calls[i]);
   g = ncpu_dev_timer(ncpu_dev_raw());
   for (int i = 0; i < n * COLL_CHANNELS && res == ncclSuccess; i++)
     if (kch[i]) ncpu_prof_kch_stop(kch[i], g);
-  free(ops); free(kch);
+  free(ops); free(kch); free(tasks);
   if (res != ncclSuccess) {  /* an asynchronous error of the communicator, as in NCCL */
     int s = atomic_load(&c->state);
     if (s == ncclSuccess || s == ncclInProgress) atomic_store(&c->state, res);

@@ -56,6 +56,8 @@ struct ncpu_op {
   char *buf;
   size_t len;
   size_t done;
+  void *step;            /* the profiler's ProxyStep of this transfer (NULL: none) */
+  int peer_wait;         /* its step is in SendPeerWait (the peer's window is closed) */
 };
 
 /* nccl_net.c */
@@ -67,6 +69,10 @@ ncclResult_t ncpu_listen_on(const struct sockaddr_storage *local, int *lfd,
 ncclResult_t ncpu_build_mesh(struct ncclComm *comm, int lfd, const struct sockaddr_storage *addrs,
                              uint64_t tag);
 ncclResult_t ncpu_run_ops(struct ncclComm *comm, struct ncpu_op *ops, int nops);
+/* Around ncpu_run_ops, for transfers that are one step each (p2p, broadcast, reduce): a
+ * ProxyOp per op under tasks[i] (NULL: none), its step in ops[i].step; _end stops them. */
+void ncpu_prof_single_begin(struct ncclComm *comm, void *const *tasks, struct ncpu_op *ops, int n, void **proxies);
+void ncpu_prof_single_end(struct ncpu_op *ops, int n, void **proxies);
 void ncpu_set_error(struct ncclComm *comm, const char *fmt, ...);
 const char *ncpu_thread_error(void);
 uint64_t ncpu_mix(uint64_t x);
@@ -95,5 +101,9 @@ ncclResult_t ncpu_broadcast(struct ncclComm *c, const void *s, void *r, size_t c
                             ncclDataType_t t, int root);
 ncclResult_t ncpu_reduce(struct ncclComm *c, const void *s, void *r, size_t count,
                          ncclDataType_t t, ncclRedOp_t op, int root);
+/* The profiler task of the collective this thread runs next (NULL: none), and how many
+ * network steps it takes per direction; _end stops its ProxyOps. */
+void ncpu_coll_profile(struct ncclComm *c, void *task, int nsteps);
+void ncpu_coll_profile_end(void);
 
 #endif

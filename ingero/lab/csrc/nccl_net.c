@@ -21,7 +21,7 @@
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
-#include <netinet/tcp.h>
+#include <linux/tcp.h>   /* TCP_NODELAY; struct tcp_info with tcpi_snd_wnd (glibc's has none) */
 #include <poll.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -33,6 +33,7 @@
 #include <unistd.h>
 
 #include "nccl_cpu_internal.h"
+#include "nccl_prof.h"
 
 struct hello {            /* rank -> root */
   uint32_t magic;
@@ -393,9 +394,66 @@ static int is_active(struct ncpu_op *ops, int i) {
   return 1;
 }
 
+void ncpu_prof_single_begin(struct ncclComm *comm, void *const *tasks, struct ncpu_op *ops, int n, void **proxies) {
+  for (int i = 0; i < n; i++) {
+    proxies[i] = ncpu_prof_proxy_op_start(comm->prof_ctx, tasks[i], 0, ops[i].peer, 1, (int)ops[i].len,
+                                          ops[i].is_send);
+    ops[i].step = ncpu_prof_proxy_step_start(comm->prof_ctx, proxies[i], 0);
+  }
+}
+
+void ncpu_prof_single_end(struct ncpu_op *ops, int n, void **proxies) {
+  for (int i = 0; i < n; i++) {
+    ncpu_prof_stop(ops[i].step);   /* a receive's: its data is consumed */
+    ops[i].step = NULL;
+    ncpu_prof_stop(proxies[i]);
+  }
+}
+
+/* A transfer's profiler step: it waits for the network from here (its socket's NetPlugin
+ * event names the connection); a send's step ends when the last byte left, a receive's
+ * waits for the consumer (the caller stops it). */
+static void step_posted(struct ncclComm *comm, struct ncpu_op *o) {
+  if (!o->step) return;
+  ncpu_prof_net_socket(comm->prof_ctx, o->step, o->fd, o->is_send, o->len);
+  ncpu_prof_proxy_step_state(o->step, o->is_send ? NCPU_SEND_WAIT : NCPU_RECV_WAIT, o->len);
+}
+
+/* A send that cannot go on waits for the peer (NCCL: SendPeerWait, no clear-to-send
+ * credit) when what it has in flight fills the peer's advertised window: the peer does
+ * not read fast enough; else for the network (SendWait: its segments in flight are not
+ * acknowledged, e.g. lost and resent, or the congestion window holds it back). Recorded
+ * when the state changes. */
+static void send_blocked(struct ncpu_op *o) {
+  if (!o->step || !o->is_send || o->done == o->len) return;
+  struct tcp_info ti;
+  socklen_t n = sizeof ti;
+  if (getsockopt(o->fd, IPPROTO_TCP, TCP_INFO, &ti, &n) != 0 || n < offsetof(struct tcp_info, tcpi_snd_wnd) + 4)
+    return;   /* not TCP (a socketpair), or an old kernel: the network it stays */
+  int peer = (uint64_t)ti.tcpi_unacked * ti.tcpi_snd_mss + ti.tcpi_snd_mss > ti.tcpi_snd_wnd;
+  if (peer != o->peer_wait) {
+    o->peer_wait = peer;
+    ncpu_prof_proxy_step_state(o->step, peer ? NCPU_SEND_PEER_WAIT : NCPU_SEND_WAIT, o->len);
+  }
+}
+
+static void step_moved(struct ncpu_op *o) {
+  if (!o->step) return;
+  if (o->is_send) {
+    ncpu_prof_stop(o->step);
+    o->step = NULL;
+  } else {
+    ncpu_prof_proxy_step_state(o->step, NCPU_RECV_GPU_WAIT, o->len);
+  }
+}
+
 ncclResult_t ncpu_run_ops(struct ncclComm *comm, struct ncpu_op *ops, int nops) {
   struct pollfd pfd[nops > 0 ? nops : 1];
   int idx[nops > 0 ? nops : 1];
+  for (int i = 0; i < nops; i++) {
+    step_posted(comm, &ops[i]);
+    if (ops[i].done == ops[i].len) step_moved(&ops[i]);
+  }
   for (;;) {
     int n = 0;
     for (int i = 0; i < nops; i++) {
@@ -423,9 +481,14 @@ ncclResult_t ncpu_run_ops(struct ncclComm *comm, struct ncpu_op *ops, int nops) 
                         : recv(o->fd, o->buf + o->done, o->len - o->done, 0);
       if (got > 0) {
         o->done += (size_t)got;
+        if (o->done == o->len) step_moved(o);
+        else send_blocked(o);   /* a short send: its buffer is full */
         continue;
       }
-      if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
+      if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+        send_blocked(o);
+        continue;
+      }
       ncpu_set_error(comm, "rank %d: connection to rank %d %s", comm->rank, o->peer,
                      got == 0 ? "closed by the peer" : strerror(errno));
       return ncclRemoteError;

@@ -17,7 +17,10 @@
  * nccl_profiler_abi.h, mirrored from NVIDIA's headers), filled as NCCL's v4,
  * v5 and v6 adapters fill them: v4 sees no API events, and a task's
  * parentObj is its group there; v5 and v6 get the CollApi/P2pApi handle as
- * parentObj and the group in coll.parentGroup / p2p.parentGroup.
+ * parentObj and the group in coll.parentGroup / p2p.parentGroup. Proxy events
+ * (ProxyOp under a task, ProxyStep under a ProxyOp, a NetPlugin socket event
+ * under a step, as src/plugin/profiler.cc and src/transport/net_socket.cc make
+ * them) are started when the plugin asked for them or for an event below them.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -27,6 +30,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "nccl_profiler_abi.h"
 #include "nccl_prof.h"
@@ -267,6 +271,61 @@ void ncpu_prof_kch_stop(void *h, uint64_t ptimer) {
   if (api == 6) p6->recordEventState(h, ncclProfilerKernelChStop, &a5);
   else if (api == 5) p5->recordEventState(h, ncclProfilerKernelChStop, &a5);
   else if (api == 4) p4->recordEventState(h, ncclProfilerKernelChStop, &a4);
+  ncpu_prof_stop(h);
+}
+
+void *ncpu_prof_proxy_op_start(void *ctx, void *task, int channel, int peer, int nsteps, int chunk, int is_send) {
+  void *h = NULL;
+  if (ctx && task && mask_has(ncclProfileProxyOp | ncclProfileProxyStep | ncclProfileNetPlugin))
+    START_EVENT(ctx, &h, {
+      d.type = ncclProfileProxyOp;
+      d.parentObj = task;
+      d.proxyOp.pid = getpid();
+      d.proxyOp.channelId = (uint8_t)channel;
+      d.proxyOp.peer = peer;
+      d.proxyOp.nSteps = nsteps;
+      d.proxyOp.chunkSize = chunk;
+      d.proxyOp.isSend = is_send;
+    }, (void)0);
+  return h;
+}
+
+void *ncpu_prof_proxy_step_start(void *ctx, void *proxy_op, int step) {
+  void *h = NULL;
+  if (ctx && proxy_op && mask_has(ncclProfileProxyStep | ncclProfileNetPlugin))
+    START_EVENT(ctx, &h, {
+      d.type = ncclProfileProxyStep;
+      d.parentObj = proxy_op;
+      d.proxyStep.step = step;
+    }, (void)0);
+  return h;
+}
+
+void ncpu_prof_proxy_step_state(void *h, enum ncpu_prof_wait w, size_t trans) {
+  static const ncclProfilerEventState_t STATE[] = {ncclProfilerProxyStepSendGPUWait, ncclProfilerProxyStepSendPeerWait_v4,
+                                                  ncclProfilerProxyStepSendWait, ncclProfilerProxyStepRecvWait,
+                                                  ncclProfilerProxyStepRecvGPUWait};
+  if (!h) return;
+  ncclProfilerEventStateArgs_v5_t a5 = {.proxyStep = {.transSize = trans}};
+  ncclProfilerEventStateArgs_v4_t a4 = {.proxyStep = {.transSize = trans}};
+  if (api == 6) p6->recordEventState(h, STATE[w], &a5);
+  else if (api == 5) p5->recordEventState(h, STATE[w], &a5);
+  else if (api == 4) p4->recordEventState(h, STATE[w], &a4);
+}
+
+/* NCCL's socket transport (src/transport/net_socket.cc) starts one per socket task,
+ * under the step's handle, with plugin id NCCL_PROFILER_NET_TYPE_SOCK | 1. */
+void ncpu_prof_net_socket(void *ctx, void *step, int fd, int is_send, size_t len) {
+  void *h = NULL;
+  if (!ctx || !step || !mask_has(ncclProfileNetPlugin)) return;
+  ncclProfilerNetSockDescr_v1_t data = {.type = ncclProfileSocket,
+                                        .sock = {.fd = fd, .op = is_send ? 0 : 1, .length = len}};
+  START_EVENT(ctx, &h, {
+    d.type = ncclProfileNetPlugin;
+    d.parentObj = step;
+    d.netPlugin.id = NCCL_PROFILER_NET_TYPE_SOCK | NCCL_PROFILER_NET_SOCKET_VER;
+    d.netPlugin.data = &data;
+  }, (void)0);
   ncpu_prof_stop(h);
 }
 

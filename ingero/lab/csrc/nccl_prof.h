@@ -49,6 +49,16 @@ void *ncpu_prof_task_start(void *ctx, const struct ncpu_prof_task *t);
 void *ncpu_prof_kch_start(void *ctx, void *parent, int channel, uint64_t ptimer);
 void ncpu_prof_kch_stop(void *h, uint64_t ptimer);
 
+/* Proxy (NCCL: its proxy progress thread; here the device thread that moves the
+ * data over the sockets): a ProxyOp per operation, channel, peer and direction,
+ * under the task `task`; a ProxyStep per transfer under it, its wait states
+ * recorded as the socket waits, with a NetPlugin socket event naming its fd. */
+enum ncpu_prof_wait { NCPU_SEND_GPU_WAIT, NCPU_SEND_PEER_WAIT, NCPU_SEND_WAIT, NCPU_RECV_WAIT, NCPU_RECV_GPU_WAIT };
+void *ncpu_prof_proxy_op_start(void *ctx, void *task, int channel, int peer, int nsteps, int chunk, int is_send);
+void *ncpu_prof_proxy_step_start(void *ctx, void *proxy_op, int step);
+void ncpu_prof_proxy_step_state(void *step, enum ncpu_prof_wait w, size_t trans);
+void ncpu_prof_net_socket(void *ctx, void *step, int fd, int is_send, size_t len);
+
 void ncpu_prof_stop(void *h);      /* stopEvent of any handle; NULL is ignored */
 
 #endif
