@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.synthetic import pipeline_layout, pipeline_session
+from bench.synthetic import pipeline_session
 from ingero.analysis.verdict import SAVING_FLOOR_PCT, SPREAD_FLOOR_PCT
 
 # (tp, pp, dp, nodes)
@@ -83,15 +83,58 @@ def test_the_matrix_has_at_least_40_cases_over_every_fault_in_each_shape():   # 
     assert any(c.values[1]["replicas"] > 1 for c in fsdp)
 
 
-@pytest.mark.parametrize("layout,kw", CASES)
-def test_the_verdict_names_the_planted_cause(tmp_path, layout, kw):
+# A loss reduced for logging every few steps (torchtitan, Megatron): a collective seen 3+ times,
+# rarer than any once-per-step one, that must not become the step. (tp, pp, dp, nodes), shape
+LOGGED = [((2, 2, 2, 2), SHAPES["1f1b"]), ((1, 4, 2, 2), SHAPES["1f1b"]),
+          ((2, 1, 4, 2), {"fsdp": FSDP_LAYERS, "world": False})]
+
+
+def _logged_cases():
+    rng = np.random.default_rng(10)
+    out = []
+    for every in (4, 10):
+        for (tp, pp, dp, nodes), skw in LOGGED:
+            for fault in ("clean", "slow-rank", "network"):
+                kw = {"fault": fault, "seed": int(rng.integers(1, 10_000)), "log_every": every,
+                      "skew_ns": [int(x) for x in rng.integers(-5_000_000, 5_000_000, nodes)], **skw}
+                if fault == "slow-rank":
+                    kw.update(victim=int(rng.integers(0, tp * pp * dp)), slow=1.6)
+                elif fault == "network":
+                    kw.update(lossy_node=int(rng.integers(0, nodes)), loss_ms=3.0)
+                shape = "fsdp" if "fsdp" in skw else "1f1b"
+                out.append(pytest.param((tp, pp, dp, nodes), kw, id=f"tp{tp}pp{pp}dp{dp}-{fault}-{shape}-log{every}"))
+    return out
+
+
+def _judged(tmp_path, layout, kw, steps=12):
+    """The case's session through the operator's own path: (report, ground truth)."""
     from ingero_operator import gather
 
     tp, pp, dp, nodes = layout
-    gt = pipeline_session(tmp_path / "work" / "nodes", tp, pp, dp, nodes=nodes, steps=12, **kw)
+    gt = pipeline_session(tmp_path / "work" / "nodes", tp, pp, dp, nodes=nodes, steps=steps, **kw)
     err = np.random.default_rng(kw["seed"]).integers(-50_000, 50_000, nodes)   # the offsets' own error
     offsets = {n: o + int(e) for (n, o), e in zip(sorted(gt["offsets"].items()), err)}
     rep, _ = gather.build_artifact(gather.LocalSession(tmp_path), offsets)
+    return rep, gt
+
+
+@pytest.mark.parametrize("layout,kw", _logged_cases())
+def test_a_loss_logged_every_few_steps_leaves_the_step_one_step(tmp_path, layout, kw):
+    """Seen 3 or more times (16 steps logging every 4th, 32 every 10th), the logged loss is the
+    rarest collective; the step is still one step, and the verdict the planted one."""
+    rep, gt = _judged(tmp_path, layout, kw, steps=8 + 3 * kw["log_every"])
+    assert rep.step_ms == pytest.approx(gt["step_ms"], rel=0.10), (rep.step_ms, gt["step_ms"])
+    assert rep.mean_step_ms == pytest.approx(gt["step_ms"], rel=0.10), (rep.mean_step_ms, gt["step_ms"])
+    _check(rep, gt, kw)
+
+
+@pytest.mark.parametrize("layout,kw", CASES)
+def test_the_verdict_names_the_planted_cause(tmp_path, layout, kw):
+    rep, gt = _judged(tmp_path, layout, kw)
+    _check(rep, gt, kw)
+
+
+def _check(rep, gt, kw):
     s, fault = rep.straggler, kw["fault"]
     planted_pct = 100 * gt["planted_saving_ms"] / gt["step_ms"]
     where = (f"{fault}: {s}; best {rep.best_candidate} {rep.best_saving_pct}%; planted "
@@ -107,13 +150,13 @@ def test_the_verdict_names_the_planted_cause(tmp_path, layout, kw):
     if fault in CAUSE:
         assert (s.kind, s.rank, s.cause) == ("rank", kw["victim"], CAUSE[fault]), where
     elif fault == "slow-stage":
-        stage_ranks = sorted(r for r, st in pipeline_layout(tp, pp, dp)["stage"].items() if st == kw["stage_slow"])
+        stage_ranks = gt["stage_ranks"]
         if len(stage_ranks) == 1:     # a stage of one rank is that rank
             assert (s.kind, s.ranks) == ("rank", stage_ranks), where
         else:
             assert s.kind == "stage" and s.ranks == stage_ranks, where
     elif fault == "slow-node":   # or the stage it is, when it holds exactly one stage
-        st = pipeline_layout(tp, pp, dp)["stage"]
+        st = gt["layout"]["stage"]
         same_stage = sorted(r for r in st if st[r] == st[gt["node_ranks"][0]])
         assert s.ranks in (gt["node_ranks"], same_stage) and s.kind in ("node", "stage"), where
     elif fault == "imbalance":
