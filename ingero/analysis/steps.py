@@ -186,10 +186,12 @@ def markers(c: Calls, visible: np.ndarray, ev: Events | None = None) -> list[tup
 def _every_few_steps(c: Calls, ev: Events, op: int, fam: list) -> bool:
     """Whether a family of collectives (`op` on the communicators of `fam`) is made only every
     few steps, as a loss reduced for logging every N steps is: on every traced member, the
-    sync events between two of its instances are one sequence repeated k >= 2 times (in at
-    least PERIOD_MATCH of those windows), and those events connect every member (the steps
-    of the whole job: between two data-parallel reduce-scatters, a tensor-parallel group's
-    per-microbatch all-reduces repeat too, but connect no replicas)."""
+    sync events between two of its instances are one sequence of two kinds or more repeated
+    k >= 2 times (in at least PERIOD_MATCH of those windows), and those events connect every
+    member. A step is more than one kind of call repeated (a tensor-parallel all-reduce per
+    microbatch, a data-parallel bucket's all-reduce), and it is the whole job's: between two
+    data-parallel reduce-scatters a tensor-parallel group's all-reduces repeat too, but
+    connect no replicas."""
     comms = [comm for _, comm in fam]
     ids = np.flatnonzero(np.isin(c.inst_comm, comms) & (c.inst_op == op))
     traced = set(ev.ranks.tolist())
@@ -200,34 +202,41 @@ def _every_few_steps(c: Calls, ev: Events, op: int, fam: list) -> bool:
 
     def find(x):
         while parent.get(x, x) != x:
-            x = parent[x] = parent.get(parent[x], parent[x])
+            x = parent[x]
         return x
 
     def join(group):
         roots = {find(g) for g in group}
-        top = min(roots)
         for r in roots:
-            parent[r] = top
+            parent[r] = min(roots)
 
     kind = np.where(ev.inst >= 0, c.inst_comm[np.maximum(ev.inst, 0)] * 64 + c.inst_op[np.maximum(ev.inst, 0)], -1)
-    repeated, windows = 0, 0
+    src = np.repeat(np.arange(len(ev.a)), np.diff(ev.dep_ptr))
+    comms_used, pairs = set(), set()
     for r in mem:
         k = int(np.searchsorted(ev.ranks, r))
         lo, hi = int(ev.off[k]), int(ev.off[k + 1])
         at = lo + np.flatnonzero(np.isin(ev.inst[lo:hi], ids))
+        if len(at) < 2:
+            continue
+        repeated = 0
         for a, b in zip(at[:-1].tolist(), at[1:].tolist()):
-            windows += 1
             w = kind[a + 1:b]
             n = len(w)
-            repeated += any(n % p == 0 and np.array_equal(w[p:], w[:-p]) for p in range(1, n // 2 + 1))
-        if len(at) >= 2:
-            span = np.arange(int(at[0]) + 1, int(at[-1]))
-            for i in np.unique(ev.inst[span][ev.inst[span] >= 0]).tolist():
-                join(c.comm_members.get(int(c.inst_comm[i]), []))
-            for i in span.tolist():
-                join([r] + ev.rank[ev.dep_idx[ev.dep_ptr[i]:ev.dep_ptr[i + 1]]].tolist())
-    if not windows or repeated < PERIOD_MATCH * windows:
+            p = next((p for p in range(1, n // 2 + 1) if n % p == 0 and np.array_equal(w[p:], w[:-p])), 0)
+            repeated += p > 0 and len(np.unique(w[:p])) >= 2
+        if repeated < PERIOD_MATCH * (len(at) - 1):
+            return False
+        inner = ev.inst[at[0] + 1:at[-1]]
+        comms_used.update(np.unique(c.inst_comm[inner[inner >= 0]]).tolist())
+        d = (src > at[0]) & (src < at[-1])
+        pairs.update(zip(ev.rank[src[d]].tolist(), ev.rank[ev.dep_idx[d]].tolist()))
+    if not comms_used and not pairs:
         return False
+    for comm in comms_used:
+        join(c.comm_members.get(comm, []))
+    for pair in pairs:
+        join(pair)
     return len({find(r) for r in mem}) == 1
 
 

@@ -128,6 +128,17 @@ def test_a_loss_logged_every_few_steps_leaves_the_step_one_step(tmp_path, layout
     _check(rep, gt, kw)
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_step_of_one_kind_of_call_repeated_keeps_its_once_per_step_marker(tmp_path, tp):
+    """Tensor parallel only: 8 all-reduces of one group, then the step's world all-reduce over
+    the same ranks (as a data-parallel job's gradient buckets, then a once-per-step call). The
+    all-reduces between two world ones repeat and connect every rank, yet are no steps."""
+    kw = {"fault": "slow-rank", "victim": 1, "slow": 1.6, "seed": 11, "skew_ns": [0]}
+    rep, gt = _judged(tmp_path, (tp, 1, 1, 1), kw)
+    assert rep.step_ms == pytest.approx(gt["step_ms"], rel=0.10), (rep.step_ms, gt["step_ms"])
+    _check(rep, gt, kw)
+
+
 @pytest.mark.parametrize("layout,kw", CASES)
 def test_the_verdict_names_the_planted_cause(tmp_path, layout, kw):
     rep, gt = _judged(tmp_path, layout, kw)
