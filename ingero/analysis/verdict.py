@@ -303,24 +303,28 @@ def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int,
 
 def _persistent(tl: Timeline, slot: np.ndarray, base_step: float) -> tuple[float, float]:
     """(what fixing imbalance proper saves, what the same estimate gives on the job's jitter
-    alone), ns per step, replayed. Imbalance proper: each rank's work in each step scaled
-    down to its peers' in that step (the median, over the ranks of its role, of each sync
-    event's own work at the same step and position), where it is more. Its jitter: with n
-    sync events per rank and step, scaling by a step's mean ratio leaves 1/sqrt(n) of the
-    per-event jitter, which is what "fix everyone" (each event capped at its `slot`'s median)
-    removes from the work with each rank-step's ratio divided out."""
+    alone), ns per step, replayed. Imbalance proper: each rank's work in each step, as a
+    ratio to its role's (each sync event's `slot` median over the role's ranks and steps),
+    scaled down to that step's median ratio over all ranks where it is more: a rank or a
+    stage slower in a step than the job is in that step, not a step the whole job (the
+    machine) was slow in. Its jitter: with n sync events per rank and step, scaling by a
+    step's ratio leaves 1/sqrt(n) of the per-event jitter, which is what "fix everyone"
+    (each event capped at its slot's median) removes from the work with each rank-step's
+    ratio divided out."""
     ev, m = tl.ev, tl.m
     step = lambda w: tl.step_ns(replay(ev, w, m.x).e)
     ok = tl.key >= 0
-    peer = quantile_at(tl.key[ok], m.w[ok].astype(np.float64), 0.5, tl.key)
-    ok &= ~np.isnan(peer)
+    cap = quantile_at(slot[ok], m.w[ok].astype(np.float64), 0.5, slot)
+    ok &= ~np.isnan(cap)
     if not ok.any():
         return 0.0, 0.0
     seg = np.repeat(np.arange(len(ev.ranks)), np.diff(ev.off))
-    rank_step = seg[ok] * (int(tl.key.max()) // tl.slots + 1) + tl.key[ok] // tl.slots
-    _, inv, n = np.unique(rank_step, return_inverse=True, return_counts=True)
-    ratio = (np.bincount(inv, weights=m.w[ok].astype(np.float64))
-             / np.maximum(np.bincount(inv, weights=peer[ok]), 1.0))[inv]
+    B = int(tl.key.max()) // tl.slots + 1
+    u, inv, n = np.unique(seg[ok] * B + tl.key[ok] // tl.slots, return_inverse=True, return_counts=True)
+    f = np.bincount(inv, weights=m.w[ok].astype(np.float64)) / np.maximum(np.bincount(inv, weights=cap[ok]), 1.0)
+    step_no = (u % B) % (tl.steps + 1)             # the key holds (role * (steps + 1) + step)
+    level_of = quantile_at(step_no, f, 0.5, step_no)
+    ratio = (f / np.maximum(level_of, 1e-3))[inv]
     fixed, level = m.w.copy(), m.w.copy()
     fixed[ok] = (m.w[ok] / np.maximum(ratio, 1.0)).astype(np.int64)
     level[ok] = (m.w[ok] / np.maximum(ratio, 1e-3)).astype(np.int64)
