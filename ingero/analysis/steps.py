@@ -183,6 +183,13 @@ def markers(c: Calls, visible: np.ndarray, ev: Events | None = None) -> list[tup
             for _, comm in sorted(lst, key=lambda t: (-t[0], int(c.comm_hash[t[1]])))]
 
 
+def _kind(c: Calls, inst: np.ndarray) -> np.ndarray:
+    """Per event of instance `inst`: its collective's communicator and op as one number; -1
+    for none (a send/recv)."""
+    i = np.maximum(inst, 0)
+    return np.where(inst >= 0, c.inst_comm[i] * 64 + c.inst_op[i], -1)
+
+
 def _every_few_steps(c: Calls, ev: Events, op: int, fam: list) -> bool:
     """Whether a family of collectives (`op` on the communicators of `fam`) is made only every
     few steps, as a loss reduced for logging every N steps is: on every traced member, the
@@ -210,7 +217,7 @@ def _every_few_steps(c: Calls, ev: Events, op: int, fam: list) -> bool:
         for r in roots:
             parent[r] = min(roots)
 
-    kind = np.where(ev.inst >= 0, c.inst_comm[np.maximum(ev.inst, 0)] * 64 + c.inst_op[np.maximum(ev.inst, 0)], -1)
+    kind = _kind(c, ev.inst)
     src = np.repeat(np.arange(len(ev.a)), np.diff(ev.dep_ptr))
     comms_used, pairs = set(), set()
     for r in mem:
@@ -262,7 +269,7 @@ def _whole_steps(c: Calls, ev: Events, ids: np.ndarray, comm: int) -> np.ndarray
         return ids
     order = np.argsort(ids, kind="stable")
     at = list(zip(j.tolist(), order[np.searchsorted(ids[order], inst[j])].tolist()))
-    kind = np.where(inst >= 0, c.inst_comm[np.maximum(inst, 0)] * 64 + c.inst_op[np.maximum(inst, 0)], -1)
+    kind = _kind(c, inst)
     _, which, n = np.unique(kind, return_inverse=True, return_counts=True)
     often = n[which] * ALIKE_COUNT >= len(j)                       # as often as the marker, or more
     sig = [tuple(kind[a + 1:b][often[a + 1:b]].tolist()) for (a, _), (b, _) in zip(at[:-1], at[1:])]
@@ -367,11 +374,11 @@ def timeline(c: Calls, ev: Events, m: Measured) -> Timeline | None:
     code = c.inst_comm * 64 + c.inst_op
     rare = has & (np.bincount(code)[code][np.maximum(ev.inst, 0)] * ALIKE_COUNT < min(len(p) for p in per))
     if rare.any():
-        opened = last_mk >= rank_start
+        after_mk = last_mk >= rank_start
         reg = np.cumsum(~rare)
-        since = np.where(opened, reg - reg[np.maximum(last_mk, 0)], since)
-        top = int(since[opened & ~rare & inwin].max(initial=0)) + 1
-        since = np.where(opened & rare, top + since, since)
+        since = np.where(after_mk, reg - reg[np.maximum(last_mk, 0)], since)
+        top = int(since[after_mk & ~rare & inwin].max(initial=0)) + 1
+        since = np.where(after_mk & rare, top + since, since)
     stage_of = stages(c)
     role = np.array([stage_of.get(int(r), 0) for r in ev.ranks.tolist()], np.int64)[seg]
     # one small integer per (role, step, ordinal) inside the window, -1 outside
