@@ -17,8 +17,8 @@ GPU-like device with Ingero's profiler plugin in every rank (``--device gpu
 --profiler``: judged on device times), victims placed off the last rank; and
 an FSDP job (``--cases fsdp``: tp=2, dp=4, 4 layers, each gathered and
 reduce-scattered in coalesced groups; HSDP with dp=8 as 2 replicas) with
-clean, slow-rank, lossy-link, imbalance, cpu-hog and io-stall, and slow-rank on
-the GPU-like device.
+clean, slow-rank, lossy-link, imbalance, cpu-hog and io-stall, and slow-rank, clean
+and imbalance on the GPU-like device.
 A trace that cannot be judged is never right. ``--only`` keeps the cases whose name contains one of
 the given words (``--cases all --only cpu-hog``: the four cpu-hog cases); ``--set``
 overrides a LabConfig field in every case (a number or a word). A verdict is right when
@@ -108,6 +108,10 @@ CASES["fsdp"] = [
      _rank("compute/unknown")),
     ("fsdp-gpu slow-rank", dict(FSDP, scenario="slow-rank", victim_rank=5, device="gpu", profiler=True),
      _rank("compute/unknown")),
+    # about 20 sync events per rank and step: each one's jitter adds to "fix everyone"
+    ("fsdp-gpu clean", dict(FSDP, scenario="clean", device="gpu", profiler=True), _clean),
+    ("fsdp-gpu imbalance", dict(FSDP, scenario="imbalance", imbalance=1.0, device="gpu", profiler=True),
+     lambda s, lab: s is not None and s.kind == "spread"),
 ]
 # the 3D faults again on the GPU-like device, judged on the plugin's device times
 CASES["3d-gpu"] = [(name.replace("3d", "3d-gpu", 1), dict(kw, device="gpu", profiler=True), check)

@@ -8,7 +8,9 @@ one op); the markers of one *family* (same op, same group size, about as many
 instances) together cover ranks, e.g. every data-parallel group's gradient
 reduce-scatter. The family chosen recurs least (once per step; seen at least
 MIN_INSTANCES times), then covers the most ranks, then spans the widest groups;
-a marker that recurs several times per step (FSDP's per-layer reduce-scatter) marks
+a family made only every few steps (a loss reduced for logging every N steps) is none
+(``_every_few_steps``), and its calls take slots of their own after the step's; a
+marker that recurs several times per step (FSDP's per-layer reduce-scatter) marks
 every q-th step boundary, q from the period of its ranks' own call sequence;
 ranks it leaves out are covered by other families that recur as often, then
 through what connects them to covered ranks (``_propagate``: a pure pipeline's
@@ -122,10 +124,11 @@ def stages(c: Calls) -> dict:
     return out
 
 
-def markers(c: Calls, visible: np.ndarray) -> list[tuple[int, int]]:
+def markers(c: Calls, visible: np.ndarray, ev: Events | None = None) -> list[tuple[int, int]]:
     """The markers, as [(communicator code, op code)], the reference first; [] when no
     collective recurs. `visible`: per instance, whether it is a sync event of its own (a
-    collective inside a group is not)."""
+    collective inside a group is not). With the events `ev`, a family made only every few
+    steps (``_every_few_steps``) is no marker."""
     if not visible.any():
         return []
     code = c.inst_comm[visible] * 64 + c.inst_op[visible]
@@ -163,6 +166,9 @@ def markers(c: Calls, visible: np.ndarray) -> list[tuple[int, int]]:
     left = set(c.rank.tolist())
     # a collective seen only twice may be a one-off pair (set-up, checkpoint): a step needs 3
     steady = [f for f in families if count(f) >= MIN_INSTANCES] or families
+    if ev is not None:
+        most = max(count(f) for f in steady)
+        steady = [f for f in steady if count(f) * 2 > most or not _every_few_steps(c, ev, f[0], f[2])] or steady
     chosen = [min(steady, key=lambda f: order(f, left))]
     left -= members(chosen[0])
     n_ref = count(chosen[0])
@@ -177,6 +183,70 @@ def markers(c: Calls, visible: np.ndarray) -> list[tuple[int, int]]:
             for _, comm in sorted(lst, key=lambda t: (-t[0], int(c.comm_hash[t[1]])))]
 
 
+def _kind(c: Calls, inst: np.ndarray) -> np.ndarray:
+    """Per event of instance `inst`: its collective's communicator and op as one number; -1
+    for none (a send/recv)."""
+    i = np.maximum(inst, 0)
+    return np.where(inst >= 0, c.inst_comm[i] * 64 + c.inst_op[i], -1)
+
+
+def _every_few_steps(c: Calls, ev: Events, op: int, fam: list) -> bool:
+    """Whether a family of collectives (`op` on the communicators of `fam`) is made only every
+    few steps, as a loss reduced for logging every N steps is: on every traced member, the
+    sync events between two of its instances are one sequence of two kinds or more repeated
+    k >= 2 times (in at least PERIOD_MATCH of those windows), and those events connect every
+    member. A step is more than one kind of call repeated (a tensor-parallel all-reduce per
+    microbatch, a data-parallel bucket's all-reduce), and it is the whole job's: between two
+    data-parallel reduce-scatters a tensor-parallel group's all-reduces repeat too, but
+    connect no replicas."""
+    comms = [comm for _, comm in fam]
+    ids = np.flatnonzero(np.isin(c.inst_comm, comms) & (c.inst_op == op))
+    traced = set(ev.ranks.tolist())
+    mem = sorted(set().union(*(c.comm_members.get(comm, []) for comm in comms)) & traced)
+    if len(mem) < 2:
+        return False
+    parent = {}
+
+    def find(x):
+        while parent.get(x, x) != x:
+            x = parent[x]
+        return x
+
+    def join(group):
+        roots = {find(g) for g in group}
+        for r in roots:
+            parent[r] = min(roots)
+
+    kind = _kind(c, ev.inst)
+    src = np.repeat(np.arange(len(ev.a)), np.diff(ev.dep_ptr))
+    comms_used, pairs = set(), set()
+    for r in mem:
+        k = int(np.searchsorted(ev.ranks, r))
+        lo, hi = int(ev.off[k]), int(ev.off[k + 1])
+        at = lo + np.flatnonzero(np.isin(ev.inst[lo:hi], ids))
+        if len(at) < 2:
+            continue
+        repeated = 0
+        for a, b in zip(at[:-1].tolist(), at[1:].tolist()):
+            w = kind[a + 1:b]
+            n = len(w)
+            p = next((p for p in range(1, n // 2 + 1) if n % p == 0 and np.array_equal(w[p:], w[:-p])), 0)
+            repeated += p > 0 and len(np.unique(w[:p])) >= 2
+        if repeated < PERIOD_MATCH * (len(at) - 1):
+            return False
+        inner = ev.inst[at[0] + 1:at[-1]]
+        comms_used.update(np.unique(c.inst_comm[inner[inner >= 0]]).tolist())
+        d = (src > at[0]) & (src < at[-1])
+        pairs.update(zip(ev.rank[src[d]].tolist(), ev.rank[ev.dep_idx[d]].tolist()))
+    if not comms_used and not pairs:
+        return False
+    for comm in comms_used:
+        join(c.comm_members.get(comm, []))
+    for pair in pairs:
+        join(pair)
+    return len({find(r) for r in mem}) == 1
+
+
 def _whole_steps(c: Calls, ev: Events, ids: np.ndarray, comm: int) -> np.ndarray:
     """A marker's instances (`ids`, in order) that end steps: all of them, or every q-th when
     the marker recurs q times per step, as an FSDP job's per-layer reduce-scatter does. Told
@@ -184,8 +254,9 @@ def _whole_steps(c: Calls, ev: Events, ids: np.ndarray, comm: int) -> np.ndarray
     send/recv) between consecutive marker instances repeat with period q (in at least
     PERIOD_MATCH of the windows) and not with any shorter one, and one window of the period
     holds FORWARD_EVENTS times the events of the median one (the forward, with every
-    layer's gather; a call made every q-th step only, such as a logged loss, adds one). A
-    step ends with the instance before that window."""
+    layer's gather). Kinds the member makes less often than the marker (a loss logged every
+    few steps) are left out of the windows' kinds. A step ends with the instance before that
+    window."""
     traced = set(ev.ranks.tolist())
     mem = [r for r in c.comm_members.get(comm, []) if r in traced]
     if not mem or len(ids) < 3:
@@ -198,8 +269,10 @@ def _whole_steps(c: Calls, ev: Events, ids: np.ndarray, comm: int) -> np.ndarray
         return ids
     order = np.argsort(ids, kind="stable")
     at = list(zip(j.tolist(), order[np.searchsorted(ids[order], inst[j])].tolist()))
-    kind = np.where(inst >= 0, c.inst_comm[np.maximum(inst, 0)] * 64 + c.inst_op[np.maximum(inst, 0)], -1)
-    sig = [tuple(kind[a + 1:b].tolist()) for (a, _), (b, _) in zip(at[:-1], at[1:])]
+    kind = _kind(c, inst)
+    _, which, n = np.unique(kind, return_inverse=True, return_counts=True)
+    often = n[which] * ALIKE_COUNT >= len(j)                       # as often as the marker, or more
+    sig = [tuple(kind[a + 1:b][often[a + 1:b]].tolist()) for (a, _), (b, _) in zip(at[:-1], at[1:])]
     seen: dict = {}
     code = np.array([seen.setdefault(x, len(seen)) for x in sig], np.int64)   # a number per distinct window
     length = np.array([len(x) for x in sig], np.float64)
@@ -244,7 +317,7 @@ def timeline(c: Calls, ev: Events, m: Measured) -> Timeline | None:
     # every instance's earliest member event; instances with none are no sync event
     first = np.full(len(c.inst_size), np.iinfo(np.int64).max, np.int64)
     np.minimum.at(first, ev.inst[has], ev.a[has])
-    pairs = markers(c, first < np.iinfo(np.int64).max)
+    pairs = markers(c, first < np.iinfo(np.int64).max, ev)
     per, used = [], []
     for comm, op in pairs:
         ids = np.flatnonzero((c.inst_comm == comm) & (c.inst_op == op) & (first < np.iinfo(np.int64).max))
@@ -296,6 +369,16 @@ def timeline(c: Calls, ev: Events, m: Measured) -> Timeline | None:
     inwin = (gb >= L + 1) & (gb <= H)
     rank_start = ev.off[:-1][seg]
     since = np.where(last_mk >= rank_start, idx - last_mk, idx - rank_start + 10**6)
+    # a collective made less often than once per step (a loss logged every few steps) takes
+    # no ordinal from the events after it, and has slots of its own after the step's
+    code = c.inst_comm * 64 + c.inst_op
+    rare = has & (np.bincount(code)[code][np.maximum(ev.inst, 0)] * ALIKE_COUNT < min(len(p) for p in per))
+    if rare.any():
+        after_mk = last_mk >= rank_start
+        reg = np.cumsum(~rare)
+        since = np.where(after_mk, reg - reg[np.maximum(last_mk, 0)], since)
+        top = int(since[after_mk & ~rare & inwin].max(initial=0)) + 1
+        since = np.where(after_mk & rare, top + since, since)
     stage_of = stages(c)
     role = np.array([stage_of.get(int(r), 0) for r in ev.ranks.tolist()], np.int64)[seg]
     # one small integer per (role, step, ordinal) inside the window, -1 outside
