@@ -1,13 +1,17 @@
-"""How long a lab run's tracers take to stop: uprobe_multi links vs a perf event per uprobe.
+"""How long a lab run's tracers take to stop, by how the tracer attaches its probes.
 
-    python -m bench.tracer_stop [--runs 3] [--layout tp=2,pp=2,dp=2 --nodes 2 --ranks-per-node 4]
+    python -m bench.tracer_stop [--runs 3] [--setups perf,links,raw]
+                                [--layout tp=2,pp=2,dp=2 --nodes 2 --ranks-per-node 4]
 
 Runs `ingero lab run --trace` (every probe family; a tracer per lab node) round
-after round, alternating the two ways the tracer attaches its NCCL uprobes, so
-both share the machine's load: "links" (uprobe_multi links, the default where the
-kernel has them) and "perf" (INGERO_UPROBE_MULTI=0: one perf event per uprobe, as on
-a kernel older than 6.6). Reported per set-up, median over the runs: the lab run's
-wall time and the slowest tracer's "probes detached in" (from its log). Needs root.
+after round, alternating the set-ups, so they share the machine's load:
+"raw" (the default where the kernel has them: NCCL uprobes as uprobe_multi links,
+TCP and scheduler tracepoints as raw tracepoints: no perf event at all), "links"
+(INGERO_RAW_TRACEPOINTS=0: the tracepoints as perf events, as on a kernel before
+6.1) and "perf" (INGERO_UPROBE_MULTI=0 as well: one perf event per uprobe too, as
+on a kernel older than 6.6). Reported per set-up, median over the runs: the lab
+run's wall time and the slowest tracer's "probes detached in" (from its log).
+Needs root.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from pathlib import Path
 
 from bench.common import need_root
 
-SETUPS = {"perf": {"INGERO_UPROBE_MULTI": "0"}, "links": {}}
+SETUPS = {"perf": {"INGERO_UPROBE_MULTI": "0", "INGERO_RAW_TRACEPOINTS": "0"},
+          "links": {"INGERO_RAW_TRACEPOINTS": "0"}, "raw": {}}
 DETACHED = re.compile(r"probes detached in ([0-9.]+) s")
 
 
@@ -47,13 +52,18 @@ def one_run(setup: str, lab_args: list[str], out: Path) -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {', '.join(SETUPS)}")
     args, lab_args = ap.parse_known_args(argv)
+    setups = args.setups.split(",")
+    unknown = [s for s in setups if s not in SETUPS]
+    if unknown:
+        sys.exit(f"unknown set-up {', '.join(unknown)}: choose from {', '.join(SETUPS)}")
     need_root("bench.tracer_stop")
-    results: dict[str, list[dict]] = {s: [] for s in SETUPS}
+    results: dict[str, list[dict]] = {s: [] for s in setups}
     top = Path(tempfile.mkdtemp(prefix="ingero-tracer-stop-"))
     try:
         for i in range(args.runs):
-            for setup in SETUPS:
+            for setup in setups:
                 r = one_run(setup, lab_args, top / f"{setup}-{i}")
                 results[setup].append(r)
                 print(f"run {i + 1} {setup:5s}: lab {r['wall_s']:.1f} s, slowest of {r['tracers']} tracers "

@@ -15,6 +15,7 @@
  *   INGERO_CGROUP_LEVELS   how many ancestor levels the cgroup filter checks
  *   INGERO_SCHED_MIN_NS    off-CPU intervals shorter than this are only summed
  *   INGERO_RINGBUF_PAGES   ring buffer size per probe family, in pages
+ *   INGERO_RAW_TP          1: tracepoints hook as raw tracepoints (see INGERO_TRACEPOINT)
  */
 #ifndef INGERO_H
 #define INGERO_H
@@ -323,6 +324,19 @@ struct ingero_sched_event {
 
 #include <uapi/linux/ptrace.h>   /* struct pt_regs for the uprobes */
 
+/* A tracepoint hook: with INGERO_RAW_TP a raw tracepoint (BPF_RAW_TRACEPOINT_OPEN: an fd,
+ * no perf event, so detaching it waits on no global lock; the program gets the
+ * tracepoint's TP_PROTO arguments in ctx->args[]), else the tracepoint's perf event (its
+ * formatted fields in args->). For hooks whose body reads neither. */
+#ifndef INGERO_RAW_TP
+#define INGERO_RAW_TP 0
+#endif
+#if INGERO_RAW_TP
+#define INGERO_TRACEPOINT(category, event) RAW_TRACEPOINT_PROBE(event)
+#else
+#define INGERO_TRACEPOINT(category, event) TRACEPOINT_PROBE(category, event)
+#endif
+
 #ifndef INGERO_SELF_TGID
 #define INGERO_SELF_TGID 0
 #endif
@@ -471,7 +485,7 @@ static __always_inline int ingero_current_is_target(u32 tgid, u64 cgid)
  * periodic scans still find the process. */
 BPF_RINGBUF_OUTPUT(exec_notes, 1);
 
-TRACEPOINT_PROBE(sched, sched_process_exec)
+INGERO_TRACEPOINT(sched, sched_process_exec)
 {
     u64 id = bpf_get_current_pid_tgid();
     if (!ingero_is_target(id >> 32, bpf_get_current_cgroup_id()))

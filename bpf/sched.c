@@ -1,6 +1,7 @@
 /* sched.c: off-CPU intervals of target threads.
  *
- * Hook: sched:sched_switch, nothing else. It runs for every context switch of
+ * Hook: sched:sched_switch, nothing else (a raw tracepoint with INGERO_RAW_TP: see
+ * sched_reported_state). It runs for every context switch of
  * the machine; `current` is the task leaving the CPU (prev), so the target
  * filter applies to it, and only its own state is read or written: neither
  * the incoming task nor a woken one is ever looked up.
@@ -181,9 +182,47 @@ static __always_inline void sched_open(struct sched_pending *p, u64 now, u64 exe
         p->reason = OFFCPU_SLEEP;
 }
 
-TRACEPOINT_PROBE(sched, sched_switch)
+#if INGERO_RAW_TP
+/* prev_state as the tracepoint reports it (__trace_sched_switch_state and
+ * __task_state_index, include/linux/sched.h, 6.1+): TASK_REPORT_MAX when preempted, else
+ * the highest bit of (state | exit_state) & TASK_REPORT, with TASK_IDLE reported as
+ * TASK_REPORT_IDLE and TASK_RTLOCK_WAIT / TASK_FROZEN as TASK_UNINTERRUPTIBLE. prev is the
+ * current task. */
+#define INGERO_TASK_REPORT 0x7f
+#define INGERO_TASK_IDLE 0x402          /* TASK_UNINTERRUPTIBLE | TASK_NOLOAD */
+#define INGERO_TASK_RTLOCK_WAIT 0x1000
+#define INGERO_TASK_FROZEN 0x8000
+static __always_inline long sched_reported_state(u64 preempt, u32 state)
 {
-    u32 tid = args->prev_pid;
+    if (preempt)
+        return 0x100;                   /* TASK_REPORT_MAX */
+    int exit_state = 0;
+#if INGERO_TASK_STORAGE
+    exit_state = *(int *)((char *)bpf_get_current_task_btf() + INGERO_TASK_EXIT_STATE_OFF);
+#else
+    bpf_probe_read_kernel(&exit_state, sizeof(exit_state),
+                          (char *)bpf_get_current_task() + INGERO_TASK_EXIT_STATE_OFF);
+#endif
+    u32 s = (state | exit_state) & INGERO_TASK_REPORT;
+    if ((state & INGERO_TASK_IDLE) == INGERO_TASK_IDLE)
+        s = INGERO_TASK_REPORT + 1;     /* TASK_REPORT_IDLE */
+    if (state & (INGERO_TASK_RTLOCK_WAIT | INGERO_TASK_FROZEN))
+        s = INGERO_TASK_UNINTERRUPTIBLE;
+    s |= s >> 1;
+    s |= s >> 2;
+    s |= s >> 4;
+    return s - (s >> 1);                /* the highest bit */
+}
+/* (bool preempt, struct task_struct *prev, struct task_struct *next, unsigned int prev_state) */
+#define SCHED_PREV_STATE() sched_reported_state(ctx->args[0], (u32)ctx->args[3])
+#else
+#define SCHED_PREV_STATE() (args->prev_state)
+#endif
+
+/* prev, the task leaving the CPU, is the current task. */
+INGERO_TRACEPOINT(sched, sched_switch)
+{
+    u32 tid = bpf_get_current_pid_tgid();
     if (!tid)
         return 0;  /* the idle task */
     u64 cgid = bpf_get_current_cgroup_id();
@@ -203,7 +242,7 @@ TRACEPOINT_PROBE(sched, sched_switch)
         s->p.ts = 0;
     }
     if (target)
-        sched_open(&s->p, now, exec, delay, cgid, bpf_get_current_pid_tgid() >> 32, args->prev_state);
+        sched_open(&s->p, now, exec, delay, cgid, bpf_get_current_pid_tgid() >> 32, SCHED_PREV_STATE());
 #else
     u64 id = bpf_get_current_pid_tgid();
     int target = ingero_is_target(id >> 32, cgid);
@@ -215,10 +254,10 @@ TRACEPOINT_PROBE(sched, sched_switch)
     if (p)
         sched_close(p, tid, now, exec, delay);
     if (p && target) {
-        sched_open(p, now, exec, delay, cgid, id >> 32, args->prev_state);   /* in place */
+        sched_open(p, now, exec, delay, cgid, id >> 32, SCHED_PREV_STATE());   /* in place */
     } else if (target) {
         struct sched_pending st = {};
-        sched_open(&st, now, exec, delay, cgid, id >> 32, args->prev_state);
+        sched_open(&st, now, exec, delay, cgid, id >> 32, SCHED_PREV_STATE());
         sched_pending.update(&tid, &st);
     } else {
         sched_pending.delete(&tid);

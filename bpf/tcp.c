@@ -22,6 +22,9 @@
  * always with INGERO_TARGET_ALL. The remote address is not matched: a
  * connection *to* a target pod from elsewhere is not the pod's own.
  *
+ * With INGERO_RAW_TP they are raw tracepoints, reading the socket (and the reset's packet)
+ * as the tracepoints do; the events are the same.
+ *
  * Settings (from the loader, which reads the kernel's tracepoint formats):
  *   INGERO_HAVE_TCP_SEND_RESET, INGERO_HAVE_TCP_RECEIVE_RESET,
  *   INGERO_HAVE_TCP_DESTROY_SOCK, INGERO_HAVE_SOCK_LENGTH: the tracepoint
@@ -156,6 +159,169 @@ static __always_inline void tcp_submit(struct ingero_tcp_event *e, int in_proces
         }                                                                         \
     } while (0)
 
+#if INGERO_RAW_TP
+/* Raw tracepoints: the arguments are the kernel's (TP_PROTO), so the fields the
+ * tracepoints format are read here as their TP_fast_assign reads them
+ * (include/trace/events/tcp.h, sock.h), at offsets from the running kernel's BTF
+ * (-D INGERO_SK_*_OFF, INGERO_INET_*_OFF, INGERO_SKB_*_OFF; see ingero_agent/probes.py). */
+#define TCP_READ(dst, base, off) bpf_probe_read_kernel(&(dst), sizeof(dst), (char *)(base) + (off))
+#define INGERO_TCPF_NOT_FULL ((1 << 6) | (1 << 12))   /* TCP_TIME_WAIT, TCP_NEW_SYN_RECV */
+
+/* family, ports and addresses of socket `sk` (TP_STORE_ADDRS: v4 in saddr/daddr) */
+static __always_inline void tcp_from_sk(struct ingero_tcp_event *e, u64 sk)
+{
+    u16 family = 0, sport = 0, dport = 0;
+    TCP_READ(family, sk, INGERO_SK_FAMILY_OFF);
+    TCP_READ(sport, sk, INGERO_INET_SPORT_OFF);
+    TCP_READ(dport, sk, INGERO_SK_DPORT_OFF);
+    e->family = family;
+    e->sport = bpf_ntohs(sport);
+    e->dport = bpf_ntohs(dport);
+    if (family == INGERO_AF_INET6) {
+        TCP_READ(e->saddr, sk, INGERO_SK_V6_SADDR_OFF);
+        TCP_READ(e->daddr, sk, INGERO_SK_V6_DADDR_OFF);
+    } else {
+        bpf_probe_read_kernel(e->saddr, 4, (char *)sk + INGERO_INET_SADDR_OFF);
+        bpf_probe_read_kernel(e->daddr, 4, (char *)sk + INGERO_SK_DADDR_OFF);
+    }
+}
+
+static __always_inline u8 tcp_sk_state(u64 sk)
+{
+    u8 state = 0;
+    TCP_READ(state, sk, INGERO_SK_STATE_OFF);
+    return state;
+}
+
+static __always_inline u16 tcp_sk_protocol(u64 sk)
+{
+    u16 protocol = 0;
+    TCP_READ(protocol, sk, INGERO_SK_PROTOCOL_OFF);
+    return protocol;
+}
+
+/* The packet `skb` answered with a reset, its 4-tuple reversed (TP_STORE_ADDR_PORTS_SKB with
+ * the entry's daddr and saddr swapped): the local end is the packet's destination. */
+static __always_inline void tcp_from_skb(struct ingero_tcp_event *e, u64 skb)
+{
+    u64 head = 0, data = 0;
+    u16 nh = 0;
+    TCP_READ(head, skb, INGERO_SKB_HEAD_OFF);
+    TCP_READ(data, skb, INGERO_SKB_DATA_OFF);
+    TCP_READ(nh, skb, INGERO_SKB_NH_OFF);
+    u8 iph[40] = {};
+    u16 ports[2] = {};                  /* the TCP header's source, dest (skb->data) */
+    bpf_probe_read_kernel(iph, sizeof(iph), (void *)(head + nh));
+    bpf_probe_read_kernel(ports, sizeof(ports), (void *)data);
+    e->sport = bpf_ntohs(ports[1]);
+    e->dport = bpf_ntohs(ports[0]);
+    if ((iph[0] >> 4) == 6) {           /* ipv6hdr: saddr at 8, daddr at 24 */
+        e->family = INGERO_AF_INET6;
+        __builtin_memcpy(e->saddr, iph + 24, 16);
+        __builtin_memcpy(e->daddr, iph + 8, 16);
+    } else {                            /* iphdr: saddr at 12, daddr at 16 */
+        e->family = INGERO_AF_INET;
+        __builtin_memcpy(e->saddr, iph + 16, 4);
+        __builtin_memcpy(e->daddr, iph + 12, 4);
+    }
+}
+
+RAW_TRACEPOINT_PROBE(tcp_retransmit_skb)     /* (sk, skb, ...) */
+{
+    struct ingero_tcp_event e = {};
+    e.kind = TCP_EV_RETRANSMIT;
+    e.skaddr = ctx->args[0];
+    tcp_from_sk(&e, e.skaddr);
+    e.state = tcp_sk_state(e.skaddr);
+    tcp_submit(&e, 0);
+    return 0;
+}
+
+#if INGERO_HAVE_TCP_RECEIVE_RESET
+RAW_TRACEPOINT_PROBE(tcp_receive_reset)      /* (sk) */
+{
+    struct ingero_tcp_event e = {};
+    e.kind = TCP_EV_RECEIVE_RESET;
+    e.skaddr = ctx->args[0];
+    tcp_from_sk(&e, e.skaddr);
+    tcp_submit(&e, 0);
+    return 0;
+}
+#endif
+
+#if INGERO_HAVE_TCP_SEND_RESET
+RAW_TRACEPOINT_PROBE(tcp_send_reset)         /* (sk or NULL, skb or NULL, ...) */
+{
+    struct ingero_tcp_event e = {};
+    e.kind = TCP_EV_SEND_RESET;
+    e.skaddr = ctx->args[0];
+    u64 skb = ctx->args[1];
+    if (e.skaddr) {
+        e.state = tcp_sk_state(e.skaddr);
+        if (!((1 << e.state) & INGERO_TCPF_NOT_FULL))    /* sk_fullsock */
+            tcp_from_sk(&e, e.skaddr);
+        else if (skb)
+            tcp_from_skb(&e, skb);
+    } else if (skb) {
+        tcp_from_skb(&e, skb);
+    }
+    tcp_submit(&e, 0);
+    return 0;
+}
+#endif
+
+RAW_TRACEPOINT_PROBE(inet_sock_set_state)    /* (sk, oldstate, newstate) */
+{
+    u64 sk = ctx->args[0];
+    if (tcp_sk_protocol(sk) != INGERO_IPPROTO_TCP)
+        return 0;
+    int newstate = (int)ctx->args[2];
+    int connecting = newstate == INGERO_TCP_SYN_SENT;
+    if (connecting)
+        tcp_note_owner(sk);  /* connect(): the caller owns the socket */
+    struct ingero_tcp_event e = {};
+    e.kind = TCP_EV_STATE;
+    e.skaddr = sk;
+    tcp_from_sk(&e, sk);
+    e.state = newstate;
+    e.oldstate = (int)ctx->args[1];
+    tcp_submit(&e, connecting);
+    return 0;
+}
+
+#if INGERO_HAVE_TCP_DESTROY_SOCK
+RAW_TRACEPOINT_PROBE(tcp_destroy_sock)       /* (sk) */
+{
+    u64 sk = ctx->args[0];
+    sock_owners.delete(&sk);
+    return 0;
+}
+#endif
+
+#if INGERO_HAVE_SOCK_LENGTH
+RAW_TRACEPOINT_PROBE(sock_send_length)       /* (sk, ret, flags) */
+{
+    if (tcp_sk_protocol(ctx->args[0]) == INGERO_IPPROTO_TCP)
+        tcp_note_owner(ctx->args[0]);
+    return 0;
+}
+
+RAW_TRACEPOINT_PROBE(sock_recv_length)       /* (sk, ret, flags) */
+{
+    if (tcp_sk_protocol(ctx->args[0]) == INGERO_IPPROTO_TCP)
+        tcp_note_owner(ctx->args[0]);
+    return 0;
+}
+#elif INGERO_HAVE_TCP_RCV_SPACE_ADJUST
+RAW_TRACEPOINT_PROBE(tcp_rcv_space_adjust)   /* (sk) */
+{
+    tcp_note_owner(ctx->args[0]);
+    return 0;
+}
+#endif
+
+#else /* perf-event tracepoints: their formatted fields */
+
 TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
 {
     struct ingero_tcp_event e = {};
@@ -277,3 +443,4 @@ TRACEPOINT_PROBE(tcp, tcp_rcv_space_adjust)
     return 0;
 }
 #endif
+#endif /* INGERO_RAW_TP */

@@ -12,9 +12,10 @@ Uprobes attach per library *file* (dev, inode), for every process that maps
 it; the in-kernel filter decides whose calls are recorded. They are
 uprobe_multi links, one per program and file, where the kernel makes them
 (ingero_agent/uprobe_multi.py: stopping then takes ~0.1 s, not ~0.1 s per
-probe), else one perf event per probe. Libraries found
-in new target processes attach when the tracer's next scan sees them. So
-does the USDT probe of Ingero's NCCL profiler plugin: bcc's USDT support
+probe), else one perf event per probe. The TCP and scheduler tracepoints are
+raw tracepoints where the kernel has them (raw_tp_cflags), for the same reason.
+Libraries found in new target processes attach when the tracer's next scan
+sees them. So does the USDT probe of Ingero's NCCL profiler plugin: bcc's USDT support
 reads the plugin's .note.stapsdt (probe address, argument register) and the
 probe is a uprobe at that address running the program for that register.
 """
@@ -186,6 +187,51 @@ def sched_cflags() -> list[str]:
     return [f"-D{flag}={offs[field]}" for flag, field in SCHED_TASK_FIELDS.items()]
 
 
+RAW_TP_OFF = "INGERO_RAW_TRACEPOINTS"   # =0: the tracepoints' perf events, as without kernel BTF
+# Fields the raw tracepoint programs read (bpf/tcp.c, sched.c): -D flag, struct, member path.
+RAW_TP_FIELDS = {
+    "tcp": (("INGERO_SK_FAMILY_OFF", "sock", "__sk_common.skc_family"),
+            ("INGERO_SK_STATE_OFF", "sock", "__sk_common.skc_state"),
+            ("INGERO_SK_DPORT_OFF", "sock", "__sk_common.skc_dport"),
+            ("INGERO_SK_DADDR_OFF", "sock", "__sk_common.skc_daddr"),
+            ("INGERO_SK_V6_SADDR_OFF", "sock", "__sk_common.skc_v6_rcv_saddr"),
+            ("INGERO_SK_V6_DADDR_OFF", "sock", "__sk_common.skc_v6_daddr"),
+            ("INGERO_SK_PROTOCOL_OFF", "sock", "sk_protocol"),
+            ("INGERO_INET_SPORT_OFF", "inet_sock", "inet_sport"),
+            ("INGERO_INET_SADDR_OFF", "inet_sock", "inet_saddr"),
+            ("INGERO_SKB_HEAD_OFF", "sk_buff", "head"),
+            ("INGERO_SKB_DATA_OFF", "sk_buff", "data"),
+            ("INGERO_SKB_NH_OFF", "sk_buff", "network_header")),
+    "sched": (("INGERO_TASK_EXIT_STATE_OFF", "task_struct", "exit_state"),),
+}
+
+
+def raw_tp_cflags(cfg: ProbeConfig) -> tuple[list[str], str | None]:
+    """(-D flags, None) to hook the tracepoints as raw tracepoints: no perf event, so a
+    tracer's stop waits on no global lock (perf-event tracepoints are released under the
+    kernel's event_mutex with a grace period inside, each queued behind every other release
+    on the machine). Else ([-DINGERO_RAW_TP=0], why not). They need Linux 6.1 (the
+    prev_state argument of sched_switch and the task states bpf/sched.c reports from it)
+    and kernel BTF (the offsets of the fields they read)."""
+    off = ["-DINGERO_RAW_TP=0"]
+    if os.environ.get(RAW_TP_OFF) == "0":
+        return off, f"{RAW_TP_OFF}=0"
+    try:
+        major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    except ValueError:
+        return off, f"kernel release {os.uname().release} not understood"
+    if (major, minor) < (6, 1):
+        return off, "Linux 6.1 has them"
+    try:
+        btf = kbtf.Btf(KERNEL_BTF.read_bytes())
+        return ["-DINGERO_RAW_TP=1"] + [f"-D{flag}={btf.offset(struct, path)}" for fam in cfg.families
+                                        for flag, struct, path in RAW_TP_FIELDS.get(fam, ())], None
+    except OSError:
+        return off, f"no kernel BTF ({KERNEL_BTF})"
+    except kbtf.BtfError as e:
+        return off, f"kernel BTF: {e}"
+
+
 def build_program(cfg: ProbeConfig, src: Path | None = None) -> tuple[str, list[str], list[str]]:
     """(C text, cflags, notes) for the selected families."""
     src = src or bpf_dir()
@@ -195,6 +241,11 @@ def build_program(cfg: ProbeConfig, src: Path | None = None) -> tuple[str, list[
         path = src / name
         parts.append(f'#line 1 "{path}"\n{path.read_text()}\n')
     flags, notes = feature_flags(cfg)
+    raw, why = raw_tp_cflags(cfg)
+    flags += raw
+    if why and {"tcp", "sched"} & set(cfg.families):
+        notes.append(f"the TCP and scheduler tracepoints are perf events ({why}): stopping waits "
+                     "on the kernel's event_mutex for each")
     cflags = [
         f"-I{src}",
         "-DINGERO_BPF_PROGRAM=1",
@@ -234,8 +285,7 @@ class Probes:
         self._BPF = BPF
         try:
             try:
-                self.bpf = BPF(text=self.text.encode(), cflags=self.cflags)
-                self._load_nccl()
+                self._load()
             except Exception:
                 # Task-local storage chosen by kernel version, yet the kernel refused it
                 # (e.g. a backport without the helper for uprobes or tracepoints): NCCL
@@ -244,8 +294,7 @@ class Probes:
                     raise
                 self.cflags = [("-DINGERO_TASK_STORAGE=0" if f == "-DINGERO_TASK_STORAGE=1" else f)
                                for f in self.cflags]
-                self.bpf = BPF(text=self.text.encode(), cflags=self.cflags)
-                self._load_nccl()
+                self._load()
                 self.notes.append("the kernel refused task-local storage for the probes' per-thread "
                                   "state: NCCL frames are kept in a hash and the target filter runs "
                                   "uncached (slower per call and per event)")
@@ -282,6 +331,21 @@ class Probes:
                                      + ([self.exec_notes] if self.exec_notes else []))
         self._current: dict[str, set] = {"target_cgroups": set(), "target_tgids": set(),
                                          "target_ips": set()}
+
+    def _load(self) -> None:
+        """Compile, load and attach the program; where the kernel refuses its raw tracepoints,
+        again with the tracepoints' perf events."""
+        try:
+            self.bpf = self._BPF(text=self.text.encode(), cflags=self.cflags)
+        except Exception as e:     # bcc: bare Exception
+            if "-DINGERO_RAW_TP=1" not in self.cflags:
+                raise
+            self.cflags = [f for f in self.cflags if not f.startswith("-DINGERO_RAW_TP=")] + ["-DINGERO_RAW_TP=0"]
+            self.bpf = self._BPF(text=self.text.encode(), cflags=self.cflags)
+            self.notes.append(f"the kernel refused raw tracepoints ({e}): the TCP and scheduler "
+                              "tracepoints are perf events, and stopping waits on the kernel's "
+                              "event_mutex for each")
+        self._load_nccl()
 
     # ---- uprobes -----------------------------------------------------------
     def _load_nccl(self) -> None:

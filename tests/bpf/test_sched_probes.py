@@ -166,8 +166,9 @@ def test_runqueue_wait_after_a_wakeup_matches_the_time_behind_a_fifo_thread(stor
     """off_ns and runq_ns of a sleep against when the thread slept, was woken and ran again.
     The tolerance, 1 ms, covers the path from t0 to the switch-out, from the switch-in to t1 and
     the timer's wake-up latency (tens of µs on an idle CPU), with room for a busy machine; a
-    runqueue tail computed as 0 or as the whole interval misses by 30 ms or more."""
-    from ingero_agent.probes import ProbeConfig, Probes, task_storage_available
+    runqueue tail computed as 0 or as the whole interval misses by 30 ms or more. Where the
+    kernel has them, the hooks are raw tracepoints: BPF links, no perf event."""
+    from ingero_agent.probes import ProbeConfig, Probes, raw_tp_cflags, task_storage_available
 
     if shutil.which("gcc") is None:
         pytest.skip("gcc is needed for the scheduler workload")
@@ -180,6 +181,10 @@ def test_runqueue_wait_after_a_wakeup_matches_the_time_behind_a_fifo_thread(stor
     cpu = max(os.sched_getaffinity(0))
     p = Probes(ProbeConfig(families=("sched",), ringbuf_pages=64, self_tgid=os.getpid(),
                            frame_storage=storage, sched_min_ns=1_000_000))
+    if raw_tp_cflags(p.cfg)[1] is None:
+        assert not p.bpf.tracepoint_fds and p.bpf.raw_tracepoint_fds
+        for fd in p.bpf.raw_tracepoint_fds.values():
+            assert "link_type:\traw_tracepoint\n" in open(f"/proc/self/fdinfo/{fd}").read()
     proc = subprocess.Popen([str(exe), str(cpu), str(ROUNDS), str(PERIOD_MS), str(WAIT_MS)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

@@ -55,8 +55,10 @@ def test_hidden_ebpf_flag_prints_the_program_and_its_cflags():
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("// cflags: ")
     assert "-DINGERO_SCHED_MIN_NS=250000ULL" in r.stdout.splitlines()[0]
+    assert "-DINGERO_RAW_TP=" in r.stdout.splitlines()[0]
+    assert "RAW_TRACEPOINT_PROBE(tcp_retransmit_skb)" in r.stdout
     assert "TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)" in r.stdout
-    assert "TRACEPOINT_PROBE(sched, sched_switch)" in r.stdout
+    assert "INGERO_TRACEPOINT(sched, sched_switch)" in r.stdout
     assert "nccl_enter_ncclAllReduce" not in r.stdout          # family not selected
 
 
