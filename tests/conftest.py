@@ -143,6 +143,19 @@ def no_leftover_cgroups():
         pytest.fail(f"the tests left cgroup folders behind: {', '.join(left)}")
 
 
+@pytest.fixture(autouse=True)
+def own_data_limit():
+    """The test process's data-memory limit as it was before each test: a CLI run in-process
+    (`ingero query`, `ingero mcp`) bounds the process it runs in (readonly_sql.bound_process),
+    and a test process left under another's bound cannot start threads."""
+    import resource
+
+    before = resource.getrlimit(resource.RLIMIT_DATA)
+    yield
+    if resource.getrlimit(resource.RLIMIT_DATA) != before:
+        resource.setrlimit(resource.RLIMIT_DATA, before)
+
+
 CI_BACKGROUND_LOAD = 2
 
 
@@ -151,9 +164,8 @@ def background_load() -> int:
     those that call this (tests/cluster/test_whole_flow.py, tests/bpf/test_lab_layout.py,
     tests/bpf/test_lab_gpu.py). INGERO_TEST_BACKGROUND_LOAD=N sets it (0: none); unset, it is
     CI_BACKGROUND_LOAD (2) with CI=true and 0 otherwise. A verdict that holds only on a quiet
-    machine is a wrong verdict, so CI judges them on a busy one (with the dependency-aware
-    verdict, 2 busy processes passed every whole-flow and 3D lab test, 2026-11-24;
-    bench/verdict_lab.py counts right verdicts under load over more runs)."""
+    machine is a wrong verdict, so CI judges them on a busy one (bench/verdict_lab.py counts
+    right verdicts under load over more runs)."""
     env = os.environ.get("INGERO_TEST_BACKGROUND_LOAD", "").strip()
     if env:
         return int(env)

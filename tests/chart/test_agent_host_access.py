@@ -46,8 +46,11 @@ def code_paths() -> dict[str, list[str]]:
     """Absolute path literals in the agent's code -> where they appear."""
     out: dict[str, list[str]] = {}
     for f in sorted(AGENT_SRC.glob("*.py")):
-        for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        tree = ast.parse(f.read_text())
+        # inside an f-string only its first part can begin a path (f"{root}/maps" does not)
+        inner = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values[1:]}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in inner:
                 v = node.value
                 if (v.startswith("/") and len(v) > 1 and " " not in v and "\n" not in v
                         and not v.startswith(URL_PATHS)):
