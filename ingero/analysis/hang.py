@@ -28,7 +28,9 @@ and has not finished, and the tracer reads them live (``nccl_device_inflight``):
 started (a kernel channel began) and did not finish is a wait too, at least from its device
 start to when it was last seen, with NCCL's own communicator hash and seq (the same on every
 rank, as in ``nccl_profiler_events``), so the ranks waiting in one instance are grouped as
-host waits are.
+host waits are. For a rank whose process has the plugin, its operations are the evidence and
+its stack is not read for calls: its host threads wait outside NCCL, where a stack holds only
+return addresses left over from earlier calls.
 """
 
 from __future__ import annotations
@@ -114,8 +116,11 @@ def _waits(con, min_s: float) -> list[dict]:
     """Calls in flight or failed after at least `min_s`, and at least USUAL_FACTOR times the
     rank's own p99 of that op on that communicator."""
     params = {"min_ns": int(min_s * 1e9)}
+    plugin = {x["g"] for x in _rows(con, f"""SELECT DISTINCT COALESCE(r.rank, d.rank) AS g
+        FROM nccl_device_inflight d {_RANK_OF.format(a="d")}""", {}, inflight=True)}
     waits = [w for w in _rows(con, _FAILED, params) + _rows(con, _OPEN, params, inflight=True)
-             + _rows(con, _DEVICE, params, inflight=True) if w["grank"] is not None]
+             + _rows(con, _DEVICE, params, inflight=True)
+             if w["grank"] is not None and not (w["on_stack"] and w["grank"] in plugin)]
     states = _thread_states(con) if any(w["on_device"] for w in waits) else {}
     for w in waits:
         if w["on_device"] and states.get(w["grank"]) and all(s in STOPPED_STATES for s in states[w["grank"]]):

@@ -69,11 +69,13 @@ def _report(db) -> dict:
 
 # In CI (one lab job at a time, ~50 s each): the GPU-like device, where no call is in flight
 # and the job's standstill names the stopped rank. The data-parallel CPU case runs through the
-# operator in tests/cluster/test_whole_flow.py; it, the 3D job and the sleeping rank are
+# operator in tests/cluster/test_whole_flow.py; it, the 3D jobs and the sleeping rank are
 # extended (INGERO_TEST_LAB_ALL=1).
 SHAPES = [pytest.param({"device": "gpu", "profiler": True}, id="dp-gpu"),
           pytest.param({}, id="dp", marks=pytest.mark.extended),
           pytest.param({"layout": "tp=2,pp=2,dp=2", "ranks_per_node": 4}, id="3d", marks=pytest.mark.extended),
+          pytest.param({"layout": "tp=2,pp=2,dp=2", "ranks_per_node": 4, "device": "gpu", "profiler": True},
+                       id="3d-gpu", marks=pytest.mark.extended),
           pytest.param({"hang_mode": "sleep"}, id="dp-sleep", marks=pytest.mark.extended)]
 
 

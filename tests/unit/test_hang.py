@@ -316,6 +316,21 @@ def test_a_collective_the_gpus_started_and_never_finished_is_named_with_the_rank
     assert analyse(con).verdict == "hang"
 
 
+def test_with_the_plugin_a_stack_is_no_evidence_and_the_device_names_the_collective():
+    # attached after the hang: on their stacks the ranks seem inside ALL_GATHER (return addresses
+    # left over from earlier calls; their host threads wait outside NCCL), while the plugin holds
+    # the ALL_REDUCE their GPUs started and never finished
+    con = trace()
+    _gpu_hang(con)
+    for r in range(4):
+        _on_stack(con, r, "T" if r == 2 else "S", END + 21 * S, "ALL_GATHER", END + S // 4)
+    h = find_hang(con)
+    assert h.missing == [2] and [w["rank"] for w in h.waiting] == [0, 1, 3]
+    assert (h.op, h.seq) == ("ALL_REDUCE", 20), h
+    assert "on the device" in h.evidence and "stacks" not in h.evidence, h.evidence
+    assert "rank 2 never entered it" in h.evidence, h.evidence
+
+
 def test_a_rank_stopped_while_its_gpu_ran_the_collective_is_named_inside_it():
     con = trace()
     _gpu_hang(con, stopped_inside=True)
