@@ -170,7 +170,10 @@ class Tracer:
                 self._finish()
             finally:
                 for s, h in old.items():
-                    signal.signal(s, h)
+                    # stopped by a signal: one more (a second Ctrl-C, an agent's retry) while the
+                    # process exits must not kill a finished trace (Python's exit puts its default
+                    # back for every signal with a Python handler: ignored, it stays ignored)
+                    signal.signal(s, signal.SIG_IGN if self._stop and s in (signal.SIGINT, signal.SIGTERM) else h)
         return 0
 
     def _loop(self) -> None:
