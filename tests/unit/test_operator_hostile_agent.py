@@ -152,3 +152,19 @@ def test_a_node_that_breaks_a_bound_is_failed_at_once_and_named_in_the_gather_wa
     assert rows[0]["name"] == "node-a" and rows[0]["state"] == "failed", rows
     assert len(warnings) == 1 and warnings[0].startswith("node node-a failed: agent on node-a (")
     assert warnings[0].endswith("listed 11 segments; at most 10 are taken; the report is partial: no data from it")
+
+
+def test_the_folder_caps_count_downloads_as_they_land_without_walking_the_folder_again(tmp_path, monkeypatch):
+    from ingero_operator import gather
+
+    walks = []
+    monkeypatch.setattr(gather, "_NODE_BYTES", {})
+    monkeypatch.setattr(gather, "disk_bytes", lambda folder, real=gather.disk_bytes: walks.append(folder) or real(folder))
+    g = GatherSettings(node_max_bytes=4 * 15)          # four 15-byte segments
+    got = asyncio.run(_run(tmp_path, {"segments": [_entry(0), _entry(1)], "cursor": 1}, gather=g))
+    assert got[1] == 2
+    with pytest.raises(AgentBroke, match="--node-max-bytes 60"):      # 30 held + 45 new
+        asyncio.run(_run(tmp_path, {"segments": [_entry(i) for i in range(5)], "cursor": 2}, gather=g))
+    got = asyncio.run(_run(tmp_path, {"segments": [_entry(i) for i in range(4)], "cursor": 3}, gather=g))
+    assert got[1] == 2                                 # 30 held + 30 new fit
+    assert len(walks) == 1, walks                      # the node's folder was walked once
