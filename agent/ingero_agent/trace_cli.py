@@ -7,10 +7,12 @@ also on machines without it); ``run`` does.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import re
 import secrets
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -201,4 +203,6 @@ def run(args) -> int:
                         profiler_libs=plugins,
                         pods_file=args.pods, roll_s=args.segment_seconds, rdma_s=args.rdma_seconds,
                         quiet=args.quiet)
+    # a tracer that does not stop can be asked where it is: SIGUSR1 prints every thread's stack
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     return Tracer(opts, targets).run()

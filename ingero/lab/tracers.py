@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ingero.errors import IngeroError
@@ -32,10 +32,14 @@ class NodeTracer:
         return self.out.with_name(self.out.name + ".segments")
 
     def stderr_tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").strip().splitlines()[-lines:])
-        except FileNotFoundError:
-            return ""
+        return _tail(self.log, lines)
+
+
+def _tail(path: Path, lines: int) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    except FileNotFoundError:
+        return ""
 
 
 def start_tracers(out_dir: Path, pods_files: dict[str, Path], nccl_lib: Path | None = None,
@@ -87,7 +91,8 @@ def wait_ready(tracers: list[NodeTracer], timeout_s: float = 120.0) -> None:
 
 
 def stop_tracers(tracers: list[NodeTracer], timeout_s: float = 60.0) -> dict[str, int]:
-    """SIGINT every tracer, wait for it (SIGKILL after `timeout_s`); returns {node: exit code}."""
+    """SIGINT every tracer, wait for it (SIGKILL after `timeout_s`, once it has written its
+    threads' stacks to its log); returns {node: exit code}."""
     for t in tracers:
         if t.proc.poll() is None:
             t.proc.send_signal(signal.SIGINT)
@@ -97,8 +102,15 @@ def stop_tracers(tracers: list[NodeTracer], timeout_s: float = 60.0) -> dict[str
         try:
             codes[t.node] = t.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            t.proc.kill()
-            codes[t.node] = t.proc.wait()
+            t.proc.send_signal(signal.SIGUSR1)
+            try:
+                codes[t.node] = t.proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                t.proc.kill()
+                codes[t.node] = t.proc.wait()
+            with open(t.log, "a") as f:
+                f.write(f"ingero lab: the tracer had not stopped {timeout_s:.0f} s after SIGINT; "
+                        "its threads' stacks are above\n")
     return codes
 
 
@@ -144,6 +156,13 @@ class TracedRun:
     codes: dict                # rank -> exit code
     stops: dict                # node -> tracer exit code
     late_db: Path | None = None   # the trace started `late_after_s` into the run (run_traced)
+    logs: dict = field(default_factory=dict)   # node -> tracer log
+
+    def stops_told(self) -> str:
+        """The tracers' exit codes, and the log's end of each that did not exit 0."""
+        tails = [f"--- {node} ({self.logs[node]}):\n" + _tail(self.logs[node], 40)
+                 for node, code in self.stops.items() if code != 0 and node in self.logs]
+        return "\n".join([f"tracer exit codes {self.stops}"] + tails)
 
 
 def run_traced(cfg, log=lambda _m: None, late_after_s: float | None = None) -> TracedRun:
@@ -160,5 +179,6 @@ def run_traced(cfg, log=lambda _m: None, late_after_s: float | None = None) -> T
         codes = lab.wait()
         stops = {**stop_tracers(tracers), **{f"late/{n}": c for n, c in stop_tracers(late).items()}}
         report = lab.report()
+    logs = {**{t.node: t.log for t in tracers}, **{f"late/{t.node}": t.log for t in late}}
     return TracedRun(db=merge(tracers, lab.out / "trace.duckdb"), report=report, codes=codes, stops=stops,
-                     late_db=merge(late, lab.out / "late" / "trace.duckdb") if late else None)
+                     late_db=merge(late, lab.out / "late" / "trace.duckdb") if late else None, logs=logs)

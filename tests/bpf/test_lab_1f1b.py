@@ -35,7 +35,7 @@ def _traced(tmp_path, layout: str, nodes: int, rpn: int, device: str) -> tuple[d
                     layout=layout, microbatches=M, schedule="1f1b", device=device, out_dir=tmp_path)
     run = run_traced(cfg)
     assert set(run.codes.values()) == {0}, f"rank exit codes {run.codes}; logs in {tmp_path / 'logs'}"
-    assert set(run.stops.values()) == {0}, f"tracer exit codes {run.stops}"
+    assert set(run.stops.values()) == {0}, run.stops_told()
     assert {r["stats"]["steps"] for r in run.report["ranks"]} == {STEPS}
     con = open_source(run.db)
     try:

@@ -29,7 +29,7 @@ def test_a_cpu_starved_rank_of_the_layout_job_is_named_with_cpu_contention(tmp_p
                     steps=30, compute_ms=40.0, out_dir=tmp_path, background_load=background_load())
     run = run_traced(cfg)
     assert set(run.codes.values()) == {0}, f"rank exit codes {run.codes}; logs in {tmp_path / 'logs'}"
-    assert set(run.stops.values()) == {0}, f"tracer exit codes {run.stops}"
+    assert set(run.stops.values()) == {0}, run.stops_told()
     assert run.report["cpu_hog"]["loops"] == cfg.hogs, run.report["cpu_hog"]
     from ingero.lab import cgroups
     if (cgroups.CPU_V1_ROOT / "cpu.shares").exists():     # the weight holds against the victim only

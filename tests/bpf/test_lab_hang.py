@@ -56,7 +56,7 @@ def _run(out, hang_s=None, late=False, **kw):
     cfg = LabConfig(scenario="hang", nodes=2, seconds=30, fault_after_s=6.0, timeout_s=LATE_TIMEOUT_S if late else 20,
                     hang_s=hang_s, out_dir=out, background_load=background_load(), **kw)
     run = run_traced(cfg, late_after_s=LATE_AFTER_S if late else None)
-    assert set(run.stops.values()) == {0}, f"tracer exit codes {run.stops}; logs in {out / 'nodes'}, {out / 'late'}"
+    assert set(run.stops.values()) == {0}, run.stops_told()
     return run
 
 

@@ -33,7 +33,7 @@ def _run(tmp_path, scenario: str, layout: str = "tp=2,pp=2,dp=2", **kw) -> tuple
     run = run_traced(cfg)
     report = run.report
     assert set(run.codes.values()) == {0}, f"rank exit codes {run.codes}; logs in {tmp_path / 'logs'}"
-    assert set(run.stops.values()) == {0}, f"tracer exit codes {run.stops}"
+    assert set(run.stops.values()) == {0}, run.stops_told()
     db = run.db
     con = open_source(db)
     try:

@@ -34,7 +34,7 @@ def scalable(tmp_path_factory):
         else:
             os.environ["TORCH_NCCL_RANKS_PER_ROOT"] = old
     assert set(run.codes.values()) == {0}, f"rank exit codes {run.codes}"
-    assert set(run.stops.values()) == {0}, f"tracer exit codes {run.stops}; logs in {out / 'nodes'}"
+    assert set(run.stops.values()) == {0}, run.stops_told()
     con = open_source(run.db)
     yield con
     con.close()
