@@ -2,6 +2,7 @@
 
     python -m bench.verdict_lab [--runs 3] [--background-load 0,2] [--cases all|dp|3d|gpu|3d-gpu|fsdp] [--steps 40]
                                 [--only cpu-hog,clean] [--set hog_weight=16]
+                                [--keep-wrong DIR]
 
 Each case is one real lab run traced with real eBPF (``ingero lab run --trace``,
 the merged trace analysed by ``ingero.analysis``): the data-parallel job (2
@@ -163,6 +164,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma-separated words; keep the cases whose name contains one")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a LabConfig field in every case (repeatable)")
+    ap.add_argument("--keep-wrong", type=Path, metavar="DIR",
+                    help="move the lab folder (trace.duckdb, lab.json, logs) of each wrong run into DIR")
     a = ap.parse_args(argv)
     loads = [int(x) for x in a.background_load.split(",")]
     cases = [c for k in GROUPS if a.cases in ("all", k) for c in CASES[k]]
@@ -204,8 +207,13 @@ def main(argv=None) -> int:
                             f"({time.monotonic() - t:.0f} s)" + _victim_detail(rep, lab))
                 except Exception as e:          # a failed run counts as wrong, with its reason
                     ok, line = False, f"load {load} {name:22s} run {i + 1}: ERROR {type(e).__name__}: {e}"
-                finally:
-                    shutil.rmtree(out, ignore_errors=True)
+                if not ok and a.keep_wrong is not None:
+                    kept = a.keep_wrong / f"{name.replace(' ', '-')}-load{load}-run{i + 1}"
+                    a.keep_wrong.mkdir(parents=True, exist_ok=True)
+                    shutil.rmtree(kept, ignore_errors=True)
+                    shutil.move(str(out), kept)
+                    line += f" [kept in {kept}]"
+                shutil.rmtree(out, ignore_errors=True)
                 print(line, flush=True)
                 rows.append((load, name, ok))
                 right += ok
