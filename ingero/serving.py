@@ -229,6 +229,9 @@ class Connection(Bounded, RequestHandler):
 
     async def _handshake(self, raw: asyncio.BaseTransport) -> None:
         idle = self._slots.bounds.idle_timeout_s
+        if raw.is_closing():         # dropped before its turn came: no TLS state to hold for it
+            self._slots.release(self)
+            return
         try:
             tls = await self._loop.start_tls(raw, self, self._tls, server_side=True,
                                              ssl_handshake_timeout=idle, ssl_shutdown_timeout=idle)
@@ -349,6 +352,32 @@ class ServerThread:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)
         self.sock.close()
+
+
+class BodyRefused(Exception):
+    """A request body refused by `read_body`: `status` 413 (too large) or 408 (too slow)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+async def read_body(request: web.Request, max_bytes: int, within_s: float) -> bytes:
+    """The request body, all of it within `within_s` (a client trickling a byte at a time
+    must not hold its slot for long) and at most `max_bytes` of it; BodyRefused otherwise."""
+    if (request.content_length or 0) > max_bytes:
+        raise BodyRefused(413, f"body larger than {max_bytes} bytes")
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(within_s):
+            while chunk := await request.content.readany():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise BodyRefused(413, f"body larger than {max_bytes} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise BodyRefused(408, f"the body did not arrive within {within_s:g} s") from None
+    return b"".join(chunks)
 
 
 async def stream_file(request: web.Request, path: Path, pool: Executor | None, headers: dict) -> web.StreamResponse:

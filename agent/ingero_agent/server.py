@@ -201,21 +201,11 @@ class AgentServer:
         return json_body(*await self._blocking(encoded))
 
     async def _body(self, request: web.Request) -> bytes:
-        """The request body; 413 past MAX_BODY, 408 unless all of it arrives within the idle
-        timeout (a client trickling a byte at a time must not hold its slot for long)."""
-        if (request.content_length or 0) > MAX_BODY:
-            raise ApiError(413, f"body larger than {MAX_BODY} bytes")
-        chunks, size = [], 0
+        """The request body: 413 past MAX_BODY, 408 unless all of it arrives within the idle timeout."""
         try:
-            async with asyncio.timeout(self.idle_timeout_s):
-                while chunk := await request.content.readany():
-                    size += len(chunk)
-                    if size > MAX_BODY:
-                        raise ApiError(413, f"body larger than {MAX_BODY} bytes")
-                    chunks.append(chunk)
-        except TimeoutError:
-            raise ApiError(408, f"the body did not arrive within {self.idle_timeout_s:g} s") from None
-        return b"".join(chunks)
+            return await serving.read_body(request, MAX_BODY, self.idle_timeout_s)
+        except serving.BodyRefused as e:
+            raise ApiError(e.status, str(e)) from None
 
     @asynccontextmanager
     async def _query_slot(self):
