@@ -13,26 +13,16 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
 from ingero import serving
 from ingero_operator.cluster_objects import free_port
+from tests.security.attacks import half_open, vm
 from tests.unit.trace_fixture import TOKEN, agent_data, serve_agent, spawn_agent, spawn_mcp_http
 
 pytest.importorskip("ingero_operator.artifact_server")
 from ingero_operator import artifact_server as art  # noqa: E402
-
-
-def half_open(port: int, n: int, first_line: bytes = b"GET /metrics HTTP/1.1\r\n") -> list[socket.socket]:
-    """`n` connections that start a request and never finish it."""
-    out = []
-    for _ in range(n):
-        s = socket.create_connection(("127.0.0.1", port), timeout=5)
-        s.sendall(first_line)
-        out.append(s)
-    return out
 
 
 def timed_get(url: str, token: str | None = TOKEN, timeout: float = 5.0) -> tuple[int, float]:
@@ -44,14 +34,6 @@ def timed_get(url: str, token: str | None = TOKEN, timeout: float = 5.0) -> tupl
             return r.status, time.monotonic() - t0
     except urllib.error.HTTPError as e:
         return e.code, time.monotonic() - t0
-
-
-def vm(pid: int | str, field: str) -> float:
-    """A /proc/PID/status field in MiB (VmRSS, VmHWM, VmData)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError(f"no {field}")
 
 
 # ---- the agent, as the chart runs it: API and metrics, memory bounded ------------------------
