@@ -17,6 +17,7 @@ import re
 import secrets
 from pathlib import Path
 
+from ingero import serving
 from ingero.errors import IngeroError
 
 SERVICE = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?(:[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?)?")
@@ -102,12 +103,13 @@ def quiet_timers(record: logging.LogRecord) -> bool:
                 and record.getMessage().endswith("' succeeded."))
 
 
-def _serve(flag: str, port: int, start) -> None:
-    """Start a server on `port` now, so that a bad or taken port fails the start naming `flag`."""
+def _serve(flag: str, port: int, start):
+    """Start a server (or bind its socket) on `port` now, so that a bad or taken port fails the
+    start naming `flag`; what `start` returns."""
     if not 1 <= port <= 65535:
         raise IngeroError(f"{flag} {port} is out of range: use 1 to 65535")
     try:
-        start()
+        return start()
     except OSError as e:
         raise IngeroError(f"{flag} {port}: {os.strerror(e.errno) if e.errno else e}; pick a free port") from None
 
@@ -180,7 +182,7 @@ def run(args) -> int:
 
         _serve("--artifact-port", args.artifact_port,
                lambda: artifact_server.serve(s.artifacts_dir, args.artifact_port, args.artifact_address))
-    webhook_cfg = None
+    webhook_cfg = webhook_sock = None
     if args.webhook_port is not None:
         from ingero_operator import webhook
 
@@ -188,8 +190,10 @@ def run(args) -> int:
             raise IngeroError("--webhook-port needs --webhook-cert and --webhook-key: the API server calls "
                               "admission webhooks over HTTPS only")
         webhook_cfg = webhook.check_config(webhook.WebhookConfig(
-            port=args.webhook_port, address=args.webhook_address, cert=args.webhook_cert, key=args.webhook_key,
+            address=args.webhook_address, cert=args.webhook_cert, key=args.webhook_key,
             plugin_dir=args.profiler_plugin_dir or webhook.DEFAULT_PLUGIN_DIR))
+        webhook_sock = _serve("--webhook-port", args.webhook_port,
+                              lambda: serving.bind(args.webhook_port, args.webhook_address))
     elif args.webhook_cert or args.webhook_key or args.profiler_plugin_dir:
         raise IngeroError("--webhook-cert, --webhook-key and --profiler-plugin-dir belong to the webhook: "
                           "add --webhook-port")
@@ -202,7 +206,7 @@ def run(args) -> int:
         logging.getLogger("kopf.objects").addFilter(quiet_timers)
     from ingero_operator import handlers  # noqa: F401  (registers the handlers with kopf)
     if webhook_cfg is not None:
-        webhook.register(webhook_cfg)
+        webhook.register(webhook_cfg, webhook_sock)
 
     if args.peering or priority is not None:
         logging.getLogger("ingero.operator").info(

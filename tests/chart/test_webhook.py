@@ -186,7 +186,7 @@ def test_the_real_operator_serves_the_rendered_paths_with_a_certificate_the_ca_b
     import jsonpatch
 
     from ingero_operator.embedded import EmbeddedCluster
-    from tests.unit.test_operator_webhook import post, review
+    from tests.unit.webhook_operator import post, review
 
     values = {"webhook": {"enabled": True}, "profilerPlugin": {"hostPath": "/opt/site/ingero-plugin"}}
     mwc, svc, secret, docs = webhook_objects(values)
