@@ -51,9 +51,11 @@ def test_the_daemonset_serves_metrics_on_the_port_its_annotations_podmonitor_and
     ann = find(docs, "DaemonSet")["spec"]["template"]["metadata"]["annotations"]
     assert (ann["prometheus.io/scrape"], ann["prometheus.io/port"], ann["prometheus.io/path"]) == \
         ("true", str(port), "/metrics")
-    # The policy admits metricsFrom (default: any pod) on that port, the operator alone on the API.
+    # The policy admits metricsFrom (default: the monitoring namespace) on that port, the operator
+    # alone on the API.
     rules = {r["ports"][0]["port"]: r for r in agent_policy(docs)["ingress"]}
-    assert rules[port] == {"ports": [{"port": port, "protocol": "TCP"}], "from": [{"namespaceSelector": {}}]}
+    assert rules[port] == {"ports": [{"port": port, "protocol": "TCP"}], "from": [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]}
     assert len(rules) == 2
     if not values["metrics"].get("agent", {}).get("podMonitor", {}).get("enabled"):
         assert not [d for d in docs if d["kind"] == "PodMonitor"]

@@ -249,7 +249,7 @@ def test_another_releases_operator_is_not_admitted_to_these_agents():
     assert not selects(spec["ingress"][0]["from"][0]["podSelector"], pod_labels(other, "Deployment"))
 
 
-def test_the_operator_admits_its_artifact_port_from_anywhere_and_metrics_from_pods_only():
+def test_the_operator_admits_its_artifact_port_from_anywhere_and_metrics_from_the_monitoring_namespace():
     docs = render({"metrics": {"enabled": True}})
     op_pods = pod_labels(docs, "Deployment")
     [spec] = [p for p in policies(docs).values() if selects(p["podSelector"], op_pods)]
@@ -259,8 +259,33 @@ def test_the_operator_admits_its_artifact_port_from_anywhere_and_metrics_from_po
     assert set(rules) == {ports["metrics"], ports["artifacts"]}        # not the health port: the kubelet's
     # The API server's service proxy dials from node or control-plane addresses: any source.
     assert "from" not in rules[ports["artifacts"]]
-    # Metrics: any pod of any namespace (no ipBlock: nothing outside the pod network).
-    assert rules[ports["metrics"]]["from"] == [{"namespaceSelector": {}}]
+    # Metrics: the monitoring namespace's pods only (tests of its peers below).
+    assert rules[ports["metrics"]]["from"] == MONITORING
+
+
+MONITORING = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+
+
+def test_both_metrics_ports_admit_only_the_monitoring_namespace_unless_told_otherwise():
+    """Metrics carry no token: by default the agents' and the operator's metrics ports admit
+    the pods of the namespace named monitoring, nothing else; metricsFrom names another
+    (a namespace or pod selector), an empty list switches the restriction off."""
+    def metrics_rules(values: dict) -> list[dict]:
+        docs = render({"metrics": {"enabled": True}, **values})
+        ports = {next(p["containerPort"] for p in container(docs, kind, name)["ports"] if p["name"] == "metrics")
+                 for kind, name in (("DaemonSet", "agent"), ("Deployment", "operator"))}
+        return [r for spec in policies(docs).values() for r in spec["ingress"] if r["ports"][0]["port"] in ports]
+
+    rules = metrics_rules({})
+    assert len(rules) == 2 and all(r["from"] == MONITORING for r in rules), rules
+    [peer] = MONITORING
+    for ns, admitted in (("monitoring", True), ("default", False), ("kube-system", False), ("team-a", False)):
+        assert selects(peer["namespaceSelector"], {"kubernetes.io/metadata.name": ns}) is admitted, ns
+    obs = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "obs"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
+    assert [r["from"] for r in metrics_rules({"networkPolicy": {"metricsFrom": obs}})] == [obs, obs]
+    off = metrics_rules({"networkPolicy": {"metricsFrom": []}})
+    assert len(off) == 2 and not [r for r in off if "from" in r], off
 
 
 def test_the_operator_admits_the_api_server_on_its_webhook_port_when_the_webhook_is_on():
