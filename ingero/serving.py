@@ -30,6 +30,7 @@ import os
 import socket
 import ssl
 import threading
+from asyncio import sslproto
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,6 +199,32 @@ class Bounded:
         super().resume_writing()
 
 
+class _ServerTLS(sslproto.SSLProtocol):
+    """asyncio's TLS protocol, reading a TLS record (at most 16 KiB) at a time: asyncio's own
+    holds a 256 KiB read buffer per connection from accept on, 64 MiB for 256 half-open peers."""
+
+    max_size = 16 << 10
+
+
+async def _start_tls(loop: asyncio.AbstractEventLoop, raw: asyncio.BaseTransport, protocol: asyncio.Protocol,
+                     ctx: ssl.SSLContext, timeout_s: float) -> asyncio.Transport:
+    """``loop.start_tls(raw, protocol, ctx, server_side=True)`` with _ServerTLS (its steps, in its order)."""
+    waiter = loop.create_future()
+    tls = _ServerTLS(loop, protocol, ctx, waiter, server_side=True, ssl_handshake_timeout=timeout_s,
+                     ssl_shutdown_timeout=timeout_s, call_connection_made=False)
+    raw.pause_reading()
+    raw.set_protocol(tls)
+    made, resumed = loop.call_soon(tls.connection_made, raw), loop.call_soon(raw.resume_reading)
+    try:
+        await waiter
+    except BaseException:
+        raw.close()
+        made.cancel()
+        resumed.cancel()
+        raise
+    return tls._app_transport
+
+
 class Connection(Bounded, RequestHandler):
     """aiohttp's request handler, bounded; with `tls`, it runs the handshake itself (bounded
     by the idle timeout) so that a client that never says hello stalls nobody. Requests the
@@ -233,8 +260,7 @@ class Connection(Bounded, RequestHandler):
             self._slots.release(self)
             return
         try:
-            tls = await self._loop.start_tls(raw, self, self._tls, server_side=True,
-                                             ssl_handshake_timeout=idle, ssl_shutdown_timeout=idle)
+            tls = await _start_tls(self._loop, raw, self, self._tls, idle)
         except Exception as e:                  # failed, timed out or reset: start_tls closed it
             log.debug("TLS handshake with %s failed: %s", raw.get_extra_info("peername"), e)
             tls = None
