@@ -10,12 +10,12 @@ import os
 import socket
 import ssl
 import statistics
-import subprocess
 import time
 import urllib.request
 
 import pytest
 
+from tests.security.attacks import self_signed
 from tests.unit.trace_fixture import SESSION, TOKEN, agent_data, serve_agent
 
 
@@ -210,16 +210,8 @@ def test_clock_samples_on_a_keep_alive_connection_wait_for_no_delayed_ack(agent)
     assert statistics.median(rtts) < 0.02, rtts
 
 
-def _self_signed(d):
-    d.mkdir()
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
-                    "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", str(d / "k.pem"), "-out", str(d / "c.pem")], check=True, capture_output=True)
-    return d / "c.pem", d / "k.pem"
-
-
 def test_tls_handshakes_count_against_the_bound_and_a_silent_one_makes_room(tmp_path):
-    cert, key = _self_signed(tmp_path / "pki")
+    cert, key = self_signed(tmp_path / "pki")
     srv, _ = serve_agent(agent_data(tmp_path / "data", "n1", [0]), "n1", tls=(cert, key), max_connections=4,
                          idle_timeout_s=0.5)
     ctx = ssl.create_default_context(cafile=str(cert))
@@ -240,7 +232,7 @@ def test_tls_handshakes_count_against_the_bound_and_a_silent_one_makes_room(tmp_
 
 
 def test_a_tls_client_that_never_says_hello_does_not_stall_the_server(tmp_path):
-    cert, key = _self_signed(tmp_path / "pki")
+    cert, key = self_signed(tmp_path / "pki")
     d = cert.parent
     srv, _ = serve_agent(agent_data(tmp_path / "data", "n1", [0]), "n1", tls=(cert, key), idle_timeout_s=0.5)
     try:
