@@ -12,11 +12,7 @@ from __future__ import annotations
 import base64
 import copy
 import json
-import os
 import socket
-import subprocess
-import sys
-import time
 import uuid
 
 import pytest
@@ -185,8 +181,7 @@ def test_the_real_operator_serves_the_rendered_paths_with_a_certificate_the_ca_b
         pytest.importorskip(mod)
     import jsonpatch
 
-    from ingero_operator.embedded import EmbeddedCluster
-    from tests.unit.webhook_operator import post, review
+    from tests.unit.webhook_operator import post, review, running_operator
 
     values = {"webhook": {"enabled": True}, "profilerPlugin": {"hostPath": "/opt/site/ingero-plugin"}}
     mwc, svc, secret, docs = webhook_objects(values)
@@ -206,21 +201,8 @@ def test_the_real_operator_serves_the_rendered_paths_with_a_certificate_the_ca_b
             continue   # the pod's folders and ports, and peering: not what is tested here
         argv.append(a)
     assert argv[:2] == ["operator", "run"]
-    cluster = EmbeddedCluster(CHART / "crds" / "tracesession.yaml", tmp_path / "api").start()
-    log = open(tmp_path / "operator.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "ingero", *argv, "--standalone", "--webhook-address=127.0.0.1",
-                             f"--artifacts={tmp_path / 'artifacts'}"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, KUBECONFIG=str(cluster.kubeconfig), POD_NAMESPACE=NAMESPACE))
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (tmp_path / "operator.log").read_text()[-3000:]
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, (tmp_path / "operator.log").read_text()[-3000:]
-                time.sleep(0.2)
+    with running_operator([*argv, "--standalone", "--webhook-address=127.0.0.1", f"--artifacts={tmp_path / 'artifacts'}"],
+                          tmp_path, port, CHART / "crds" / "tracesession.yaml", {"POD_NAMESPACE": NAMESPACE}):
         dns = f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc"
         pods = {"/profiler-pod": {LABEL: "enabled"}, "/profiler-namespace": {}}
         for h in mwc["webhooks"]:
@@ -236,14 +218,6 @@ def test_the_real_operator_serves_the_rendered_paths_with_a_certificate_the_ca_b
             assert c["env"] == [{"name": "NCCL_PROFILER_PLUGIN",
                                  "value": "/opt/site/ingero-plugin/libnccl-profiler-ingero.so"}]
             assert out["spec"]["volumes"][0]["hostPath"]["path"] == "/opt/site/ingero-plugin"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-        cluster.stop()
 
 
 # ---- values ------------------------------------------------------------------------------

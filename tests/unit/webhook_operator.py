@@ -11,6 +11,7 @@ that name, as the API server does with the configuration's caBundle.
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
 import http.client
 import json
@@ -105,30 +106,24 @@ def apply_patch(obj: dict, response: dict) -> dict:
     return jsonpatch.JsonPatch(ops).apply(copy.deepcopy(obj))
 
 
-@pytest.fixture(scope="module")
-def webhook(tmp_path_factory):
-    for mod in ("kmock", "kopf", "jsonschema"):
-        pytest.importorskip(mod, reason=f"{mod} is not installed: pip install -e '.[test]'")
+@contextlib.contextmanager
+def running_operator(argv: list[str], tmp: Path, port: int, crd: Path = ROOT / "crds" / "tracesession.yaml",
+                     env: dict | None = None):
+    """`ingero <argv>` (an operator serving its webhook on `port`) against an embedded API
+    server in `tmp`, once the webhook listens: (the process, the tail of its log)."""
     from ingero_operator.embedded import EmbeddedCluster
 
-    tmp = tmp_path_factory.mktemp("webhook")
-    make_ca_and_cert(tmp, SERVICE_DNS)
-    cluster = EmbeddedCluster(ROOT / "crds" / "tracesession.yaml", tmp / "api").start()
-    port = free_port()
+    cluster = EmbeddedCluster(crd, tmp / "api").start()
     log = open(tmp / "operator.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ingero", "operator", "run", "--standalone", "--namespace", "ingero-system",
-         "--artifacts", str(tmp / "artifacts"), "--webhook-port", str(port), "--webhook-address", "127.0.0.1",
-         "--webhook-cert", str(tmp / "tls.crt"), "--webhook-key", str(tmp / "tls.key"),
-         "--profiler-plugin-dir", PLUGIN_DIR, "--log-level", "debug"],
-        cwd=ROOT, env=dict(os.environ, KUBECONFIG=str(cluster.kubeconfig)), stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, "-m", "ingero", *argv], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, KUBECONFIG=str(cluster.kubeconfig), **(env or {})))
 
     def operator_log() -> str:
         return (tmp / "operator.log").read_text(errors="replace")[-4000:]
 
     try:
         deadline = time.monotonic() + 60
-        while True:    # kopf opens the server once it has scanned the API's resources
+        while True:    # kopf starts the server once it has scanned the API's resources
             assert proc.poll() is None, f"the operator exited:\n{operator_log()}"
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=1):
@@ -136,7 +131,7 @@ def webhook(tmp_path_factory):
             except OSError:
                 assert time.monotonic() < deadline, f"the webhook never listened:\n{operator_log()}"
                 time.sleep(0.2)
-        yield {"port": port, "ca": tmp / "ca.crt", "tmp": tmp, "log": operator_log, "pid": proc.pid}
+        yield proc, operator_log
     finally:
         proc.terminate()
         try:
@@ -145,6 +140,20 @@ def webhook(tmp_path_factory):
             proc.kill()
         log.close()
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def webhook(tmp_path_factory):
+    for mod in ("kmock", "kopf", "jsonschema"):
+        pytest.importorskip(mod, reason=f"{mod} is not installed: pip install -e '.[test]'")
+    tmp = tmp_path_factory.mktemp("webhook")
+    make_ca_and_cert(tmp, SERVICE_DNS)
+    port = free_port()
+    argv = ["operator", "run", "--standalone", "--namespace", "ingero-system", "--artifacts", str(tmp / "artifacts"),
+            "--webhook-port", str(port), "--webhook-address", "127.0.0.1", "--webhook-cert", str(tmp / "tls.crt"),
+            "--webhook-key", str(tmp / "tls.key"), "--profiler-plugin-dir", PLUGIN_DIR, "--log-level", "debug"]
+    with running_operator(argv, tmp, port) as (proc, operator_log):
+        yield {"port": port, "ca": tmp / "ca.crt", "tmp": tmp, "log": operator_log, "pid": proc.pid}
 
 
 def admit(webhook, path: str, obj: dict) -> dict:
