@@ -33,7 +33,7 @@
 #define INGERO_RINGBUF_PAGES 4096
 #endif
 
-/* ---- NCCL call kinds (ingero_nccl_event.op) ---------------------------- */
+/* ---- NCCL call kinds (ingero_nccl_event.op): ingero.schema.Op ----------- */
 #define OP_ALL_REDUCE      1
 #define OP_ALL_GATHER      2
 #define OP_REDUCE_SCATTER  3
@@ -299,7 +299,8 @@ struct ingero_sched_event {
     __u8  _pad[7];
 };
 
-/* Indexes of the per-CPU lost-event counters (map `lost`). */
+/* Indexes of the per-CPU lost-event counters (map `lost`): each ring's lost_slot in
+ * ingero/families.py. */
 #define LOST_NCCL  0
 #define LOST_TCP   1
 #define LOST_SCHED 2

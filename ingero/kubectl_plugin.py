@@ -42,12 +42,12 @@ from urllib.parse import quote
 
 from ingero import __version__
 from ingero.errors import IngeroError
+from ingero.families import NAMES as PROBES
 from ingero.fleet_cli import parse_seconds
 from ingero.kubectl import Kubectl
 from ingero.session_follow import RESOURCE, follow
 
 KINDS = {"trs", "tracesession", "tracesessions", "tracesession.ingero.io", RESOURCE}
-PROBES = ("nccl", "tcp", "sched")
 MAX_BYTES = 64 << 30    # an artifact larger than this is refused unless --max-bytes says more
 LABEL_TERM = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_./]{0,252})=([-A-Za-z0-9_.]{0,63})")
 PROXY = re.compile(r"/api/v1/namespaces/(?P<opns>[a-z0-9-]+)/services/(https?:)?[a-z0-9-]+(:[a-z0-9-]+)?"

@@ -31,18 +31,16 @@ import pyarrow.parquet as pq
 from ingero import schema
 from ingero.comms import resolve_split_ranks
 from ingero.errors import IngeroError
+from ingero.families import EVENT_KEY, RINGS
 from ingero.store import separate_recordings
 
 # Shifted by a node's clock offset, as in the operator's gather.
 SHIFTED = schema.CLOCK_COLUMNS
 # table -> (key columns, preference among copies of one key: the first row wins)
 KEYS = {
-    "nccl_events": (("node", "session_id", "event_id"), "rank DESC NULLS LAST, nranks DESC NULLS LAST"),
-    "tcp_events": (("node", "session_id", "event_id"), "rank DESC NULLS LAST"),
-    "sched_events": (("node", "session_id", "event_id"), "rank DESC NULLS LAST"),
-    "nccl_profiler_events": (("node", "session_id", "event_id"), "rank DESC NULLS LAST"),
-    "nccl_proxy": (("node", "session_id", "event_id"), "rank DESC NULLS LAST"),
-    "rdma_counters": (("node", "session_id", "event_id"), "timestamp_ns"),
+    **{r.table: (EVENT_KEY, r.prefer) for r in RINGS.values()},
+    "nccl_proxy": (EVENT_KEY, "rank DESC NULLS LAST"),
+    "rdma_counters": (EVENT_KEY, "timestamp_ns"),
     "rdma_ports": (("node", "session_id", "device", "port"), "state NULLS LAST"),
     "rdma_ranks": (("node", "session_id", "pid", "device", "port"), "rank DESC NULLS LAST"),
     "comms": (("node", "session_id", "pid", "comm", "comm_id_hash", "op"), "rank DESC NULLS LAST"),
@@ -51,8 +49,7 @@ KEYS = {
     "nccl_inflight": (("node", "session_id", "pid", "tid"), "seen_ns DESC NULLS LAST"),
     "nccl_device_inflight": (("node", "session_id", "pid", "comm_hash", "slot"), "seen_ns DESC NULLS LAST"),
     "nodes": (("node", "session_id"), "ended_ns DESC NULLS LAST, "
-              "coalesce(events_nccl, 0) + coalesce(events_tcp, 0) + coalesce(events_sched, 0) "
-              "+ coalesce(events_nccl_profiler, 0) DESC"),
+              + " + ".join(f"coalesce(events_{r}, 0)" for r in RINGS) + " DESC"),
     "sessions": (("node", "session_id"), "ended_ns DESC NULLS LAST"),
 }
 

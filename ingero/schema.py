@@ -19,34 +19,68 @@ different nodes never collide and ``(node, event_id)`` identifies a row.
 
 from __future__ import annotations
 
+import enum
 import zlib
 from dataclasses import dataclass
 
-# NCCL call kinds, as numbered in bpf/ingero.h (OP_*).
-NCCL_OPS: dict[int, str] = {
-    1: "ALL_REDUCE",
-    2: "ALL_GATHER",
-    3: "REDUCE_SCATTER",
-    4: "BROADCAST",
-    5: "REDUCE",
-    6: "SEND",
-    7: "RECV",
-    8: "GROUP_START",
-    9: "GROUP_END",
-    10: "COMM_INIT_RANK",
-    11: "COMM_INIT_ALL",
-    12: "COMM_SPLIT",
-    13: "COMM_DESTROY",
-    14: "COMM_ABORT",
-    15: "COMM_INIT_RANK_CONFIG",
-    16: "COMM_INIT_RANK_SCALABLE",
-    17: "COMM_SHRINK",
-    18: "COMM_GROW",
-    19: "GROUP_SIMULATE_END",
-    20: "ALL_TO_ALL",
-    21: "GATHER",
-    22: "SCATTER",
+from ingero.families import RINGS
+
+class Op(enum.IntEnum):
+    """NCCL call kinds, as numbered in bpf/ingero.h (OP_*); a code never changes meaning."""
+    ALL_REDUCE = 1
+    ALL_GATHER = 2
+    REDUCE_SCATTER = 3
+    BROADCAST = 4
+    REDUCE = 5
+    SEND = 6
+    RECV = 7
+    GROUP_START = 8
+    GROUP_END = 9
+    COMM_INIT_RANK = 10
+    COMM_INIT_ALL = 11
+    COMM_SPLIT = 12
+    COMM_DESTROY = 13
+    COMM_ABORT = 14
+    COMM_INIT_RANK_CONFIG = 15
+    COMM_INIT_RANK_SCALABLE = 16
+    COMM_SHRINK = 17
+    COMM_GROW = 18
+    GROUP_SIMULATE_END = 19
+    ALL_TO_ALL = 20
+    GATHER = 21
+    SCATTER = 22
+
+
+NCCL_OPS: dict[int, str] = {int(o): o.name for o in Op}
+# The functions of nccl.h each kind records (bpf/nccl.c hooks each as nccl_enter_<function>).
+NCCL_FUNCTIONS: dict[Op, tuple[str, ...]] = {
+    Op.ALL_REDUCE: ("ncclAllReduce",),
+    Op.ALL_GATHER: ("ncclAllGather",),
+    Op.REDUCE_SCATTER: ("ncclReduceScatter",),
+    Op.BROADCAST: ("ncclBroadcast", "ncclBcast"),
+    Op.REDUCE: ("ncclReduce",),
+    Op.SEND: ("ncclSend",),
+    Op.RECV: ("ncclRecv",),
+    Op.GROUP_START: ("ncclGroupStart",),
+    Op.GROUP_END: ("ncclGroupEnd",),
+    Op.COMM_INIT_RANK: ("ncclCommInitRank",),
+    Op.COMM_INIT_ALL: ("ncclCommInitAll",),
+    Op.COMM_SPLIT: ("ncclCommSplit",),
+    Op.COMM_DESTROY: ("ncclCommDestroy",),
+    Op.COMM_ABORT: ("ncclCommAbort",),
+    Op.COMM_INIT_RANK_CONFIG: ("ncclCommInitRankConfig",),
+    Op.COMM_INIT_RANK_SCALABLE: ("ncclCommInitRankScalable",),   # NCCL >= 2.23
+    Op.COMM_SHRINK: ("ncclCommShrink",),                         # NCCL >= 2.27
+    Op.COMM_GROW: ("ncclCommGrow",),                             # NCCL >= 2.29
+    Op.GROUP_SIMULATE_END: ("ncclGroupSimulateEnd",),            # NCCL >= 2.22
+    Op.ALL_TO_ALL: ("ncclAlltoAll",),                            # NCCL >= 2.28
+    Op.GATHER: ("ncclGather",),                                  # NCCL >= 2.28
+    Op.SCATTER: ("ncclScatter",),                                # NCCL >= 2.28
 }
+# Calls that make a communicator (comms table); those numbered from a parent record it.
+COMM_CREATE_OPS = (Op.COMM_INIT_RANK, Op.COMM_INIT_ALL, Op.COMM_SPLIT, Op.COMM_INIT_RANK_CONFIG,
+                   Op.COMM_INIT_RANK_SCALABLE, Op.COMM_SHRINK, Op.COMM_GROW)
+DERIVED_COMM_OPS = (Op.COMM_SPLIT, Op.COMM_SHRINK, Op.COMM_GROW)
 # ncclResult_t codes that count as success (nccl.h): ncclInProgress (7) is the
 # normal return of every call on a non-blocking communicator.
 NCCL_OK_RETS = (0, 7)
@@ -100,7 +134,7 @@ TCP_STATES: dict[int, str] = {
 
 OFFCPU_REASONS: dict[int, str] = {0: "runqueue", 1: "io", 2: "sleep"}
 
-FAMILIES: dict[int, str] = {2: "AF_INET", 10: "AF_INET6"}
+ADDRESS_FAMILIES: dict[int, str] = {2: "AF_INET", 10: "AF_INET6"}
 
 
 @dataclass(frozen=True)
@@ -457,14 +491,8 @@ NODES = Table(
         ("mono_to_wall_ns", "BIGINT"),
         ("clock_offset_ns", "BIGINT"),
         ("clock_rtt_ns", "BIGINT"),
-        ("lost_nccl", "BIGINT"),
-        ("lost_tcp", "BIGINT"),
-        ("lost_sched", "BIGINT"),
-        ("lost_nccl_profiler", "BIGINT"),
-        ("events_nccl", "BIGINT"),
-        ("events_tcp", "BIGINT"),
-        ("events_sched", "BIGINT"),
-        ("events_nccl_profiler", "BIGINT"),
+        *((f"lost_{r}", "BIGINT") for r in RINGS),
+        *((f"events_{r}", "BIGINT") for r in RINGS),
         ("started_ns", "BIGINT"),
         ("ended_ns", "BIGINT"),
     ),
@@ -490,8 +518,8 @@ TABLES: dict[str, Table] = {
     for t in (NCCL_EVENTS, NCCL_PROFILER_EVENTS, NCCL_PROXY, TCP_EVENTS_TABLE, SCHED_EVENTS, SCHED_TOTALS, RANKS,
               COMMS, NCCL_INFLIGHT, NCCL_DEVICE_INFLIGHT, RDMA_COUNTERS, RDMA_PORTS, RDMA_RANKS, NODES, SESSIONS)
 }
-EVENT_TABLES = ("nccl_events", "nccl_profiler_events", "nccl_proxy", "tcp_events", "sched_events",
-                "rdma_counters")
+# the probe families' tables, then those the agent fills from NCCL's profiler table and RDMA counters
+EVENT_TABLES = tuple(r.table for r in RINGS.values()) + ("nccl_proxy", "rdma_counters")
 # Wall-clock columns per table: what a node's clock offset shifts (gather, merge).
 CLOCK_COLUMNS: dict[str, tuple[str, ...]] = {
     "nccl_events": ("timestamp_ns",), "tcp_events": ("timestamp_ns",), "sched_events": ("timestamp_ns",),

@@ -38,12 +38,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from ingero import readonly_sql, schema
+from ingero.families import NAMES as PROBES
 
 log = logging.getLogger("ingero.agent")
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 SEGMENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,250}\.parquet$")
-PROBES = ("nccl", "tcp", "sched")
 PR_SET_PDEATHSIG = 1
 
 

@@ -16,18 +16,17 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from ingero import schema
+from ingero.schema import Op
 from ingero.store import dict_column
-from ingero_agent.records import (NCCL_F_IN_GROUP, NCCL_PROF_F_STREAM, NCCL_PROF_F_UNFINISHED, OWNER_ADDRESS,
-                                  OWNER_ADDRESS_AMBIGUOUS, OWNER_PROC, OWNER_SOURCES)
+from ingero_agent.records import (NCCL_F_IN_GROUP, NCCL_PROF_F_STREAM, NCCL_PROF_F_UNFINISHED, NCCL_PROF_P2P,
+                                  OWNER_ADDRESS, OWNER_ADDRESS_AMBIGUOUS, OWNER_PROC, OWNER_SOURCES)
 from ingero_agent.sockowners import SocketOwners, fold_address
 
-OP_COMM_SPLIT = 12
-OP_COMM_SHRINK = 17
-OP_COMM_GROW = 18
 _DATA_OPS = np.zeros(256, dtype=bool)
 _REDUCE_OPS = np.zeros(256, dtype=bool)
 for _code, _name in schema.NCCL_OPS.items():
@@ -37,6 +36,18 @@ _DT_SIZE = np.zeros(256, dtype=np.int64)
 for _code, (_n, _size) in schema.NCCL_DATATYPES.items():
     _DT_SIZE[_code] = _size
 _DT_NAMES = {c: n for c, (n, _) in schema.NCCL_DATATYPES.items()}
+
+
+Decoder = Callable[[np.ndarray, int, "Registry"], dict]
+DECODERS: dict[str, Decoder] = {}   # ring (ingero.families.RINGS) -> its columns from its records
+
+
+def decodes(ring: str) -> Callable[[Decoder], Decoder]:
+    """Register the decoder of `ring`'s records."""
+    def register(fn: Decoder) -> Decoder:
+        DECODERS[ring] = fn
+        return fn
+    return register
 
 
 def mono_to_wall(samples: int = 9) -> tuple[int, int]:
@@ -148,12 +159,13 @@ def _identity_columns(pids: np.ndarray, idents: dict[int, Identity | None],
     }
 
 
+@decodes("nccl")
 def nccl_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
     op = a["op"].astype(np.int64)
     data_op = _DATA_OPS[op]
-    split = op == OP_COMM_SPLIT
-    derived = split | (op == OP_COMM_SHRINK) | (op == OP_COMM_GROW)   # have a parent
-    grow_of = (op == OP_COMM_GROW) & (a["parent_hash"] != 0)          # an existing rank's grow
+    split = op == Op.COMM_SPLIT
+    derived = np.isin(op, schema.DERIVED_COMM_OPS)                # have a parent
+    grow_of = (op == Op.COMM_GROW) & (a["parent_hash"] != 0)      # an existing rank's grow
     count = a["count"].astype(np.int64)
     nbytes = count * _DT_SIZE[a["datatype"]]
     codes = unique_pids(a["pid"])
@@ -168,7 +180,7 @@ def nccl_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
         "nranks": a["nranks"],
         "comm_id_hash": a["comm_hash"],
         "seq": _masked(a["seq"].astype(np.int64), ~data_op),
-        "count": _masked(count, ~data_op & (op != 11)),
+        "count": _masked(count, ~data_op & (op != Op.COMM_INIT_ALL)),
         "bytes": _masked(nbytes, ~data_op),
         "datatype": dict_column(np.where(data_op, a["datatype"], -1), _DT_NAMES),
         "reduce_op": dict_column(np.where(_REDUCE_OPS[op], a["redop"], -1), schema.NCCL_REDOPS),
@@ -177,7 +189,7 @@ def nccl_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
         "in_group": (a["flags"] & NCCL_F_IN_GROUP) != 0,
         "comm": a["comm"],
         "stream": _masked(a["stream"], ~data_op),
-        "parent_hash": _masked(a["parent_hash"], ~derived | ((op == OP_COMM_GROW) & ~grow_of)),
+        "parent_hash": _masked(a["parent_hash"], ~derived | ((op == Op.COMM_GROW) & ~grow_of)),
         "color": _masked(a["color"], ~(split | grow_of)),   # COMM_GROW: the parent's grow number
         "split_key": _masked(a["key"], ~split),
         "pid": a["pid"].astype(np.int32),
@@ -213,13 +225,14 @@ _DT_BY_NAME = {n: size for n, size in schema.NCCL_DATATYPES.values()}
 U64_MAX = np.uint64(2**64 - 1)
 
 
+@decodes("nccl_profiler")
 def nccl_profiler_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
     o = a["op"]
     op_codes, op_names = _strings(a["func"], op_name)
     dt_codes, dt_names = _strings(a["datatype"], _dtype_name)
     size = np.array([_DT_BY_NAME.get(n, 0) for n in dt_names], dtype=np.int64)[dt_codes]
     count = o["count"].astype(np.int64)
-    p2p = o["kind"] == 2
+    p2p = o["kind"] == NCCL_PROF_P2P
     rooted = np.array([n in schema.ROOTED_OPS for n in op_names], dtype=bool)[op_codes]
     host0, host1 = o["host_start_ns"].astype(np.int64), o["host_stop_ns"].astype(np.int64)
     d0, d1 = o["dev_start_ns"].astype(np.int64), o["dev_stop_ns"].astype(np.int64)
@@ -306,6 +319,7 @@ def _groups(*cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return order[new], inv
 
 
+@decodes("tcp")
 def tcp_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
     s_codes, s_names = format_addresses(a["saddr"], a["family"])
     d_codes, d_names = format_addresses(a["daddr"], a["family"])
@@ -353,7 +367,7 @@ def tcp_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
         "daddr": dict_column(d_codes, d_names),
         "sport": a["sport"].astype(np.int32),
         "dport": a["dport"].astype(np.int32),
-        "family": dict_column(a["family"], schema.FAMILIES),
+        "family": dict_column(a["family"], schema.ADDRESS_FAMILIES),
         "state": dict_column(np.where(a["state"] > 0, a["state"], -1), schema.TCP_STATES),
         "old_state": dict_column(np.where(state_ev, a["oldstate"], -1), schema.TCP_STATES),
         "skaddr": a["skaddr"],
@@ -365,6 +379,7 @@ def tcp_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
     }
 
 
+@decodes("sched")
 def sched_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
     codes = unique_pids(a["pid"])
     ident = _identity_columns(a["pid"], {p: reg.lookup_pid(p) for p in codes[0].tolist()}, codes)
@@ -380,8 +395,3 @@ def sched_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
         **ident,
     }
 
-
-COLUMNS = {"nccl": nccl_columns, "tcp": tcp_columns, "sched": sched_columns,
-           "nccl_profiler": nccl_profiler_columns}
-TABLES = {"nccl": "nccl_events", "tcp": "tcp_events", "sched": "sched_events",
-          "nccl_profiler": "nccl_profiler_events"}

@@ -19,16 +19,9 @@ import os
 
 import numpy as np
 
-NCCL_SYMBOLS = (
-    "ncclAllReduce", "ncclAllGather", "ncclReduceScatter", "ncclBroadcast", "ncclBcast",
-    "ncclReduce", "ncclSend", "ncclRecv", "ncclGroupStart", "ncclGroupEnd",
-    "ncclCommInitRank", "ncclCommInitRankConfig", "ncclCommInitAll", "ncclCommSplit",
-    "ncclCommDestroy", "ncclCommAbort",
-    # newer entry points (NVIDIA nccl.h.in): GroupSimulateEnd 2.22, InitRankScalable 2.23,
-    # Shrink 2.27, AlltoAll/Gather/Scatter 2.28, Grow 2.29
-    "ncclGroupSimulateEnd", "ncclCommInitRankScalable", "ncclCommShrink", "ncclCommGrow",
-    "ncclAlltoAll", "ncclGather", "ncclScatter",
-)
+from ingero.schema import NCCL_FUNCTIONS
+
+NCCL_SYMBOLS = tuple(f for fs in NCCL_FUNCTIONS.values() for f in fs)
 MARKER = "ncclAllReduce"   # a file that defines this one is an NCCL library
 PROFILER_MARKER = "ingero_nccl_profiler_version"   # ... and this one Ingero's NCCL profiler plugin
 

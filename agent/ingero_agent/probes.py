@@ -31,31 +31,18 @@ from pathlib import Path
 import numpy as np
 
 from ingero.errors import IngeroError
+from ingero.families import FAMILIES, NAMES, RINGS, rings_of
 from ingero_agent import abi, kbtf, uprobe_multi, uprobe_names
 from ingero_agent.elfsyms import NCCL_SYMBOLS, file_offset, load_segments
-from ingero_agent.records import FAMILIES, FAMILY_RINGS, ringbuf_dtype
+from ingero_agent.records import RECORDS, ringbuf_dtype
 from ingero_agent.ringbuf import PAGE_SIZE, MappedRing, RingWaiter, open_ring
 
-ALL_FAMILIES = ("nccl", "tcp", "sched")
 PROFILER_PROBE = "nccl_op_v2"   # ingero:nccl_op_v<INGERO_NCCL_PROF_VERSION> (bpf/ingero.h)
 PROFILER_REGS = ("ax", "bx", "cx", "dx", "si", "di", "bp", "r8", "r9", "r10", "r11", "r12", "r13", "r14",
                  "r15")     # the ncclprof_<reg> programs of bpf/nccl_profiler.c
 EXEC_TRACEPOINT = "sched/sched_process_exec"   # exec notes (ingero.h); optional
 WAKE_FRACTION = 4   # a ring wakes the agent once a 1/WAKE_FRACTION of it is unread
 TRACEFS_EVENTS = (Path("/sys/kernel/tracing/events"), Path("/sys/kernel/debug/tracing/events"))
-# Tracepoints each family cannot work without.
-REQUIRED_TRACEPOINTS = {
-    "tcp": ("tcp/tcp_retransmit_skb", "sock/inet_sock_set_state"),
-    "sched": ("sched/sched_switch",),
-}
-# Optional tracepoints: -D flag that compiles their hook in.
-OPTIONAL_TRACEPOINTS = {
-    "tcp": (("tcp/tcp_send_reset", "INGERO_HAVE_TCP_SEND_RESET"),
-            ("tcp/tcp_receive_reset", "INGERO_HAVE_TCP_RECEIVE_RESET"),
-            ("tcp/tcp_destroy_sock", "INGERO_HAVE_TCP_DESTROY_SOCK"),
-            ("sock/sock_send_length", "INGERO_HAVE_SOCK_LENGTH"),
-            ("tcp/tcp_rcv_space_adjust", "INGERO_HAVE_TCP_RCV_SPACE_ADJUST")),
-}
 
 
 FRAME_STORAGES = ("auto", "task", "hash")
@@ -106,7 +93,7 @@ def bpf_dir() -> Path:
 
 @dataclass(frozen=True)
 class ProbeConfig:
-    families: tuple[str, ...] = ALL_FAMILIES
+    families: tuple[str, ...] = NAMES
     trace_all: bool = False            # INGERO_TARGET_ALL
     cgroup_levels: int = 8             # ancestor levels the cgroup filter checks
     sched_min_ns: int = 1_000_000      # off-CPU intervals shorter than this are only summed
@@ -116,10 +103,10 @@ class ProbeConfig:
     frame_storage: str = "auto"        # per-thread NCCL frames and target verdicts: task, hash, auto
 
     def __post_init__(self):
-        unknown = [f for f in self.families if f not in ALL_FAMILIES]
+        unknown = [f for f in self.families if f not in NAMES]
         if unknown or not self.families:
             raise IngeroError(f"unknown probe family {','.join(unknown) or '(none)'}: choose from "
-                              f"{','.join(ALL_FAMILIES)}")
+                              f"{','.join(NAMES)}")
         if self.frame_storage not in FRAME_STORAGES:
             raise IngeroError(f"frame storage {self.frame_storage!r}: choose from "
                               f"{', '.join(FRAME_STORAGES)}")
@@ -144,11 +131,11 @@ def feature_flags(cfg: ProbeConfig) -> tuple[list[str], list[str]]:
     """(-D flags for the kernel's tracepoints, notes on what is missing)."""
     flags, notes = [], []
     for fam in cfg.families:
-        for tp in REQUIRED_TRACEPOINTS.get(fam, ()):
+        for tp in FAMILIES[fam].required_tracepoints:
             if tracepoint_format(tp) is None:
                 raise IngeroError(f"the kernel has no tracepoint {tp.replace('/', ':')} (needed by "
                                   f"the {fam} probes); drop '{fam}' from --probes or use a newer kernel")
-        for tp, flag in OPTIONAL_TRACEPOINTS.get(fam, ()):
+        for tp, flag in FAMILIES[fam].optional_tracepoints:
             have = tracepoint_format(tp) is not None
             flags.append(f"-D{flag}={int(have)}")
             if not have:
@@ -188,22 +175,6 @@ def sched_cflags() -> list[str]:
 
 
 RAW_TP_OFF = "INGERO_RAW_TRACEPOINTS"   # =0: the tracepoints' perf events, as without kernel BTF
-# Fields the raw tracepoint programs read (bpf/tcp.c, sched.c): -D flag, struct, member path.
-RAW_TP_FIELDS = {
-    "tcp": (("INGERO_SK_FAMILY_OFF", "sock", "__sk_common.skc_family"),
-            ("INGERO_SK_STATE_OFF", "sock", "__sk_common.skc_state"),
-            ("INGERO_SK_DPORT_OFF", "sock", "__sk_common.skc_dport"),
-            ("INGERO_SK_DADDR_OFF", "sock", "__sk_common.skc_daddr"),
-            ("INGERO_SK_V6_SADDR_OFF", "sock", "__sk_common.skc_v6_rcv_saddr"),
-            ("INGERO_SK_V6_DADDR_OFF", "sock", "__sk_common.skc_v6_daddr"),
-            ("INGERO_SK_PROTOCOL_OFF", "sock", "sk_protocol"),
-            ("INGERO_INET_SPORT_OFF", "inet_sock", "inet_sport"),
-            ("INGERO_INET_SADDR_OFF", "inet_sock", "inet_saddr"),
-            ("INGERO_SKB_HEAD_OFF", "sk_buff", "head"),
-            ("INGERO_SKB_DATA_OFF", "sk_buff", "data"),
-            ("INGERO_SKB_NH_OFF", "sk_buff", "network_header")),
-    "sched": (("INGERO_TASK_EXIT_STATE_OFF", "task_struct", "exit_state"),),
-}
 
 
 def raw_tp_cflags(cfg: ProbeConfig) -> tuple[list[str], str | None]:
@@ -225,7 +196,7 @@ def raw_tp_cflags(cfg: ProbeConfig) -> tuple[list[str], str | None]:
     try:
         btf = kbtf.Btf(KERNEL_BTF.read_bytes())
         return ["-DINGERO_RAW_TP=1"] + [f"-D{flag}={btf.offset(struct, path)}" for fam in cfg.families
-                                        for flag, struct, path in RAW_TP_FIELDS.get(fam, ())], None
+                                        for flag, struct, path in FAMILIES[fam].raw_tp_fields], None
     except OSError:
         return off, f"no kernel BTF ({KERNEL_BTF})"
     except kbtf.BtfError as e:
@@ -236,8 +207,7 @@ def build_program(cfg: ProbeConfig, src: Path | None = None) -> tuple[str, list[
     """(C text, cflags, notes) for the selected families."""
     src = src or bpf_dir()
     parts = []
-    rings = tuple(r for f in ALL_FAMILIES if f in cfg.families for r in FAMILY_RINGS[f])
-    for name in ("ingero.h",) + tuple(f"{r}.c" for r in rings):
+    for name in ("ingero.h",) + tuple(r.source for r in rings_of(cfg.families)):
         path = src / name
         parts.append(f'#line 1 "{path}"\n{path.read_text()}\n')
     flags, notes = feature_flags(cfg)
@@ -311,10 +281,10 @@ class Probes:
         self.rings = {}
         size = cfg.ringbuf_pages * PAGE_SIZE
         self.wake_records: dict[str, int] = {}
-        for ring in (r for f in cfg.families for r in FAMILY_RINGS[f]):
-            _, dtype, table, _ = FAMILIES[ring]
-            self.rings[ring] = open_ring(self.bpf, table, size, dtype)
-            self.wake_records[ring] = max(1, size // ringbuf_dtype(dtype).itemsize // WAKE_FRACTION)
+        for ring in rings_of(cfg.families):
+            dtype = RECORDS[ring.struct]
+            self.rings[ring.name] = open_ring(self.bpf, ring.table, size, dtype)
+            self.wake_records[ring.name] = max(1, size // ringbuf_dtype(dtype).itemsize // WAKE_FRACTION)
         # Exec notes of target processes (8-byte tgids), when the kernel has the tracepoint.
         self.exec_notes = None
         if "-DINGERO_EXEC_NOTIFY=1" in self.cflags:
@@ -507,7 +477,7 @@ class Probes:
     # ---- reader wake-ups ---------------------------------------------------
     def arm_wakeup(self, fam: str) -> None:
         """After draining `fam`: wake the reader once a quarter of its ring is unread again."""
-        slot = FAMILIES[fam][3]
+        slot = RINGS[fam].lost_slot
         produced = self.bpf[b"ring_produced"]
         t = self.bpf[b"ring_wake_at"]
         t[t.Key(slot)] = t.Leaf(int(produced[produced.Key(slot)].produced) + self.wake_records[fam])
@@ -515,14 +485,14 @@ class Probes:
     def produced(self, fam: str) -> int:
         """Records the probes of `fam` offered to its ring (kept or lost)."""
         t = self.bpf[b"ring_produced"]
-        return int(t[t.Key(FAMILIES[fam][3])].produced)
+        return int(t[t.Key(RINGS[fam].lost_slot)].produced)
 
     # ---- counters ----------------------------------------------------------
     def lost(self) -> dict[str, int]:
         t = self.bpf[b"lost"]
         out = {}
-        for ring, (_, _, _, slot) in FAMILIES.items():
-            out[ring] = int(sum(t[t.Key(slot)])) if ring in self.rings else 0
+        for ring in RINGS.values():
+            out[ring.name] = int(sum(t[t.Key(ring.lost_slot)])) if ring.name in self.rings else 0
         return out
 
     def sched_totals(self) -> list[tuple[int, int, int, int]]:

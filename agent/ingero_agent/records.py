@@ -2,8 +2,9 @@
 
 Each dtype mirrors one C struct field by field, with explicit offsets and
 the struct's size, so a whole span of a ring buffer decodes with one
-``numpy.frombuffer``. tests/unit/test_records.py compiles the header and
-checks every field's offset and size against these; change both together.
+``numpy.frombuffer``; ``RECORDS`` holds them by struct name (a ring's
+``struct`` in ingero.families). tests/unit/test_records.py compiles the header
+and checks every field's offset and size against these; change both together.
 
 A ring buffer record is an 8-byte header (u32 length with the BUSY bit 31
 and DISCARD bit 30, u32 page offset) followed by the struct, padded to 8
@@ -15,16 +16,20 @@ from __future__ import annotations
 import numpy as np
 
 
-def _dtype(fields: list[tuple[str, str, int]], size: int) -> np.dtype:
-    return np.dtype({
+RECORDS: dict[str, np.dtype] = {}   # C struct name -> its dtype
+
+
+def _dtype(struct: str, fields: list[tuple[str, str | np.dtype, int]], size: int) -> np.dtype:
+    RECORDS[struct] = np.dtype({
         "names": [f[0] for f in fields],
         "formats": [f[1] for f in fields],
         "offsets": [f[2] for f in fields],
         "itemsize": size,
     })
+    return RECORDS[struct]
 
 
-NCCL_EVENT = _dtype([
+NCCL_EVENT = _dtype("ingero_nccl_event", [
     ("ts_ns", "<u8", 0),
     ("duration_ns", "<u8", 8),
     ("cgroup_id", "<u8", 16),
@@ -48,7 +53,7 @@ NCCL_EVENT = _dtype([
     ("flags", "u1", 103),
 ], 104)
 
-TCP_EVENT = _dtype([
+TCP_EVENT = _dtype("ingero_tcp_event", [
     ("ts_ns", "<u8", 0),
     ("cgroup_id", "<u8", 8),
     ("skaddr", "<u8", 16),
@@ -66,7 +71,7 @@ TCP_EVENT = _dtype([
     ("_pad", "(6,)u1", 74),
 ], 80)
 
-SCHED_EVENT = _dtype([
+SCHED_EVENT = _dtype("ingero_sched_event", [
     ("ts_ns", "<u8", 0),
     ("off_ns", "<u8", 8),
     ("runq_ns", "<u8", 16),
@@ -79,7 +84,7 @@ SCHED_EVENT = _dtype([
 
 # The record Ingero's NCCL profiler plugin hands to its USDT probe; the probe
 # copies it into NCCL_PROF_EVENT's `op`.
-NCCL_PROF_OP = _dtype([
+NCCL_PROF_OP = _dtype("ingero_nccl_prof_op", [
     ("size", "<u4", 0),
     ("version", "<u2", 4),
     ("kind", "u1", 6),
@@ -112,7 +117,7 @@ NCCL_PROF_OP = _dtype([
     ("stream", "<u8", 160),
 ], 168)
 
-NCCL_PROF_EVENT = _dtype([
+NCCL_PROF_EVENT = _dtype("ingero_nccl_prof_event", [
     ("ts_ns", "<u8", 0),
     ("cgroup_id", "<u8", 8),
     ("pid", "<u4", 16),
@@ -126,7 +131,7 @@ NCCL_PROF_EVENT = _dtype([
 ], 288)
 
 # The header of the plugin's table of operations (ingero_agent.devinflight reads it live).
-NCCL_PROF_TABLE = _dtype([
+NCCL_PROF_TABLE = _dtype("ingero_nccl_prof_table", [
     ("magic", "<u8", 0),
     ("size", "<u4", 8),
     ("version", "<u2", 12),
@@ -150,7 +155,7 @@ NCCL_PROF_TABLE = _dtype([
     ("proxy_dropped", "<u8", 88),
 ], 96)
 # One ProxyOp's summary in the plugin's ring (the same mapping).
-NCCL_PROF_PROXY = _dtype([
+NCCL_PROF_PROXY = _dtype("ingero_nccl_prof_proxy", [
     ("seq", "<u8", 0),
     ("op_seq", "<u8", 8),
     ("func", "<u8", 16),
@@ -177,27 +182,12 @@ PROXY_NETS = {1: "ib", 2: "socket"}
 NCCL_PROF_TABLE_MAGIC = 0x53504f5245474e49
 NCCL_PROF_TABLE_NAME = "ingero-nccl-ops"
 
-# ring name -> (C struct name, dtype, ring buffer map name, lost-counter slot)
-FAMILIES: dict[str, tuple[str, np.dtype, str, int]] = {
-    "nccl": ("ingero_nccl_event", NCCL_EVENT, "nccl_events", 0),
-    "tcp": ("ingero_tcp_event", TCP_EVENT, "tcp_events", 1),
-    "sched": ("ingero_sched_event", SCHED_EVENT, "sched_events", 2),
-    "nccl_profiler": ("ingero_nccl_prof_event", NCCL_PROF_EVENT, "nccl_profiler_events", 3),
-}
-# probe family (--probes) -> its rings: the nccl family also reads the profiler plugin
-FAMILY_RINGS: dict[str, tuple[str, ...]] = {
-    "nccl": ("nccl", "nccl_profiler"),
-    "tcp": ("tcp",),
-    "sched": ("sched",),
-}
-# Nested structs of the records, checked field by field like the records.
-NESTED: dict[str, np.dtype] = {"ingero_nccl_prof_op": NCCL_PROF_OP, "ingero_nccl_prof_table": NCCL_PROF_TABLE,
-                               "ingero_nccl_prof_proxy": NCCL_PROF_PROXY}
-
 # NCCL_F_* flags and OWNER_* values (bpf/ingero.h, then the decoder's own)
 NCCL_F_IN_GROUP = 1
 NCCL_F_COMM_UNKNOWN = 2
 NCCL_F_BCAST_ALIAS = 4
+NCCL_F_PENDING = 8          # the child handle is not written yet (ncclInProgress)
+NCCL_PROF_COLL, NCCL_PROF_P2P = 1, 2   # ingero_nccl_prof_op.kind
 NCCL_PROF_F_UNFINISHED = 1
 NCCL_PROF_F_STREAM = 2
 # 0-2 come from the kernel (OWNER_*); 3-5 are set by the decoder for rows the kernel gave no

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ingero import schema
 from ingero.errors import IngeroError
+from ingero.families import NAMES
 
 EPILOG = """\
 targets (combine freely; at least one):
@@ -53,13 +54,12 @@ def parse_duration(text: str) -> float:
 
 
 def parse_probes(text: str) -> tuple[str, ...]:
-    from ingero_agent.probes import ALL_FAMILIES
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in ALL_FAMILIES]
+    unknown = [n for n in names if n not in NAMES]
     if unknown or not names:
         raise IngeroError(f"unknown probe {','.join(unknown) or repr(text)}: --probes takes a "
-                          f"comma-separated list of {','.join(ALL_FAMILIES)}")
-    return tuple(f for f in ALL_FAMILIES if f in names)
+                          f"comma-separated list of {','.join(NAMES)}")
+    return tuple(f for f in NAMES if f in names)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -32,20 +32,20 @@ import numpy as np
 from ingero import __version__, schema
 from ingero.errors import IngeroError, NotPermitted
 from ingero.store import SegmentWriter, build_duckdb
-from ingero_agent.decode import COLUMNS, TABLES, Identity, Registry, mono_to_wall, op_name
+from ingero.families import RINGS, rings_of
+from ingero.schema import Op
+from ingero_agent.decode import DECODERS, Identity, Registry, mono_to_wall, op_name
 from ingero_agent.devinflight import Reader as DeviceReader, read_all as read_device
 from ingero_agent.inflight import FrameReader, snapshot
 from ingero_agent.probes import ProbeConfig, Probes
 from ingero_agent.procinfo import int_or_none
 from ingero_agent.rdma import RdmaSampler
-from ingero_agent.records import FAMILIES, FAMILY_RINGS
+from ingero_agent.records import NCCL_F_PENDING
 from ingero_agent.stackscan import StackScanner, scan_supported
 from ingero_agent.targets import TargetSet, load_pods
 
-INIT_OPS = {10: "COMM_INIT_RANK", 11: "COMM_INIT_ALL", 12: "COMM_SPLIT", 15: "COMM_INIT_RANK_CONFIG",
-            16: "COMM_INIT_RANK_SCALABLE", 17: "COMM_SHRINK", 18: "COMM_GROW"}
-RANKED_INIT_OPS = (10, 15, 16)   # creations whose rank is the process's rank in a fresh world
-NCCL_F_PENDING = 8               # bpf/ingero.h: child handle not written yet (ncclInProgress)
+# creations whose rank is the process's rank in a fresh world
+RANKED_INIT_OPS = (Op.COMM_INIT_RANK, Op.COMM_INIT_RANK_CONFIG, Op.COMM_INIT_RANK_SCALABLE)
 
 
 @dataclass
@@ -79,7 +79,7 @@ class Tracer:
         self.opts = opts
         self.targets = targets
         self.log = log or (lambda msg: print(f"ingero: {msg}", file=sys.stderr, flush=True))
-        self.events = {r: 0 for r in FAMILIES}   # per ring
+        self.events = {r: 0 for r in RINGS}   # per ring
         # the holders of connections the kernel gave no owner are looked up in the targets' /proc
         self.registry = Registry(proc=getattr(targets, "proc", Path("/proc")))
         self.comm_rows: list[dict] = []
@@ -342,11 +342,11 @@ class Tracer:
             self._note_comms(arr)
         elif fam == "nccl_profiler":
             self.nccl_pids.update(np.unique(arr["pid"]).tolist())
-        cols = COLUMNS[fam](arr, self.offset_ns, self.registry)
+        cols = DECODERS[fam](arr, self.offset_ns, self.registry)
         if fam == "tcp" and self.registry.sockets is not None:
             for note in self.registry.sockets.take_notes():
                 self.log(f"note: {note}")
-        self.writer.append(TABLES[fam], cols)
+        self.writer.append(RINGS[fam].table, cols)
         self.events[fam] += len(arr)
 
     def _note_comms(self, a: np.ndarray) -> None:
@@ -355,17 +355,18 @@ class Tracer:
         # non-blocking split/shrink has none yet (NCCL_F_PENDING) but its identity counts.
         ok = np.isin(a["ret"], schema.NCCL_OK_RETS)
         made = (a["comm"] != 0) | ((a["flags"] & NCCL_F_PENDING) != 0)
-        sel = np.flatnonzero(np.isin(a["op"], list(INIT_OPS)) & ok & made)
+        sel = np.flatnonzero(np.isin(a["op"], schema.COMM_CREATE_OPS) & ok & made)
         changed = False
         for r in a[sel]:
-            pid, rank, nranks, op = int(r["pid"]), int(r["rank"]), int(r["nranks"]), int(r["op"])
+            pid, rank, nranks, op = int(r["pid"]), int(r["rank"]), int(r["nranks"]), Op(int(r["op"]))
             self.comm_rows.append({
                 "pid": pid, "comm": int(r["comm"]), "comm_id_hash": int(r["comm_hash"]),
-                "rank": rank, "nranks": nranks, "op": INIT_OPS[op],
-                "parent_hash": int(r["parent_hash"]) if op in (12, 17, 18) else None,
+                "rank": rank, "nranks": nranks, "op": op.name,
+                "parent_hash": int(r["parent_hash"]) if op in schema.DERIVED_COMM_OPS else None,
                 # COMM_GROW of an existing rank: the parent's grow number (ingero/comms.py)
-                "color": int(r["color"]) if op == 12 or (op == 18 and int(r["parent_hash"])) else None,
-                "split_key": int(r["key"]) if op == 12 else None,
+                "color": (int(r["color"]) if op == Op.COMM_SPLIT or (op == Op.COMM_GROW and int(r["parent_hash"]))
+                          else None),
+                "split_key": int(r["key"]) if op == Op.COMM_SPLIT else None,
                 "timestamp_ns": int(r["ts_ns"]) + self.offset_ns,
             })
             if op in RANKED_INIT_OPS and rank >= 0 and nranks > self.init_rank.get(pid, (-1, -1))[0]:
@@ -533,7 +534,7 @@ class Tracer:
         self.log(f"{elapsed:5.0f}s events: {ev}; lost {ls}; {live} target processes")
 
     def _rings(self) -> list[str]:
-        return [r for f in self.opts.probe_config.families for r in FAMILY_RINGS[f]]
+        return [r.name for r in rings_of(self.opts.probe_config.families)]
 
     def _summary(self) -> None:
         ev = ", ".join(f"{self.events[r]} {r}" for r in self._rings())

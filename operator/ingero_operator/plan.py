@@ -11,9 +11,9 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
+from ingero.families import NAMES as PROBES
 from ingero.fleet_targets import agent_endpoints  # noqa: F401  (shared with `ingero fleet`)
 
-PROBES = ("nccl", "tcp", "sched")
 FINISHED_PHASES = ("Succeeded", "Failed")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 # a label key: an optional DNS-subdomain prefix and "/", then a name in label-value syntax

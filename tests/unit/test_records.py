@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ingero_agent.records import FAMILIES, NESTED, ringbuf_dtype
+from ingero.families import RINGS
+from ingero_agent.records import RECORDS, ringbuf_dtype
 
 HEADER = Path(__file__).resolve().parents[2] / "bpf" / "ingero.h"
 
@@ -32,7 +33,7 @@ def c_layout(tmp_path_factory):
     if shutil.which("gcc") is None:
         pytest.skip("gcc is not installed: cannot compile bpf/ingero.h to read its layout")
     lines = []
-    for struct in [f[0] for f in FAMILIES.values()] + list(NESTED):
+    for struct in RECORDS:
         lines.append(f'printf("{struct} SIZE %zu 0\\n", sizeof(struct {struct}));')
         for f in struct_fields(struct):
             lines.append(f'printf("{struct} {f} %zu %zu\\n", offsetof(struct {struct}, {f}), '
@@ -50,7 +51,7 @@ def c_layout(tmp_path_factory):
     return layout
 
 
-@pytest.mark.parametrize("struct,dtype", [(f[0], f[1]) for f in FAMILIES.values()] + list(NESTED.items()))
+@pytest.mark.parametrize("struct,dtype", list(RECORDS.items()))
 def test_dtype_has_every_header_field_at_the_same_offset_and_size(c_layout, struct, dtype):
     c = c_layout[struct]
     assert dtype.itemsize == c["SIZE"][0]
@@ -61,15 +62,15 @@ def test_dtype_has_every_header_field_at_the_same_offset_and_size(c_layout, stru
         assert (foff, ftype.itemsize) == (off, size), name
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_records_are_multiples_of_8_so_ring_records_pack_without_gaps(family):
-    _, dtype, _, _ = FAMILIES[family]
+@pytest.mark.parametrize("ring", list(RINGS))
+def test_records_are_multiples_of_8_so_ring_records_pack_without_gaps(ring):
+    dtype = RECORDS[RINGS[ring].struct]
     assert dtype.itemsize % 8 == 0
     assert ringbuf_dtype(dtype).itemsize == dtype.itemsize + 8
 
 
 def test_nccl_record_round_trips_through_bytes():
-    _, dtype, _, _ = FAMILIES["nccl"]
+    dtype = RECORDS["ingero_nccl_event"]
     rec = np.zeros(1, dtype=dtype)
     rec["comm_hash"] = 0xDEADBEEFCAFEF00D
     rec["rank"] = -1
