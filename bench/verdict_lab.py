@@ -124,7 +124,7 @@ def one(kw: dict, steps: int, load: int, out: Path):
     from ingero.analysis import analyse
     from ingero.lab.runner import LabConfig
     from ingero.lab.tracers import run_traced
-    from ingero.store import open_source
+    from ingero.readonly_sql import open_source
 
     if kw.pop("profiler", False):
         from ingero_agent.profiler_build import build_profiler

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from ingero.errors import IngeroError
-from ingero.fleet_cli import parse_seconds
+from ingero.perfetto import export
 
 
 def add_parser(sub):
@@ -61,45 +61,14 @@ def run(args) -> int:
     if fmt != "perfetto":
         args._export_parser.print_help()
         return 2
-    perfetto(args.source, args.out, args.start, args.end, args.max_events, args.session)
+    export(args.source, args.out, args.start, args.end, args.max_events, args.session)
     return 0
-
-
-def perfetto(source: Path, out: Path, start: str | None = None, end: str | None = None,
-             max_events: int | None = None, session: str | None = None, label: str | None = None) -> None:
-    """Write the Perfetto timeline of the trace at `source` to `out` and say what it holds
-    (on stderr). `label` names the trace in that line and in the file (default: `source`)."""
-    from ingero.perfetto import build, write
-    from ingero.store import open_source
-
-    t0 = parse_seconds(start, "--start", allow_zero=True) if start else None
-    t1 = parse_seconds(end, "--end") if end else None
-    if t0 is not None and t1 is not None and t1 <= t0:
-        raise IngeroError(f"--end {end} is not after --start {start}")
-    if max_events is not None and max_events < 100:
-        raise IngeroError("--max-events must be at least 100")
-    if not out.parent.is_dir():
-        raise IngeroError(f"-o {out}: folder {out.parent} does not exist")
-    label = label or str(source)
-    con = open_source(source, session=session)
-    try:
-        doc, summ = build(con, t0, t1, max_events, source=label)
-    finally:
-        con.close()
-    if summ.t0_ns is None:
-        raise IngeroError(f"{label} holds no NCCL, off-CPU or TCP events to put on a timeline")
-    size = write(doc, out)
-    kinds = ", ".join(f"{n} {c}" for c, n in sorted(summ.slices.items()))
-    print(f"wrote {out} ({size / 1e6:.1f} MB): {summ.nodes} nodes, {summ.tracks} tracks, slices: {kinds}; "
-          f"{summ.instants} tcp instants, {summ.flows} arrival arrows"
-          + (f"; sampled every {summ.sampled_stride}th collective" if summ.sampled_stride > 1 else "")
-          + "; open it at https://ui.perfetto.dev", file=sys.stderr)
 
 
 def _step(args) -> int:
     from ingero.analysis import analyse_with_replays
     from ingero.analysis.picture import step_svg
-    from ingero.store import open_source
+    from ingero.readonly_sql import open_source
 
     if not args.out.parent.is_dir():
         raise IngeroError(f"-o {args.out}: folder {args.out.parent} does not exist")

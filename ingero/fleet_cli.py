@@ -17,23 +17,11 @@ import argparse
 import csv
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
+from ingero.console import parse_seconds
 from ingero.errors import IngeroError
-
-_SECONDS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s|m|h)?\s*$")
-_UNITS = {None: 1.0, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-def parse_seconds(text: str, flag: str, allow_zero: bool = False) -> float:
-    """'10s', '500ms', '2m', '1h' or plain seconds -> seconds."""
-    m = _SECONDS.match(str(text))
-    if not m or (float(m.group(1)) <= 0 and not allow_zero):
-        raise IngeroError(f"{flag} {text!r} is not a duration: use e.g. 10s, 500ms, 2m or plain seconds")
-    return float(m.group(1)) * _UNITS[m.group(2)]
-
 
 def add_parser(sub):
     p = sub.add_parser("fleet", help="ask every node's agent the same read-only query",
@@ -89,7 +77,7 @@ def _token(args, kube) -> str:
 
 
 def _print(names: list[str], rows: list[list], fmt: str) -> None:
-    from ingero.query_cli import print_table
+    from ingero.console import print_table
 
     if fmt == "csv":
         w = csv.writer(sys.stdout)

@@ -43,7 +43,7 @@ from urllib.parse import quote
 from ingero import __version__
 from ingero.errors import IngeroError
 from ingero.families import NAMES as PROBES
-from ingero.fleet_cli import parse_seconds
+from ingero.console import complete, guarded, innermost, parse_seconds
 from ingero.kubectl import Kubectl
 from ingero.session_follow import RESOURCE, follow
 
@@ -318,7 +318,7 @@ def fresh_folder(path: Path) -> bool:
 
 def report(args) -> int:
     from ingero.analysis.model import Report
-    from ingero.report_cli import render
+    from ingero.report_text import render
 
     k = kubectl_of(args)
     obj = get_session(k, args.session)
@@ -361,7 +361,7 @@ def get_artifact(args) -> int:
 
 
 def export_perfetto(args) -> int:
-    from ingero.export_cli import perfetto
+    from ingero.perfetto import export
 
     k = kubectl_of(args)
     obj = get_session(k, args.session)
@@ -370,8 +370,8 @@ def export_perfetto(args) -> int:
     artifact_url(obj, "artifact.tar")
     with tempfile.TemporaryDirectory(prefix="kubectl-ingero-") as tmp:
         download(k, obj, Path(tmp))
-        perfetto(Path(tmp), out, args.start, args.end, args.max_events,
-                 label=f"TraceSession {obj['metadata']['namespace']}/{name}")
+        export(Path(tmp), out, args.start, args.end, args.max_events,
+               label=f"TraceSession {obj['metadata']['namespace']}/{name}")
     return 0
 
 
@@ -439,7 +439,6 @@ def delete(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ingero.cli import complete, guarded, innermost
 
     parser = build_parser()
     complete(parser)

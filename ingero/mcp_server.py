@@ -118,7 +118,7 @@ class Traces:
     def report(self, session: str):
         """(Report, open connection) of a session."""
         from ingero.analysis import analyse
-        from ingero.store import open_source
+        from ingero.readonly_sql import open_source
 
         path = self.resolve(session)
         with tool_errors():

@@ -37,11 +37,15 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ingero.analysis.calls import simulated_calls
+from ingero.console import parse_seconds
+from ingero.errors import IngeroError
 from ingero.schema import COLLECTIVE_OPS, LIFECYCLE_OPS, P2P_OPS
+from ingero.readonly_sql import open_source
 
 _COLL = ", ".join(f"'{o}'" for o in COLLECTIVE_OPS)
 _P2P = ", ".join(f"'{o}'" for o in P2P_OPS)
@@ -310,3 +314,31 @@ def write(doc: dict, out: Path) -> int:
         f.write("],\n" + json.dumps(rest)[1:])
     tmp.replace(out)
     return out.stat().st_size
+
+
+def export(source: Path, out: Path, start: str | None = None, end: str | None = None,
+             max_events: int | None = None, session: str | None = None, label: str | None = None) -> None:
+    """Write the Perfetto timeline of the trace at `source` to `out` and say what it holds
+    (on stderr). `label` names the trace in that line and in the file (default: `source`)."""
+    t0 = parse_seconds(start, "--start", allow_zero=True) if start else None
+    t1 = parse_seconds(end, "--end") if end else None
+    if t0 is not None and t1 is not None and t1 <= t0:
+        raise IngeroError(f"--end {end} is not after --start {start}")
+    if max_events is not None and max_events < 100:
+        raise IngeroError("--max-events must be at least 100")
+    if not out.parent.is_dir():
+        raise IngeroError(f"-o {out}: folder {out.parent} does not exist")
+    label = label or str(source)
+    con = open_source(source, session=session)
+    try:
+        doc, summ = build(con, t0, t1, max_events, source=label)
+    finally:
+        con.close()
+    if summ.t0_ns is None:
+        raise IngeroError(f"{label} holds no NCCL, off-CPU or TCP events to put on a timeline")
+    size = write(doc, out)
+    kinds = ", ".join(f"{n} {c}" for c, n in sorted(summ.slices.items()))
+    print(f"wrote {out} ({size / 1e6:.1f} MB): {summ.nodes} nodes, {summ.tracks} tracks, slices: {kinds}; "
+          f"{summ.instants} tcp instants, {summ.flows} arrival arrows"
+          + (f"; sampled every {summ.sampled_stride}th collective" if summ.sampled_stride > 1 else "")
+          + "; open it at https://ui.perfetto.dev", file=sys.stderr)

@@ -15,13 +15,13 @@ from __future__ import annotations
 import csv
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
 from ingero import readonly_sql
+from ingero.console import print_table
 from ingero.errors import IngeroError, duckdb_line
-from ingero.store import open_source
+from ingero.readonly_sql import open_source
 
 
 def add_parser(sub):
@@ -67,40 +67,6 @@ def bound_memory(max_memory_mb: int) -> int | None:
 
 
 # C0 and C1 controls (ESC, BEL, CR, LF, ...), DEL, and the bidi and line separators
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
-
-
-def printable(text: str) -> str:
-    """`text` with terminal control characters written as escapes (\\x1b, \\u202e): a name
-    from a trace cannot retitle or clear the terminal, move the cursor or break a line."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)
-
-
-def _fmt(v) -> str:
-    if v is None:
-        return "NULL"
-    if isinstance(v, float):
-        return f"{v:.3f}"
-    return printable(str(v))
-
-
-def print_table(names: list[str], rows: list[tuple], out=None) -> None:
-    """A text table of `rows` under `names`, every cell printable."""
-    out = out or sys.stdout
-    names = [printable(str(n)) for n in names]
-    cells = [[_fmt(v) for v in r] for r in rows]
-    widths = [max([len(n)] + [len(r[i]) for r in cells]) for i, n in enumerate(names)]
-    numeric = [all(isinstance(r[i], (int, float)) or r[i] is None for r in rows) and rows
-               for i in range(len(names))]
-
-    def line(vals):
-        return "  ".join(v.rjust(w) if numeric[i] else v.ljust(w)
-                         for i, (v, w) in enumerate(zip(vals, widths))).rstrip()
-
-    print(line(names), file=out)
-    print("  ".join("-" * w for w in widths), file=out)
-    for r in cells:
-        print(line(r), file=out)
 
 
 def run(args) -> int:

@@ -36,8 +36,9 @@ from pathlib import Path
 
 import duckdb
 
+from ingero import schema
 from ingero.errors import IngeroError, duckdb_line
-from ingero.store import add_missing_tables, attach_segments
+from ingero.store import add_missing_tables, attach_segments, file_sessions, separate_recordings, sessions_in
 
 ALLOWED = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
 # What a serving process needs beside its queries, in its data memory (VmData): the
@@ -311,3 +312,47 @@ def query(source: Path | list[Path], sql: str, limits: Limits | None = None) -> 
         return run(con, sql, limits)
     finally:
         con.close()
+
+
+def open_source(path: Path, session: str | None = None, memory_mb: int | None = None):
+    """Open a trace for reading: a DuckDB file, an artifact or lab folder holding
+    ``trace.duckdb``, or a directory of segments (of one `session`, when it holds several).
+
+    The connection is the sandbox of ``ingero.readonly_sql``: file access is off beyond the
+    trace's own files, so a crafted trace cannot read or write anything else. `memory_mb`:
+    DuckDB's memory_limit (None: its default, 80% of the machine's memory)."""
+    path = Path(path)
+    if path.is_dir() and (path / "trace.duckdb").is_file() and not any(
+            any((path / t).glob("*.parquet")) for t in schema.TABLES):
+        # an operator artifact folder or a lab --out folder (its nodes/ is no `nodes` table)
+        path = path / "trace.duckdb"
+    if path.is_dir():
+        sessions = sessions_in([path])
+        if not sessions:
+            raise IngeroError(f"{path} holds no Ingero segments; pass a trace .duckdb file "
+                              "or the segment directory `ingero trace` wrote")
+        if session is not None and session not in sessions:
+            raise IngeroError(f"{path} holds no session {session!r}; it holds {', '.join(sessions)}")
+        con = open_sandbox(path, session=session, memory_mb=memory_mb)
+        if session is None and len(sessions) > 1 and separate_recordings(con):
+            con.close()
+            raise IngeroError(f"{path} holds {len(sessions)} sessions ({_listed(sessions)}): pick one with --session")
+        return con
+    if not path.exists():
+        raise IngeroError(f"{path} does not exist; pass a trace .duckdb file or a segment directory")
+    con = open_sandbox(path, memory_mb=memory_mb)
+    try:
+        sessions = file_sessions(con)
+        if session is not None and session not in sessions:
+            raise IngeroError(f"{path} holds no session {session!r}; it holds {', '.join(sessions) or 'none'}")
+        if len(sessions) > 1 and separate_recordings(con):
+            raise IngeroError(f"{path} holds {len(sessions)} sessions ({_listed(sessions)}): write one apart "
+                              f"with `ingero merge {path} --session ID -o one.duckdb`")
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+def _listed(sessions: list[str]) -> str:
+    return ", ".join(sessions[:10]) + (", …" if len(sessions) > 10 else "")

@@ -20,7 +20,7 @@ import threading
 import time
 
 from ingero.errors import IngeroError
-from ingero.query_cli import printable
+from ingero.console import printable
 
 RESOURCE = "tracesessions.ingero.io"
 TERMINAL = ("Completed", "Failed")

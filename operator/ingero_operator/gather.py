@@ -557,7 +557,7 @@ def build_artifact(local: LocalSession, offsets: dict[str, int],
     over the node segments kept beside it
     in ``work/nodes/``, by paths relative to the session folder, so the folder is the
     artifact and can be moved or copied whole. Readers resolve them against the folder
-    (``ingero.store.open_source`` does, by absolute path; the duckdb shell does when
+    (``ingero.readonly_sql.open_source`` does, by absolute path; the duckdb shell does when
     started inside it). The analysis reads the calls through the view
     as Arrow columns (``ingero.analysis.calls``). Copying 100 M rows into a DuckDB file took 137 s on 2
     cores; the other tables are small and are copied. See docs/benchmarks.md, "Gather,

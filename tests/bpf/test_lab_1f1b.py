@@ -29,7 +29,7 @@ def _traced(tmp_path, layout: str, nodes: int, rpn: int, device: str) -> tuple[d
         pytest.skip(reason)
     from ingero.lab.runner import LabConfig
     from ingero.lab.tracers import run_traced
-    from ingero.store import open_source
+    from ingero.readonly_sql import open_source
 
     cfg = LabConfig(scenario="clean", nodes=nodes, ranks_per_node=rpn, steps=STEPS, compute_ms=20.0,
                     layout=layout, microbatches=M, schedule="1f1b", device=device, out_dir=tmp_path)

@@ -28,7 +28,7 @@ LATE_TRACE_S = 12
 
 def _verdict(db):
     from ingero.analysis import analyse
-    from ingero.store import open_source
+    from ingero.readonly_sql import open_source
 
     con = open_source(db)
     try:
@@ -132,7 +132,7 @@ def test_a_job_attached_late_gets_the_verdict_of_one_traced_from_its_start(tmp_p
     finally:
         con.close()
     from ingero.analysis.calls import load
-    from ingero.store import open_source
+    from ingero.readonly_sql import open_source
 
     src = open_source(late_db)
     try:

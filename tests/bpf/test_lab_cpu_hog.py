@@ -23,7 +23,7 @@ def test_a_cpu_starved_rank_of_the_layout_job_is_named_with_cpu_contention(tmp_p
     from ingero.analysis.verdict import SAVING_FLOOR_PCT
     from ingero.lab.runner import LabConfig
     from ingero.lab.tracers import run_traced
-    from ingero.store import open_source
+    from ingero.readonly_sql import open_source
 
     cfg = LabConfig(scenario="cpu-hog", nodes=2, ranks_per_node=4, layout="tp=2,pp=2,dp=2", victim_rank=1,
                     steps=30, compute_ms=40.0, out_dir=tmp_path, background_load=background_load())

@@ -41,7 +41,7 @@ def elastic(tmp_path_factory):
         pytest.skip(reason)
     from ingero.lab.runner import LabConfig
     from ingero.lab.tracers import run_traced
-    from ingero.store import open_source
+    from ingero.readonly_sql import open_source
 
     out = tmp_path_factory.mktemp("elastic")
     run = run_traced(LabConfig(scenario="clean", nodes=2, ranks_per_node=2, steps=2, compute_ms=10,

@@ -34,7 +34,7 @@ def _run(out, scenario: str = "clean", plugin: bool = True, **kw):
         pytest.skip(reason)
     from ingero.lab.runner import LabConfig
     from ingero.lab.tracers import run_traced
-    from ingero.store import open_source
+    from ingero.readonly_sql import open_source
     from ingero_agent.profiler_build import build_profiler
 
     kw.setdefault("ranks_per_node", 2)

@@ -102,7 +102,7 @@ def test_a_rank_stopped_for_good_is_named_as_the_hang_also_by_a_trace_begun_afte
         assert "on the device for at least" in h["evidence"], h["evidence"]
         return
     assert h["op"] in COLLECTIVE_OPS, h
-    from ingero.store import open_source
+    from ingero.readonly_sql import open_source
 
     con = open_source(run.db)
     try:
@@ -120,7 +120,7 @@ def _check_late(run, shape) -> None:
     """The trace begun after the hang: hang, the victim named; the op the others wait in found
     on their stacks (CPU device), or, GPU-like, the job standing still since the trace began."""
     from ingero.analysis import analyse
-    from ingero.store import open_source
+    from ingero.readonly_sql import open_source
 
     lab = run.report
     assert lab["trace_ready_ns"] > lab["fault_injected_ns"], "the late trace began before the hang"

@@ -23,7 +23,7 @@ def _run(tmp_path, scenario: str, layout: str = "tp=2,pp=2,dp=2", **kw) -> tuple
     from ingero.analysis import analyse
     from ingero.lab.runner import LabConfig
     from ingero.lab.tracers import run_traced
-    from ingero.store import open_source
+    from ingero.readonly_sql import open_source
 
     kw = {"nodes": 2, "ranks_per_node": 4, **kw}
     cfg = LabConfig(scenario=scenario, steps=40, compute_ms=40.0,

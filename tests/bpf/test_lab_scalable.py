@@ -21,7 +21,7 @@ def scalable(tmp_path_factory):
         pytest.skip(reason)
     from ingero.lab.runner import LabConfig
     from ingero.lab.tracers import run_traced
-    from ingero.store import open_source
+    from ingero.readonly_sql import open_source
 
     out = tmp_path_factory.mktemp("scalable")
     old = os.environ.get("TORCH_NCCL_RANKS_PER_ROOT")

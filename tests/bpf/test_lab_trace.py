@@ -41,7 +41,7 @@ def lossy(tmp_path_factory):
         pytest.skip(reason)
     from ingero.lab import tracers as tr
     from ingero.lab.runner import LabConfig, LabRun
-    from ingero.store import open_source
+    from ingero.readonly_sql import open_source
 
     out = tmp_path_factory.mktemp("lossy")
     cfg = LabConfig(scenario="lossy-link", nodes=2, ranks_per_node=2, seconds=8, out_dir=out,

@@ -63,7 +63,7 @@ def test_hidden_ebpf_flag_prints_the_program_and_its_cflags():
 
 
 def test_done_file_appears_with_every_event_on_disk_before_the_probes_detach(fake_nccl, trace, tmp_path):
-    from ingero.store import open_source
+    from ingero.readonly_sql import open_source
 
     go, done = tmp_path / "go", tmp_path / "done"
     drv = spawn([str(fake_nccl["driver"]), "30", "2", "0", "1", str(go)])

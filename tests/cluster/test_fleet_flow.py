@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from ingero import schema
-from ingero.store import open_source
+from ingero.readonly_sql import open_source
 from tests.conftest import bpf_reason
 
 pytestmark = pytest.mark.bpf

@@ -360,7 +360,7 @@ def test_a_restarted_agent_gets_the_plan_again_and_its_segments_survive(tmp_path
     st = assert_completed(flow)
     assert not any("partial" in w for w in st.get("warnings") or []), st["warnings"]
     assert all(n["agentReached"] for n in st["nodes"])
-    from ingero.store import open_source
+    from ingero.readonly_sql import open_source
     con = open_source(st["artifact"]["path"])
     q = """SELECT min(timestamp_ns), max(timestamp_ns), count(*) FROM nccl_events
            WHERE node = ? AND op = 'ALL_REDUCE' AND global_rank = ?"""

@@ -7,7 +7,7 @@ import pytest
 from bench.synthetic import session
 from ingero.analysis import analyse, robust_z
 from ingero.cli import main
-from ingero.store import open_source
+from ingero.readonly_sql import open_source
 
 
 def _report(tmp_path, fault, **kw):

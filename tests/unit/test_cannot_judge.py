@@ -11,7 +11,8 @@ import pytest
 
 from ingero.analysis import analyse
 from ingero.cli import main
-from ingero.store import SegmentWriter, open_source
+from ingero.store import SegmentWriter
+from ingero.readonly_sql import open_source
 from tests.unit.trace_fixture import write_job
 
 T0 = 1_760_000_000_000_000_000

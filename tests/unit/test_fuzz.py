@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from bench.synthetic import session
 from ingero import readonly_sql
 from ingero.errors import IngeroError
-from ingero.store import open_source
+from ingero.readonly_sql import open_source
 from ingero_agent.api import ApiError, Plan, parse_plan
 
 settings.register_profile("ci", max_examples=150, deadline=None,

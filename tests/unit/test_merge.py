@@ -12,7 +12,7 @@ from ingero import schema
 from ingero.cli import main
 from ingero.errors import IngeroError
 from ingero.merge import merge
-from ingero.store import open_source
+from ingero.readonly_sql import open_source
 from tests.unit.trace_fixture import CHILD, SESSION, T0, write_job, write_node
 
 SKEW = 3_000_000_000   # node-b's clock runs 3 s ahead

@@ -7,7 +7,8 @@ import re
 import duckdb
 import pytest
 
-from ingero.store import SegmentWriter, open_source
+from ingero.store import SegmentWriter
+from ingero.readonly_sql import open_source
 from ingero_operator.agents import ClockSample, estimate_offset
 from ingero_operator import gather
 from ingero_operator.gather import LocalSession, build_artifact, ingest_and_analyse

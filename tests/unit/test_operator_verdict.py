@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from ingero.analysis import Hang, RankRow, Report, Straggler
-from ingero.report_cli import render
+from ingero.report_text import render
 from ingero.session_follow import Lines, progress_line, verdict_line
 from ingero_operator import metrics
 from ingero_operator.session import Controller, Live, Ref

@@ -7,7 +7,8 @@ import pytest
 
 from ingero import schema
 from ingero.cli import main
-from ingero.store import SegmentWriter, build_duckdb, open_source
+from ingero.store import SegmentWriter, build_duckdb
+from ingero.readonly_sql import open_source
 from ingero.published import SLOW_COLLECTIVE_JOIN
 
 

@@ -14,7 +14,7 @@ import pytest
 from bench.synthetic import pipeline_session
 from ingero.analysis import analyse
 from ingero.cli import main
-from ingero.store import open_source
+from ingero.readonly_sql import open_source
 
 
 def _run(tmp_path, **kw):
