@@ -29,9 +29,12 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-# Static checks (pyproject.toml, [tool.ruff]): seconds, before the suite.
+# Static checks, before the suite (pyproject.toml: [tool.ruff], [tool.mypy] and the layer
+# contract [tool.importlinter]; the tools come with the venv, pyproject's dev extras).
 lint: venv
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/mypy
 
 test: setup lint
 	$(PY) -m pytest -n $(PYTEST_JOBS) $(PYTEST_ARGS)

@@ -1,4 +1,4 @@
-"""The `ingero` command: one subcommand per module, loaded only when used.
+"""The `ingero` command: one subcommand per module, registered by the package that owns it.
 
 Each subcommand module exposes ``add_parser(subparsers)`` (returns its parser)
 and ``run(args) -> int``. Modules that need bcc import it inside ``run`` so
@@ -9,28 +9,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import signal
 import sys
+from importlib.metadata import entry_points
 
 from ingero import __version__
-from ingero.errors import IngeroError, trace_error
+from ingero.console import complete, guarded, innermost
+from ingero.errors import IngeroError
 
-# name -> module; order is the order shown in --help.
-SUBCOMMANDS: dict[str, str] = {
-    "trace": "ingero_agent.trace_cli",
-    "query": "ingero.query_cli",
-    "report": "ingero.report_cli",
-    "lab": "ingero.lab.cli",
-    "profiler": "ingero_agent.profiler_build",
-    "agent": "ingero_agent.server",
-    "operator": "ingero_operator.cli",
-    "demo": "ingero_operator.demo",
-    "check": "ingero_agent.check",
-    "fleet": "ingero.fleet_cli",
-    "merge": "ingero.merge_cli",
-    "export": "ingero.export_cli",
-    "mcp": "ingero.mcp_cli",
-}
+# name -> module, as the packages that own them register them (pyproject.toml,
+# [project.entry-points."ingero.subcommands"]); --help lists them by name.
+SUBCOMMANDS: dict[str, str] = {ep.name: ep.value for ep in sorted(entry_points(group="ingero.subcommands"),
+                                                                    key=lambda ep: ep.name)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"ingero {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    if not SUBCOMMANDS:
+        raise IngeroError("no subcommands are registered: install the package (pip install -e . in the "
+                          "repository) rather than running it from its folder")
     for name, module in SUBCOMMANDS.items():
         try:
             mod = importlib.import_module(module)
@@ -88,47 +80,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     return guarded(args._run, args)
-
-
-def complete(parser: argparse.ArgumentParser) -> None:
-    """Shell completion when the shell asks for it (argcomplete, Debian's python3-argcomplete;
-    bash: eval "$(register-python-argcomplete ingero)"); nothing otherwise."""
-    try:
-        import argcomplete
-    except ImportError:
-        return
-    argcomplete.autocomplete(parser)
-
-
-def innermost(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
-    """The deepest subcommand parser `args` went through (`ingero lab run`, `ingero query`)."""
-    while True:
-        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-        name = getattr(args, subs[0].dest, None) if subs and subs[0].dest else None
-        if name not in (subs[0].choices if subs else {}):
-            return parser
-        parser = subs[0].choices[name]
-
-
-def guarded(run, args, prog: str = "ingero") -> int:
-    """run(args), with what a user can cause printed as one line `<prog>: ...`, no traceback."""
-    try:
-        return int(run(args) or 0)
-    except IngeroError as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 128 + signal.SIGINT
-    except BrokenPipeError:
-        return 0
-    except Exception as e:
-        # a trace DuckDB cannot read (damaged, crafted, of another version): one line, not a traceback
-        line = trace_error(e)
-        if line is None:
-            raise
-        print(f"{prog}: {line}", file=sys.stderr)
-        return 1
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ class Kubectl(BaseKubectl):
                 for node, (host, port) in agent_endpoints(self.pods(namespace, AGENT_SELECTOR)).items()}
 
     def job_nodes(self, namespace: str | None, selector: str) -> set[str]:
-        return {(p.get("spec") or {}).get("nodeName") for p in self.pods(namespace, selector)} - {None}
+        return {n for p in self.pods(namespace, selector) if (n := (p.get("spec") or {}).get("nodeName")) is not None}
 
     def token(self, namespace: str) -> str:
         doc = self.get(f"/api/v1/namespaces/{quote(namespace)}/secrets/{TOKEN_SECRET}")

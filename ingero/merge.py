@@ -277,7 +277,7 @@ class Merger:
             p.unlink(missing_ok=True)
 
 
-def _segment_inputs(d: Path) -> list[tuple[Path, str]]:
+def _segment_inputs(d: Path) -> list[tuple[Path, str | None]]:
     """(file, table) for every segment below a folder, each distinct file once (name and size)."""
     seen: dict[tuple, tuple[Path, str]] = {}
     for f in sorted(d.rglob("*.parquet")):

@@ -438,7 +438,7 @@ def _free_port() -> int:
 
 
 def add_parser(sub):
-    from ingero.lab.cli import add_job_shape_args
+    from ingero.lab.job_args import add_job_shape_args
     from ingero.lab.faults import SCENARIOS
 
     p = sub.add_parser("demo", help="the whole flow on this machine: API server, operator, agents, lab job",
@@ -481,7 +481,7 @@ def _interrupt(*_):
 
 
 def run(args) -> int:
-    from ingero.lab.cli import job_shape, ranks_per_node
+    from ingero.lab.job_args import job_shape, ranks_per_node
 
     if args.seconds <= 0:
         raise IngeroError("--seconds must be > 0")
