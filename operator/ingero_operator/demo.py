@@ -462,7 +462,7 @@ def add_parser(sub):
     p.add_argument("--metrics-out", type=Path, default=None, metavar="DIR",
                    help="save the operator's and each agent's /metrics every 2 s while the job runs, and once "
                         "with the verdict in, as DIR/t<seconds>-<operator|agent-NODE>.prom "
-                        "(python -m ingero.dashboard_picture draws them)")
+                        "(scripts/dashboard_picture.py draws them)")
     p.add_argument("--keep-running", action="store_true",
                    help="keep the API server, operator and agents up afterwards (Ctrl-C ends)")
     return p

@@ -6,14 +6,21 @@ run (lossy-link, 2 nodes): the operator and one agent while the job ran, and aft
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-from ingero.dashboard_picture import (DASHBOARD, load_dashboard, load_scrapes, main, panel_series,
-                                      parse_expr)
 from ingero.errors import IngeroError
+
+_spec = importlib.util.spec_from_file_location(
+    "dashboard_picture", Path(__file__).resolve().parents[2] / "scripts" / "dashboard_picture.py")
+dashboard_picture = sys.modules["dashboard_picture"] = importlib.util.module_from_spec(_spec)   # dataclasses need it
+_spec.loader.exec_module(dashboard_picture)
+DASHBOARD, load_dashboard, load_scrapes, main, panel_series, parse_expr = (
+    dashboard_picture.DASHBOARD, dashboard_picture.load_dashboard, dashboard_picture.load_scrapes,
+    dashboard_picture.main, dashboard_picture.panel_series, dashboard_picture.parse_expr)
 
 SCRAPES = Path(__file__).parent / "fixtures" / "dashboard-scrapes"
 

@@ -1,7 +1,7 @@
 """The chart's Grafana dashboard redrawn from saved /metrics scrapes, for the docs.
 
     ingero demo --metrics-out out/demo-metrics
-    python -m ingero.dashboard_picture out/demo-metrics -o docs/img/dashboard-demo.svg
+    python scripts/dashboard_picture.py out/demo-metrics -o docs/img/dashboard-demo.svg
 
 Grafana cannot run everywhere (it cannot on the machine the docs are made on), so this
 draws each panel of charts/ingero/files/dashboard.json from Prometheus text files as
@@ -279,7 +279,7 @@ def _draw_buckets(ax, panel: Panel, samples: Samples, last: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ingero.dashboard_picture", description=__doc__,
+    p = argparse.ArgumentParser(prog="python scripts/dashboard_picture.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("scrapes", type=Path, help="the folder `ingero demo --metrics-out` wrote")
     p.add_argument("-o", "--out", type=Path, default=Path("docs/img/dashboard-demo.svg"),
