@@ -56,12 +56,12 @@ def mono_to_wall(samples: int = 9) -> tuple[int, int]:
     Reads realtime, monotonic, realtime several times and keeps the pair
     with the tightest bracket; the offset is taken at its middle.
     """
-    best = None
-    for _ in range(samples):
+    best = (0, 1 << 62)   # (offset, bracket): any reading is tighter
+    for _ in range(max(samples, 1)):
         r1 = time.clock_gettime_ns(time.CLOCK_REALTIME)
         m = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
         r2 = time.clock_gettime_ns(time.CLOCK_REALTIME)
-        if best is None or r2 - r1 < best[1]:
+        if r2 - r1 < best[1]:
             best = ((r1 + r2) // 2 - m, r2 - r1)
     return best
 
@@ -113,7 +113,7 @@ class Registry:
         if len(pids) == 1:
             return pids[0]
         idents = {p: self.lookup_pid(p) for p in pids}
-        pool = [p for p in pids if idents[p] and idents[p].rank is not None] or list(pids)
+        pool = [p for p in pids if (i := idents[p]) is not None and i.rank is not None] or list(pids)
         return pool[0] if len({idents[p] for p in pool}) == 1 else None
 
 
@@ -230,7 +230,7 @@ def nccl_profiler_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
     o = a["op"]
     op_codes, op_names = _strings(a["func"], op_name)
     dt_codes, dt_names = _strings(a["datatype"], _dtype_name)
-    size = np.array([_DT_BY_NAME.get(n, 0) for n in dt_names], dtype=np.int64)[dt_codes]
+    size = np.array([_DT_BY_NAME.get(n, 0) if n else 0 for n in dt_names], dtype=np.int64)[dt_codes]
     count = o["count"].astype(np.int64)
     p2p = o["kind"] == NCCL_PROF_P2P
     rooted = np.array([n in schema.ROOTED_OPS for n in op_names], dtype=bool)[op_codes]
@@ -348,8 +348,8 @@ def tcp_columns(a: np.ndarray, offset_ns: int, reg: Registry) -> dict:
                 idents[-1 - j], src[j], by_proc[j] = reg.lookup_pid(p), OWNER_PROC, p
                 continue
             ip = _unmapped(s_names[s_codes[i]])
-            idents[-1 - j] = ident = reg.by_ip.get(ip)
-            if ident is not None:
+            idents[-1 - j] = by_addr = reg.by_ip.get(ip) if ip is not None else None
+            if by_addr is not None:
                 src[j] = OWNER_ADDRESS_AMBIGUOUS if ip in reg.ambiguous_ips else OWNER_ADDRESS
         # a synthetic key per connection, so one lookup table serves all rows
         keys[unknown] = -1 - inv

@@ -358,10 +358,11 @@ class Probes:
         try:
             for prog, addrs, ret in groups:
                 offsets = [file_offset(segments, a) for a in addrs]
-                if None in offsets:
+                found = [o for o in offsets if o is not None]
+                if len(found) < len(offsets):
                     raise OSError(errno.EINVAL, f"address 0x{addrs[offsets.index(None)]:x} is in no "
                                   "loaded segment")
-                made.append(uprobe_multi.link_create(self._program(prog), os.fsencode(path), offsets, ret))
+                made.append(uprobe_multi.link_create(self._program(prog), os.fsencode(path), found, ret))
         except BaseException:
             close_side_by_side([lambda fd=fd: os.close(fd) for fd in made])
             raise
