@@ -63,7 +63,7 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as d:
         lib = build_profiler(Path(d) / "lib", cache_dir=Path(d) / "cache")
         loop = compile_c(Path(d) / "profiler_loop", ["profiler_loop.c"], libs=("-ldl",),
-                         includes=(ROOT / "agent" / "nccl_profiler",))
+                         includes=(ROOT / "ingero" / "csrc",))
         for _ in range(a.rounds):
             res["none"].append(run_loop(loop, Path("none"), a.ops))
             res["plugin"].append(run_loop(loop, lib, a.ops))

@@ -22,6 +22,9 @@ from pathlib import Path
 from ingero.errors import IngeroError
 
 CFLAGS = ("-O2", "-g", "-fPIC", "-pthread", "-Wall", "-Wextra")
+# C headers shipped with the package (package data): nccl_profiler_abi.h, NVIDIA's NCCL profiler
+# plugin ABI in C, which both the lab's NCCL library and Ingero's profiler plugin include.
+INCLUDE_DIR = Path(__file__).resolve().parent / "csrc"
 
 
 def default_cache_dir() -> Path:

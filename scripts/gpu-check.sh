@@ -44,7 +44,7 @@ if ! command -v gcc >/dev/null; then
     exit 2
 fi
 FLAGS=(-O2 -g -fPIC -pthread -Wall -Wextra -fvisibility=hidden -shared
-       "-I$ROOT/bpf" "-I$ROOT/agent/nccl_profiler")
+       "-I$ROOT/bpf" "-I$ROOT/ingero/csrc")
 if ! echo '#include <sys/sdt.h>' | gcc -E -x c - >/dev/null 2>&1; then
     echo "gpu-check: no <sys/sdt.h>: building the plugin without its USDT probe (the file sink is enough here)"
     FLAGS+=(-DINGERO_PROFILER_NO_USDT)

@@ -24,13 +24,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ingero.cbuild import CFLAGS, cached_build, compile_c, digest, find_gcc
+from ingero.cbuild import CFLAGS, INCLUDE_DIR, cached_build, compile_c, digest, find_gcc
 from ingero.errors import IngeroError
 from ingero_agent.probes import bpf_dir
 
 LIB_NAME = "libnccl-profiler-ingero.so"
 SOURCE = "ingero_profiler.c"
-HEADER = "nccl_profiler_abi.h"
+HEADER = "nccl_profiler_abi.h"   # in INCLUDE_DIR, shipped with the ingero package
 FLAGS = CFLAGS + ("-fvisibility=hidden", "-shared")
 HINTS = {"sys/sdt.h": "install the USDT header: apt-get install systemtap-sdt-dev"}
 
@@ -49,11 +49,11 @@ def build_profiler(out_dir: Path | None = None, cache_dir: Path | None = None) -
     """Build (or reuse) the plugin; returns its path (in `out_dir` when given)."""
     gcc = find_gcc("the NCCL profiler plugin is C")
     src, bpf = source_dir(), bpf_dir()
-    key = digest(gcc, [src / SOURCE, src / HEADER, bpf / "ingero.h"], FLAGS,
+    key = digest(gcc, [src / SOURCE, INCLUDE_DIR / HEADER, bpf / "ingero.h"], FLAGS,
                  "point INGERO_PROFILER_SRC and INGERO_BPF_DIR at the repository's folders")
 
     def build(tmp: Path) -> None:
-        compile_c(gcc, [*FLAGS, f"-I{bpf}", f"-I{src}", "-o", str(tmp / LIB_NAME), str(src / SOURCE), "-lm"],
+        compile_c(gcc, [*FLAGS, f"-I{bpf}", f"-I{INCLUDE_DIR}", "-o", str(tmp / LIB_NAME), str(src / SOURCE), "-lm"],
                   "the NCCL profiler plugin", HINTS)
 
     lib = cached_build("nccl-profiler", key, (LIB_NAME,), build, cache_dir) / LIB_NAME

@@ -1,8 +1,8 @@
 """Compile the lab's C parts: ``libnccl.so.2`` (CPU NCCL) and ``ingero-lab-worker``.
 
 The library calls NCCL profiler plugins through NVIDIA's profiler ABI as mirrored
-for Ingero's plugin: ``agent/nccl_profiler/nccl_profiler_abi.h`` in the repository
-(or ``$INGERO_PROFILER_SRC``), one header for both.
+for Ingero's plugin: ``nccl_profiler_abi.h`` in ``ingero.cbuild.INCLUDE_DIR``, one
+header for both.
 
 Outputs go to ``$INGERO_CACHE/lab/<sha>/`` (default ``~/.cache/ingero``), built
 and reused by ``ingero.cbuild`` (keyed by sources, flags and gcc version;
@@ -11,12 +11,10 @@ built in a temporary folder renamed into place).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ingero.cbuild import CFLAGS, cached_build, compile_c, digest, find_gcc
-from ingero.errors import IngeroError
+from ingero.cbuild import CFLAGS, INCLUDE_DIR, cached_build, compile_c, digest, find_gcc
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 LIB_SOURCES = ("nccl_cpu.c", "nccl_coll.c", "nccl_net.c", "nccl_dev.c", "nccl_prof.c")
@@ -36,25 +34,14 @@ class LabBinaries:
     worker: Path
 
 
-def profiler_abi_dir() -> Path:
-    """The folder of the NCCL profiler ABI header: $INGERO_PROFILER_SRC or the repository's."""
-    env = os.environ.get("INGERO_PROFILER_SRC")
-    d = Path(env) if env else Path(__file__).resolve().parents[2] / "agent" / "nccl_profiler"
-    if not (d / PROFILER_ABI).is_file():
-        raise IngeroError(f"cannot find the NCCL profiler ABI header {d / PROFILER_ABI}: set INGERO_PROFILER_SRC "
-                          "to the repository's agent/nccl_profiler folder")
-    return d.resolve()
-
-
 def build_lab_binaries(cache_dir: Path | None = None) -> LabBinaries:
     """Build (or reuse) the lab binaries and return their paths."""
     gcc = find_gcc("the lab compiles its NCCL library and worker")
-    abi = profiler_abi_dir()
-    inputs = [CSRC / n for n in HEADERS + LIB_SOURCES + (WORKER_SOURCE,)] + [abi / PROFILER_ABI]
-    key = digest(gcc, inputs, CFLAGS, "reinstall ingero (package data lab/csrc)")
+    inputs = [CSRC / n for n in HEADERS + LIB_SOURCES + (WORKER_SOURCE,)] + [INCLUDE_DIR / PROFILER_ABI]
+    key = digest(gcc, inputs, CFLAGS, "reinstall ingero (package data lab/csrc, csrc)")
 
     def build(tmp: Path) -> None:
-        compile_c(gcc, [*CFLAGS, "-fvisibility=hidden", "-shared", f"-Wl,-soname,{LIB_NAME}", f"-I{abi}",
+        compile_c(gcc, [*CFLAGS, "-fvisibility=hidden", "-shared", f"-Wl,-soname,{LIB_NAME}", f"-I{INCLUDE_DIR}",
                         "-o", str(tmp / LIB_NAME), *(str(CSRC / s) for s in LIB_SOURCES), "-ldl"], "the lab")
         compile_c(gcc, [*CFLAGS, "-o", str(tmp / WORKER_NAME), str(CSRC / WORKER_SOURCE),
                         f"-L{tmp}", f"-l:{LIB_NAME}", "-Wl,-rpath,$ORIGIN"], "the lab")

@@ -21,6 +21,7 @@ import uuid
 
 import pytest
 
+from ingero.cbuild import INCLUDE_DIR
 from tests.bpf.conftest import FIXTURES, spawn
 
 HASH = 0x1234ABCD5678EF00
@@ -45,7 +46,7 @@ def plugin(tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("profiler")
     lib = build_profiler(d / "lib", cache_dir=d / "cache")
     harness = d / "profiler_harness"
-    subprocess.run(["gcc", "-O1", "-Wall", f"-I{FIXTURES.parents[2] / 'agent' / 'nccl_profiler'}", "-o",
+    subprocess.run(["gcc", "-O1", "-Wall", f"-I{INCLUDE_DIR}", "-o",
                     str(harness), str(FIXTURES / "profiler_harness.c"), "-ldl", "-lpthread"], check=True)
     return {"lib": lib, "harness": harness}
 

@@ -1,7 +1,7 @@
 # The e2e training job's image: the lab's CPU implementation of the NCCL API
 # (libnccl.so.2) and its data-parallel worker, built by the lab's own build code
 # (ingero/lab/build.py, which includes the NCCL profiler ABI header from
-# agent/nccl_profiler/), in /opt/lab. The job's pods run tests/e2e/workload.py's
+# ingero/csrc/), in /opt/lab. The job's pods run tests/e2e/workload.py's
 # RANK_SCRIPT with /bin/sh. Build from the repository root:
 #   docker build -f tests/e2e/worker.Dockerfile -t ingero-lab-worker:e2e .
 FROM debian:bookworm-slim AS build
@@ -9,7 +9,6 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev python3 \
  && rm -rf /var/lib/apt/lists/*
 COPY ingero/ /src/ingero/
-COPY agent/nccl_profiler/nccl_profiler_abi.h /src/agent/nccl_profiler/
 RUN cd /src && INGERO_CACHE=/cache python3 -c "from ingero.lab.build import build_lab_binaries as b; print(b().dir)" \
  && mkdir -p /opt/lab && cp /cache/lab/*/libnccl.so.2 /cache/lab/*/ingero-lab-worker /opt/lab/
 

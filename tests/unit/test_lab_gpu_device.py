@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from ingero.lab.build import build_lab_binaries, profiler_abi_dir
+from ingero.cbuild import INCLUDE_DIR
+from ingero.lab.build import build_lab_binaries
 from tests.unit.lab_rank import UniqueId
 
 HERE = Path(__file__).parent
@@ -39,7 +40,7 @@ def recorders(tmp_path_factory) -> dict[int, Path]:
     out = {}
     for api in (4, 5, 6):
         out[api] = d / f"librecord{api}.so"
-        subprocess.run(["gcc", "-O1", "-Wall", "-shared", "-fPIC", f"-I{profiler_abi_dir()}", f"-DAPI_MAX={api}",
+        subprocess.run(["gcc", "-O1", "-Wall", "-shared", "-fPIC", f"-I{INCLUDE_DIR}", f"-DAPI_MAX={api}",
                         "-o", str(out[api]), str(HERE / "fixtures" / "record_profiler.c")], check=True)
     return out
 

@@ -1,4 +1,4 @@
-"""Our C copy of NCCL's profiler ABI (agent/nccl_profiler/nccl_profiler_abi.h)
+"""Our C copy of NCCL's profiler ABI (ingero/csrc/nccl_profiler_abi.h)
 against NVIDIA's own headers.
 
 NVIDIA_LAYOUT was measured by compiling NVIDIA's C++ headers
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-HEADER = Path(__file__).resolve().parents[2] / "agent" / "nccl_profiler" / "nccl_profiler_abi.h"
+HEADER = Path(__file__).resolve().parents[2] / "ingero" / "csrc" / "nccl_profiler_abi.h"
 
 # (struct, member) -> (offset, size); member "SIZE" is sizeof(struct).
 _DESCR = {

@@ -92,7 +92,7 @@ def build(d: Path, name: str, text: str) -> Path:
     if shutil.which("gcc") is None:
         pytest.skip("gcc is not installed: cannot compile the plugin's drivers")
     (d / f"{name}.c").write_text(text)
-    proc = subprocess.run(["gcc", "-O2", "-Wall", f"-I{ROOT / 'bpf'}", f"-I{ROOT / 'agent' / 'nccl_profiler'}",
+    proc = subprocess.run(["gcc", "-O2", "-Wall", f"-I{ROOT / 'bpf'}", f"-I{ROOT / 'agent' / 'nccl_profiler'}", f"-I{ROOT / 'ingero' / 'csrc'}",
                            "-o", str(d / name), str(d / f"{name}.c"), "-lm"], capture_output=True, text=True)
     if proc.returncode and "sys/sdt.h" in proc.stderr:
         pytest.skip("sys/sdt.h is missing: apt-get install systemtap-sdt-dev")

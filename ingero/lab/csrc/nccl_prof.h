@@ -1,7 +1,7 @@
 /* nccl_prof.h: how the lab's NCCL calls a profiler plugin (nccl_prof.c).
  *
  * Plain C types only: nccl_prof.c includes NVIDIA's profiler ABI as mirrored in
- * agent/nccl_profiler/nccl_profiler_abi.h, whose ncclResult_t and enum names
+ * ingero/csrc/nccl_profiler_abi.h, whose ncclResult_t and enum names
  * clash with nccl.h's, so the two never meet in one translation unit.
  * Not installed; not part of the NCCL API.
  */
