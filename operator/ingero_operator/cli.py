@@ -205,7 +205,7 @@ def run(args) -> int:
     if level != "debug":
         logging.getLogger("kopf.objects").addFilter(quiet_timers)
     from ingero_operator import handlers  # noqa: F401  (registers the handlers with kopf)
-    if webhook_cfg is not None:
+    if webhook_cfg is not None and webhook_sock is not None:   # both set together
         webhook.register(webhook_cfg, webhook_sock)
 
     if args.peering or priority is not None:
