@@ -24,6 +24,7 @@ EPILOG = """examples:
   ingero lab run --layout tp=2,dp=4 --sharding fsdp --layers 4 --scenario slow-rank --victim-rank 5
   ingero lab run --layout dp=8 --nodes 2 --sharding fsdp --replicas 2   # HSDP: 2 shard groups of 4
   ingero lab run --device gpu --profiler --trace --steps 40   # enqueue on a device stream; device times
+  ingero lab run --device gpu --profiler --trace --probes nccl --scenario lossy-link   # NCCL's proxy waits only
   ingero lab run --device gpu --nonblocking --scenario slow-rank
   ingero lab run --scenario hang --fault-after 6 --timeout 20 --trace
   ingero lab run --scenario hang --timeout 40 --trace-after 10   # traced once the job already hangs
@@ -93,6 +94,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_job_shape_args(r)
     r.add_argument("--ipv6", action="store_true", help="rendezvous and move data over IPv6")
     r.add_argument("--trace", action="store_true", help="run `ingero trace` on every lab node")
+    r.add_argument("--probes", default=None, metavar="FAMILIES",
+                   help="the tracers' probe families (`ingero trace --probes`, e.g. nccl: no TCP or "
+                        "scheduler probes); default: the tracer's")
     r.add_argument("--trace-after", type=float, default=None, metavar="SECONDS",
                    help="start the tracers this long after the ranks (implies --trace): a trace attached to "
                         "a running job, which finds NCCL in the ranks' maps; past --fault-after with "
@@ -203,7 +207,7 @@ def _run(args) -> int:
                     compute_ms=args.compute_ms, fault_after_s=args.fault_after,
                     background_load=args.background_load, device=args.device, nonblocking=args.nonblocking,
                     elastic=args.elastic, hang_s=args.hang_for, hang_mode=args.hang_mode,
-                    timeout_s=args.timeout,
+                    timeout_s=args.timeout, probes=args.probes,
                     profiler_plugin=profiler_plugin() if args.profiler else None, **job_shape(args))
     if cfg.fault_after_s is not None and cfg.fault_after_s < 0:
         raise IngeroError("--fault-after must be >= 0")

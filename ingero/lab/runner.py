@@ -74,6 +74,7 @@ class LabConfig:
     elastic: bool = False          # after the steps: shrink the world without a rank, grow it back (worker.c)
     elastic_steps: int = 3         # checked steps on the shrunk and on the grown communicator each
     profiler_plugin: Path | None = None  # an NCCL profiler plugin every rank loads (NCCL_PROFILER_PLUGIN)
+    probes: str | None = None      # the tracers' probe families (`ingero trace --probes`; None: its default)
     timeout_s: int | None = None   # a rank whose peer stops answering fails after this (None: 60 s; hang: 20 s)
     hang_s: float | None = None    # hang: continue the stopped victim after this long (None: for good)
     hang_mode: str = "stop"        # hang: stop (SIGSTOP) or sleep (lives, calls NCCL no more)
