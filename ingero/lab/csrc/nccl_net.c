@@ -276,9 +276,22 @@ ncclResult_t ncpu_root_listen(struct ncpu_id *id) {
 
 /* ---- communicator set-up ----------------------------------------------- */
 
-static void tune(int fd) {
+/* NCCL_SOCKET_SNDBUF / NCCL_SOCKET_RCVBUF as NCCL reads them (misc/socket.cc, os/linux.cc):
+ * set when > 0, the kernel's default (autotuned) otherwise; on connections to other hosts
+ * only, as NCCL's sockets carry only inter-node traffic (P2P or SHM inside a node). */
+static void buffer_size(int fd, int opt, const char *var) {
+  const char *v = getenv(var);
+  int n = v ? atoi(v) : -1;
+  if (n > 0) setsockopt(fd, SOL_SOCKET, opt, &n, sizeof n);
+}
+
+static void tune(int fd, int remote) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  if (remote) {
+    buffer_size(fd, SO_SNDBUF, "NCCL_SOCKET_SNDBUF");
+    buffer_size(fd, SO_RCVBUF, "NCCL_SOCKET_RCVBUF");
+  }
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
 }
 
@@ -337,8 +350,9 @@ ncclResult_t ncpu_build_mesh(struct ncclComm *comm, int lfd, const struct sockad
     want--;
   }
   for (int j = 0; j < comm->nranks; j++) {
-    if (comm->sfds[j] >= 0) tune(comm->sfds[j]);
-    if (comm->rfds[j] >= 0) tune(comm->rfds[j]);
+    int remote = !same_host(&addrs[me], &addrs[j]);
+    if (comm->sfds[j] >= 0) tune(comm->sfds[j], remote);
+    if (comm->rfds[j] >= 0) tune(comm->rfds[j], remote);
   }
   return ncclSuccess;
 }
