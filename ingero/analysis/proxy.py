@@ -36,6 +36,7 @@ class ProxySends:
     start: np.ndarray
     end: np.ndarray
     wait: np.ndarray
+    peer: np.ndarray            # the peer's global rank, -1 where it is not known
     comms: dict                 # comm_transports: {comm_hash: {NCCL transport name: [global ranks]}}
 
 
@@ -79,7 +80,7 @@ def proxy_sends(con) -> ProxySends | None:
     the plugin's proxy summaries."""
     try:
         got = con.execute("""SELECT rank, timestamp_ns, timestamp_ns + greatest(duration_ns, 0),
-                                    coalesce(send_net_wait_ns, 0)
+                                    coalesce(send_net_wait_ns, 0), coalesce(peer_rank, -1)
                              FROM nccl_proxy WHERE is_send AND rank IS NOT NULL AND timestamp_ns IS NOT NULL
                              ORDER BY 2""").fetchnumpy()
     except duckdb.CatalogException:
@@ -95,8 +96,11 @@ def proxy_network(tl, rows: dict, sends: ProxySends | None):
     NCCL's own proxy steps alone (no TCP probe: NET/IB has none), as verdict's network rules
     return it: (node, events hit, evidence, score, that rank, that rank alone?).
 
-    The outliers are ranks whose send wait over the trace is a robust outlier (NET_WAIT_Z on a
-    NET_WAIT_FLOOR_MS floor) and NET_WAIT_RATIO times the others' median; those of the node
+    Only sends to a rank on another node count (`_across_nodes`): a transfer inside a node
+    has no wire, and an inter-node transfer takes longer than an intra-node one without any
+    fault. The outliers are ranks whose send wait over the trace is a robust outlier
+    (NET_WAIT_Z on a NET_WAIT_FLOOR_MS floor) and NET_WAIT_RATIO times the others' median
+    (with one other rank: its wait, the scale the floor); those of the node
     holding most of it are named, one rank alone when it is the only one there. The events hit
     are the sync events whose transfer window overlaps one of their stalls (a ProxyOp waiting
     over SLOW_OP_FLOOR_NS and the other ranks' SLOW_OP_QUANTILE); the replay sets them to
@@ -104,9 +108,10 @@ def proxy_network(tl, rows: dict, sends: ProxySends | None):
     if sends is None or tl is None:
         return None
     ev, m = tl.ev, tl.m
+    sends = _across_nodes(sends, rows)
     total = {int(r): float(sends.wait[sends.rank == r].sum()) / 1e6 for r in np.unique(sends.rank).tolist()
              if int(r) in rows}
-    if len(total) < 3 or not len(ev.a):
+    if len(total) < 2 or not len(ev.a):
         return None
     z = robust_z(total, NET_WAIT_FLOOR_MS)
     peers = {r: float(np.median([v for k, v in total.items() if k != r])) for r in total}
@@ -141,6 +146,19 @@ def proxy_network(tl, rows: dict, sends: ProxySends | None):
            f"transfers with one in flight take {np.median(m.x[hit]) / 1e6:.1f} ms at median vs "
            f"{np.median(clean) / 1e6:.1f} ms without, in {int(hit.sum())} of {int(tl.inwin.sum())} sync events")
     return node, hit, why, round(z[r], 2), r, single
+
+
+def _across_nodes(sends: ProxySends, rows: dict) -> ProxySends:
+    """The sends whose peer is known to be on another node than the sender, or not known at
+    all. NCCL records step states only in its network transport, which it uses inside a node
+    only with P2P and SHM turned off; the lab's NCCL sends between ranks of one node over the
+    same socket transport."""
+    node = {r: v.node for r, v in rows.items()}
+    mine = [node.get(r) for r in sends.rank.tolist()]
+    theirs = [node.get(p) for p in sends.peer.tolist()]
+    keep = np.array([a is None or b is None or a != b for a, b in zip(mine, theirs)], bool)
+    return ProxySends(sends.rank[keep], sends.start[keep], sends.end[keep], sends.wait[keep], sends.peer[keep],
+                      comms=sends.comms)
 
 
 def transport_note(sends: ProxySends | None, ranks: list, most: int = 4) -> str:

@@ -95,3 +95,14 @@ def test_the_same_waits_beside_transfers_that_do_not_wait_name_nobody(tmp_path):
     rep = _judge(tmp_path, gt)
     assert rep.straggler is None, rep.straggler
 
+
+
+def test_only_sends_between_nodes_or_to_unknown_peers_are_compared():
+    from ingero.analysis.model import RankRow
+    from ingero.analysis.proxy import ProxySends, _across_nodes
+
+    rows = {r: RankRow(rank=r, node="a" if r < 2 else "b", pod=None, pid=r) for r in range(4)}
+    peer = np.array([1, 2, 3, 0, -1, 9])            # same node, across, same node, across, unknown, untraced
+    z = np.zeros(6, np.int64)
+    got = _across_nodes(ProxySends(np.array([0, 1, 2, 3, 0, 2]), z, z, np.arange(6), peer, comms={}), rows)
+    assert got.wait.tolist() == [1, 3, 4, 5] and got.peer.tolist() == [2, 0, -1, 9]
