@@ -1,7 +1,7 @@
 """NCCL's proxy send waits as the only network evidence (no TCP probe, no NIC counter), on
 simulated jobs judged along the operator's path.
 
-The jobs are ``bench.synthetic.pipeline_session``'s (2 nodes, tp2 pp2 dp2). Its network
+The jobs are test_verdict_rdma's (``bench.synthetic.pipeline_session``: 2 nodes, tp2 pp2 dp2). Its network
 fault slows every transfer that crosses the lossy node's link and writes TCP retransmits
 inside those transfers; here the retransmits are taken away and the plugin's proxy
 summaries carry the loss instead, as the tracer writes nccl_proxy rows: every rank's sends
@@ -16,17 +16,12 @@ import duckdb
 import numpy as np
 import pytest
 
-from bench.synthetic import pipeline_session
 from ingero import schema
 from ingero.store import SegmentWriter
+from tests.unit.test_verdict_rdma import _job, _judge   # the same job (loss_ms 3), judged as the operator does
 
 LOSS_MS = 3.0
 COMM = 0x1A2B3C4D5E6F7081
-
-
-def _job(tmp_path, fault: str) -> dict:
-    return pipeline_session(tmp_path / "work" / "nodes", 2, 2, 2, nodes=2, steps=12, fault=fault,
-                            lossy_node=1, loss_ms=LOSS_MS, seed=11, skew_ns=[1_500_000, -2_000_000])
 
 
 def _column(seg, table: str, cols: str) -> dict:
@@ -60,12 +55,6 @@ def _proxy(tmp_path, gt, stalls: dict) -> None:
                                 "comm_hash": [COMM] * n, "steps": [4] * n,
                                 "send_net_wait_ns": np.concatenate(wait)})
         w.close()
-
-
-def _judge(tmp_path, gt):
-    from ingero_operator import gather
-
-    return gather.build_artifact(gather.LocalSession(tmp_path), gt["offsets"])[0]
 
 
 def test_sends_waiting_on_the_network_name_the_lossy_node_with_its_transport(tmp_path):
