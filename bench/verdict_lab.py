@@ -15,7 +15,10 @@ rank in a middle stage (tp=1, pp=4, dp=2), a lossy link between two stages (4
 nodes x 2 ranks, each stage on its own node), cpu-hog and io-stall; the
 data-parallel faults and the 3D ones (``--cases 3d-gpu``) again on the lab's
 GPU-like device with Ingero's profiler plugin in every rank (``--device gpu
---profiler``: judged on device times), victims placed off the last rank; and
+--profiler``: judged on device times), victims placed off the last rank, and a slow link
+(the victim node's data out at 100 Mbit/s) and the clean job traced with NCCL probes
+only (``--probes nccl``: no TCP probe, as on InfiniBand, so NCCL's proxy send waits are
+the only network evidence); and
 an FSDP job (``--cases fsdp``: tp=2, dp=4, 4 layers, each gathered and
 reduce-scattered in coalesced groups; HSDP with dp=8 as 2 replicas) with
 clean, slow-rank, lossy-link, imbalance, cpu-hog and io-stall, and slow-rank, clean
@@ -44,6 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 DP = dict(nodes=2, ranks_per_node=2)
 L3 = dict(nodes=2, ranks_per_node=4, layout="tp=2,pp=2,dp=2")
 GPU = dict(DP, device="gpu", profiler=True)       # profiler: built in one() (needs a compiler)
+PROXY_IB = dict(probes="nccl", socket_sndbuf=65536)   # no TCP probe; sends complete when (nearly) acknowledged
 FSDP = dict(nodes=2, ranks_per_node=4, layout="tp=2,dp=4", sharding="fsdp", layers=4)
 
 
@@ -91,6 +95,13 @@ CASES = {
         ("gpu clean", dict(GPU, scenario="clean"), _clean),
         ("gpu lossy-link", dict(GPU, scenario="lossy-link", victim_rank=1),
          lambda s, lab: s is not None and s.node == lab["victim_node"] and s.cause == "network"),
+        # no TCP probe (as on NET/IB): NCCL's proxy send waits are the only network evidence, with
+        # a send buffer smaller than a step so that a send completes near when its data is
+        # acknowledged, as an RC QP's does (PROXY_IB)
+        ("gpu slow-link proxy only", dict(GPU, **PROXY_IB, scenario="slow-link", victim_rank=1),
+         lambda s, lab: s is not None and s.node == lab["victim_node"] and s.cause == "network"
+         and s.evidence.startswith("NCCL's proxy:")),
+        ("gpu clean proxy only", dict(GPU, **PROXY_IB, scenario="clean"), _clean),
         ("gpu slow-rank", dict(GPU, scenario="slow-rank", victim_rank=1), _rank("compute/unknown")),
         ("gpu cpu-hog", dict(GPU, scenario="cpu-hog", hogs=8, victim_rank=1), _rank("cpu-contention")),
         ("gpu io-stall", dict(GPU, scenario="io-stall", victim_rank=2), _rank("io")),
@@ -140,7 +151,11 @@ def one(kw: dict, steps: int, load: int, out: Path):
 
 
 def _victim_detail(rep, lab) -> str:
-    """For cpu-hog: the victim's runqueue wait and own work per step against its peers' medians."""
+    """For cpu-hog: the victim's runqueue wait and own work per step against its peers' medians;
+    for lossy-link, each rank's sends' network wait (NCCL's proxy), when the plugin gave it."""
+    if lab.get("scenario") in ("lossy-link", "slow-link") and any(r.net_wait_ms is not None for r in rep.ranks):
+        return "; sends' network wait (ms, proxy): " + ", ".join(
+            f"{r.rank}{'*' if r.node == lab['victim_node'] else ''} {r.net_wait_ms or 0:.0f}" for r in rep.ranks)
     if lab.get("scenario") != "cpu-hog":
         return ""
     from statistics import median

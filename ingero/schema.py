@@ -445,7 +445,8 @@ RDMA_RANKS = Table(
         ("source", "VARCHAR"),
     ),
     "The active RDMA ports each traced process may use, and how that was found: NCCL_IB_HCA "
-    "(its environment, with NCCL's syntax) or uverbs (the RDMA devices it holds open).",
+    "(its environment, with NCCL's syntax), uverbs (the RDMA devices it holds open), gpu-pci (the "
+    "NICs nearest its GPU in the PCI tree) or cpu-numa (the NICs on the NUMA nodes of its CPUs).",
 )
 
 NCCL_DEVICE_INFLIGHT = Table(

@@ -23,8 +23,10 @@ words: their deltas are written in bytes.
 The ports a rank uses: NCCL_IB_HCA from its environment (NCCL's grammar,
 src/misc/utils.cc parseStringList/matchIfList, src/transport/net_ib/init.cc),
 else the RDMA devices it holds open (/dev/infiniband/uverbsN in /proc/<pid>/fd,
-named by /sys/class/infiniband_verbs/uverbsN/ibdev). The NIC each channel
-used, from the profiler plugin, is joined in the analysis.
+named by /sys/class/infiniband_verbs/uverbsN/ibdev), else the NICs nearest its
+GPU in the PCI tree (/sys/class/infiniband/<dev>/device, /sys/bus/pci/devices)
+or on the NUMA nodes its CPUs are confined to (`nearest_ports`). The NIC each
+channel used, from the profiler plugin, is joined in the analysis.
 """
 
 from __future__ import annotations
@@ -307,8 +309,8 @@ def uverbs_devices(pid: int, proc: Path, sysfs: Path) -> list[str]:
 
 
 def rank_ports(pid: int, env: dict, ports: list[Port], proc: Path, sysfs: Path) -> tuple[list[Port], str | None]:
-    """(the active ports process `pid` uses, how that was found: NCCL_IB_HCA | uverbs), or
-    ([], None) when neither says."""
+    """(the active ports process `pid` uses, how that was found: NCCL_IB_HCA | uverbs |
+    gpu-pci | cpu-numa), or ([], None) when nothing says."""
     active = [p for p in ports if p.active]
     if "NCCL_IB_HCA" in env:
         flt = parse_ib_hca(env["NCCL_IB_HCA"])
@@ -316,4 +318,137 @@ def rank_ports(pid: int, env: dict, ports: list[Port], proc: Path, sysfs: Path) 
     devs = uverbs_devices(pid, proc, sysfs)
     if devs:
         return [p for p in active if p.device in devs], "uverbs"
+    return nearest_ports(pid, env, active, proc, sysfs)
+
+
+# ---- the nearest NIC by PCI and NUMA topology ----------------------------------------------
+
+NVIDIA_PCI_VENDOR = "0x10de"
+GPU_PCI_CLASSES = ("0x0300", "0x0302")       # VGA and 3D controllers (class code's first 2 bytes)
+
+
+def _pci_path(folder: Path) -> tuple[str, ...]:
+    """A PCI device's place in the tree: the folders from /sys/devices down to it
+    (pci<domain>:<bus> root, bridges, the device); () when it is not a PCI device."""
+    try:
+        parts = folder.resolve().parts
+    except OSError:
+        return ()
+    for i, part in enumerate(parts):
+        if part.startswith("pci") and ":" in part and i and parts[i - 1] == "devices":
+            return parts[i:]
+    return ()
+
+
+def _numa(folder: Path) -> int:
+    n = _read_int(folder / "numa_node")
+    return -1 if n is None else n
+
+
+def _cpulist(text: str | None) -> set[int]:
+    """A kernel CPU list ("0-3,8,10-11") as a set; empty for None or a bad list."""
+    out: set[int] = set()
+    for part in (text or "").split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            return set() if part.strip() else out
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def nic_places(ports: list[Port], sysfs: Path) -> dict[str, tuple[tuple[str, ...], int]]:
+    """{RDMA device: (its PCI path, its NUMA node or -1)}, from <dev>/device."""
+    root = sysfs / "class" / "infiniband"
+    return {p.device: (_pci_path(root / p.device / "device"), _numa(root / p.device / "device")) for p in ports}
+
+
+def host_gpus(sysfs: Path, proc: Path) -> list[tuple[str, str | None, Path]]:
+    """NVIDIA GPUs of the host in PCI bus order: [(PCI address, UUID or None, sysfs folder)].
+    The UUID comes from the driver's /proc/driver/nvidia/gpus/<address>/information."""
+    bus = sysfs / "bus" / "pci" / "devices"
+    out = []
+    try:
+        names = sorted(os.listdir(bus))
+    except OSError:
+        return out
+    for addr in names:
+        d = bus / addr
+        if _read_text(d / "vendor") != NVIDIA_PCI_VENDOR or \
+                not (_read_text(d / "class") or "").startswith(GPU_PCI_CLASSES):
+            continue
+        info = _read_text(proc / "driver" / "nvidia" / "gpus" / addr / "information") or ""
+        uuid = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("GPU UUID:")), None)
+        out.append((addr, uuid, d))
+    return out
+
+
+def _pick(gpus: list, text: str | None) -> list | None:
+    """The GPUs a CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES value leaves, in its order:
+    indices or UUIDs (a prefix, as CUDA takes it); None (all) when unset or "all"; the list
+    stops at the first entry that names nothing, as CUDA's does."""
+    if text is None or text.strip() in ("", "all"):
+        return None
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        if item.isdigit() and int(item) < len(gpus):
+            got = gpus[int(item)]
+        else:
+            got = next((g for g in gpus if g[1] and item.startswith("GPU-") and g[1].startswith(item)), None)
+        if got is None:
+            break
+        out.append(got)
+    return out
+
+
+def rank_gpu(env: dict, sysfs: Path, proc: Path) -> Path | None:
+    """The sysfs folder of the GPU a rank drives: the host's GPUs in PCI bus order (CUDA's
+    order with CUDA_DEVICE_ORDER=PCI_BUS_ID), narrowed by NVIDIA_VISIBLE_DEVICES (the container
+    runtime's) then CUDA_VISIBLE_DEVICES, and the LOCAL_RANK-th of those (torchrun's
+    convention: each rank calls cuda.set_device(LOCAL_RANK)); one GPU left is the rank's
+    whatever its LOCAL_RANK. None when that cannot be told."""
+    gpus = host_gpus(sysfs, proc)
+    for var in ("NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"):
+        got = _pick(gpus, env.get(var))
+        gpus = gpus if got is None else got
+    if len(gpus) == 1:
+        return gpus[0][2]
+    local = env.get("LOCAL_RANK", "")
+    return gpus[int(local)][2] if local.isdigit() and int(local) < len(gpus) else None
+
+
+def nearest_ports(pid: int, env: dict, active: list[Port], proc: Path, sysfs: Path) -> tuple[list[Port], str | None]:
+    """The ports of the NICs nearest the rank, as NCCL would pick them when nothing restricts
+    it (graph/topo.cc ranks paths PIX < PXB < PHB < NODE < SYS): "gpu-pci", the NICs whose
+    PCI path shares the most bridges with the rank's GPU's, then on its NUMA node; else
+    "cpu-numa", the NICs on the NUMA nodes the process's CPU affinity is confined to.
+    ([], None) when neither narrows the choice down (no GPU known, CPUs on every node)."""
+    if not active:
+        return [], None
+    places = nic_places(active, sysfs)
+    gpu = rank_gpu(env, sysfs, proc)
+    if gpu is not None and _pci_path(gpu):
+        g, gn = _pci_path(gpu), _numa(gpu)
+
+        def near(dev: str) -> tuple[int, bool]:
+            path, numa = places[dev]
+            shared = next((i for i, (a, b) in enumerate(zip(g, path)) if a != b), min(len(g), len(path)))
+            return shared, numa == gn and numa >= 0
+        best = max(near(p.device) for p in active)
+        if best != (0, False):
+            return [p for p in active if near(p.device) == best], "gpu-pci"
+    status = _read_text(proc / str(pid) / "status") or ""
+    cpus = _cpulist(next((ln.split(":", 1)[1] for ln in status.splitlines() if ln.startswith("Cpus_allowed_list:")),
+                         None))
+    nodes_dir = sysfs / "devices" / "system" / "node"
+    try:
+        node_cpus = {int(n[4:]): _cpulist(_read_text(nodes_dir / n / "cpulist"))
+                     for n in os.listdir(nodes_dir) if n.startswith("node") and n[4:].isdigit()}
+    except OSError:
+        node_cpus = {}
+    mine = {n for n, c in node_cpus.items() if c & cpus}
+    if cpus and mine and len(mine) < len(node_cpus):
+        got = [p for p in active if places[p.device][1] in mine]
+        if got:
+            return got, "cpu-numa"
     return [], None

@@ -24,7 +24,7 @@ from ingero.analysis.calls import device_timing, events, load
 from ingero.analysis.coverage import coverage, judge
 from ingero.analysis.hang import find_hang
 from ingero.analysis.model import Hang, RankRow, Report, Straggler
-from ingero.analysis.proxy import add_proxy_waits
+from ingero.analysis.proxy import add_proxy_waits, proxy_sends
 from ingero.analysis.replay import measure
 from ingero.analysis.stats import (add_network, add_offcpu, rank_rows, rdma_ports, retransmits, robust_z,
                                    runqueue_tails)
@@ -116,7 +116,8 @@ def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[
         if r in rows:
             rows[r].stage = s
     straggler, info = decide(c, tl, rows, judged_retx, traced_ns, runqueue_tails(con),
-                             rdma=rdma if timing != "host-enqueue" else None)
+                             rdma=rdma if timing != "host-enqueue" else None,
+                             proxy=proxy_sends(con) if timing != "host-enqueue" else None)
     if info.get("stuck_rounds"):
         warnings.append(f"the replay met {info['stuck_rounds']} cycles in the calls' dependencies "
                         "(mismatched send/recv?) and released them")

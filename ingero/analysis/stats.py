@@ -303,7 +303,7 @@ class RdmaPort:
     device: str
     port: int
     ranks: list                # global ranks that use it
-    how: str | None            # nccl_proxy | NCCL_IB_HCA | uverbs (None: no traced rank uses it)
+    how: str | None            # nccl_proxy | NCCL_IB_HCA | uverbs | gpu-pci | cpu-numa (None: no traced rank uses it)
     start: np.ndarray          # sampling intervals with a rise, sorted: [start, end] wall ns
     end: np.ndarray
     by_counter: dict           # counter -> its rise in each interval
@@ -327,7 +327,8 @@ def _has_table(con, name: str, cols: tuple[str, ...]) -> bool:
 def rdma_ports(con) -> list[RdmaPort]:
     """Every port whose loss or congestion counters rose, with the ranks that use it: from the
     profiler plugin's proxy table (the NIC each channel used) where it names a rank, else from
-    the agent's rdma_ranks (NCCL_IB_HCA, or the devices the rank holds open)."""
+    the agent's rdma_ranks (NCCL_IB_HCA, the devices the rank holds open, the NICs nearest its
+    GPU or CPUs)."""
     if not _has_table(con, "rdma_counters", ("node", "device", "port", "counter", "delta", "interval_ns")):
         return []
     names = [*RDMA_EVIDENCE, *(f"vport_{k}" for k in RDMA_EVIDENCE)]

@@ -20,6 +20,7 @@ import numpy as np
 
 from ingero.analysis.calls import Calls
 from ingero.analysis.model import Straggler
+from ingero.analysis.proxy import proxy_network, transport_note
 from ingero.analysis.replay import replay
 from ingero.analysis.stats import median_of_others, quantile_at, robust_z
 from ingero.analysis.steps import Timeline, own_per_rank
@@ -90,12 +91,13 @@ class Candidate:
 
 
 def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int,
-           tails: tuple | None = None, rdma: list | None = None) -> tuple[Straggler | None, dict]:
+           tails: tuple | None = None, rdma: list | None = None, proxy=None) -> tuple[Straggler | None, dict]:
     """The verdict and the figures behind it (base and predicted step, best candidate).
 
     `tails`: the runqueue tails of the ranks' off-CPU intervals, (rank, start, end) arrays
     (`stats.runqueue_tails`); without them only the per-wait test names cpu-contention.
-    `rdma`: the RDMA ports whose loss or congestion counters rose (`stats.rdma_ports`)."""
+    `rdma`: the RDMA ports whose loss or congestion counters rose (`stats.rdma_ports`).
+    `proxy`: the plugin's send ProxyOps (`proxy.proxy_sends`)."""
     ev, m = tl.ev, tl.m
     base = replay(ev, m.w, m.x)
     base_step = tl.step_ns(base.e)
@@ -214,7 +216,8 @@ def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int,
                                score=round(min(ratio.values()), 2),
                                why=f"every one of its ranks works {min(ratio.values()):.2f}x or more what the "
                                    "same role does elsewhere"))
-    for nic, net in ((False, _network(c, tl, rows, retx)), (True, _rdma_network(tl, rows, rdma))):
+    for nic, net in ((False, _network(c, tl, rows, retx)), (True, _rdma_network(tl, rows, rdma)),
+                     (False, proxy_network(tl, rows, proxy))):
         if net is None:
             continue
         node, hit, why, score, rank, single = net
@@ -227,6 +230,7 @@ def decide(c: Calls, tl: Timeline, rows: dict, retx, traced_ns: int,
         x[hit] = np.minimum(m.x[hit], target.astype(np.int64))
         label = f"rank {rank} on {node}" if single else f"node {node}"
         members = [rank] if single else sorted(r for r, v in rows.items() if v.node == node)
+        why += transport_note(proxy, members)
         cands.append(Candidate("network", members, saving(x=x), label, cause="network", why=why,
                                score=score, extra={"node": node, "single": single, "rdma": nic, **last_replay()}))
     best_single = best_so_far[0]
@@ -751,7 +755,8 @@ def _straggler(k: Candidate, tl: Timeline, rows: dict, base_step: float, excess:
     if k.kind == "spread":
         who = k.extra["worst"]
     elif k.kind == "network":
-        who = k.ranks[0] if k.extra.get("single") else max(k.ranks, key=lambda r: rows[r].retransmits_in_window)
+        who = k.ranks[0] if k.extra.get("single") else max(
+            k.ranks, key=lambda r: (rows[r].retransmits_in_window, rows[r].net_wait_ms or 0.0))
     else:
         who = max(k.ranks, key=lambda r: excess.get(r, 0.0))
     row = rows.get(who)

@@ -26,6 +26,7 @@ EPILOG = """examples:
   ingero lab run --layout tp=2,dp=4 --sharding fsdp --layers 4 --scenario slow-rank --victim-rank 5
   ingero lab run --layout dp=8 --nodes 2 --sharding fsdp --replicas 2   # HSDP: 2 shard groups of 4
   ingero lab run --device gpu --profiler --trace --steps 40   # enqueue on a device stream; device times
+  ingero lab run --device gpu --profiler --trace --probes nccl --socket-sndbuf 65536 --scenario slow-link
   ingero lab run --device gpu --nonblocking --scenario slow-rank
   ingero lab run --scenario hang --fault-after 6 --timeout 20 --trace
   ingero lab run --scenario hang --timeout 40 --trace-after 10   # traced once the job already hangs
@@ -35,6 +36,7 @@ EPILOG = """examples:
 scenarios:
   clean       no fault
   lossy-link  drop a % of the victim node's outgoing TCP data segments (nftables)
+  slow-link   the victim node's outgoing TCP data segments leave at --rate-mbit (tc htb, nftables)
   cpu-hog     busy loops share the victim rank's CPU
   slow-rank   the victim's compute takes twice as long
   io-stall    the victim writes and fsyncs a checkpoint every step
@@ -61,6 +63,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--seconds", type=float, default=20.0, help="training time; default 20")
     r.add_argument("--steps", type=int, default=0, help="stop after this many steps instead of --seconds")
     r.add_argument("--loss-percent", type=float, default=5.0, help="lossy-link drop rate; default 5")
+    r.add_argument("--rate-mbit", type=float, default=100.0, help="slow-link rate, Mbit/s; default 100")
+    r.add_argument("--socket-sndbuf", type=int, default=None, metavar="BYTES",
+                   help="NCCL_SOCKET_SNDBUF of every rank (as NCCL: SO_SNDBUF, which the kernel doubles, on "
+                        "connections between nodes): a buffer smaller than a step makes a send's proxy step "
+                        "end near when its data is acknowledged, as on NET/IB; default: the kernel's autotuning")
     r.add_argument("--victim-rank", type=int, default=None,
                    help="default: the last rank (hang: the middle one, world/2)")
     r.add_argument("--fault-after", type=float, default=None, metavar="SECONDS",
@@ -95,6 +102,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_job_shape_args(r)
     r.add_argument("--ipv6", action="store_true", help="rendezvous and move data over IPv6")
     r.add_argument("--trace", action="store_true", help="run `ingero trace` on every lab node")
+    r.add_argument("--probes", default=None, metavar="FAMILIES",
+                   help="the tracers' probe families (`ingero trace --probes`, e.g. nccl: no TCP or "
+                        "scheduler probes); default: the tracer's")
     r.add_argument("--trace-after", type=float, default=None, metavar="SECONDS",
                    help="start the tracers this long after the ranks (implies --trace): a trace attached to "
                         "a running job, which finds NCCL in the ranks' maps; past --fault-after with "
@@ -144,12 +154,12 @@ def _run(args) -> int:
     from ingero.lab.runner import LabConfig, LabRun
 
     cfg = LabConfig(scenario=args.scenario, nodes=args.nodes, ranks_per_node=ranks_per_node(args),
-                    seconds=args.seconds, steps=args.steps, loss_percent=args.loss_percent,
+                    seconds=args.seconds, steps=args.steps, loss_percent=args.loss_percent, rate_mbit=args.rate_mbit,
                     victim_rank=args.victim_rank, ipv6=args.ipv6, out_dir=args.out,
                     compute_ms=args.compute_ms, fault_after_s=args.fault_after,
                     background_load=args.background_load, device=args.device, nonblocking=args.nonblocking,
                     elastic=args.elastic, hang_s=args.hang_for, hang_mode=args.hang_mode,
-                    timeout_s=args.timeout,
+                    timeout_s=args.timeout, probes=args.probes, socket_sndbuf=args.socket_sndbuf,
                     profiler_plugin=profiler_plugin() if args.profiler else None, **job_shape(args))
     if cfg.fault_after_s is not None and cfg.fault_after_s < 0:
         raise IngeroError("--fault-after must be >= 0")

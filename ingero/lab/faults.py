@@ -11,6 +11,13 @@
   drop in the node's own output hook would not do: TCP sees it as a local send
   error and quietly sends again, without a retransmit (measured: 321 drops,
   7 RetransSegs).
+- ``slow-link``: the victim node's outgoing TCP data segments leave it at
+  ``rate_mbit`` Mbit/s: a token bucket (HTB class) on the node's eth0, which
+  nftables puts the segments into by their priority (``meta priority``, the
+  same length test as lossy-link); ACKs and everything else go out unshaped, so
+  the other nodes' sends to it are not slowed with it. Nothing is lost: TCP's
+  queue on the node fills and its senders wait (a congested rail or a NIC
+  that trained at a lower rate), without a retransmit.
 - ``cpu-hog``: the victim rank and ``hogs`` busy-loop processes share one CPU;
   every other rank is pinned to the other CPUs. The hogs live in their own lab
   cgroup, not in the victim's pod, and weigh ``hog_weight`` times a rank in the
@@ -43,7 +50,8 @@ from ingero.errors import IngeroError
 from ingero.lab import cgroups
 from ingero.lab.netns import in_netns
 
-SCENARIOS = ("clean", "lossy-link", "cpu-hog", "slow-rank", "io-stall", "slow-stage", "imbalance", "hang")
+SCENARIOS = ("clean", "lossy-link", "slow-link", "cpu-hog", "slow-rank", "io-stall", "slow-stage", "imbalance",
+             "hang")
 SCHEDULES = ("1f1b", "gpipe", "interleaved")   # the pipeline schedules of a layout job (worker.c)
 SHARDINGS = ("optimizer", "fsdp")   # a layout job's data parallelism: Megatron's distributed optimizer, or FSDP
 
@@ -112,6 +120,46 @@ def add_loss(switch_netns: str, port: str, percent: float) -> None:
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise IngeroError(f"nft in {netns} failed: {proc.stderr.strip()}; is nftables installed?")
+
+
+SLOW_CLASS = "1:20"      # slow-link: the shaped HTB class; 1:10 (the default) is unshaped
+
+
+def slow_link_setup(dev: str, rate_mbit: float) -> tuple[list[list[str]], str]:
+    """(tc commands, nft ruleset) that send `dev`'s outgoing TCP data segments through an HTB
+    class of `rate_mbit` Mbit/s and the rest through an unshaped one."""
+    if not 1 <= rate_mbit <= 100_000:
+        raise IngeroError(f"--rate-mbit {rate_mbit} is out of range: use 1 to 100000")
+    rate = f"{rate_mbit:g}mbit"
+    tc = [["tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10"],
+          ["tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate", "100gbit",
+           "burst", "1mb"],
+          ["tc", "class", "add", "dev", dev, "parent", "1:", "classid", SLOW_CLASS, "htb", "rate", rate,
+           "ceil", rate]]
+    data = "tcp flags & (syn | fin | rst) == 0"
+    nft = (
+        f"table inet {NFT_TABLE} {{\n"
+        "  chain slow {\n"
+        "    type filter hook postrouting priority 0; policy accept;\n"
+        f'    oifname "{dev}" meta nfproto ipv4 ip protocol tcp {data} ip length > 80 meta priority set {SLOW_CLASS}\n'
+        f'    oifname "{dev}" meta nfproto ipv6 ip6 nexthdr tcp {data} ip6 length > 60 meta priority set {SLOW_CLASS}\n'
+        "  }\n"
+        "}\n"
+    )
+    return tc, nft
+
+
+def add_slow_link(node_netns: str, dev: str, rate_mbit: float) -> None:
+    """Install slow_link_setup in the victim node's namespace (removed with the namespace)."""
+    tc, nft = slow_link_setup(dev, rate_mbit)
+    for argv in tc:
+        proc = subprocess.run(in_netns(node_netns, argv), capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise IngeroError(f"`{' '.join(argv)}` in {node_netns} failed: {proc.stderr.strip()}; the kernel "
+                              "needs the HTB qdisc (CONFIG_NET_SCH_HTB)")
+    proc = subprocess.run(in_netns(node_netns, ["nft", "-f", "-"]), input=nft, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise IngeroError(f"nft in {node_netns} failed: {proc.stderr.strip()}; is nftables installed?")
 
 
 def dropped_packets(netns: str) -> int:

@@ -48,6 +48,7 @@ class LabConfig:
     steps: int = 0                 # > 0: stop after this many steps instead
     stop_file: Path | None = None  # rank 0 also stops the job at its first step after this file exists
     loss_percent: float = 5.0      # lossy-link: % of the victim node's TCP data segments dropped
+    rate_mbit: float = 100.0       # slow-link: the victim node's outgoing TCP data, Mbit/s
     victim_rank: int | None = None  # default: the last rank (on the last node); hang: world // 2
     ipv6: bool = False             # rendezvous (and so all NCCL traffic) over IPv6
     out_dir: Path = Path("out/lab")
@@ -74,6 +75,8 @@ class LabConfig:
     elastic: bool = False          # after the steps: shrink the world without a rank, grow it back (worker.c)
     elastic_steps: int = 3         # checked steps on the shrunk and on the grown communicator each
     profiler_plugin: Path | None = None  # an NCCL profiler plugin every rank loads (NCCL_PROFILER_PLUGIN)
+    probes: str | None = None      # the tracers' probe families (`ingero trace --probes`; None: its default)
+    socket_sndbuf: int | None = None  # NCCL_SOCKET_SNDBUF of every rank, bytes (None: the kernel's autotuning)
     timeout_s: int | None = None   # a rank whose peer stops answering fails after this (None: 60 s; hang: 20 s)
     hang_s: float | None = None    # hang: continue the stopped victim after this long (None: for good)
     hang_mode: str = "stop"        # hang: stop (SIGSTOP) or sleep (lives, calls NCCL no more)
@@ -251,6 +254,8 @@ class LabRun:
             return
         if c.scenario == "lossy-link":
             faults.add_loss(self.net.switch, self.net.port(self.victim_node), c.loss_percent)
+        elif c.scenario == "slow-link":
+            faults.add_slow_link(self.victim_node.netns, "eth0", c.rate_mbit)
         elif c.scenario == "cpu-hog":
             cpu = self.plans[self.victim].cpus
             self.hogs, self.notes["cpu_hog"] = faults.start_hogs(
@@ -313,6 +318,8 @@ class LabRun:
             env["INGERO_LAB_STOP_FILE"] = str(Path(c.stop_file).resolve())
         if c.profiler_plugin is not None:
             env["NCCL_PROFILER_PLUGIN"] = str(Path(c.profiler_plugin).resolve())
+        if c.socket_sndbuf is not None:
+            env["NCCL_SOCKET_SNDBUF"] = str(c.socket_sndbuf)
         if self.layout is not None:
             env["INGERO_LAB_LAYOUT"] = ",".join(map(str, self.layout))
             env["INGERO_LAB_MICROBATCHES"] = str(c.microbatches)
@@ -330,8 +337,8 @@ class LabRun:
         """Start every rank (rank 0 first: it serves the NCCL id); with `fault_after_s`, arm the fault.
 
         The ranks switch to a delayed slow-rank / io-stall setting at the first step that
-        starts after ``fault_injected_ns`` (wall clock, in lab.json); lossy-link and cpu-hog
-        are installed by a timer, and ``fault_injected_ns`` is when that happened."""
+        starts after ``fault_injected_ns`` (wall clock, in lab.json); lossy-link, slow-link and
+        cpu-hog are installed by a timer, and ``fault_injected_ns`` is when that happened."""
         c = self.cfg
         self.ranks_started_ns = time.time_ns()
         if c.fault_after_s is not None and c.scenario != "clean":

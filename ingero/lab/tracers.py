@@ -43,7 +43,7 @@ def _tail(path: Path, lines: int) -> str:
 
 
 def start_tracers(out_dir: Path, pods_files: dict[str, Path], nccl_lib: Path | None = None,
-                  profiler_lib: Path | None = None) -> list[NodeTracer]:
+                  profiler_lib: Path | None = None, probes: str | None = None) -> list[NodeTracer]:
     """Start one tracer per node ({node name: pods file}).
 
     `nccl_lib` attaches the NCCL probes to that library file before any rank
@@ -52,7 +52,8 @@ def start_tracers(out_dir: Path, pods_files: dict[str, Path], nccl_lib: Path | N
     tracer's periodic scan would find the library in their maps, and a
     communicator whose creation was missed has no rank or id hash.
     `profiler_lib` does the same for Ingero's NCCL profiler plugin, which
-    the ranks load at their first communicator.
+    the ranks load at their first communicator. `probes`: the families to attach
+    (`ingero trace --probes`; None: the tracer's default).
     """
     tracers = []
     nodes_dir = out_dir / "nodes"
@@ -66,6 +67,8 @@ def start_tracers(out_dir: Path, pods_files: dict[str, Path], nccl_lib: Path | N
             argv += ["--nccl-lib", str(nccl_lib)]
         if profiler_lib is not None:
             argv += ["--profiler-lib", str(profiler_lib)]
+        if probes:
+            argv += ["--probes", probes]
         with open(log, "wb") as f:
             proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
@@ -141,7 +144,8 @@ def start_lab_tracers(lab, after_s: float | None = None, folder: str = "") -> li
         time.sleep(max(0.0, lab.ranks_started_ns / 1e9 + after_s - time.time()))
     tracers = start_tracers(lab.out / folder if folder else lab.out, {n.name: lab.pods_file(n) for n in lab.nodes},
                            nccl_lib=lab.binaries.libnccl if after_s is None else None,
-                           profiler_lib=lab.cfg.profiler_plugin if after_s is None else None)
+                           profiler_lib=lab.cfg.profiler_plugin if after_s is None else None,
+                           probes=lab.cfg.probes)
     lab.on_close.append(lambda: stop_tracers(tracers, timeout_s=10))
     wait_ready(tracers)
     if after_s is not None:

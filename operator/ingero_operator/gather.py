@@ -571,7 +571,8 @@ def build_artifact(local: LocalSession, offsets: dict[str, int],
         con.execute("SET parquet_metadata_cache = true")   # the views and the analysis read the same footers
         con.execute("SET file_search_path = ?", [str(local.root.resolve())])
         schema.create_all(con)
-        for table in ("tcp_events", "rdma_counters"):      # few rows: copied
+        # few rows: copied (nccl_proxy: one per proxy op, its peers' ranks filled below)
+        for table in ("tcp_events", "rdma_counters", "nccl_proxy"):
             _insert(con, table, _sources(local, table, offsets))
         _load_state(con, local, offsets)
         resolve_split_ranks(con)           # comms (nccl_events is still an empty table here)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ingero_agent.rdma import (RdmaSampler, counter_delta, parse_ib_hca, rank_ports, saturated,
+from ingero_agent.rdma import (RdmaSampler, counter_delta, nearest_ports, parse_ib_hca, rank_ports, saturated,
                                uverbs_devices)
 
 PMA = ("symbol_error", "link_error_recovery", "link_downed", "port_rcv_errors",
@@ -32,8 +32,10 @@ class Sysfs:
     def __init__(self, root: Path):
         self.root = root
 
-    def device(self, dev: str, ports=(1,), link_layer="InfiniBand", state="4: ACTIVE", pci="0000:3b:00.0"):
-        real = self.root / "devices" / "pci0000:3a" / pci / "infiniband" / dev
+    def device(self, dev: str, ports=(1,), link_layer="InfiniBand", state="4: ACTIVE", pci="0000:3b:00.0",
+               bus="pci0000:3a", numa=0):
+        """`pci`: the device's address, after the bridges above it ("0000:3a:00.0/0000:3b:00.0")."""
+        real = self.root / "devices" / bus / pci / "infiniband" / dev
         for p in ports:
             d = real / "ports" / str(p)
             (d / "counters").mkdir(parents=True)
@@ -44,9 +46,32 @@ class Sysfs:
             (d / "rate").write_text("200 Gb/sec (4X HDR)\n")
             (d / "link_layer").write_text(f"{link_layer}\n")
             self.set(dev, p, {n: 0 for n in PMA}, {n: 0 for n in HW})
+        (real / "device").symlink_to(Path("..") / ".." / ".." / real.parent.parent.name)
+        (real.parent.parent / "numa_node").write_text(f"{numa}\n")
         cls = self.root / "class" / "infiniband"
         cls.mkdir(parents=True, exist_ok=True)
         (cls / dev).symlink_to(Path("..") / ".." / real.relative_to(self.root))
+
+    def gpu(self, pci: str, bus: str, numa: int, uuid: str, proc: Path):
+        """An NVIDIA GPU at `pci` (bridges first, as for device), in /sys/bus/pci/devices, and
+        the driver's /proc/driver/nvidia/gpus/<address>/information."""
+        real = self.root / "devices" / bus / pci
+        real.mkdir(parents=True)
+        for name, text in (("vendor", "0x10de"), ("class", "0x030200"), ("numa_node", str(numa))):
+            (real / name).write_text(f"{text}\n")
+        addr = real.name
+        link = self.root / "bus" / "pci" / "devices" / addr
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(Path("..") / ".." / ".." / real.relative_to(self.root))
+        info = proc / "driver" / "nvidia" / "gpus" / addr
+        info.mkdir(parents=True)
+        (info / "information").write_text(f"Model: \t\t NVIDIA H100\nGPU UUID: \t {uuid}\nBus Location: \t {addr}\n")
+
+    def numa_nodes(self, cpulists: list[str]):
+        for i, cpus in enumerate(cpulists):
+            d = self.root / "devices" / "system" / "node" / f"node{i}"
+            d.mkdir(parents=True)
+            (d / "cpulist").write_text(f"{cpus}\n")
 
     def set(self, dev: str, port: int, counters=None, hw=None):
         d = self.root / "class" / "infiniband" / dev / "ports" / str(port)
@@ -234,3 +259,51 @@ def test_rank_rows_say_how_each_was_mapped_and_retry_the_unknown(sysfs, tmp_path
     (verbs / "ibdev").write_text("mlx5_0\n")
     os.symlink("/dev/infiniband/uverbs0", proc / "8" / "fd" / "9")    # opened at its NCCL init
     assert s.rank_rows(procs, proc)[1] == {"pid": 8, "rank": 1, "device": "mlx5_0", "port": 1, "source": "uverbs"}
+
+
+def _two_sockets(sysfs: Sysfs, proc: Path) -> list:
+    """Two NUMA nodes: on node 0 two PCIe switches, each with a GPU and a NIC; on node 1 a
+    switch with a GPU and a NIC, and a GPU on a root port of its own."""
+    sysfs.numa_nodes(["0-15", "16-31"])
+    for dev, pci, bus, numa in (("mlx5_0", "0000:00:01.0/0000:01:00.0/0000:03:00.0", "pci0000:00", 0),
+                                ("mlx5_1", "0000:00:02.0/0000:04:00.0/0000:06:00.0", "pci0000:00", 0),
+                                ("mlx5_2", "0000:80:01.0/0000:81:00.0/0000:83:00.0", "pci0000:80", 1)):
+        sysfs.device(dev, pci=pci, bus=bus, numa=numa)
+    for i, (pci, bus, numa) in enumerate((("0000:00:01.0/0000:01:00.0/0000:02:00.0", "pci0000:00", 0),
+                                          ("0000:00:02.0/0000:04:00.0/0000:05:00.0", "pci0000:00", 0),
+                                          ("0000:80:01.0/0000:81:00.0/0000:82:00.0", "pci0000:80", 1),
+                                          ("0000:80:03.0/0000:84:00.0", "pci0000:80", 1))):
+        sysfs.gpu(pci, bus, numa, f"GPU-{i}aaa-bbbb", proc)
+    return [p for p in _ports(sysfs, RdmaSampler(sysfs.root)) if p.active]
+
+
+@pytest.mark.parametrize("env,want", [
+    ({"LOCAL_RANK": "0"}, ["mlx5_0"]),                       # the NIC behind the GPU's own switch
+    ({"LOCAL_RANK": "1"}, ["mlx5_1"]),
+    ({"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "2,3"}, ["mlx5_2"]),   # GPU 3: only its root complex
+    ({"LOCAL_RANK": "0", "NVIDIA_VISIBLE_DEVICES": "GPU-1aaa"}, ["mlx5_1"]),   # a container's one GPU, by UUID
+    ({"LOCAL_RANK": "3", "NVIDIA_VISIBLE_DEVICES": "1,2", "CUDA_VISIBLE_DEVICES": "1"}, ["mlx5_2"]),
+], ids=["gpu0", "gpu1", "cuda-visible", "container-uuid", "visible-twice"])
+def test_a_rank_without_ib_hca_or_open_devices_gets_the_nic_nearest_its_gpu(sysfs, tmp_path, env, want):
+    proc = tmp_path / "proc"
+    active = _two_sockets(sysfs, proc)
+    (proc / "9" / "fd").mkdir(parents=True)
+    got, how = rank_ports(9, env, active, proc, sysfs.root)
+    assert (how, [p.device for p in got]) == ("gpu-pci", want)
+
+
+def test_without_a_known_gpu_the_nics_on_the_numa_nodes_of_its_cpus_else_none(sysfs, tmp_path):
+    proc = tmp_path / "proc"
+    active = _two_sockets(sysfs, proc)
+    (proc / "9").mkdir(parents=True)
+    (proc / "9" / "status").write_text("Name:\tpython\nCpus_allowed_list:\t16-19,24\n")
+    # four GPUs and no LOCAL_RANK: which one is the rank's is not known
+    assert nearest_ports(9, {}, active, proc, sysfs.root) == ([active[2]], "cpu-numa")
+    (proc / "9" / "status").write_text("Name:\tpython\nCpus_allowed_list:\t0-31\n")
+    assert nearest_ports(9, {}, active, proc, sysfs.root) == ([], None)
+    assert nearest_ports(9, {"CUDA_VISIBLE_DEVICES": "GPU-nope"}, active, proc, sysfs.root) == ([], None)
+    s = RdmaSampler(sysfs.root)
+    s.sample(0)
+    (proc / "9" / "status").write_text("Cpus_allowed_list:\t0-3\n")
+    assert s.rank_rows([(9, 4, {"LOCAL_RANK": "2"}), (10, 5, {})], proc) == [
+        {"pid": 9, "rank": 4, "device": "mlx5_2", "port": 1, "source": "gpu-pci"}]

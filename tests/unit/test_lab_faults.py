@@ -27,6 +27,19 @@ def test_loss_percent_out_of_range_is_a_user_error(bad):
         faults.nft_loss_ruleset("p1", bad)
 
 
+def test_slow_link_shapes_only_tcp_data_segments_leaving_the_victim_node():
+    tc, nft = faults.slow_link_setup("eth0", 100)
+    assert tc[0][-6:] == ["root", "handle", "1:", "htb", "default", "10"], tc
+    assert tc[2][tc[2].index("classid") + 1] == faults.SLOW_CLASS and tc[2][-4:] == ["rate", "100mbit",
+                                                                                      "ceil", "100mbit"]
+    marks = [line for line in nft.splitlines() if "priority set" in line]
+    assert len(marks) == 2 and all(f"meta priority set {faults.SLOW_CLASS}" in m and 'oifname "eth0"' in m
+                                   and "tcp flags & (syn | fin | rst) == 0" in m for m in marks)
+    assert "ip length > 80" in marks[0] and "ip6 length > 60" in marks[1]     # no pure ACK is shaped
+    with pytest.raises(IngeroError, match="--rate-mbit"):
+        faults.slow_link_setup("eth0", 0)
+
+
 def test_slow_rank_and_io_stall_change_only_the_victim(tmp_path: Path):
     slow = faults.plan_ranks("slow-rank", 4, 3, compute_ms=40, slow_factor=2, io_mb=8, io_dir=tmp_path)
     assert float(slow[3].env["INGERO_LAB_COMPUTE_MS"]) == 80.0 and len(slow[3].env) == 1

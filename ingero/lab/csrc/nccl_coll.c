@@ -137,8 +137,8 @@ void ncpu_coll_profile_end(void) {
 static ncclResult_t exchange(struct ncclComm *c, int to, void *sbuf, size_t slen, int from,
                              void *rbuf, size_t rlen) {
   struct ncpu_op ops[2] = {
-      {.fd = c->fds[to], .is_send = 1, .peer = to, .buf = sbuf, .len = slen},
-      {.fd = c->fds[from], .is_send = 0, .peer = from, .buf = rbuf, .len = rlen},
+      {.fd = c->sfds[to], .is_send = 1, .peer = to, .buf = sbuf, .len = slen},
+      {.fd = c->rfds[from], .is_send = 0, .peer = from, .buf = rbuf, .len = rlen},
   };
   if (prof.task && prof.comm == c) {
     void *ctx = c->prof_ctx;
@@ -241,14 +241,14 @@ ncclResult_t ncpu_broadcast(struct ncclComm *c, const void *s, void *r, size_t c
                             ncclDataType_t t, int root) {
   size_t bytes = count * ncpu_type_size(t);
   if (c->rank != root) {
-    struct ncpu_op op = {.fd = c->fds[root], .is_send = 0, .peer = root, .buf = r, .len = bytes};
+    struct ncpu_op op = {.fd = c->rfds[root], .is_send = 0, .peer = root, .buf = r, .len = bytes};
     return run_single(c, &op, 1);
   }
   if (s != r) memmove(r, s, bytes);
   struct ncpu_op ops[c->nranks];
   int n = 0;
   for (int p = 0; p < c->nranks; p++)
-    if (p != root) ops[n++] = (struct ncpu_op){.fd = c->fds[p], .is_send = 1, .peer = p, .buf = r, .len = bytes};
+    if (p != root) ops[n++] = (struct ncpu_op){.fd = c->sfds[p], .is_send = 1, .peer = p, .buf = r, .len = bytes};
   return run_single(c, ops, n);
 }
 
@@ -256,7 +256,7 @@ ncclResult_t ncpu_reduce(struct ncclComm *c, const void *s, void *r, size_t coun
                          ncclDataType_t t, ncclRedOp_t op, int root) {
   size_t es = ncpu_type_size(t), bytes = count * es;
   if (c->rank != root) {
-    struct ncpu_op o = {.fd = c->fds[root], .is_send = 1, .peer = root, .buf = (char *)s, .len = bytes};
+    struct ncpu_op o = {.fd = c->sfds[root], .is_send = 1, .peer = root, .buf = (char *)s, .len = bytes};
     return run_single(c, &o, 1);
   }
   char *tmp = malloc(bytes * (c->nranks - 1) + 1);
@@ -265,7 +265,7 @@ ncclResult_t ncpu_reduce(struct ncclComm *c, const void *s, void *r, size_t coun
   int n = 0;
   for (int p = 0; p < c->nranks; p++)
     if (p != root) {
-      ops[n] = (struct ncpu_op){.fd = c->fds[p], .is_send = 0, .peer = p, .buf = tmp + bytes * n, .len = bytes};
+      ops[n] = (struct ncpu_op){.fd = c->rfds[p], .is_send = 0, .peer = p, .buf = tmp + bytes * n, .len = bytes};
       n++;
     }
   ncclResult_t res = run_single(c, ops, n);

@@ -139,18 +139,23 @@ static struct ncclComm *comm_new(int rank, int nranks) {
   c->nnodes = 1;
   c->blocking = 1;
   atomic_init(&c->state, ncclSuccess);
-  c->fds = malloc(sizeof(int) * nranks);
-  if (!c->fds) { free(c); return NULL; }
-  for (int i = 0; i < nranks; i++) c->fds[i] = -1;
+  c->sfds = malloc(sizeof(int) * nranks);
+  c->rfds = malloc(sizeof(int) * nranks);
+  if (!c->sfds || !c->rfds) { free(c->sfds); free(c->rfds); free(c); return NULL; }
+  for (int i = 0; i < nranks; i++) c->sfds[i] = c->rfds[i] = -1;
   return c;
 }
 
 static void comm_free(struct ncclComm *c) {
   if (!c) return;
   ncpu_prof_finalize(c->prof_ctx);
-  for (int i = 0; i < c->nranks; i++) if (c->fds[i] >= 0) close(c->fds[i]);
+  for (int i = 0; i < c->nranks; i++) {
+    if (c->sfds[i] >= 0) close(c->sfds[i]);
+    if (c->rfds[i] >= 0) close(c->rfds[i]);
+  }
   c->magic = 0;
-  free(c->fds);
+  free(c->sfds);
+  free(c->rfds);
   free(c);
 }
 
@@ -252,14 +257,15 @@ ncclResult_t ncclCommInitAll(ncclComm_t *comms, int ndev, const int *devlist) {
     comms[i]->prof_hash = ncpu_mix(h ^ PROF_SALT);
   }
   for (int i = 0; i < ndev; i++)
-    for (int j = i + 1; j < ndev; j++) {
+    for (int j = 0; j < ndev; j++) {      /* one socket pair per direction: i sends to j */
       int sv[2];
+      if (i == j) continue;
       if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0, sv) != 0) {
         for (int k = 0; k < ndev; k++) { comm_free(comms[k]); comms[k] = NULL; }
         return ncclSystemError;
       }
-      comms[i]->fds[j] = sv[0];
-      comms[j]->fds[i] = sv[1];
+      comms[i]->sfds[j] = sv[0];
+      comms[j]->rfds[i] = sv[1];
     }
   for (int i = 0; i < ndev; i++) comm_profile(comms[i]);
   return ncclSuccess;
@@ -509,9 +515,10 @@ static ncclResult_t run_comm_calls(struct call *calls, int n, struct ncclComm *c
         }
       continue;
     }
+    int send = k->kind == K_SEND;
     tasks[nops] = k->task;
-    ops[nops++] = (struct ncpu_op){.fd = c->fds[k->peer], .is_send = k->kind == K_SEND, .peer = k->peer,
-                                   .buf = k->kind == K_SEND ? (char *)k->sbuf : (char *)k->rbuf, .len = bytes};
+    ops[nops++] = (struct ncpu_op){.fd = send ? c->sfds[k->peer] : c->rfds[k->peer], .is_send = send, .peer = k->peer,
+                                   .buf = send ? (char *)k->sbuf : (char *)k->rbuf, .len = bytes};
   }
   if (nops) {
     ncpu_prof_single_begin(c, tasks, ops, nops, tasks + n);

@@ -32,7 +32,11 @@ struct ncclComm {
   uint64_t magic;
   int rank;
   int nranks;
-  int *fds;              /* fds[peer]: connected TCP (or AF_UNIX) socket; -1 for self */
+  int *sfds;             /* sfds[peer]: the connected TCP (or AF_UNIX) socket this rank sends to
+                            peer on; -1 for self */
+  int *rfds;             /* rfds[peer]: the one it receives from peer on. One connection per
+                            direction, as NCCL's network transport has (a send and a receive
+                            comm per peer): the reverse path of a transfer carries only ACKs */
   uint64_t id_hash;      /* splitmix64 fold of the unique id (0 for split/InitAll children) */
   struct sockaddr_storage self_addr; /* this rank's address (port 0), for splits */
   int timeout_ms;        /* no progress for this long -> ncclRemoteError */

@@ -5,8 +5,11 @@
  *    and, once a group has all its ranks, sends every rank the listen address
  *    of every other rank. It keeps serving, so several ids that carry the same
  *    root address (they differ only in their last bytes) all work.
- *  - ncpu_bootstrap / ncpu_build_mesh: one TCP connection per pair of ranks
- *    (a full mesh; rank i connects to every lower rank and accepts the rest).
+ *  - ncpu_bootstrap / ncpu_build_mesh: one TCP connection per ordered pair of
+ *    ranks, i.e. per direction (a full mesh; each rank connects to every other
+ *    rank for its sends and accepts a connection from each for its receives),
+ *    as NCCL's network transport connects a send comm and a receive comm per
+ *    peer (transport/net.cc): data goes one way, ACKs the other.
  *  - ncpu_run_ops: moves many sends and receives at once with nonblocking
  *    sockets and poll(2), so a ring step (send to next, receive from previous)
  *    or a group of p2p calls never deadlocks on full socket buffers. No
@@ -44,7 +47,7 @@ struct hello {            /* rank -> root */
   struct sockaddr_storage addr;
 };
 
-struct peer_hello {       /* rank -> lower rank, on a new mesh connection */
+struct peer_hello {       /* sender -> receiver, on a new mesh connection */
   uint32_t magic;
   int32_t rank;
   uint64_t tag;
@@ -273,9 +276,22 @@ ncclResult_t ncpu_root_listen(struct ncpu_id *id) {
 
 /* ---- communicator set-up ----------------------------------------------- */
 
-static void tune(int fd) {
+/* NCCL_SOCKET_SNDBUF / NCCL_SOCKET_RCVBUF as NCCL reads them (misc/socket.cc, os/linux.cc):
+ * set when > 0, the kernel's default (autotuned) otherwise; on connections to other hosts
+ * only, as NCCL's sockets carry only inter-node traffic (P2P or SHM inside a node). */
+static void buffer_size(int fd, int opt, const char *var) {
+  const char *v = getenv(var);
+  int n = v ? atoi(v) : -1;
+  if (n > 0) setsockopt(fd, SOL_SOCKET, opt, &n, sizeof n);
+}
+
+static void tune(int fd, int remote) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  if (remote) {
+    buffer_size(fd, SO_SNDBUF, "NCCL_SOCKET_SNDBUF");
+    buffer_size(fd, SO_RCVBUF, "NCCL_SOCKET_RCVBUF");
+  }
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
 }
 
@@ -286,7 +302,10 @@ static int same_host(const struct sockaddr_storage *a, const struct sockaddr_sto
   return ((const struct sockaddr_in *)a)->sin_addr.s_addr == ((const struct sockaddr_in *)b)->sin_addr.s_addr;
 }
 
-/* Also sets comm->nnodes: the distinct host addresses in addrs (a lab node is a network namespace). */
+/* Also sets comm->nnodes: the distinct host addresses in addrs (a lab node is a network namespace).
+ * Every rank connects to every other rank for its sends (sfds) and accepts one connection
+ * from each for its receives (rfds); a connect completes in the peer's listen backlog, so all
+ * connect first, then accept. */
 ncclResult_t ncpu_build_mesh(struct ncclComm *comm, int lfd, const struct sockaddr_storage *addrs,
                              uint64_t tag) {
   int me = comm->rank;
@@ -296,8 +315,9 @@ ncclResult_t ncpu_build_mesh(struct ncclComm *comm, int lfd, const struct sockad
     while (k < j && !same_host(&addrs[k], &addrs[j])) k++;
     comm->nnodes += k == j;
   }
-  for (int j = 0; j < comm->nranks; j++) comm->fds[j] = -1;
-  for (int j = 0; j < me; j++) {
+  for (int j = 0; j < comm->nranks; j++) comm->sfds[j] = comm->rfds[j] = -1;
+  for (int j = 0; j < comm->nranks; j++) {
+    if (j == me) continue;
     int fd = connect_retry(&addrs[j], comm->timeout_ms);
     struct peer_hello ph = {NCPU_ID_MAGIC, me, tag};
     if (fd < 0 || write_full(fd, &ph, sizeof ph) != 0) {
@@ -305,16 +325,16 @@ ncclResult_t ncpu_build_mesh(struct ncclComm *comm, int lfd, const struct sockad
       if (fd >= 0) close(fd);
       return ncclRemoteError;
     }
-    comm->fds[j] = fd;
+    comm->sfds[j] = fd;
   }
-  int want = comm->nranks - 1 - me;
+  int want = comm->nranks - 1;
   double deadline = now_s() + comm->timeout_ms / 1000.0;
   while (want > 0) {
     struct pollfd p = {lfd, POLLIN, 0};
     int left = (int)((deadline - now_s()) * 1000);
     if (left <= 0 || poll(&p, 1, left) <= 0) {
       if (errno == EINTR) continue;
-      ncpu_set_error(comm, "rank %d: timed out waiting for %d higher ranks to connect", me, want);
+      ncpu_set_error(comm, "rank %d: timed out waiting for %d ranks to connect", me, want);
       return ncclRemoteError;
     }
     int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
@@ -322,14 +342,18 @@ ncclResult_t ncpu_build_mesh(struct ncclComm *comm, int lfd, const struct sockad
     set_io_timeout(fd, comm->timeout_ms);
     struct peer_hello ph;
     if (read_full(fd, &ph, sizeof ph) != 0 || ph.magic != NCPU_ID_MAGIC || ph.tag != tag ||
-        ph.rank <= me || ph.rank >= comm->nranks || comm->fds[ph.rank] >= 0) {
+        ph.rank == me || ph.rank < 0 || ph.rank >= comm->nranks || comm->rfds[ph.rank] >= 0) {
       close(fd);
       continue;
     }
-    comm->fds[ph.rank] = fd;
+    comm->rfds[ph.rank] = fd;
     want--;
   }
-  for (int j = 0; j < comm->nranks; j++) if (comm->fds[j] >= 0) tune(comm->fds[j]);
+  for (int j = 0; j < comm->nranks; j++) {
+    int remote = !same_host(&addrs[me], &addrs[j]);
+    if (comm->sfds[j] >= 0) tune(comm->sfds[j], remote);
+    if (comm->rfds[j] >= 0) tune(comm->rfds[j], remote);
+  }
   return ncclSuccess;
 }
 
