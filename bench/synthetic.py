@@ -434,30 +434,34 @@ def _pipeline_program(r: int, stage: int, pp: int, pipe: list, tp: int, micro: i
     return prog
 
 
-def _fsdp_program(layers: int, tp: int, micro: int, shard: str, replicate: bool, fwd, bwd) -> list:
+def _fsdp_program(layers: int, tp: int, micro: int, shard: str, replicate: bool, fwd, bwd,
+                  streams: bool = False) -> list:
     """One step of an FSDP rank (no pipeline): per layer, forward: its parameters
     all-gathered over the shard group (two tensors, coalesced: one ncclGroupStart/End), its
     compute, the tensor all-reduce; backward, layers in reverse: the parameters gathered
     again (resharded after the forward), the compute, the tensor all-reduce, the gradients
     reduce-scattered (two, coalesced) and with `replicate` (HSDP) all-reduced over the
-    replicate group. A layer's compute is 1/`layers` of `micro` microbatches'."""
+    replicate group. A layer's compute is 1/`layers` of `micro` microbatches'. `streams`: the
+    replicate all-reduce is issued asynchronously on its own stream (beside the next layer's
+    gather and backward), waited for at the step's end."""
     tpar = [("ALL_REDUCE", "tp", None)] if tp > 1 else []
     gather = [("COALESCED", shard, ("ALL_GATHER", "ALL_GATHER"))]
     reduce = [("COALESCED", shard, ("REDUCE_SCATTER", "REDUCE_SCATTER"))]
-    reduce += [("ALL_REDUCE", "rep", None)] if replicate else []
+    reduce += [("ALL_REDUCE", "rep", "ASYNC" if streams else None)] if replicate else []
     prog = []
     for _ in range(layers):
         prog += gather + [("work", fwd() * micro / layers)] + tpar
     for _ in range(layers):
         prog += gather + [("work", bwd() * micro / layers)] + tpar + reduce
-    return prog
+    return prog + ([("WAIT",)] if streams else [])
 
 
 def simulate_pipeline(tp: int, pp: int, dp: int, steps: int, micro: int = 4, fwd_ms: float = 4.0,
                       bwd_ms: float = 8.0, x_ms: float = 0.3, jitter: float = 0.03, seed: int = 5,
                       factor=None, extra=None, schedule: str = "gpipe", world: bool = True,
                       dist_opt: bool = False, embedding: bool = False, fsdp: int = 0,
-                      replicas: int = 1, log_every: int = 0) -> dict:
+                      replicas: int = 1, log_every: int = 0, streams: bool = False,
+                      x_kind: dict | None = None) -> dict:
     """Run a pipeline schedule per step (``_pipeline_program``: gpipe or 1f1b) as a
     discrete-event simulation: compute is own work (fwd_ms / bwd_ms per microbatch, times
     ``factor(rank, step)`` and a jitter), sends are eager, a recv (or a group holding recvs)
@@ -471,6 +475,14 @@ def simulate_pipeline(tp: int, pp: int, dp: int, steps: int, micro: int = 4, fwd
     ranks; a coalesced group ends when its last member arrived, plus one transfer.
     ``log_every`` > 0: a world all-reduce after every log_every-th step only (the loss
     reduced for logging, as torchtitan does every log_freq steps).
+    ``streams``: each communicator runs on a device stream of its own, as each PyTorch
+    process group does, and the data-parallel reduce-scatter (or all-reduce) and the
+    embedding all-reduce are issued asynchronously (``async_op=True``): each starts when
+    the rank issues it and its stream is free, the two run side by side, and the rank
+    waits for both before the optimizer's work (FSDP: each layer's gradient reduce runs
+    beside the next layer's backward, and the rank waits for all of them at the step's end).
+    ``x_kind``: the transfer of a communicator kind's collectives, ms, where it is not x_ms
+    (a data-parallel gradient reduce moves far more than a tensor all-reduce).
     ``extra(members)`` adds nanoseconds to the transfer of an instance among `members`
     (global ranks; a send/recv pair is [src, dst]): a lossy link.
     Returns {"calls": per rank list of (op, group kind, group index, peer global rank or -1,
@@ -493,14 +505,18 @@ def simulate_pipeline(tp: int, pp: int, dp: int, steps: int, micro: int = 4, fwd
             fwd = lambda: fwd_ms * f * (1 + rng.normal(0, jitter))
             bwd = lambda: bwd_ms * f * (1 + rng.normal(0, jitter))
             if fsdp:
-                prog[r] += _fsdp_program(fsdp, tp, micro, "shard" if replicas > 1 else "dp", replicas > 1, fwd, bwd)
+                prog[r] += _fsdp_program(fsdp, tp, micro, "shard" if replicas > 1 else "dp", replicas > 1, fwd, bwd,
+                                         streams)
                 prog[r].append(("work", 0.5))
             else:
                 prog[r] += _pipeline_program(r, s_, pp, pipe, tp, micro, schedule, fwd, bwd)
+            asy = "ASYNC" if streams else None
             if dp > 1 and not fsdp:
-                prog[r].append(("REDUCE_SCATTER" if dist_opt else "ALL_REDUCE", "dp", None))
+                prog[r].append(("REDUCE_SCATTER" if dist_opt else "ALL_REDUCE", "dp", asy))
             if embedding and pp > 1 and s_ in (0, pp - 1):
-                prog[r].append(("ALL_REDUCE", "emb", None))
+                prog[r].append(("ALL_REDUCE", "emb", asy))
+            if streams:
+                prog[r].append(("WAIT",))
             if not fsdp:
                 prog[r].append(("work", 0.5))
             if dp > 1 and dist_opt and not fsdp:
@@ -521,6 +537,8 @@ def simulate_pipeline(tp: int, pp: int, dp: int, steps: int, micro: int = 4, fwd
     ends: dict = {}                       # (kind, group, seq) -> end of the transfer
     posted: dict = {}                     # rank -> arrival of the group whose sends it posted
     step_end = {r: [] for r in range(world_n)}
+    free: dict = {}                       # (rank, kind) -> when its stream's last async op ends
+    pending = {r: [] for r in range(world_n)}   # rank -> (call index, instance) of its async ops
 
     def recv_end(r, src, a):
         """End of rank r's next recv from `src` arriving at `a`, or None while unsent."""
@@ -544,6 +562,15 @@ def simulate_pipeline(tp: int, pp: int, dp: int, steps: int, micro: int = 4, fwd
                     t[r] += max(op[1], 0) * 1e6
                 elif op[0] == "step":
                     step_end[r].append(t[r])
+                elif op[0] == "WAIT":             # the handles of the rank's async ops
+                    if any(key not in ends for _, key in pending[r]):
+                        break
+                    for i, key in pending[r]:
+                        c = calls[r][i]
+                        calls[r][i] = c[:5] + (ends[key] - c[4],)
+                        free[(r, key[0])] = ends[key]
+                        t[r] = max(t[r], ends[key])
+                    pending[r] = []
                 elif op[0] == "SEND":
                     sent.setdefault((r, op[2]), []).append(t[r])
                     calls[r].append(("SEND", "pp", gi["pp"][r], op[2], t[r], 20_000))
@@ -582,15 +609,23 @@ def simulate_pipeline(tp: int, pp: int, dp: int, steps: int, micro: int = 4, fwd
                     seq = coll_n.get((r, kind), 0)
                     inst = arrivals.setdefault((kind, g, seq), {})
                     if r not in inst:
-                        inst[r] = t[r]
+                        inst[r] = max(t[r], free.get((r, kind), 0.0))
                     mem = members[kind][g]
-                    if len(inst) < len(mem):
-                        break
-                    if (kind, g, seq) not in ends:        # once per instance (extra may draw)
-                        more = extra(mem)
-                        ends[(kind, g, seq)] = max(inst.values()) + x + more
+                    if len(inst) == len(mem) and (kind, g, seq) not in ends:
+                        more = extra(mem)         # once per instance (extra may draw)
+                        ends[(kind, g, seq)] = max(inst.values()) + (x_kind or {}).get(kind, x_ms) * 1e6 + more
                         if more:
                             slowed.append((max(inst.values()), ends[(kind, g, seq)], list(mem)))
+                    if op[2] == "ASYNC":          # issued: the rank goes on, its stream runs it
+                        pending[r].append((len(calls[r]), (kind, g, seq)))
+                        calls[r].append((op[0], kind, g, -1, inst[r], 0))
+                        coll_n[(r, kind)] = seq + 1
+                        ptr[r] += 1
+                        done += 1
+                        progressed = True
+                        continue
+                    if len(inst) < len(mem):
+                        break
                     end = ends[(kind, g, seq)]
                     if op[0] == "COALESCED":     # the group's calls only queue; its end waits
                         a, n = inst[r], len(op[2])
@@ -609,6 +644,31 @@ def simulate_pipeline(tp: int, pp: int, dp: int, steps: int, micro: int = 4, fwd
     last = [max(step_end[r][k] for r in range(world_n)) for k in range(steps)]
     step_ns = (last[-1] - last[0]) / (steps - 1)
     return {"calls": calls, "step_ns": step_ns, "layout": lay, "slowed": slowed}
+
+
+def _device_launches(calls: list, kinds: list) -> tuple:
+    """Per simulated call of one rank: (device start, device end, kernel launch number, stream)
+    as NCCL's profiler plugin reports them: the calls of a group share its launch and its
+    interval (the group's start to its end); any other call is a launch of its own. Streams:
+    one per communicator kind; group starts and ends get -1."""
+    n = len(calls)
+    start, end = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    launch, stream = np.full(n, -1, np.int64), np.zeros(n, np.uint64)
+    i, k = 0, 0
+    while i < n:
+        op, kind, _, _, a, d = calls[i]
+        if op == "GROUP_START":
+            j = next(j for j in range(i + 1, n) if calls[j][0] == "GROUP_END")
+            ge = calls[j][4] + calls[j][5]
+            for m in range(i + 1, j):
+                start[m], end[m], launch[m] = a, ge, k
+                stream[m] = 0x7F00_0000_0000 + kinds.index(calls[m][1])
+            i, k = j + 1, k + 1
+            continue
+        start[i], end[i], launch[i] = a, a + d, k
+        stream[i] = 0x7F00_0000_0000 + kinds.index(kind)
+        i, k = i + 1, k + 1
+    return start, end, launch, stream
 
 
 def pipeline_instances_per_step(tp: int, pp: int, dp: int, micro: int = 4, world: bool = True,
@@ -649,18 +709,20 @@ def pipeline_session(seg_dir, tp: int, pp: int, dp: int, nodes: int, steps: int 
     `gpu`: the job runs on GPUs, where an NCCL call returns once its work is queued: the
     host calls (nccl_events) are enqueue times, up to a few ms ahead of the device, 20 us
     long; with "plugin" the profiler plugin's rows (nccl_profiler_events) carry the
-    simulated times as device start/end, NCCL's comm hash and per-function seq.
+    simulated times as device start/end, NCCL's comm hash and per-function seq, the kernel
+    launch (``group_id``: the calls of one group share it and the group's interval, from its
+    start to its end, as NCCL stamps one kernel) and the stream (one per communicator).
     `busy`: a busy machine under the fault: every rank's work x U(1, 1 + busy) per step
     (other draws than `imbalance`'s); the planted saving's run keeps it.
     `untraced`: global ranks that run but whose rows are not written (no probe on them).
-    `fsdp` (layers) and `replicas` in `kw`: an FSDP (HSDP) job (``simulate_pipeline``); host
-    calls only (`gpu` would need each coalesced group's launch on its device rows)."""
+    `fsdp` (layers), `replicas` and `streams` in `kw`: an FSDP (HSDP) job, asynchronous
+    collectives on streams of their own (``simulate_pipeline``)."""
     from pathlib import Path
 
     from ingero.store import SegmentWriter
 
-    if gpu and kw.get("fsdp"):
-        raise ValueError("pipeline_session writes no device rows for coalesced groups: use gpu=None with fsdp")
+    if kw.get("streams") and not gpu:
+        raise ValueError("streams run asynchronous collectives, which only a GPU job has: pass gpu='plugin' or 'host'")
     lay = pipeline_layout(tp, pp, dp, kw.get("replicas", 1))
     world = lay["world"]
     rpn = world // nodes
@@ -720,6 +782,7 @@ def pipeline_session(seg_dir, tp: int, pp: int, dp: int, nodes: int, steps: int 
             cols = {k: [] for k in ("timestamp_ns", "duration_ns", "op", "rank", "nranks", "comm_id_hash",
                                     "seq", "peer", "pid", "tid", "global_rank", "ret", "count", "bytes")}
             seqs: dict = {}
+            dev = _device_launches(run["calls"][r], list(hashes))
             for op, kind, g, peer, a, d in run["calls"][r]:
                 cols["timestamp_ns"].append(t0 + int(a) + skew[ni])
                 cols["duration_ns"].append(int(d))
@@ -740,7 +803,9 @@ def pipeline_session(seg_dir, tp: int, pp: int, dp: int, nodes: int, steps: int 
             cols.update(pid=[1000 + r] * n, tid=[1000 + r] * n, global_rank=[r] * n, ret=[0] * n,
                         count=[1024] * n, bytes=[4096] * n)
             if gpu:
-                dev_t, dev_d = np.asarray(cols["timestamp_ns"], np.int64), np.asarray(cols["duration_ns"], np.int64)
+                dev_t = np.asarray(cols["timestamp_ns"], np.int64) - np.asarray([a for _, _, _, _, a, _ in run["calls"][r]],
+                                                                                 np.int64)
+                dev_t, dev_d = dev_t + dev[0], dev[1] - dev[0]
                 lead = np.random.default_rng([seed, r, 3]).uniform(0.2e6, 3e6, n).astype(np.int64)
                 cols["timestamp_ns"] = list(dev_t - lead)          # queued before the device ran it
                 cols["duration_ns"] = [20_000] * n                 # the call returns at once
@@ -758,7 +823,8 @@ def pipeline_session(seg_dir, tp: int, pp: int, dp: int, nodes: int, steps: int 
                         "host_duration_ns": [20_000] * n, "device_start_ns": list(dev_t),
                         "device_end_ns": list(dev_t + dev_d), "device_duration_ns": list(dev_d),
                         "unfinished": [False] * n, "global_rank": [r] * n, "pid": [1000 + r] * n,
-                        "tid": [1000 + r] * n, "profiler_api": [5] * n}
+                        "tid": [1000 + r] * n, "profiler_api": [5] * n, "group_id": dev[2],
+                        "stream": dev[3]}
                     ops_only = [i for i, o in enumerate(cols["op"]) if not o.startswith("GROUP")]
                     w.append("nccl_profiler_events", {k: np.asarray(v)[ops_only] if k != "op" else
                                                       [v[i] for i in ops_only] for k, v in prof.items()})

@@ -25,6 +25,13 @@ run as one kernel with one interval, so they form one sync event, whose
 dependencies are its members' collective instances and p2p pairs. Instances
 launched together are one instance of the replay (every member rank's kernel
 holds all of them; the smallest id stands for them).
+
+A GPU runs each stream in order, and the streams of one process side by side (each
+PyTorch process group has its own). Where the plugin recorded the stream, a device
+event follows the events of its rank that had ended when it started, the latest of
+each stream (and its own stream's previous one, whatever the clocks say): the compute
+that launched it waited for them. An earlier event still running on another stream
+when it started ran beside it, and is none of its predecessors (``_stream_order``).
 """
 
 from __future__ import annotations
@@ -72,7 +79,7 @@ _DEVICE_QUERY = f"""
     SELECT COALESCE(r.rank, e.global_rank) AS grank, e.node, COALESCE(r.pod, e.pod) AS pod,
            e.pid, e.op, e.comm_hash AS comm, e.seq, e.device_start_ns AS t,
            e.device_end_ns - e.device_start_ns AS d, e.rank AS crank, e.peer, e.event_id,
-           e.group_id AS grp
+           e.group_id AS grp, e.stream AS strm
     FROM nccl_profiler_events e
     LEFT JOIN (SELECT node, pid, any_value(rank) AS rank, any_value(pod) AS pod
                FROM ranks GROUP BY node, pid) r
@@ -168,6 +175,7 @@ class Calls:
     comm_members: dict         # comm code -> sorted global ranks
     simulated: dict = field(default_factory=dict)   # rank -> calls left out (ncclGroupSimulateEnd)
     launch: np.ndarray | None = None   # device rows: the kernel launch of each (-1: its own); host: None
+    stream: np.ndarray | None = None   # device rows: the stream of each, a code (-1: not recorded); host: None
 
     @property
     def n(self) -> int:
@@ -209,6 +217,7 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
     peer_c = col("peer", np.int64, -1)
     pid = col("pid", np.int64)
     grp = col("grp", np.int64, -1) if device else None
+    strm = _stream_codes(tbl.column("strm")) if device else None
     if device or recovering:           # rows come sorted by (rank, time, event id); NULL ranks last
         o = np.flatnonzero(keep)
     else:
@@ -216,7 +225,7 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
     if len(o) < len(keep) or not (device or recovering):
         rank, t, d, op, comm_h, seq, crank, peer_c, pid, sim_end = (
             a[o] for a in (rank, t, d, op, comm_h, seq, crank, peer_c, pid, sim_end))
-        grp = grp[o] if device else None
+        grp, strm = (grp[o], strm[o]) if device else (None, None)
     if device:
         t, d = _monotonic(rank, t, d)
     hashes, comm = _codes(comm_h)
@@ -283,7 +292,7 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
                  node_of=node_of, comm_hash=hashes, inst_comm=np.asarray(inst_comm),
                  inst_op=np.asarray(inst_op), inst_size=np.asarray(cnt), comm_members=members,
                  simulated=simulated_by_rank,
-                 launch=_launches(rank, pid, comm, grp) if device else None), warnings
+                 launch=_launches(rank, pid, comm, grp) if device else None, stream=strm), warnings
 
 
 def _fetch(con, sql: str, fills: dict):
@@ -337,6 +346,15 @@ def _monotonic(rank, t, d) -> tuple[np.ndarray, np.ndarray]:
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         up[lo:hi] = np.maximum.accumulate(t[lo:hi])
     return up, np.maximum(d - (up - t), 0)
+
+
+def _stream_codes(col) -> np.ndarray:
+    """Per device row, its stream as a code (-1: not recorded, a plugin on profiler API v4)."""
+    known = np.asarray(col.is_valid())
+    out = np.full(len(known), -1, np.int64)
+    if known.any():
+        _, out[known] = _codes(col.drop_null().to_numpy().astype(np.uint64))
+    return out
 
 
 def _launches(rank, pid, comm, grp) -> np.ndarray:
@@ -506,6 +524,11 @@ class Events:
     p2p_pairs: int
     unpaired: int
     schedule: object = field(default=None, repr=False)   # replay.Schedule, found by the first replay
+    # Streams (device events whose streams the plugin recorded, more than one on a rank):
+    # CSR of the events of its rank each event follows (its own work starts at the latest
+    # of their ends; none: anchored at its arrival). None: each its rank's previous one.
+    prev_ptr: np.ndarray | None = None
+    prev_idx: np.ndarray | None = None
 
 
 def _group_owners(c: Calls) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -620,8 +643,73 @@ def events(c: Calls) -> Events:
     dep_ptr = np.cumsum(dep_ptr)
     ranks, off = np.unique(ev_rank, return_index=True)
     off = np.r_[off, len(ev_rank)].astype(np.int64)
-    return Events(ranks=ranks, off=off, rank=ev_rank, a=a, e=np.maximum(e, a), inst=inst,
-                  dep_ptr=dep_ptr, dep_idx=dst, p2p_pairs=len(common), unpaired=unpaired)
+    e = np.maximum(e, a)
+    prev = (None, None) if c.stream is None else _stream_order(ev_rank, a, e, c.stream[first_call][live])
+    return Events(ranks=ranks, off=off, rank=ev_rank, a=a, e=e, inst=inst, dep_ptr=dep_ptr, dep_idx=dst,
+                  p2p_pairs=len(common), unpaired=unpaired, prev_ptr=prev[0], prev_idx=prev[1])
+
+
+def _stream_order(rank: np.ndarray, a: np.ndarray, e: np.ndarray, stream: np.ndarray):
+    """(prev_ptr, prev_idx): the events each event follows, for events sorted by (rank,
+    arrival) on streams `stream` (codes, -1: not recorded, one stream of its own per rank);
+    (None, None) when no rank has two streams.
+
+    An event follows, of each stream of its rank, the last event that had ended when it
+    started (its own stream's previous event whatever the clocks say; a stream's events
+    end in order, so "ended by then" is a prefix of each stream's events), unless another
+    of those started after it ended (that one followed it: it is already waited for)."""
+    n = len(a)
+    if n == 0:
+        return None, None
+    _, lane = np.unique(np.stack([rank, stream], axis=1), axis=0, return_inverse=True)
+    lane = lane.ravel()                              # lanes numbered in (rank, stream) order
+    nl = int(lane.max()) + 1
+    lane_rank = np.zeros(nl, np.int64)
+    lane_rank[lane] = rank
+    if nl == len(np.unique(rank)):
+        return None, None
+    o = np.lexsort((np.arange(n), lane))             # each lane's events, in order
+    lo_of = np.searchsorted(lane[o], np.arange(nl))  # where each lane's events begin in `o`
+    hi_of = np.r_[lo_of[1:], n]
+    pos = np.empty(n, np.int64)
+    pos[o] = np.arange(n)
+    own = pos > lo_of[lane]
+    ev_of, cand = [np.flatnonzero(own)], [o[pos[own] - 1]]     # its stream's previous event
+    end_run = e[o].copy()                            # per lane, the latest end so far
+    for lo, hi in zip(lo_of.tolist(), hi_of.tolist()):
+        end_run[lo:hi] = np.maximum.accumulate(end_run[lo:hi])
+    first_lane = np.searchsorted(lane_rank, rank)    # each event's rank's lanes: first_lane + k
+    n_lanes = np.searchsorted(lane_rank, rank, side="right") - first_lane
+    for k in range(int(n_lanes.max())):
+        ev_k = np.flatnonzero((n_lanes > k) & (lane != first_lane + k))
+        L = first_lane[ev_k] + k
+        lo = lo_of[L]
+        # of lane L's events, those before this one, and of them those ended by its start
+        n_before = _in_blocks(o, lo, hi_of[L], ev_k, "left") - lo
+        n_ended = np.minimum(_in_blocks(end_run, lo, hi_of[L], a[ev_k], "right") - lo, n_before)
+        ok = n_ended > 0
+        ev_of.append(ev_k[ok])
+        cand.append(o[lo[ok] + n_ended[ok] - 1])
+    ev_of, cand = np.concatenate(ev_of), np.concatenate(cand)
+    late = np.full(n, np.iinfo(np.int64).min, np.int64)         # the latest start among them
+    np.maximum.at(late, ev_of, a[cand])
+    keep = (e[cand] > late[ev_of]) | (a[cand] == late[ev_of])
+    ev_of, cand = ev_of[keep], cand[keep]
+    srt = np.lexsort((cand, ev_of))
+    return np.r_[0, np.cumsum(np.bincount(ev_of, minlength=n))], cand[srt]
+
+
+def _in_blocks(v: np.ndarray, lo: np.ndarray, hi: np.ndarray, q: np.ndarray, side: str) -> np.ndarray:
+    """Per query, np.searchsorted of q[i] in v[lo[i]:hi[i]] (each block sorted), as an index of v."""
+    out = np.empty(len(q), np.int64)
+    blocks, inv = np.unique(lo, return_inverse=True)
+    inv = inv.ravel()
+    order = np.argsort(inv, kind="stable")
+    cut = np.searchsorted(inv[order], np.arange(len(blocks) + 1))
+    for b, (l, h) in enumerate(zip(blocks.tolist(), hi[order[cut[:-1]]].tolist())):
+        sel = order[cut[b]:cut[b + 1]]
+        out[sel] = l + np.searchsorted(v[l:h], q[sel], side=side)
+    return out
 
 
 def _clamped_cumsum(step: np.ndarray, newrank: np.ndarray) -> np.ndarray:

@@ -4,7 +4,10 @@ Per sync event: own work ``w`` (from the rank's previous return to this
 arrival), transfer ``x`` (from the moment every dependency had arrived to the
 return). A replay recomputes arrival = previous end + w, ready = the latest
 arrival among itself and its dependencies, end = ready + x, in rounds: each
-round takes every rank's next event whose dependencies have arrived. Replaying
+round takes every rank's next event whose dependencies have arrived. On a
+device with several streams (``Events.prev_ptr``) an event may follow several
+of its rank's events (one per stream): its own work runs from the latest of
+their ends, and a rank's streams replay side by side. Replaying
 the measured w and x gives back the measured timeline; replaying with a
 rank's w set to its peers' gives what the job would do without that rank's
 excess: the what-if.
@@ -33,10 +36,8 @@ def measure(ev: Events) -> Measured:
     n = len(ev.a)
     w = np.zeros(n, np.int64)
     if n:
-        prev_end = np.r_[0, ev.e[:-1]]
-        w = ev.a - prev_end
-        w[ev.off[:-1]] = 0                       # a rank's first event: anchored at its arrival
-        w = np.maximum(w, 0)
+        ptr, idx = _prev(ev)
+        w = np.maximum(ev.a - _latest(ev.e[idx], ptr, ev.a), 0)       # no previous: anchored
     ready = ev.a.copy()
     crit = ev.rank.copy()
     # collectives: the latest member arrival of the instance, and who arrived last (of equal
@@ -87,8 +88,10 @@ class Schedule:
     so the schedule is found once per Events and every replay only computes times, round
     by round over contiguous slices.
 
-    Round 0's arrivals are every rank's first event; round k + 1's the next events of the
-    ranks whose event completed in round k, in that order (``has_next``). ``arr``/``go``:
+    Round 0's arrivals are the events that follow none (every rank's first); round k + 1's
+    those whose previous events (one, or on streams the ones of ``Events.prev_ptr``) have
+    all completed, the last of them in round k; ``arr_prev_pos`` from ``arr_prev_ptr``:
+    their completion positions, per arrival. ``arr``/``go``:
     the event ids in arrival/completion order, round k's at ``arr_ptr[k]:arr_ptr[k + 1]``
     and ``go_ptr[k]:go_ptr[k + 1]``. A completing event is ready at the latest arrival
     among itself and its p2p dependencies (arrival positions ``own_pos``, per completion
@@ -101,7 +104,8 @@ class Schedule:
     arr_ptr: np.ndarray
     go: np.ndarray
     go_ptr: np.ndarray
-    has_next: np.ndarray
+    arr_prev_pos: np.ndarray
+    arr_prev_ptr: np.ndarray
     own_pos: np.ndarray
     own_ptr: np.ndarray
     grp_pos: np.ndarray
@@ -109,6 +113,24 @@ class Schedule:
     grp_of: np.ndarray
     grp_rptr: np.ndarray
     stuck_rounds: int
+
+
+def _prev(ev: Events) -> tuple[np.ndarray, np.ndarray]:
+    """CSR (ptr, idx) of the events each event follows (none: anchored at its arrival)."""
+    if ev.prev_ptr is not None:
+        return ev.prev_ptr, ev.prev_idx
+    has = np.ones(len(ev.a), bool)
+    has[ev.off[:-1]] = False
+    return np.r_[0, np.cumsum(has)], np.flatnonzero(has) - 1
+
+
+def _latest(v: np.ndarray, ptr: np.ndarray, empty: np.ndarray) -> np.ndarray:
+    """Per CSR segment, the largest of `v`; `empty`'s value for an empty one."""
+    out = empty.astype(np.int64)
+    seg = np.flatnonzero(np.diff(ptr) > 0)
+    if len(seg):
+        out[seg] = np.maximum.reduceat(v, ptr[seg])
+    return out
 
 
 def _expand(ptr: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -122,8 +144,11 @@ def schedule(ev: Events) -> Schedule:
     if ev.schedule is not None:
         return ev.schedule
     n = len(ev.a)
-    has_next = np.ones(n, bool)
-    has_next[ev.off[1:] - 1] = False
+    prev_ptr, prev_idx = _prev(ev)
+    held = np.diff(prev_ptr)                         # previous events not yet completed
+    po = np.argsort(prev_idx, kind="stable")         # who follows each event
+    succ = np.repeat(np.arange(n), held)[po]
+    succ_ptr = np.r_[0, np.cumsum(np.bincount(prev_idx, minlength=n))]
     has = ev.inst >= 0
     ni = int(ev.inst.max()) + 1 if has.any() else 0
     inst_size = np.bincount(ev.inst[has], minlength=ni)
@@ -140,7 +165,7 @@ def schedule(ev: Events) -> Schedule:
     arrs, gos = [], []
     stuck = 0
     waiting = np.zeros(0, np.int64)
-    new = ev.off[:-1].astype(np.int64)
+    new = np.flatnonzero(held == 0)
     k = 0
     while len(new) or len(waiting):
         arrs.append(new)
@@ -163,13 +188,19 @@ def schedule(ev: Events) -> Schedule:
         waiting = cur[~ok]
         gos.append(go)
         go_round[go] = k
-        new = go[has_next[go]] + 1
+        nxt = succ[_expand(succ_ptr, go)]
+        np.subtract.at(held, nxt, 1)
+        new = np.unique(nxt[held[nxt] == 0])
         k += 1
     arr, go = np.concatenate(arrs), np.concatenate(gos)
     arr_ptr = np.r_[0, np.cumsum([len(a) for a in arrs]), n]        # round k + 1 may have none
     go_ptr = np.r_[0, np.cumsum([len(g) for g in gos])]
     apos = np.empty(n, np.int64)
     apos[arr] = np.arange(n)
+    gpos = np.empty(n, np.int64)
+    gpos[go] = np.arange(n)
+    arr_prev_ptr = np.r_[0, np.cumsum(np.diff(prev_ptr)[arr])]
+    arr_prev_pos = gpos[prev_idx[_expand(prev_ptr, arr)]]
     # own segments: the event itself, then its p2p dependencies arrived by its round
     q = np.repeat(np.arange(n), ndeps[go])         # completion index of each dependency, in order
     d = ev.dep_idx[_expand(ev.dep_ptr, go)]
@@ -232,7 +263,8 @@ def schedule(ev: Events) -> Schedule:
     big = max(int(own_ptr[-1]), int(grp_ptr[-1]), n)
     idx = np.int32 if big < np.iinfo(np.int32).max else np.int64   # positions: half the memory
     ev.schedule = Schedule(arr=arr.astype(idx), arr_ptr=arr_ptr, go=go.astype(idx), go_ptr=go_ptr,
-                           has_next=has_next[go], own_pos=own_pos.astype(idx), own_ptr=own_ptr.astype(idx),
+                           arr_prev_pos=arr_prev_pos.astype(idx), arr_prev_ptr=arr_prev_ptr,
+                           own_pos=own_pos.astype(idx), own_ptr=own_ptr.astype(idx),
                            grp_pos=grp_pos.astype(idx), grp_ptr=grp_ptr.astype(idx), grp_of=grp_of.astype(idx),
                            grp_rptr=grp_rptr, stuck_rounds=stuck)
     return ev.schedule
@@ -240,8 +272,8 @@ def schedule(ev: Events) -> Schedule:
 
 def replay(ev: Events, w: np.ndarray, x: np.ndarray) -> Replayed:
     """Arrivals and ends of every event with own work `w` and transfers `x`: arrival = the
-    rank's previous end + own work (a rank's first event: its measured arrival + own work),
-    end = the latest arrival among itself and its dependencies + transfer."""
+    latest end of the events it follows + own work (none: its measured arrival + own
+    work); end = the latest arrival among itself and its dependencies + transfer."""
     n = len(ev.a)
     if n == 0:
         return Replayed(np.zeros(0, np.int64), np.zeros(0, np.int64), 0)
@@ -271,7 +303,11 @@ def replay(ev: Events, w: np.ndarray, x: np.ndarray) -> Replayed:
         E[q0:q1] = e
         a0, a1 = int(s.arr_ptr[k + 1]), int(s.arr_ptr[k + 2])
         if a1 > a0:
-            A[a0:a1] += e[s.has_next[q0:q1]]
+            p0, p1 = int(s.arr_prev_ptr[a0]), int(s.arr_prev_ptr[a1])
+            if p1 - p0 == a1 - a0:              # one previous event each
+                A[a0:a1] += E[s.arr_prev_pos[p0:p1]]
+            else:
+                A[a0:a1] += np.maximum.reduceat(E[s.arr_prev_pos[p0:p1]], s.arr_prev_ptr[a0:a1] - p0)
     a_out = np.empty(n, np.int64)
     e_out = np.empty(n, np.int64)
     a_out[s.arr] = A

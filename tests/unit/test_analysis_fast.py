@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ingero.analysis.calls import Events, _call_order, _dups
+from ingero.analysis.calls import Events, _call_order, _dups, _stream_order
 from ingero.analysis.replay import replay
 
 
@@ -46,40 +46,43 @@ def test_duplicate_calls_are_the_repeats_after_the_first(instances):
 
 
 def _rounds(ev: Events, w, x):
-    """The replay's definition, one round at a time: each rank's next event arrives at its
-    previous end + own work; an event ends once every dependency and instance member has
-    arrived (or, when none can, every waiting one is released) at the latest arrival + x."""
+    """The replay's definition, one round at a time: an event arrives once the events it
+    follows (its rank's previous one, or those of ``ev.prev_ptr``) have completed, at the
+    latest of their ends + own work; an event ends once every dependency and instance member
+    has arrived (or, when none can, every waiting one is released) at the latest arrival + x."""
     n, neg = len(ev.a), np.iinfo(np.int64).min
     A, E = np.zeros(n, np.int64), np.zeros(n, np.int64)
-    ptr = {k: int(ev.off[k]) for k in range(len(ev.ranks))}
-    prev = {k: int(ev.a[ev.off[k]]) for k in range(len(ev.ranks))}
-    arrived = np.zeros(n, bool)
+    if ev.prev_ptr is None:
+        prev = [[] if i in set(ev.off.tolist()) else [i - 1] for i in range(n)]
+    else:
+        prev = [ev.prev_idx[ev.prev_ptr[i]:ev.prev_ptr[i + 1]].tolist() for i in range(n)]
+    arrived, completed = np.zeros(n, bool), np.zeros(n, bool)
     deps = [ev.dep_idx[ev.dep_ptr[i]:ev.dep_ptr[i + 1]].tolist() for i in range(n)]
     members: dict = {}
     for i, k in enumerate(ev.inst.tolist()):
         if k >= 0:
             members.setdefault(k, []).append(i)
     stuck = 0
-    while ptr:
-        cur = {k: p for k, p in ptr.items()}
-        for k, i in cur.items():
-            if not arrived[i]:
-                A[i], arrived[i] = prev[k] + w[i], True
-        ok = {k: all(arrived[d] for d in deps[i]) and (ev.inst[i] < 0 or all(arrived[m] for m in members[ev.inst[i]]))
-              for k, i in cur.items()}
+    while not completed.all():
+        for i in range(n):
+            if not arrived[i] and all(completed[p] for p in prev[i]):
+                A[i] = max([E[p] for p in prev[i]], default=ev.a[i]) + w[i]
+                arrived[i] = True
+        cur = [i for i in range(n) if arrived[i] and not completed[i]]
+        ok = {i: all(arrived[d] for d in deps[i]) and (ev.inst[i] < 0 or all(arrived[m] for m in members[ev.inst[i]]))
+              for i in cur}
         if not any(ok.values()):
             stuck += 1
             ok = dict.fromkeys(ok, True)
-        for k, i in cur.items():
-            if ok[k]:
+        done = []
+        for i in cur:
+            if ok[i]:
                 got = [A[i]] + [A[d] for d in deps[i] if arrived[d]]
                 if ev.inst[i] >= 0:
                     got += [A[m] for m in members[ev.inst[i]] if arrived[m]]
                 E[i] = max(max(got), neg) + x[i]
-                prev[k] = E[i]
-                ptr[k] += 1
-                if ptr[k] == ev.off[k + 1]:
-                    del ptr[k]
+                done.append(i)
+        completed[done] = True
     return A, E, stuck
 
 
@@ -104,10 +107,15 @@ def test_the_scheduled_replay_is_the_round_by_round_replay(seed):
     dep_ptr = np.r_[0, np.cumsum(np.bincount(src, minlength=n))]
     ev = Events(ranks=np.arange(nr), off=np.arange(0, n + 1, per), rank=rank, a=a, e=a + 50, inst=inst,
                 dep_ptr=dep_ptr, dep_idx=dst, p2p_pairs=len(src), unpaired=0)
-    for trial in range(3):
-        w = rng.integers(0, 300, n)
-        w[ev.off[:-1]] = 0
-        x = rng.integers(0, 100, n)
-        A, E, stuck = _rounds(ev, w, x)
-        r = replay(ev, w, x)                           # the schedule is found once, then reused
-        assert (r.stuck_rounds, r.a.tolist(), r.e.tolist()) == (stuck, A.tolist(), E.tolist())
+    for lanes in (False, True):
+        if lanes:        # two streams per rank: the events it follows, as _stream_order finds them
+            ev.prev_ptr, ev.prev_idx = _stream_order(rank, a, a + rng.integers(0, 3_000, n), rng.integers(0, 3, n))
+            ev.schedule = None
+            assert (np.diff(ev.prev_ptr) > 1).sum() > nr and (np.diff(ev.prev_ptr) == 0).sum() > nr
+        for trial in range(3):
+            w = rng.integers(0, 300, n)
+            w[ev.off[:-1]] = 0
+            x = rng.integers(0, 100, n)
+            A, E, stuck = _rounds(ev, w, x)
+            r = replay(ev, w, x)                       # the schedule is found once, then reused
+            assert (r.stuck_rounds, r.a.tolist(), r.e.tolist()) == (stuck, A.tolist(), E.tolist())
