@@ -175,11 +175,43 @@ def scenario_profile(lib, uid, rank, n) -> dict:
                              and r[0] == (rank - 1) % n and rs[0] == want and ag2[-1] == n)}
 
 
+def scenario_streams(lib, uid, rank, n) -> dict:
+    """Communicators A and C (a split), each on a stream of its own: a 300 ms kernel, then an
+    all-reduce, on A's stream; an all-reduce on C's stream at once (beside the kernel); then
+    C's stream made to wait for A's, and a second all-reduce on C. When each stream's sync
+    returned, from the first launch on."""
+    A, C = ctypes.c_void_p(), ctypes.c_void_p()
+    ok(lib.ncclCommInitRank(ctypes.byref(A), n, uid, rank), lib, "ncclCommInitRank")
+    ok(lib.ncclCommSplit(A, 0, rank, ctypes.byref(C), None), lib, "ncclCommSplit")
+    sa, sc = ctypes.c_void_p(), ctypes.c_void_p()
+    ok(lib.labStreamCreate(ctypes.byref(sa)), lib, "labStreamCreate")
+    ok(lib.labStreamCreate(ctypes.byref(sc)), lib, "labStreamCreate")
+    a, c1, c2 = (np.full(1000, rank + 1, np.float32) for _ in range(3))
+    t0 = time.monotonic()
+    ok(lib.labLaunchKernel(ctypes.c_double(300.0), sa), lib, "labLaunchKernel")
+    ok(lib.ncclAllReduce(ptr(a), ptr(a), ctypes.c_size_t(1000), FLOAT32, SUM, A, sa), lib, "ncclAllReduce")
+    ok(lib.ncclAllReduce(ptr(c1), ptr(c1), ctypes.c_size_t(1000), FLOAT32, SUM, C, sc), lib, "ncclAllReduce")
+    ok(lib.labStreamSynchronize(sc), lib, "labStreamSynchronize")
+    t_c = time.monotonic()
+    a_then = float(a[0])
+    ok(lib.labStreamWaitStream(sc, sa), lib, "labStreamWaitStream")
+    ok(lib.ncclAllReduce(ptr(c2), ptr(c2), ctypes.c_size_t(1000), FLOAT32, SUM, C, sc), lib, "ncclAllReduce")
+    ok(lib.labStreamSynchronize(sc), lib, "labStreamSynchronize")
+    t_w = time.monotonic()
+    ok(lib.labDeviceSynchronize(), lib, "labDeviceSynchronize")
+    ok(lib.ncclCommDestroy(C), lib, "ncclCommDestroy")
+    ok(lib.ncclCommDestroy(A), lib, "ncclCommDestroy")
+    want = n * (n + 1) / 2
+    return {"c_ms": (t_c - t0) * 1e3, "waited_ms": (t_w - t0) * 1e3, "a_when_c_done": a_then,
+            "verified": bool(a[0] == want and c1[0] == want and c2[-1] == want)}
+
+
 def main() -> None:
     scenario, path, rank, n, uid_hex = sys.argv[1:6]
     lib = load(path)
     uid = UniqueId.from_buffer_copy(bytes.fromhex(uid_hex))
-    fn = {"async": scenario_async, "nonblocking": scenario_nonblocking, "profile": scenario_profile}[scenario]
+    fn = {"async": scenario_async, "nonblocking": scenario_nonblocking, "profile": scenario_profile,
+          "streams": scenario_streams}[scenario]
     print(json.dumps(fn(lib, uid, int(rank), int(n))), flush=True)
 
 

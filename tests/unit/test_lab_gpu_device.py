@@ -287,6 +287,26 @@ def test_ingeros_plugin_writes_each_operation_with_its_launch_and_stream_to_its_
         assert all(p["net"] == "2" and p["nic"] == "lo" and int(p["bytes"]) > 0 for p in proxy), proxy
 
 
+def test_each_communicator_s_stream_runs_beside_the_others_and_the_plugin_names_it(bins, tmp_path):
+    """A stream per communicator, as PyTorch's process groups have: an all-reduce on C's stream
+    is done while a 300 ms kernel still holds A's (A's all-reduce not yet run); made to wait for
+    A's stream, C's next one ends after it. The plugin records each operation's stream."""
+    from ingero_agent.profiler_build import build_profiler
+
+    lib = build_profiler(tmp_path / "lib", cache_dir=tmp_path / "cache")
+    res = run_ranks(bins, "streams", env={"INGERO_LAB_DEVICE": "gpu", "NCCL_PROFILER_PLUGIN": str(lib)},
+                    env_of=lambda r: {"INGERO_PROFILER_FILE": str(tmp_path / f"rank{r}.ops")})
+    for r, out in enumerate(res):
+        assert out["verified"] and out["a_when_c_done"] == r + 1, out
+        assert out["c_ms"] < 200 and out["waited_ms"] >= 290, out
+        ops = sink_lines(tmp_path / f"rank{r}.ops")
+        by_comm = defaultdict(set)
+        for o in ops:
+            by_comm[o["comm"]].add(o["stream"])
+        assert sorted(len(v) for v in by_comm.values()) == [1, 1] and len(set().union(*by_comm.values())) == 2
+        assert "0x0" not in set().union(*by_comm.values())
+
+
 def test_a_file_sink_that_cannot_be_opened_leaves_the_job_running_without_the_plugin(bins, tmp_path):
     from ingero_agent.profiler_build import build_profiler
 

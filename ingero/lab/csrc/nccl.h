@@ -7,8 +7,9 @@
  * is a 128-byte struct passed BY VALUE to ncclCommInitRank and
  * ncclCommInitRankConfig (on x86-64 the caller copies it onto the stack).
  *
- * cudaStream_t is an opaque pointer; streams are accepted and ignored: every
- * call blocks until its data has moved (a host-side backend).
+ * cudaStream_t is an opaque pointer: a stream of the lab's device
+ * (lab_device.h). On the CPU device every call blocks until its data has moved
+ * (a host-side backend); on the GPU-like one a launch runs on its stream.
  */
 #ifndef NCCL_H_
 #define NCCL_H_
@@ -28,7 +29,7 @@ extern "C" {
 #define NCCL_VERSION_CODE 21903
 #define NCCL_VERSION(X, Y, Z) (((X) <= 2 && (Y) <= 8) ? (X) * 1000 + (Y) * 100 + (Z) : (X) * 10000 + (Y) * 100 + (Z))
 
-typedef struct CUstream_st *cudaStream_t;   /* opaque; never dereferenced */
+typedef struct CUstream_st *cudaStream_t;   /* opaque to callers */
 
 typedef struct ncclComm *ncclComm_t;
 #define NCCL_COMM_NULL NULL

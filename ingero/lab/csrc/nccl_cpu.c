@@ -12,7 +12,8 @@
  * first (no deadlock whatever their order), then its collectives in call
  * order. On the CPU device the item runs before the call returns; on the
  * GPU-like device (INGERO_LAB_DEVICE=gpu) the call returns once it is
- * enqueued, and labStreamSynchronize waits for it.
+ * enqueued on its stream (a group's: its first call's), and
+ * labStreamSynchronize waits for it.
  *
  * Non-blocking communicators (ncclConfig_t.blocking = 0, as in NCCL): init and
  * split run on a thread of their own and return ncclInProgress; so does a
@@ -628,7 +629,7 @@ static ncclResult_t launch_now(struct batch *b) {
         .nchannels = coll ? COLL_CHANNELS : P2P_CHANNELS, .api = k->api, .group = handles[n + g]};
     k->task = handles[i] = ncpu_prof_task_start(c->prof_ctx, &t);
   }
-  ncclResult_t res = ncpu_dev_enqueue(batch_run, b);
+  ncclResult_t res = ncpu_dev_enqueue(b->calls[0].stream, batch_run, b);   /* the first call's stream */
   for (int i = 0; i < 2 * n; i++) ncpu_prof_stop(handles[i]);
   free(handles);
   free(comms);

@@ -82,14 +82,14 @@ const char *ncpu_thread_error(void);
 uint64_t ncpu_mix(uint64_t x);
 uint64_t ncpu_hash_id(const ncclUniqueId *id);
 
-/* nccl_dev.c: work runs on the device (INGERO_LAB_DEVICE=gpu: its thread, in order;
- * cpu: in the calling thread, at once). A work function gets cancelled = 1
+/* nccl_dev.c: work runs on the device (INGERO_LAB_DEVICE=gpu: on a stream's thread,
+ * in order; cpu: in the calling thread, at once). A work function gets cancelled = 1
  * after an earlier item failed: it must only free its argument. */
 typedef ncclResult_t (*ncpu_work_fn)(void *arg, int cancelled);
 ncclResult_t ncpu_dev_check(void);           /* a bad INGERO_LAB_DEVICE: ncclInvalidArgument */
 int ncpu_dev_async(void);
-ncclResult_t ncpu_dev_enqueue(ncpu_work_fn fn, void *arg);
-ncclResult_t ncpu_dev_sync(void);            /* waits for what was enqueued; the sticky error */
+ncclResult_t ncpu_dev_enqueue(void *stream, ncpu_work_fn fn, void *arg);   /* stream: cudaStream_t */
+ncclResult_t ncpu_dev_sync(void);            /* waits for what every stream was given; the sticky error */
 uint64_t ncpu_dev_raw(void);                 /* CLOCK_MONOTONIC_RAW, ns */
 uint64_t ncpu_dev_timer(uint64_t raw);       /* the GPU timer at that raw time */
 

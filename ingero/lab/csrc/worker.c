@@ -18,9 +18,11 @@
  *
  * The device (lab_device.h, INGERO_LAB_DEVICE): on the CPU device (default)
  * kernels and NCCL calls run when they are called; on the GPU-like one
- * (gpu) they are enqueued on the device's stream and the host runs ahead until
- * the step's synchronisation; there a checkpoint is written after it (the
- * model state has to come off the device first). INGERO_LAB_NONBLOCKING=1:
+ * (gpu) they are enqueued on device streams (compute on the default stream,
+ * each communicator's calls on a stream of its own, as PyTorch's process
+ * groups: issue, joined) and the host runs ahead until the step's
+ * synchronisation; there a checkpoint is written after it (the model state has
+ * to come off the device first). INGERO_LAB_NONBLOCKING=1:
  * every communicator is non-blocking (ncclConfig_t.blocking = 0, PyTorch's
  * TORCH_NCCL_USE_COMM_NONBLOCKING): A and B are created with
  * ncclCommInitRankConfig, splits pass the config, and after each call that
@@ -94,7 +96,7 @@ static void settle(ncclResult_t r, const char *what, ncclComm_t comm) {
 
 /* The step's synchronisation point: the host waits for the device to drain. */
 static void step_sync(void) {
-  ncclResult_t r = labStreamSynchronize(NULL);
+  ncclResult_t r = labDeviceSynchronize();
   if (r != ncclSuccess) {
     char msg[512];
     snprintf(msg, sizeof msg, "%s (%s)", ncclGetErrorString(r), ncclGetLastError(NULL));
@@ -103,6 +105,34 @@ static void step_sync(void) {
 }
 
 static void compute(double ms) { nccl_check(labLaunchKernel(ms, NULL), "labLaunchKernel", NULL); }
+
+/* Streams, as PyTorch's ProcessGroupNCCL has them: compute runs on the default stream
+ * (NULL), each communicator's calls on a stream of its own. A call is issued on its
+ * communicator's stream after that stream waits for the compute enqueued so far
+ * (issue); a synchronous call's result is used by later compute, which waits for the
+ * communicator's stream (joined: work.wait()); an asynchronous one (async_op=True) is
+ * joined later, so it runs beside what comes between. */
+static struct { ncclComm_t comm; cudaStream_t stream; } g_streams[16];
+static int g_nstreams;
+
+static cudaStream_t stream_of(ncclComm_t comm) {
+  for (int i = 0; i < g_nstreams; i++)
+    if (g_streams[i].comm == comm) return g_streams[i].stream;
+  if (g_nstreams == 16) die(3, "more than 16 communicators%s%s", "", "");
+  cudaStream_t s;
+  nccl_check(labStreamCreate(&s), "labStreamCreate", NULL);
+  g_streams[g_nstreams].comm = comm;
+  g_streams[g_nstreams++].stream = s;
+  return s;
+}
+
+static cudaStream_t issue(ncclComm_t comm) {
+  cudaStream_t s = stream_of(comm);
+  nccl_check(labStreamWaitStream(s, NULL), "labStreamWaitStream", NULL);
+  return s;
+}
+
+static void joined(ncclComm_t comm) { nccl_check(labStreamWaitStream(NULL, stream_of(comm)), "labStreamWaitStream", NULL); }
 
 static long env_long(const char *name, long def) {
   const char *v = getenv(name);
@@ -613,8 +643,10 @@ static void stop_finish(struct stopper *s) {
  *                   exchanges of one iteration (forward and backward, both
  *                   neighbours) in one group. Needs M a multiple of P.
  * Then, as Megatron's distributed optimizer and finalize_model_grads do: the
- * data-parallel reduce-scatter of the gradients, the embedding all-reduce
- * (stages 0 and P-1), the data-parallel all-gather of the parameters. No
+ * data-parallel reduce-scatter of the gradients and the embedding all-reduce
+ * (stages 0 and P-1), issued asynchronously (on the GPU-like device they run
+ * side by side on their communicators' streams) and both waited for, then the
+ * data-parallel all-gather of the parameters. No
  * collective spans every rank in a step: the stop decision goes through the
  * store (stop_begin_step / stop_end_step). Compute per step is
  * INGERO_LAB_COMPUTE_MS split 1:2 over forward and backward (a sleep, the
@@ -681,6 +713,7 @@ static void xadd(struct xch *x, int send, int peer, size_t slot) {
 /* Runs an exchange: one group (batch_isend_irecv), or each call on its own (gpipe). */
 static void exchange(struct pipe *j, const struct xch *x) {
   if (x->n == 0) return;
+  cudaStream_t st = issue(j->PP);
   if (j->grouped) nccl_check(ncclGroupStart(), "ncclGroupStart", j->PP);
   for (int i = 0; i < x->n; i++) {
     size_t s = x->op[i].slot;
@@ -688,15 +721,16 @@ static void exchange(struct pipe *j, const struct xch *x) {
     if (x->op[i].send) {
       float *b = j->acts + s * j->act_n, v = block_tag(j->step, s, j->p);
       for (size_t e = 0; e < j->act_n; e++) b[e] = v;
-      r = ncclSend(b, j->act_n, ncclFloat32, x->op[i].peer, j->PP, NULL);
+      r = ncclSend(b, j->act_n, ncclFloat32, x->op[i].peer, j->PP, st);
     } else {
       j->want[s] = block_tag(j->step, s, x->op[i].peer);
-      r = ncclRecv(j->actr + s * j->act_n, j->act_n, ncclFloat32, x->op[i].peer, j->PP, NULL);
+      r = ncclRecv(j->actr + s * j->act_n, j->act_n, ncclFloat32, x->op[i].peer, j->PP, st);
     }
     if (j->grouped) nccl_check(r, x->op[i].send ? "ncclSend" : "ncclRecv", j->PP);
     else settle(r, x->op[i].send ? "ncclSend" : "ncclRecv", j->PP);
   }
   if (j->grouped) settle(ncclGroupEnd(), "ncclGroupEnd", j->PP);
+  joined(j->PP);
 }
 
 /* A forward (pass 0) or backward (pass 1) of one virtual microbatch: compute, tensor all-reduce. */
@@ -705,7 +739,8 @@ static void pass_compute(struct pipe *j, long vm, int pass) {
   if (j->T < 2) return;
   float *tb = j->tpb + slot_of(j, vm, pass) * j->tp_n;
   for (size_t i = 0; i < j->tp_n; i++) tb[i] = (float)(j->t + 1);
-  settle(ncclAllReduce(tb, tb, j->tp_n, ncclFloat32, ncclSum, j->TP, NULL), "ncclAllReduce(tensor)", j->TP);
+  settle(ncclAllReduce(tb, tb, j->tp_n, ncclFloat32, ncclSum, j->TP, issue(j->TP)), "ncclAllReduce(tensor)", j->TP);
+  joined(j->TP);
 }
 
 static void run_gpipe(struct pipe *j) {
@@ -871,39 +906,45 @@ static float fsdp_value(long step, int pass, int i, int sh) {
 /* A layer's parameters all-gathered over the shard group: two tensors, coalesced
  * (torch.distributed's coalescing: one ncclGroupStart/End, one launch). */
 static void fsdp_gather(struct pipe *j, struct fsdp *f, int l, int pass) {
+  cudaStream_t st = issue(f->SH);
   nccl_check(ncclGroupStart(), "ncclGroupStart", f->SH);
   for (int i = 0; i < 2; i++) {
     size_t b = ((size_t)l * 2 + (size_t)pass) * 2 + (size_t)i;
     float *in = f->shard + b * f->n, v = fsdp_value(j->step, pass, i, f->sh);
     for (size_t e = 0; e < f->n; e++) in[e] = v;
-    nccl_check(ncclAllGather(in, f->full + b * f->n * (size_t)f->S, f->n, ncclFloat32, f->SH, NULL),
+    nccl_check(ncclAllGather(in, f->full + b * f->n * (size_t)f->S, f->n, ncclFloat32, f->SH, st),
                "ncclAllGather(fsdp)", f->SH);
   }
   settle(ncclGroupEnd(), "ncclGroupEnd", f->SH);
+  joined(f->SH);
 }
 
 /* A layer's gradients reduce-scattered over the shard group (two, coalesced); HSDP: the
  * reduced shards all-reduced over the replicate group. */
 static void fsdp_reduce(struct pipe *j, struct fsdp *f, int l) {
   size_t full = f->n * (size_t)f->S;
+  cudaStream_t st = issue(f->SH);
   nccl_check(ncclGroupStart(), "ncclGroupStart", f->SH);
   for (int i = 0; i < 2; i++) {
     float *in = f->gin + ((size_t)l * 2 + (size_t)i) * full;
     for (size_t e = 0; e < full; e++) in[e] = (float)(f->sh + 1 + j->step % 3);
     nccl_check(ncclReduceScatter(in, f->gout + ((size_t)l * 2 + (size_t)i) * f->n, f->n, ncclFloat32, ncclSum,
-                                 f->SH, NULL), "ncclReduceScatter(fsdp)", f->SH);
+                                 f->SH, st), "ncclReduceScatter(fsdp)", f->SH);
   }
   settle(ncclGroupEnd(), "ncclGroupEnd", f->SH);
+  joined(f->SH);
   if (f->REP) {
     float *g = f->gout + (size_t)l * 2 * f->n;
-    settle(ncclAllReduce(g, g, 2 * f->n, ncclFloat32, ncclSum, f->REP, NULL), "ncclAllReduce(replicate)", f->REP);
+    settle(ncclAllReduce(g, g, 2 * f->n, ncclFloat32, ncclSum, f->REP, issue(f->REP)), "ncclAllReduce(replicate)",
+           f->REP);
+    joined(f->REP);
   }
 }
 
 /* One FSDP step: the forward layer by layer (gather, compute, tensor all-reduce), then the
  * backward in reverse (gather again: the parameters were resharded after the forward;
- * compute; tensor all-reduce; reduce the gradients). No prefetch: the lab's device has
- * one stream, so a gather runs before its layer's compute, not beside the previous one. */
+ * compute; tensor all-reduce; reduce the gradients). No prefetch: a gather runs before its
+ * layer's compute (the compute waits for it), not beside the previous layer's. */
 static void run_fsdp(struct pipe *j, struct fsdp *f) {
   for (int l = 0; l < f->L; l++) {
     fsdp_gather(j, f, l, 0);
@@ -1045,14 +1086,16 @@ static int run_layout(const char *spec, int world, int node, int local_rank, con
     else run_interleaved(&j);
     if (D > 1 && !fsdp) {   /* the distributed optimizer: gradients reduce-scattered over the stage's replicas */
       for (size_t i = 0; i < dp_n; i++) dps[i] = (float)(d + 1);
-      settle(ncclReduceScatter(dps, dpr, dp_n / D, ncclFloat32, ncclSum, DP, NULL), "ncclReduceScatter", DP);
+      settle(ncclReduceScatter(dps, dpr, dp_n / D, ncclFloat32, ncclSum, DP, issue(DP)), "ncclReduceScatter", DP);
     }
     if (EMB) {     /* the tied embedding's gradients, first and last stage */
       for (size_t i = 0; i < emb_n; i++) emb[i] = (float)(p == 0 ? 1 : 2);
-      settle(ncclAllReduce(emb, emb, emb_n, ncclFloat32, ncclSum, EMB, NULL), "ncclAllReduce(embedding)", EMB);
+      settle(ncclAllReduce(emb, emb, emb_n, ncclFloat32, ncclSum, EMB, issue(EMB)), "ncclAllReduce(embedding)", EMB);
     }
+    if (D > 1 && !fsdp) joined(DP);   /* both ran side by side; the optimizer step needs them */
+    if (EMB) joined(EMB);
     if (D > 1 && !fsdp)     /* and the updated parameters all-gathered */
-      settle(ncclAllGather(dpr, dpg, dp_n / D, ncclFloat32, DP, NULL), "ncclAllGather", DP);
+      settle(ncclAllGather(dpr, dpg, dp_n / D, ncclFloat32, DP, issue(DP)), "ncclAllGather", DP);
     step_sync();
     if (mb > 0 && g_async) checkpoint(io_dir, g_rank, mb, junk, junk_len);
     for (size_t s = 0; s < slots; s++) {
@@ -1182,17 +1225,22 @@ int main(void) {
     float base = (float)(step % 5);
     for (long i = 0; i < elems - 1; i++) send[i] = (float)(g_rank + 1) * (float)(i % 7 + 1) + base;
     send[elems - 1] = g_rank == 0 ? (float)stop : 0.0f;
-    settle(ncclAllReduce(send, recv, elems, ncclFloat32, ncclSum, A, NULL), "ncclAllReduce", A);
+    settle(ncclAllReduce(send, recv, elems, ncclFloat32, ncclSum, A, issue(A)), "ncclAllReduce", A);
+    joined(A);
     for (size_t i = 0; i < ag_n; i++) ag_in[i] = (float)g_rank;
-    settle(ncclAllGather(ag_in, ag_out, ag_n, ncclFloat32, B, NULL), "ncclAllGather", B);
-    settle(ncclReduceScatter(send, rs_out, rs_n, ncclFloat32, ncclMax, C, NULL), "ncclReduceScatter", C);
+    settle(ncclAllGather(ag_in, ag_out, ag_n, ncclFloat32, B, issue(B)), "ncclAllGather", B);
+    joined(B);
+    settle(ncclReduceScatter(send, rs_out, rs_n, ncclFloat32, ncclMax, C, issue(C)), "ncclReduceScatter", C);
     for (size_t i = 0; i < bc_n; i++) bc[i] = rC == 0 ? (float)step : -1.0f;
-    settle(ncclBroadcast(bc, bc, bc_n, ncclFloat32, 0, C, NULL), "ncclBroadcast", C);
+    settle(ncclBroadcast(bc, bc, bc_n, ncclFloat32, 0, C, issue(C)), "ncclBroadcast", C);
+    joined(C);
     for (size_t i = 0; i < p2p_n; i++) p2p_out[i] = (float)g_rank;
+    cudaStream_t sa = issue(A);
     nccl_check(ncclGroupStart(), "ncclGroupStart", A);
-    nccl_check(ncclSend(p2p_out, p2p_n, ncclFloat32, next, A, NULL), "ncclSend", A);
-    nccl_check(ncclRecv(p2p_in, p2p_n, ncclFloat32, prev, A, NULL), "ncclRecv", A);
+    nccl_check(ncclSend(p2p_out, p2p_n, ncclFloat32, next, A, sa), "ncclSend", A);
+    nccl_check(ncclRecv(p2p_in, p2p_n, ncclFloat32, prev, A, sa), "ncclRecv", A);
     settle(ncclGroupEnd(), "ncclGroupEnd", A);
+    joined(A);
     if (newer_colls && newer_collectives(A, g_rank, world, step) != 0) return 4;  /* [probes] */
     step_sync();
     if (mb > 0 && g_async) checkpoint(io_dir, g_rank, mb, junk, junk_len);
