@@ -21,6 +21,7 @@ by side gives its steps back; read as one sequence per rank, the overlap becomes
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import duckdb
 import numpy as np
@@ -34,6 +35,7 @@ from ingero.analysis.replay import measure, replay
 from ingero.readonly_sql import open_source
 
 MS = 1_000_000
+FIXTURES = Path(__file__).parent / "fixtures"
 COLS = ("event_id", "node", "pid", "global_rank", "rank", "nranks", "comm_hash", "seq", "op", "peer",
         "device_start_ns", "device_end_ns", "unfinished", "group_id", "stream", "timestamp_ns")
 
@@ -150,13 +152,18 @@ def test_a_coalesced_launch_alone_replays_to_the_measured_step():
     assert err > 0.1          # each collective its own event: the shared interval counted twice
 
 
+def host_calls(con) -> None:
+    """A host call (nccl_events) per device row, at the row's launch, in the same process."""
+    con.execute("INSERT INTO nccl_events (event_id, node, pid, global_rank, rank, op, ret, timestamp_ns, "
+                "duration_ns, comm_id_hash, seq) SELECT event_id, node, pid, global_rank, rank, op, 0, timestamp_ns, "
+                "20000, comm_hash, seq FROM nccl_profiler_events")
+
+
 def with_host_calls(tr: Trace, extra: list[tuple] = ()) -> duckdb.DuckDBPyConnection:
     """`tr`'s database with a host call (nccl_events) per device row, at the row's launch, in
     the same process; and `extra` host calls: (rank, op, timestamp_ns)."""
     con = tr.db()
-    con.execute("INSERT INTO nccl_events (event_id, node, pid, global_rank, rank, op, ret, timestamp_ns, "
-                "duration_ns, comm_id_hash, seq) SELECT event_id, node, pid, global_rank, rank, op, 0, timestamp_ns, "
-                "20000, comm_hash, seq FROM nccl_profiler_events")
+    host_calls(con)
     con.executemany("INSERT INTO nccl_events (event_id, node, pid, global_rank, rank, op, ret, timestamp_ns, "
                     "duration_ns, comm_id_hash, seq) VALUES (?, ?, ?, ?, 0, ?, 0, ?, 20000, 2457, ?)",
                     [(len(tr.rows) + 1 + i, f"node-{r // 2}", 1000 + r, r, op, t, i) for i, (r, op, t) in enumerate(extra)])
@@ -252,3 +259,29 @@ def test_concurrent_streams_replay_to_the_measured_step_and_one_sequence_per_ran
     m = measure(ev)
     one = replay(ev, m.w, m.x)
     assert tl.step_ns(one.e) > 1.04 * measured       # the overlap counted as waiting: 5.9% and 16% here
+
+
+def test_a_kept_lab_trace_on_concurrent_streams_replays_to_its_step_and_keeps_its_verdict():
+    """The lab's 3D job (tp=2, pp=2, dp=2, 1F1B, --device gpu --profiler, 40 steps, rank 1 slow):
+    its device rows as the plugin recorded them (fixtures/lab-3d-gpu), a host call at each launch.
+    Each step's reduce-scatter and embedding all-reduce ran side by side on their streams."""
+    con = duckdb.connect()
+    schema.create_all(con)
+    for t in ("nccl_profiler_events", "ranks"):
+        src = FIXTURES / "lab-3d-gpu" / f"{t}.parquet"
+        con.execute(f"INSERT INTO {t} BY NAME SELECT * FROM read_parquet('{src}')")
+    host_calls(con)
+    rep, info = analyse_with_replays(con)
+    s = rep.straggler
+    assert rep.timing == "device" and (s.kind, s.rank, s.cause) == ("rank", 1, "compute/unknown"), s
+    tl = info["timeline"]
+    ev = tl.ev
+    measured = tl.step_ns(ev.e)
+    assert (np.diff(ev.prev_ptr) > 1).sum() > 100            # events that follow two streams' ends
+    m = measure(ev)
+    got = replay(ev, m.w, m.x)
+    assert got.stuck_rounds == 0 and tl.step_ns(got.e) == pytest.approx(measured, rel=0.02)
+    ev.prev_ptr = ev.prev_idx = ev.schedule = None
+    m = measure(ev)
+    one = replay(ev, m.w, m.x)                               # one sequence per rank: 23% long, 9 cycles
+    assert one.stuck_rounds > 0 and tl.step_ns(one.e) > 1.1 * measured
