@@ -36,8 +36,12 @@ def measure(ev: Events) -> Measured:
     n = len(ev.a)
     w = np.zeros(n, np.int64)
     if n:
-        ptr, idx = _prev(ev)
-        w = np.maximum(ev.a - _latest(ev.e[idx], ptr, ev.a), 0)       # no previous: anchored
+        if ev.prev_ptr is None:                  # each its rank's previous one
+            w = ev.a - np.r_[0, ev.e[:-1]]
+            w[ev.off[:-1]] = 0                   # a rank's first event: anchored at its arrival
+        else:
+            w = ev.a - _latest(ev.e[ev.prev_idx], ev.prev_ptr, ev.a)   # none: anchored
+        w = np.maximum(w, 0)
     ready = ev.a.copy()
     crit = ev.rank.copy()
     # collectives: the latest member arrival of the instance, and who arrived last (of equal
@@ -115,15 +119,6 @@ class Schedule:
     stuck_rounds: int
 
 
-def _prev(ev: Events) -> tuple[np.ndarray, np.ndarray]:
-    """CSR (ptr, idx) of the events each event follows (none: anchored at its arrival)."""
-    if ev.prev_ptr is not None:
-        return ev.prev_ptr, ev.prev_idx
-    has = np.ones(len(ev.a), bool)
-    has[ev.off[:-1]] = False
-    return np.r_[0, np.cumsum(has)], np.flatnonzero(has) - 1
-
-
 def _latest(v: np.ndarray, ptr: np.ndarray, empty: np.ndarray) -> np.ndarray:
     """Per CSR segment, the largest of `v`; `empty`'s value for an empty one."""
     out = empty.astype(np.int64)
@@ -144,11 +139,18 @@ def schedule(ev: Events) -> Schedule:
     if ev.schedule is not None:
         return ev.schedule
     n = len(ev.a)
-    prev_ptr, prev_idx = _prev(ev)
-    held = np.diff(prev_ptr)                         # previous events not yet completed
-    po = np.argsort(prev_idx, kind="stable")         # who follows each event
-    succ = np.repeat(np.arange(n), held)[po]
-    succ_ptr = np.r_[0, np.cumsum(np.bincount(prev_idx, minlength=n))]
+    one = ev.prev_ptr is None
+    if one:                                          # each event follows its rank's previous one
+        has_next = np.ones(n, bool)
+        has_next[ev.off[1:] - 1] = False
+        new = ev.off[:-1].astype(np.int64)
+    else:
+        prev_ptr, prev_idx = ev.prev_ptr, ev.prev_idx
+        held = np.diff(prev_ptr)                     # previous events not yet completed
+        po = np.argsort(prev_idx, kind="stable")     # who follows each event
+        succ = np.repeat(np.arange(n), held)[po]
+        succ_ptr = np.r_[0, np.cumsum(np.bincount(prev_idx, minlength=n))]
+        new = np.flatnonzero(held == 0)
     has = ev.inst >= 0
     ni = int(ev.inst.max()) + 1 if has.any() else 0
     inst_size = np.bincount(ev.inst[has], minlength=ni)
@@ -165,7 +167,6 @@ def schedule(ev: Events) -> Schedule:
     arrs, gos = [], []
     stuck = 0
     waiting = np.zeros(0, np.int64)
-    new = np.flatnonzero(held == 0)
     k = 0
     while len(new) or len(waiting):
         arrs.append(new)
@@ -188,9 +189,12 @@ def schedule(ev: Events) -> Schedule:
         waiting = cur[~ok]
         gos.append(go)
         go_round[go] = k
-        nxt = succ[_expand(succ_ptr, go)]
-        np.subtract.at(held, nxt, 1)
-        new = np.unique(nxt[held[nxt] == 0])
+        if one:                                 # each event follows its rank's previous one
+            new = go[has_next[go]] + 1
+        else:
+            nxt, cnt = np.unique(succ[_expand(succ_ptr, go)], return_counts=True)
+            held[nxt] -= cnt
+            new = nxt[held[nxt] == 0]
         k += 1
     arr, go = np.concatenate(arrs), np.concatenate(gos)
     arr_ptr = np.r_[0, np.cumsum([len(a) for a in arrs]), n]        # round k + 1 may have none
@@ -199,8 +203,12 @@ def schedule(ev: Events) -> Schedule:
     apos[arr] = np.arange(n)
     gpos = np.empty(n, np.int64)
     gpos[go] = np.arange(n)
-    arr_prev_ptr = np.r_[0, np.cumsum(np.diff(prev_ptr)[arr])]
-    arr_prev_pos = gpos[prev_idx[_expand(prev_ptr, arr)]]
+    if one:
+        arr_prev_ptr = np.r_[np.zeros(len(arrs[0]), np.int64), np.arange(n - len(arrs[0]) + 1)]
+        arr_prev_pos = gpos[arr[len(arrs[0]):] - 1]
+    else:
+        arr_prev_ptr = np.r_[0, np.cumsum(np.diff(prev_ptr)[arr])]
+        arr_prev_pos = gpos[prev_idx[_expand(prev_ptr, arr)]]
     # own segments: the event itself, then its p2p dependencies arrived by its round
     q = np.repeat(np.arange(n), ndeps[go])         # completion index of each dependency, in order
     d = ev.dep_idx[_expand(ev.dep_ptr, go)]

@@ -25,7 +25,7 @@ EPILOG = """examples:
   ingero lab run --layout tp=1,pp=4,dp=2 --schedule interleaved --virtual-stages 2 --microbatches 8
   ingero lab run --layout tp=2,dp=4 --sharding fsdp --layers 4 --scenario slow-rank --victim-rank 5
   ingero lab run --layout dp=8 --nodes 2 --sharding fsdp --replicas 2   # HSDP: 2 shard groups of 4
-  ingero lab run --device gpu --profiler --trace --steps 40   # enqueue on a device stream; device times
+  ingero lab run --device gpu --profiler --trace --steps 40   # enqueue on device streams; device times
   ingero lab run --device gpu --profiler --trace --probes nccl --socket-sndbuf 65536 --scenario slow-link
   ingero lab run --device gpu --nonblocking --scenario slow-rank
   ingero lab run --scenario hang --fault-after 6 --timeout 20 --trace
@@ -84,7 +84,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--compute-ms", type=float, default=40.0, help="compute kernel per step; default 40")
     r.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                    help="cpu: every NCCL call and kernel runs when it is called (default); gpu: they are "
-                   "enqueued on a device stream per rank and each step synchronises with it, as on a GPU")
+                   "enqueued on device streams (compute on one, each communicator on its own, side by side) and "
+                   "each step synchronises with the device, as on a GPU")
     r.add_argument("--nonblocking", action="store_true",
                    help="non-blocking communicators (ncclConfig_t.blocking = 0, as PyTorch's "
                    "TORCH_NCCL_USE_COMM_NONBLOCKING): calls return ncclInProgress and are polled")

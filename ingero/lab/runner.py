@@ -70,7 +70,7 @@ class LabConfig:
     replicas: int = 1              # fsdp: > 1 is HSDP, dp split into this many shard groups
     stage: int = 1                 # slow-stage: the pipeline stage that computes slow_factor times longer
     imbalance: float = 1.0         # imbalance: each rank's per-step compute factor is drawn from [1, 1 + this]
-    device: str = "cpu"            # "gpu": work is enqueued on a device stream per rank (INGERO_LAB_DEVICE)
+    device: str = "cpu"            # "gpu": work is enqueued on device streams (INGERO_LAB_DEVICE)
     nonblocking: bool = False      # non-blocking communicators (ncclConfig_t.blocking = 0)
     elastic: bool = False          # after the steps: shrink the world without a rank, grow it back (worker.c)
     elastic_steps: int = 3         # checked steps on the shrunk and on the grown communicator each
