@@ -285,3 +285,21 @@ def test_a_kept_lab_trace_on_concurrent_streams_replays_to_its_step_and_keeps_it
     m = measure(ev)
     one = replay(ev, m.w, m.x)                               # one sequence per rank: 23% long, 9 cycles
     assert one.stuck_rounds > 0 and tl.step_ns(one.e) > 1.1 * measured
+
+
+def test_an_all_to_all_s_sends_and_receives_are_one_sync_event_that_replays_without_cycles():
+    """NCCL 2.28+ runs an all-to-all as one send and one receive per peer in one kernel: per
+    rank one launch, whose pairs with every peer are its dependencies."""
+    tr = Trace(4, seed=7)
+    for _ in range(6):
+        for r in range(4):
+            tr.compute(r, 2.0 if r != 3 else 2.8)
+        tr.kernel({r: [(op, p, r) for p in range(4) if p != r for op in ("SEND", "RECV")] for r in range(4)},
+                  0.5, comm=0x600)
+    c, _ = load(tr.db(), device=True)
+    ev = events(c)
+    assert [int((ev.rank == r).sum()) for r in range(4)] == [6] * 4
+    assert ev.p2p_pairs == 6 * 12 and ev.unpaired == 0
+    m = measure(ev)
+    got = replay(ev, m.w, m.x)
+    assert got.stuck_rounds == 0 and got.e.tolist() == ev.e.tolist()
