@@ -138,6 +138,8 @@ class Reader:
             except OSError:
                 break
             got = np.frombuffer(raw, NCCL_PROF_PROXY, count=len(raw) // stride)
+            if not len(got):        # the process is gone (its memory reads empty): nothing to read
+                break
             want = np.arange(first, first + len(got), dtype=np.uint64)
             ok = got["seq"] == want
             if not ok.all():        # one being written: stop before it; overwritten ones: lost
