@@ -206,3 +206,18 @@ def test_the_preflight_traces_with_the_agents_privileges_and_a_subset_of_its_mou
     assert [i["name"] for i in pod["initContainers"]] == ["profiler-plugin"]
     pod, _, _ = agent_pod({"agent": {"preflight": {"enabled": False}}, "profilerPlugin": {"enabled": False}})
     assert "initContainers" not in pod
+
+
+def test_the_optional_check_runs_ingero_check_first_with_the_agents_privileges_and_mounts_read_only():
+    pod, _, _ = agent_pod()
+    assert "check" not in [i["name"] for i in pod["initContainers"]]      # off by default
+    pod, c, _ = agent_pod({"agent": {"preflight": {"check": True}}})
+    assert [i["name"] for i in pod["initContainers"]] == ["check", "preflight", "profiler-plugin"]
+    check = pod["initContainers"][0]
+    assert check["image"] == c["image"] and check["args"] == ["check"]
+    assert check["securityContext"] == c["securityContext"]
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert {m["name"] for m in check["volumeMounts"]} == {"tracefs", "cgroup", "modules", "usr-src", "tmp"}
+    for m in check["volumeMounts"]:       # where the agent has them; it only reads
+        assert m["mountPath"] == mounts[m["name"]]["mountPath"], m
+        assert m.get("readOnly", False) is (m["name"] != "tmp"), m
