@@ -10,11 +10,13 @@ PYTEST_ARGS ?=
 # timing tests one after another in one of them (tests/conftest.py, SERIAL), everything else
 # beside them in the other. PYTEST_JOBS=0: one process, as `pytest` alone runs it.
 PYTEST_JOBS ?= 2
-DEB_PACKAGES := python3-bpfcc python3-venv linux-headers-amd64 nftables iproute2 ethtool gcc make libc6-dev kmod procps systemtap-sdt-dev openssl prometheus python3-argcomplete
+DEB_PACKAGES := python3-bpfcc python3-venv linux-headers-amd64 nftables iproute2 ethtool gcc make libc6-dev kmod procps systemtap-sdt-dev openssl prometheus python3-argcomplete \
+	docker.io mmdebstrap
 SCENARIO ?= lossy-link
 DEMO_ARGS ?=
 
-.PHONY: setup system venv lint test test-lab-all test-unit test-bpf demo demo-trace readme-demo bench clean chart-lint e2e
+.PHONY: setup system venv lint test test-lab-all test-unit test-bpf demo demo-trace readme-demo bench clean chart-lint e2e \
+	images release
 
 setup: system venv
 
@@ -71,6 +73,19 @@ demo-trace: setup
 # The Helm chart: rendered and linted by Helm's engine, validated against Kubernetes schemas.
 chart-lint: venv
 	$(PY) -m pytest tests/chart/test_chart_render.py tests/chart/test_crds.py $(PYTEST_ARGS)
+
+# The agent and operator images, tagged with the package version (pyproject.toml), built on a
+# Debian base made here from the mirror: no image registry is asked (scripts/images.sh;
+# IMAGE_REGISTRY=ghcr.io/you prefixes their names, BASE_IMAGE=debian:bookworm-slim pulls one).
+images: system
+	@bash scripts/images.sh
+
+# The release artifacts in out/release: the wheel, the chart package, the krew plugin archive
+# and manifest (scripts/release.py), after the images. RELEASE_URL: where the krew archive
+# will be downloaded from. .github/workflows/release.yml runs it on a version tag and pushes.
+release: venv images
+	$(PY) scripts/release.py build --out out/release $(if $(IMAGE_REGISTRY),--registry $(IMAGE_REGISTRY)) \
+	  $(if $(RELEASE_URL),--url $(RELEASE_URL))
 
 # Images, a kind cluster, `helm install`, a two-pod training job traced with and without a
 # fault. Needs docker (with a daemon), kind and kubectl; skips with the reason otherwise.

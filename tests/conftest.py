@@ -36,11 +36,25 @@ def bpf_reason() -> str | None:
     return None
 
 
+def wait_until(pred, timeout_s: float, what: str, every: float = 0.1):
+    """pred()'s first truthy answer, polled every `every` seconds; an AssertionError naming
+    `what` after timeout_s."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+
+
 # ---- CI means it: with CI=true a skipped suite is a failure --------------------------------
-# The eBPF, lab, cluster, chart and unit suites exist to run in CI (root, bcc, network
-# namespaces, Helm's engine are all there). A machine that lacks one of them would otherwise
-# pass CI green with the suite silently skipped. Only the kind e2e (tests/e2e: docker and kind,
-# which no CI machine of this kind has) may skip.
+# The eBPF, lab, cluster, chart, images and unit suites exist to run in CI (root, bcc, network
+# namespaces, Helm's engine, a docker daemon the images suite starts are all there). A machine
+# that lacks one of them would otherwise pass CI green with the suite silently skipped. Only
+# the kind e2e (tests/e2e: kind, which no CI machine of this kind has) may skip.
 
 import pytest  # noqa: E402
 
@@ -77,7 +91,8 @@ def pytest_runtest_makereport(item, call):
 
 SERIAL = ("tests/cluster/", "tests/lab/", "tests/bpf/test_lab_", "tests/bpf/test_nccl_profiler.py",
           "tests/bpf/test_sched_probes.py", "tests/bpf/test_ring_wakeups.py", "tests/bpf/test_agent_load.py",
-          "tests/chart/test_rbac.py")    # its recorded flow runs a traced lab job (ingero demo)
+          "tests/chart/test_rbac.py",    # its recorded flow runs a traced lab job (ingero demo)
+          "tests/images/test_lab.py")    # a traced lab job with the agent and operator images
 
 
 def _where(item) -> str:

@@ -68,6 +68,7 @@ class DemoConfig:
     operator_args: tuple[str, ...] = ("--standalone",)   # e.g. ("--peering", NAME) with extra_crds
     extra_crds: tuple[Path, ...] = ()      # more CRDs the embedded API server serves
     metrics_out: Path | None = None        # save the operator's and agents' /metrics here (see Demo.save_scrapes)
+    images: dict = field(default_factory=dict)   # "agent"/"operator" -> image: run it with docker (container_argv)
 
 
 DATA_MAX_BYTES = 1 << 30      # each agent's data folder cap, as the DaemonSet sets one (agent.dataMaxBytes)
@@ -135,6 +136,12 @@ class Demo:
             # its artifact server through the API server's service proxy
             self.cluster.create(f"/api/v1/namespaces/{objs.SYSTEM_NS}/pods", objs.operator_pod(artifact_port))
             self.cluster.create(f"/api/v1/namespaces/{objs.SYSTEM_NS}/services", objs.operator_service())
+            if self.cfg.images.get("operator"):
+                # its container's user reads its kubeconfig and CA in the folder and writes the
+                # merged traces in artifacts/
+                os.chmod(self.out, os.stat(self.out).st_mode | 0o011)
+                (self.out / "artifacts").mkdir(exist_ok=True)
+                os.chown(self.out / "artifacts", OPERATOR_UID, OPERATOR_UID)
             self._start("operator", [sys.executable, "-m", "ingero", "operator", "run", *self.cfg.operator_args,
                                      "--namespace", objs.SYSTEM_NS, "--artifacts", str(self.out / "artifacts"),
                                      "--metrics-port", str(self.metrics_port), "--metrics-address", "127.0.0.1",
@@ -156,8 +163,11 @@ class Demo:
         if extra_env is not None:
             self.extra_env[name] = extra_env
         # Each component with its own identity, as its service account in a cluster.
-        env = dict(os.environ, KUBECONFIG=str(self.cluster.kubeconfig_as(objs.identity(name))),
-                   **self.extra_env.get(name, {}))
+        own = dict(KUBECONFIG=str(self.cluster.kubeconfig_as(objs.identity(name))), **self.extra_env.get(name, {}))
+        env = dict(os.environ, **own)
+        image = self.cfg.images.get(name.split("-")[0])
+        if image:
+            argv = container_argv(self.container(name), image, name.split("-")[0], argv[3:], own, self.out)
         with open(self.out / "logs" / f"{name}.log", "ab") as f:
             proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, cwd=REPO, start_new_session=True)
@@ -332,6 +342,7 @@ class Demo:
             self.log(f"demo: killing {name}")
             self.procs[name].kill()
             self.procs[name].wait()
+            self._remove_container(name)
 
         def restart(name):
             self.log(f"demo: starting {name} again")
@@ -380,6 +391,14 @@ class Demo:
         cols = [c for c in cols if not c.get("priority")]      # what `kubectl get` shows without -o wide
         return self.kubectl("get", "tracesessions", "-o", custom_columns(cols)).stdout
 
+    # ---- components in containers (cfg.images) -----------------------------------------
+    def container(self, name: str) -> str:
+        return f"ingero-demo-{self.lab.run_id}-{name}"
+
+    def _remove_container(self, name: str) -> None:
+        if self.cfg.images.get(name.split("-")[0]):
+            subprocess.run(["docker", "rm", "-f", self.container(name)], capture_output=True, timeout=60)
+
     # ---- tear-down -------------------------------------------------------------------
     def close(self) -> None:
         # The operator first (it must not see its agents go), then every agent at once.
@@ -395,11 +414,40 @@ class Demo:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+        for name in list(self.procs):
+            self._remove_container(name)
         self.procs.clear()
         if self.lab is not None:
             self.lab.close()
         if self.cluster is not None:
             self.cluster.stop()
+
+
+# The agent's capabilities in its container: the chart's (templates/_agent_security.tpl) where
+# docker knows them by name; docker 20.10 does not know BPF and PERFMON, which SYS_ADMIN holds.
+AGENT_CAPS = ("SYS_ADMIN", "SYS_PTRACE")
+# The agent's host mounts, as the chart's DaemonSet has them: (host path, read-only).
+AGENT_MOUNTS = (("/sys/kernel/tracing", False), ("/sys/fs/cgroup", True), ("/lib/modules", True),
+                ("/usr/src", True))
+OPERATOR_UID = 65532      # Dockerfile.operator's USER
+
+
+def container_argv(name: str, image: str, component: str, args: list[str], env: dict[str, str],
+                   out: Path) -> list[str]:
+    """`docker run` of `ingero ARGS` from `image` as the chart runs that component: the host's
+    network (the demo's API server and agents listen on loopback), a read-only root with a
+    /tmp, the demo's folder at its own path (certificates, kubeconfigs, data); the agent as root
+    with the host's PIDs, its capabilities and host mounts, the operator as the image's user."""
+    argv = ["docker", "run", "--rm", "--init", "--name", name, "--network", "host", "--read-only",
+            "--tmpfs", "/tmp", "-v", f"{out}:{out}"]
+    for k, v in sorted(env.items()):
+        argv += ["-e", f"{k}={v}"]
+    if component == "agent":
+        argv += ["--pid", "host", "--user", "0", "--cap-drop", "ALL",
+                 "-e", "HOME=/tmp"]      # bcc's and DuckDB's scratch files (the chart's HOME)
+        argv += [a for cap in AGENT_CAPS for a in ("--cap-add", cap)]
+        argv += [a for path, ro in AGENT_MOUNTS for a in ("-v", f"{path}:{path}{':ro' if ro else ''}")]
+    return [*argv, image, *args]
 
 
 # The name the chart's default install puts in the agents' certificate (release "ingero").
@@ -459,6 +507,9 @@ def add_parser(sub):
                    help="a rank whose peers stop answering fails its NCCL call after this; default 60 (hang: 20)")
     add_job_shape_args(p)
     p.add_argument("--out", type=Path, default=Path("out/demo"), help="default out/demo")
+    p.add_argument("--agent-image", metavar="IMAGE", help="run the agents from this image with docker, as the "
+                   "chart's DaemonSet would (`make images` builds it)")
+    p.add_argument("--operator-image", metavar="IMAGE", help="run the operator from this image with docker")
     p.add_argument("--metrics-out", type=Path, default=None, metavar="DIR",
                    help="save the operator's and each agent's /metrics every 2 s while the job runs, and once "
                         "with the verdict in, as DIR/t<seconds>-<operator|agent-NODE>.prom "
@@ -501,7 +552,8 @@ def run(args) -> int:
                      ranks_per_node=ranks_per_node(args), out=args.out, loss_percent=args.loss_percent,
                      victim_rank=args.victim_rank, hogs=args.hogs, background_load=args.background_load,
                      shape=job_shape(args), metrics_out=args.metrics_out, attach_late_s=args.attach_late,
-                     nccl_timeout_s=args.timeout)
+                     nccl_timeout_s=args.timeout,
+                     images={k: v for k, v in (("agent", args.agent_image), ("operator", args.operator_image)) if v})
     old = signal.signal(signal.SIGTERM, _interrupt)
     try:
         with Demo(cfg, log=lambda m: print(m, flush=True)) as demo:
