@@ -65,6 +65,7 @@ class DemoConfig:
     crd: Path = REPO / "crds" / "tracesession.yaml"
     example: Path = REPO / "examples" / "tracesession.yaml"
     timeout_s: float = 180.0               # for the session to complete after the ranks exit
+    attach_timeout_s: float = 90.0         # for every agent to compile and attach its probes (bcc, on the node)
     operator_args: tuple[str, ...] = ("--standalone",)   # e.g. ("--peering", NAME) with extra_crds
     extra_crds: tuple[Path, ...] = ()      # more CRDs the embedded API server serves
     metrics_out: Path | None = None        # save the operator's and agents' /metrics here (see Demo.save_scrapes)
@@ -272,7 +273,7 @@ class Demo:
         nodes = len(self.lab.nodes)
         self.wait_for(lambda s: s.get("phase") in TERMINAL or (
             s.get("phase") == "Running" and sum(n.get("state") == "running" for n in s.get("nodes", [])) == nodes),
-            90, "the agents to attach their probes")
+            self.cfg.attach_timeout_s, "the agents to attach their probes")
         res.timings["tracing_ready"] = time.monotonic() - t0
         if self.cfg.attach_late_s is None:
             self.lab.start_ranks()
