@@ -18,7 +18,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import pytest
 
 from ingero import schema
 from ingero.readonly_sql import open_source
-from tests.conftest import bpf_reason
+from tests.conftest import bpf_reason, wait_until
 
 pytestmark = pytest.mark.bpf
 REPO = Path(__file__).resolve().parents[2]
@@ -42,16 +41,6 @@ def _call(port: int, method: str, path: str, body=None) -> dict:
                                  headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as resp:
         return json.loads(resp.read())
-
-
-def _wait(pred, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -86,14 +75,14 @@ def flow(tmp_path_factory):
                 agents[node.name] = {"proc": proc, "port": port, "segments": data / "sessions" / sid / "segments",
                                      "ready": ready}
             for name, a in agents.items():     # started side by side, then each waited for
-                _wait(lambda: a["ready"].exists() or a["proc"].poll() is not None, 30, f"agent {name}")
+                wait_until(lambda: a["ready"].exists() or a["proc"].poll() is not None, 30, f"agent {name}")
                 assert a["proc"].poll() is None, (out / f"agent-{name}.log").read_text()
             for node in lab.nodes:
                 pods = json.loads(lab.pods_file(node).read_text())["pods"]
                 _call(agents[node.name]["port"], "POST", "/v1/sessions",
                       {"session_id": sid, "pods": pods, "nccl_lib": str(lab.binaries.libnccl)})
             for name, a in agents.items():
-                _wait(lambda: _call(a["port"], "GET", f"/v1/sessions/{sid}")["state"] == "running", 90,
+                wait_until(lambda: _call(a["port"], "GET", f"/v1/sessions/{sid}")["state"] == "running", 90,
                       f"probes attached on {name}")
             lab.start_ranks()
             codes = lab.wait()
@@ -104,7 +93,7 @@ def flow(tmp_path_factory):
         for a in agents.values():        # stop every node's tracer, then wait until each has
             _call(a["port"], "POST", f"/v1/sessions/{sid}/stop", {})   # written everything and exited
         for name, a in agents.items():
-            _wait(lambda: _call(a["port"], "GET", f"/v1/sessions/{sid}")["exit_code"] is not None, 60,
+            wait_until(lambda: _call(a["port"], "GET", f"/v1/sessions/{sid}")["exit_code"] is not None, 60,
                   f"the tracer on {name} to exit")
 
         async def gather():   # as the operator gathers: clock offsets, then every segment

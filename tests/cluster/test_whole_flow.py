@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.cluster import verdict
-from tests.conftest import background_load, bpf_reason
+from tests.cluster import prometheus, verdict
+from tests.conftest import background_load, bpf_reason, wait_until
 
 pytestmark = pytest.mark.bpf
 SECONDS = 10.0
@@ -41,8 +41,10 @@ def _skip_reason() -> str | None:
     return None
 
 
-def run_flow(out: Path, scenario: str, before=None, **kw) -> dict:
-    """One whole flow; returns the final status, timings, lab facts and kubectl outputs."""
+def run_flow(out: Path, scenario: str, before=None, after=None, **kw) -> dict:
+    """One whole flow; returns the final status, timings, lab facts and kubectl outputs.
+    before(demo) runs before the session is applied, after(demo, what before returned) once it
+    completed (the operator and agents still up); their results are "extra" and "after"."""
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
@@ -62,7 +64,8 @@ def run_flow(out: Path, scenario: str, before=None, **kw) -> dict:
                # what `make demo` prints: report.json through the service proxy (kubectl-ingero on PATH)
                "plugin_report": demo.kubectl("ingero", "report", "lab-job", check=False),
                "wait": res.kubectl_wait,    # `kubectl wait --for=condition=Completed`, started with the session
-               "crd": yaml.safe_load(cfg.crd.read_text())}
+               "crd": yaml.safe_load(cfg.crd.read_text()),
+               "after": after(demo, extra) if after else None}
     print(f"{scenario}: timings {json.dumps(res.timings)}")
     return got
 
@@ -159,7 +162,32 @@ def test_a_session_whose_selector_finds_no_pod_fails_with_reason_no_pods_after_i
 
 @pytest.fixture(scope="module")
 def lossy(tmp_path_factory):
-    return run_flow(tmp_path_factory.mktemp("lossy"), "lossy-link")
+    """The lossy-link flow, scraped by a real Prometheus with the chart's rules."""
+    started = []
+
+    def start_prometheus(demo):
+        if prometheus.reason() is None:
+            started.append(prometheus.Prometheus(demo.out / "prometheus", demo.metrics_port,
+                                                 sorted(demo.agent_metrics_ports.values())))
+
+    try:
+        return run_flow(tmp_path_factory.mktemp("lossy"), "lossy-link", before=start_prometheus,
+                        after=lambda demo, _: started and prometheus_after(started[0]))
+    finally:
+        for prom in started:
+            prom.close()
+
+
+def prometheus_after(prom) -> dict:
+    """Once the session completed: when StragglerDetected last fired, what it fired with, and
+    every series name Prometheus stored with its type."""
+    wait_until(lambda: not prom.alerts("StragglerDetected"), 30, "StragglerDetected to resolve", every=0.25)
+    now = time.time()
+    fired = prom.api("query_range", query='ALERTS{alertname="StragglerDetected",alertstate="firing"}',
+                     start=now - 600, end=now, step=1)["result"]
+    return {"fired": [s["metric"] for s in fired], "firing_samples": sum(len(s["values"]) for s in fired),
+            "last_firing": max((float(v[0]) for s in fired for v in s["values"]), default=None),
+            "names": prom.api("label/__name__/values"), "metadata": prom.api("metadata")}
 
 
 def test_lossy_link_names_the_victim_node_with_network_cause_and_retransmit_evidence(lossy):
@@ -259,6 +287,37 @@ def test_the_dashboard_and_alert_metrics_exist_in_a_real_scrape_of_the_operator_
     assert "ingero_straggler_saving_ratio{" not in final
     assert 'ingero_verdict{name="lab-job",namespace="default",verdict="straggler"} 1.0' in final
     assert 'ingero_sessions{phase="Completed"} 1.0' in final
+
+
+def test_a_real_prometheus_fires_straggler_detected_during_the_fault_and_resolves_it_after(lossy):
+    """Prometheus scraping the operator and the agents every second with the chart's rules: the
+    alert fired while the job ran, naming the straggler's pod and cause, and resolved within
+    seconds of Completed; every ingero series it stored follows the naming guide."""
+    from tests.unit.test_metrics_naming import NOT_BASE_UNITS
+
+    if prometheus.reason():
+        pytest.skip(prometheus.reason())
+    from ingero_operator.status import parse_iso
+
+    got, s = lossy["after"], lossy["status"]["straggler"]
+    assert got["firing_samples"] > 0, "StragglerDetected never fired"
+    resolved_s = got["last_firing"] - parse_iso(lossy["status"]["endTime"]).timestamp()
+    print(f"prometheus: StragglerDetected firing in {got['firing_samples']} evaluations, the last "
+          f"{resolved_s:+.1f} s from Completed; {len(got['names'])} series names")
+    assert {(m["pod"], m["cause"], m["kind"], m["severity"]) for m in got["fired"]} == {
+        (s["pod"], "network", "rank", "warning")}, got["fired"]
+    assert resolved_s < 5, resolved_s      # evaluated every second: resolved within seconds
+    names = {n for n in got["names"] if n.startswith("ingero_")}
+    assert {"ingero_build_info", "ingero_straggler_saving_ratio", "ingero_agent_events_total"} <= names, names
+    problems = [f"{n}: not in base units" for n in names if NOT_BASE_UNITS.search(n)]
+    problems += [f"{n}: a _created series" for n in names if n.endswith("_created")]
+    for family, meta in got["metadata"].items():
+        kinds = {m["type"] for m in meta}
+        if "counter" in kinds and family in names and not family.endswith("_total"):
+            problems.append(f"{family}: a counter without _total")
+        if "gauge" in kinds and family.endswith("_total"):
+            problems.append(f"{family}: a gauge named like a counter")
+    assert not problems, problems
 
 
 @pytest.mark.extended      # CI: the 3D job's cpu-hog (tests/bpf/test_lab_cpu_hog.py) and the GPU-like one
