@@ -8,6 +8,12 @@
 #                   pulled from Docker Hub)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# One build at a time per machine (the images suite's two pytest workers both ask): a second
+# caller waits, then finds everything cached.
+lock=${INGERO_CACHE:-$HOME/.cache/ingero}/images/.lock
+mkdir -p "${lock%/*}"
+exec 9>"$lock"
+flock 9
 version=$(/usr/bin/python3 scripts/release.py version)
 bash scripts/docker-daemon.sh
 base=${BASE_IMAGE:-$(bash scripts/base-image.sh)}
