@@ -2,7 +2,7 @@
  *
  * Mirrored field by field, member by member (whole unions, so the sizes match)
  * from NVIDIA/nccl at commit 5067397c2676d5aed50042fc39e5c8ee96eb0027
- * (NCCL 2.30.7, "Merge nccl4py v0.3.1 release to master", 2026-06-11):
+ * (NCCL 2.30.7, "Merge nccl4py v0.3.1 release to master"):
  *   src/include/plugin/nccl_profiler.h         event types, event states
  *   src/include/plugin/profiler/profiler_v4.h  (first in NCCL 2.27.3)
  *   src/include/plugin/profiler/profiler_v5.h  (first in NCCL 2.28.3)

