@@ -44,6 +44,7 @@ stay unknown and are left out, with a warning.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -75,107 +76,145 @@ def communicators(con, tbl: pa.Table, ops: list[str], warnings: list[str]) -> pa
     unknown communicator given the identity its group recovers, or left out."""
     if tbl.num_rows == 0 or "ptr" not in tbl.column_names:
         return tbl
-    comm = tbl.column("comm").fill_null(0).to_numpy().astype(np.uint64)
     unknown = unknown_comm(tbl, ops)
     if not unknown.any():             # every call's communicator is known: the common case
         return tbl
-    ptr = tbl.column("ptr").fill_null(0).to_numpy().astype(np.uint64)
-    opname = np.asarray(tbl.column("op").to_pylist(), dtype=object)
-    grank = tbl.column("grank").fill_null(-1).to_numpy().astype(np.int64)
-    usable = unknown & (ptr != 0) & (grank >= 0)
-    idx = np.flatnonzero(usable)
-    node = np.asarray(tbl.column("node").to_pylist(), dtype=object)
-    pid = tbl.column("pid").fill_null(0).to_numpy().astype(np.int64)
+    cols = _Cols.of(tbl)
     handles: dict[tuple, list[int]] = {}
-    for i in idx.tolist():
-        handles.setdefault((node[i], int(pid[i]), int(ptr[i])), []).append(i)
-    t, d = _group_times(opname, grank, tbl.column("t").to_numpy().astype(np.int64),
-                        tbl.column("d").to_numpy().astype(np.int64))
-    seq = tbl.column("seq").fill_null(0).to_numpy().astype(np.int64)
-    p2p = np.isin(opname, ("SEND", "RECV"))
-    callkey = _call_keys(opname, tbl.column("cnt").fill_null(-1).to_numpy().astype(np.int64),
-                         np.asarray(tbl.column("dtype").to_pylist(), dtype=object))
-    sym = np.isin(opname, SYMMETRIC)
-    hs = [_Handle(k, np.asarray(rows), grank[rows[0]], t, d, seq, callkey, p2p, sym)
+    for i in np.flatnonzero(unknown & (cols.ptr != 0) & (cols.grank >= 0)).tolist():
+        handles.setdefault(cols.handle(i), []).append(i)
+    p2p, sym = np.isin(cols.opname, ("SEND", "RECV")), np.isin(cols.opname, SYMMETRIC)
+    hs = [_Handle(k, np.asarray(rows), cols.grank[rows[0]], cols.t, cols.d, cols.seq, cols.callkey, p2p, sym)
           for k, rows in handles.items()]
     groups, pairs, blocking = _group([h for h in hs if len(h.coll) >= MIN_CALLS])
-    peer = tbl.column("peer").fill_null(-1).to_numpy().astype(np.int64)
-    count = tbl.column("cnt").fill_null(-1).to_numpy().astype(np.int64)
     groups += _p2p_groups([h for h in hs if len(h.coll) < MIN_CALLS and len(h.send_recv) >= MIN_CALLS],
-                          opname, peer, count, t, d)
-
-    new_comm, new_seq = comm.copy(), seq.copy()
-    crank = tbl.column("crank").fill_null(-1).to_numpy().astype(np.int64)
-    keep = ~unknown | (grank < 0)       # calls without a rank: calls.load leaves them out and says so
-    cut = np.zeros(len(keep), bool)      # calls whose partners the trace had not reached yet
-    guessed = np.zeros(len(keep), bool)  # calls of groups too unsure to use
-    lines, guesses, recovered_ranks = [], [], set()
+                          cols.opname, cols.peer, cols.count, cols.t, cols.d)
+    fix = _Fix(cols, unknown)
     for g in groups:
+        fix.apply(g, pairs, blocking)
+    fix.warn(warnings)
+    if fix.recovered_ranks:
+        _device_note(con, sorted(fix.recovered_ranks), warnings)
+    return fix.table(tbl)
+
+
+@dataclass
+class _Cols:
+    """The columns of calls.load's rows that recovery reads, as arrays."""
+
+    comm: np.ndarray
+    ptr: np.ndarray
+    opname: np.ndarray
+    grank: np.ndarray
+    crank: np.ndarray
+    node: np.ndarray
+    pid: np.ndarray
+    seq: np.ndarray
+    peer: np.ndarray
+    count: np.ndarray
+    callkey: np.ndarray
+    t: np.ndarray             # group calls' times: the group's (`_group_times`)
+    d: np.ndarray
+
+    @classmethod
+    def of(cls, tbl: pa.Table) -> _Cols:
+        def ints(name: str, null: int, dtype=np.int64) -> np.ndarray:
+            return tbl.column(name).fill_null(null).to_numpy().astype(dtype)
+
+        def objs(name: str) -> np.ndarray:
+            return np.asarray(tbl.column(name).to_pylist(), dtype=object)
+
+        opname, grank, count = objs("op"), ints("grank", -1), ints("cnt", -1)
+        t, d = _group_times(opname, grank, tbl.column("t").to_numpy().astype(np.int64),
+                            tbl.column("d").to_numpy().astype(np.int64))
+        return cls(comm=ints("comm", 0, np.uint64), ptr=ints("ptr", 0, np.uint64), opname=opname, grank=grank,
+                   crank=ints("crank", -1), node=objs("node"), pid=ints("pid", 0), seq=ints("seq", 0),
+                   peer=ints("peer", -1), count=count, callkey=_call_keys(opname, count, objs("dtype")), t=t, d=d)
+
+    def handle(self, i: int) -> tuple:
+        """The handle of call `i`: (node, pid, communicator pointer)."""
+        return self.node[i], int(self.pid[i]), int(self.ptr[i])
+
+
+class _Fix:
+    """The recovered identities, applied group by group, and what was left out."""
+
+    def __init__(self, cols: _Cols, unknown: np.ndarray):
+        self.cols, self.unknown = cols, unknown
+        self.comm, self.seq, self.crank = cols.comm.copy(), cols.seq.copy(), cols.crank.copy()
+        self.keep = ~unknown | (cols.grank < 0)   # calls without a rank: calls.load leaves them out and says so
+        self.cut = np.zeros(len(self.keep), bool)      # calls whose partners the trace had not reached yet
+        self.guessed = np.zeros(len(self.keep), bool)  # calls of groups too unsure to use
+        self.lines: list[str] = []
+        self.guesses: list[str] = []
+        self.recovered_ranks: set = set()
+
+    def apply(self, g: _Group, pairs: dict, blocking: bool) -> None:
+        """Give the group's calls its synthetic id, ranks and aligned seq numbers, or leave
+        them out when its confidence is under MIN_CONF."""
+        c, seq, cut = self.cols, self.cols.seq, self.cut
         members = sorted(g.members, key=lambda h: h.grank)
         cid = _synthetic_id(members)
-        if g.crank is None:
-            order = {h.grank: i for i, h in enumerate(members)}
-        else:
-            order = {h.grank: g.crank[h] for h in members}
+        order = {h.grank: i for i, h in enumerate(members)} if g.crank is None else \
+            {h.grank: g.crank[h] for h in members}
         aligned = [h for h in members if len(h.coll) and h in g.base]   # (send/receive groups: none)
         firsts = [int(seq[h.coll].min()) + g.base[h] for h in aligned]
         base, full = min(firsts, default=0), max(firsts, default=0)   # full: first instance all were traced in
         for h in members:
-            new_comm[h.rows] = cid
-            crank[h.rows] = order[h.grank]
-            keep[h.rows] = True
+            self.comm[h.rows] = cid
+            self.crank[h.rows] = order[h.grank]
+            self.keep[h.rows] = True
             if h in aligned:
-                new_seq[h.coll] = seq[h.coll] + g.base[h] - base
-                cut[h.coll[new_seq[h.coll] < full - base]] = True
+                self.seq[h.coll] = seq[h.coll] + g.base[h] - base
+                cut[h.coll[self.seq[h.coll] < full - base]] = True
             else:
                 cut[h.coll] = True    # a stray collective or two on a send/receive handle: unaligned
-        fit = _p2p_fit(members, opname, peer, order, t, d, cut)
-        if g.crank is not None:
-            conf = g.sep * fit
-        else:
-            conf = g.agree * (1.0 if g.forced else _separation(g, pairs, blocking)) * fit
+        fit = _p2p_fit(members, c.opname, c.peer, order, c.t, c.d, cut)
+        conf = g.sep * fit if g.crank is not None else \
+            g.agree * (1.0 if g.forced else _separation(g, pairs, blocking)) * fit
         if conf < MIN_CONF:
             for h in members:
-                keep[h.rows] = cut[h.rows] = False
-                guessed[h.rows] = True
-            guesses.append(f"{_ranks(order)} ({conf:.2f})")
-            continue
+                self.keep[h.rows] = cut[h.rows] = False
+                self.guessed[h.rows] = True
+            self.guesses.append(f"{_ranks(order)} ({conf:.2f})")
+            return
         unproven = g.crank is None and not blocking
         if unproven:
             conf = min(conf, ENQUEUED_CONF)
-        recovered_ranks.update(order)
+        self.recovered_ranks.update(order)
         how = "call sequences" if g.crank is None else "send/receive pairs"
-        lines.append(f"communicator {cid:#018x}: recovered from {how}, {len(members)} ranks "
-                     f"({_ranks(order)}), confidence {conf:.2f}"
-                     + ("" if fit == 1.0 else f" (its sends and receives fit the rank order at {fit:.2f})")
-                     + (" (calls only enqueue work: look-alike communicators with the same sequence, "
-                        "e.g. one per node, cannot be told apart by time)" if unproven else ""))
-    warnings += lines[:8]
-    if len(lines) > 8:
-        warnings.append(f"{len(lines) - 8} more communicators recovered from their calls")
-    if guesses:
-        warnings.append(f"{int(guessed.sum())} calls on {len(guesses)} groups of handles whose calls agree were left "
-                        f"out: handles outside them matched nearly as well (ranks {'; '.join(guesses[:8])}; "
-                        f"confidence below {MIN_CONF})")
-    if cut.any():
-        warnings.append(f"{int(cut.sum())} calls on recovered communicators made before every member was "
-                        "traced were left out (the probes reached the ranks at different times)")
-    lost = unknown & ~keep & ~guessed
-    if lost.any():
-        lost_h = {(node[i], int(pid[i]), int(ptr[i])) for i in np.flatnonzero(lost).tolist()}
-        who = sorted({int(grank[i]) for i in np.flatnonzero(lost).tolist() if grank[i] >= 0})
-        warnings.append(f"{int(lost.sum())} calls on {len(lost_h)} communicators created before tracing "
-                        f"began matched no other rank's calls and were left out"
-                        + (f" (ranks {_ranks(who)})" if who else "")
-                        + ": trace every rank of the job, or start tracing before the job")
-    if recovered_ranks:
-        _device_note(con, sorted(recovered_ranks), warnings)
-    out = tbl
-    for name, arr in (("comm", new_comm), ("seq", new_seq), ("crank", crank)):
-        j = out.column_names.index(name)
-        out = out.set_column(j, name, pa.array(arr, type=out.schema.field(name).type))
-    keep &= ~cut
-    return out.filter(pa.array(keep)) if not keep.all() else out
+        self.lines.append(f"communicator {cid:#018x}: recovered from {how}, {len(members)} ranks "
+                          f"({_ranks(order)}), confidence {conf:.2f}"
+                          + ("" if fit == 1.0 else f" (its sends and receives fit the rank order at {fit:.2f})")
+                          + (" (calls only enqueue work: look-alike communicators with the same sequence, "
+                             "e.g. one per node, cannot be told apart by time)" if unproven else ""))
+
+    def warn(self, warnings: list[str]) -> None:
+        warnings += self.lines[:8]
+        if len(self.lines) > 8:
+            warnings.append(f"{len(self.lines) - 8} more communicators recovered from their calls")
+        if self.guesses:
+            warnings.append(f"{int(self.guessed.sum())} calls on {len(self.guesses)} groups of handles whose calls "
+                            f"agree were left out: handles outside them matched nearly as well (ranks "
+                            f"{'; '.join(self.guesses[:8])}; confidence below {MIN_CONF})")
+        if self.cut.any():
+            warnings.append(f"{int(self.cut.sum())} calls on recovered communicators made before every member was "
+                            "traced were left out (the probes reached the ranks at different times)")
+        lost = np.flatnonzero(self.unknown & ~self.keep & ~self.guessed).tolist()
+        if lost:
+            who = sorted({int(self.cols.grank[i]) for i in lost if self.cols.grank[i] >= 0})
+            warnings.append(f"{len(lost)} calls on {len({self.cols.handle(i) for i in lost})} communicators created "
+                            f"before tracing began matched no other rank's calls and were left out"
+                            + (f" (ranks {_ranks(who)})" if who else "")
+                            + ": trace every rank of the job, or start tracing before the job")
+
+    def table(self, tbl: pa.Table) -> pa.Table:
+        out = tbl
+        for name, arr in (("comm", self.comm), ("seq", self.seq), ("crank", self.crank)):
+            j = out.column_names.index(name)
+            out = out.set_column(j, name, pa.array(arr, type=out.schema.field(name).type))
+        keep = self.keep & ~self.cut
+        return out.filter(pa.array(keep)) if not keep.all() else out
 
 
 def unknown_comm(tbl: pa.Table, ops: list[str]) -> np.ndarray:
