@@ -29,7 +29,7 @@ from ingero.analysis.replay import measure
 from ingero.analysis.stats import (add_network, add_offcpu, rank_rows, rdma_ports, retransmits, robust_z,
                                    runqueue_tails)
 from ingero.analysis.steps import own_per_rank, timeline, wait_per_rank
-from ingero.analysis.verdict import decide, rdma_notes
+from ingero.analysis.verdict import Decision, decide, rdma_notes
 
 __all__ = ["Hang", "RankRow", "Report", "Straggler", "analyse", "robust_z"]
 
@@ -46,17 +46,15 @@ def analyse(con, slow_collective_ms: float | None = None) -> Report:
     return analyse_with_replays(con, slow_collective_ms)[0]
 
 
-def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[Report, dict]:
-    """analyse, and what the verdict worked on: {"timeline", "base" (the measured step
-    replayed), "named" (the named or best candidate, its replay in extra["replay"])};
-    empty when there was no step to judge."""
+def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[Report, Decision | None]:
+    """analyse, and what the verdict worked on (None when there was no step to judge)."""
     device, why = device_timing(con)
     cov = coverage(con)
     if not device and cov.calls == cov.dropped:     # no call to place: nothing to key a rank's row by
         # (a job that hung before the trace began made no call since: its threads show the hang)
         return Report(ranks=[], straggler=None, step_ms=0.0, collectives=0, retransmits=len(retransmits(con)[0]),
                       warnings=[why] if why else [], cannot_judge=judge(cov, [], None).cannot_judge,
-                      hang=find_hang(con)), {}
+                      hang=find_hang(con)), None
     c, warnings = load(con, device=device)
     if why:
         warnings.append(why)
@@ -71,17 +69,16 @@ def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[
         warnings.append("NCCL calls return before their collectives complete (a GPU: host time is enqueue "
                         "time); timing is host-side only and the network is not judged from host windows. "
                         "Load Ingero's NCCL profiler plugin for device times (docs/tracing.md)")
-    add_network(c, rows, retx[0], retx[1], windows=timing != "host-enqueue")
+    add_network(c, rows, retx.ts, retx.rank, windows=timing != "host-enqueue")
     add_proxy_waits(con, rows)
     # judged for a lossy link: retransmits on connections that leave their node (inside a node
     # there is no wire to lose a segment on: a receiver that does not drain its socket, e.g.
     # starved of CPU, makes its local peer retransmit), and none from host windows
-    wire = ~retx[3] if timing != "host-enqueue" else np.zeros(len(retx[0]), bool)
-    judged_retx = (retx[0][wire], retx[1][wire], [n for n, k in zip(retx[2], wire) if k], int(retx[3].sum()))
+    wire = ~retx.local if timing != "host-enqueue" else np.zeros(len(retx.ts), bool)
     add_offcpu(con, rows)
     rdma = rdma_ports(con)
     warnings += rdma_notes(rdma)
-    total_retx = len(retx[0])
+    total_retx = len(retx.ts)
     collectives = sum(r.collectives for r in rows.values())
     if ev.unpaired:
         warnings.append(f"{ev.unpaired} send/recv calls have no matching call on their peer "
@@ -100,7 +97,7 @@ def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[
     scope = judge(cov, placed, None if tl is None else placed if tl.covered is None else tl.covered)
     report.cannot_judge, report.covered_ranks = scope.cannot_judge, scope.covered
     if report.cannot_judge:
-        return report, {}
+        return report, None
     if cov.dropped:
         warnings.append(f"{cov.dropped:,} of {cov.calls:,} NCCL calls cannot be placed, and the verdict does "
                         f"not weigh them: {cov.why_dropped()}")
@@ -115,24 +112,23 @@ def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[
     for r, s in tl.stage_of.items():
         if r in rows:
             rows[r].stage = s
-    straggler, info = decide(c, tl, rows, judged_retx, traced_ns, runqueue_tails(con),
-                             rdma=rdma if timing != "host-enqueue" else None,
-                             proxy=proxy_sends(con) if timing != "host-enqueue" else None)
-    if info.get("stuck_rounds"):
-        warnings.append(f"the replay met {info['stuck_rounds']} cycles in the calls' dependencies "
+    d = decide(tl, rows, retx.only(wire), traced_ns, runqueue_tails(con),
+               rdma=rdma if timing != "host-enqueue" else None, local_retx=int(retx.local.sum()),
+               proxy=proxy_sends(con) if timing != "host-enqueue" else None)
+    if d.base.stuck_rounds:
+        warnings.append(f"the replay met {d.base.stuck_rounds} cycles in the calls' dependencies "
                         "(mismatched send/recv?) and released them")
-    base = info["base_step_ns"]
-    report.straggler = straggler
+    base = d.base_step_ns
+    report.straggler = d.straggler
     report.mean_step_ms = base / 1e6
-    best = info.get("best")
-    report.best_saving_pct = round(info.get("best_saving_pct", 0.0), 2)
-    report.best_candidate = best.label if best else None
-    if straggler is not None:
-        report.predicted_step_ms = (base / 1e6) - straggler.saving_ms_per_step
-    elif best is not None:
-        report.predicted_step_ms = (base - best.saving_ns) / 1e6
-    log.debug("candidates: %s", info.get("candidates"))
-    return report, {"timeline": tl, "base": info.get("base_replay"), "named": info.get("named") or best}
+    report.best_saving_pct = round(d.best_saving_pct, 2)
+    report.best_candidate = d.best.label if d.best else None
+    if d.straggler is not None:
+        report.predicted_step_ms = (base / 1e6) - d.straggler.saving_ms_per_step
+    elif d.best is not None:
+        report.predicted_step_ms = (base - d.best.saving_ns) / 1e6
+    log.debug("candidates: %s", [(k.label, k.saving_ns) for k in d.candidates])
+    return report, d
 
 
 def host_synchronous(ev, min_spread_ns: int = 100_000, min_instances: int = 10) -> bool:

@@ -17,6 +17,7 @@ from html import escape
 import numpy as np
 
 from ingero.analysis.coverage import ranks_text
+from ingero.analysis.verdict import Decision
 
 OWN, WAIT, XFER = "#4c72b0", "#e3e3e3", "#55a868"
 ROW, GAP, LEFT, WIDTH = 14, 2, 118, 980
@@ -58,11 +59,12 @@ def _panel(title: str, segs: dict, lo: int, span: int, y0: int, named: set, stag
     return out
 
 
-def step_svg(report, ctx: dict, step: int | None = None) -> tuple[str, str]:
-    """(SVG text, one-line summary) of `step` (default: the middle whole step)."""
-    tl, base, named = ctx.get("timeline"), ctx.get("base"), ctx.get("named")
-    if tl is None or base is None:
+def step_svg(report, d: Decision | None, step: int | None = None) -> tuple[str, str]:
+    """(SVG text, one-line summary) of `step` (default: the middle whole step); `d`: what the
+    verdict worked on (`analyse_with_replays`)."""
+    if d is None:
         raise ValueError(f"no step to draw: {report.cannot_judge or 'the trace holds no step'}")
+    tl, base, named = d.timeline, d.base, d.shown
     steps = tl.steps
     k = steps // 2 if step is None else step
     if not 0 <= k < steps:
@@ -70,7 +72,7 @@ def step_svg(report, ctx: dict, step: int | None = None) -> tuple[str, str]:
     m = tl.m
     lo, hi = tl.step_bounds(base.e, k)
     panels = [("measured", _segments(tl, base.a, base.e, m.x, lo, hi), lo, hi)]
-    rep_fix = (named.extra.get("replay") if named is not None else None)
+    rep_fix = named.whatif if named is not None else None
     who = set(named.ranks) if named is not None and named.kind != "spread" else set()
     if rep_fix is not None:
         fixed, x = rep_fix

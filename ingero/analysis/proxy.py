@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import duckdb
 import numpy as np
 
-from ingero.analysis.stats import robust_z
+from ingero.analysis.stats import NetworkHit, robust_z
 
 NET_WAIT_Z = 3.5              # a rank's send wait on the network, an outlier among the ranks' ...
 NET_WAIT_RATIO = 3.0          # ... and >= 3x the others' median (lab slow-link sender: 2.1-7.1x the
@@ -92,10 +92,10 @@ def proxy_sends(con) -> ProxySends | None:
     return ProxySends(*(np.asarray(c, np.int64) for c in cols), comms=comm_transports(con))
 
 
-def proxy_network(tl, rows: dict, sends: ProxySends | None):
+def proxy_network(tl, rows: dict, sends: ProxySends | None) -> NetworkHit | None:
     """The rank (or node) whose sends wait on the network far beyond the other ranks', from
     NCCL's own proxy steps alone (no TCP probe: NET/IB has none), as verdict's network rules
-    return it: (node, events hit, evidence, score, that rank, that rank alone?).
+    return it.
 
     Only sends to a rank on another node count (`_across_nodes`): a transfer inside a node
     has no wire, and an inter-node transfer takes longer than an intra-node one without any
@@ -141,12 +141,12 @@ def proxy_network(tl, rows: dict, sends: ProxySends | None):
     single = len(named) == 1 or len(node_ranks) == 1
     who = f"rank {r}" if len(named) == 1 else "ranks " + ", ".join(map(str, sorted(named)))
     their = "its" if len(named) == 1 else "their"
-    why = (f"NCCL's proxy: {who}'s sends waited {sum(total[k] for k in named):.0f} ms on the network "
-           f"(ProxyStep SendWait) vs {peers[r]:.0f} ms per rank at median for the others (z {z[r]:.1f}); "
-           f"{int(slow.sum())} of {int(mine.sum())} of {their} send operations waited over {thr / 1e6:.1f} ms; "
+    lead = (f"NCCL's proxy: {who}'s sends waited {sum(total[k] for k in named):.0f} ms on the network "
+            f"(ProxyStep SendWait) vs {peers[r]:.0f} ms per rank at median for the others (z {z[r]:.1f})")
+    why = (f"{lead}; {int(slow.sum())} of {int(mine.sum())} of {their} send operations waited over {thr / 1e6:.1f} ms; "
            f"transfers with one in flight take {np.median(m.x[hit]) / 1e6:.1f} ms at median vs "
            f"{np.median(clean) / 1e6:.1f} ms without, in {int(hit.sum())} of {int(tl.inwin.sum())} sync events")
-    return node, hit, why, round(z[r], 2), r, single
+    return NetworkHit(node, hit, why, round(z[r], 2), r, single, lead)
 
 
 def _across_nodes(sends: ProxySends, rows: dict) -> ProxySends:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -221,12 +222,41 @@ RETX_BY_RANK = """
     WHERE t.event = 'tcp_retransmit_skb' AND t.timestamp_ns IS NOT NULL"""
 
 
-def retransmits(con) -> tuple[np.ndarray, np.ndarray, list, np.ndarray]:
-    """(timestamps, owning rank or -1, node, inside its node?) of every retransmit, by time."""
+class Retransmits(NamedTuple):
+    """Every retransmit, by time: who owns its connection and whether that stays in one node."""
+
+    ts: np.ndarray            # timestamps, sorted
+    rank: np.ndarray          # the rank owning the connection, -1 where none does
+    node: list                # the node it was seen on
+    local: np.ndarray         # the connection stays inside its node (no wire between its ends)
+
+    def only(self, keep: np.ndarray) -> Retransmits:
+        """The retransmits where `keep` holds."""
+        return Retransmits(self.ts[keep], self.rank[keep], [n for n, k in zip(self.node, keep) if k],
+                           self.local[keep])
+
+
+@dataclass
+class NetworkHit:
+    """A node (or one rank on it) whose link lost or delayed data while transfers were in
+    flight: TCP retransmits and RDMA counters (verdict), NCCL's proxy waits (proxy)."""
+
+    node: str
+    hit: np.ndarray           # per sync event: the loss fell inside its transfer
+    why: str
+    share: float              # its score: the share of the loss on it (the proxy's: its z)
+    rank: int | None          # the rank named for it
+    single: bool              # that rank alone
+    lead: str = ""            # the evidence's first clause, what the loss is (quoted beside a starved rank)
+    rdma: bool = False        # RDMA counters: no TCP timers that a starved rank could fire
+
+
+def retransmits(con) -> Retransmits:
+    """Every retransmit of the trace, by time."""
     rows = con.execute(RETX_BY_RANK + " ORDER BY ts").fetchall()
     ts = np.array([r[0] for r in rows], np.int64)
     rk = np.array([-1 if r[1] is None else r[1] for r in rows], np.int64)
-    return ts, rk, [r[2] for r in rows], np.array([bool(r[3]) for r in rows], bool)
+    return Retransmits(ts, rk, [r[2] for r in rows], np.array([bool(r[3]) for r in rows], bool))
 
 
 def add_network(c: Calls, rows: dict, ts: np.ndarray, rk: np.ndarray, windows: bool = True) -> None:
@@ -263,10 +293,17 @@ def add_offcpu(con, rows: dict) -> None:
                 rows[grank].offcpu_waits[reason] = int(n)
 
 
-def runqueue_tails(con) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(rank, start, end) of the runnable tail of every recorded off-CPU interval: the wait for
-    a CPU that ends it (the whole interval for a preempted thread). Only the intervals over
-    the tracer's threshold are events; rank -1 where the process has none."""
+class RunqTails(NamedTuple):
+    """The runnable tail of each recorded off-CPU interval: the wait for a CPU that ends it."""
+
+    rank: np.ndarray          # -1 where the process has none
+    start: np.ndarray
+    end: np.ndarray
+
+
+def runqueue_tails(con) -> RunqTails:
+    """The runnable tail of every recorded off-CPU interval (the whole interval for a
+    preempted thread). Only the intervals over the tracer's threshold are events."""
     q = """SELECT COALESCE(r.rank, s.rank, -1) AS g, s.timestamp_ns + s.duration_ns AS e, s.runq_ns AS rq
            FROM sched_events s LEFT JOIN (SELECT node, pid, any_value(rank) AS rank
                                           FROM ranks GROUP BY ALL) r
@@ -274,7 +311,7 @@ def runqueue_tails(con) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
            WHERE s.runq_ns > 0 AND s.timestamp_ns IS NOT NULL AND s.duration_ns IS NOT NULL"""
     cols = con.execute(q).fetchnumpy()
     g, e, rq = (np.asarray(cols[k], np.int64) for k in ("g", "e", "rq"))
-    return g, e - rq, e
+    return RunqTails(g, e - rq, e)
 
 
 # RDMA counters that count loss or congestion on a port, as the evidence names them (the

@@ -8,7 +8,7 @@ Judged by the first reason to pass alone it was named cpu-contention in 2 of 3 r
 from __future__ import annotations
 
 from ingero.analysis.model import RankRow
-from ingero.analysis.verdict import _offcpu_cause
+from ingero.analysis.verdict import OwnRunq, _offcpu_cause
 
 MS = 1_000_000
 TRACED = 6_000 * MS
@@ -97,8 +97,8 @@ def _clean_starved_rows() -> dict:
     return _with_waits(rows, {0: 492, 1: 354, 2: 438, 3: 522})
 
 
-def _own(share: float, peers_ms: float = 12.0, excess_ms: float = 9.8, steps: int = 20) -> dict:
-    return {"mine": (peers_ms + share * excess_ms) * MS, "peers": peers_ms * MS, "share": share, "steps": steps}
+def _own(share: float, peers_ms: float = 12.0, excess_ms: float = 9.8, steps: int = 20) -> OwnRunq:
+    return OwnRunq(mine=(peers_ms + share * excess_ms) * MS, peers=peers_ms * MS, share=share, steps=steps)
 
 
 def test_a_rank_waiting_for_a_cpu_inside_its_own_work_is_cpu_contention_below_the_per_wait_test():

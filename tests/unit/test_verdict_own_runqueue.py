@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ingero.analysis.verdict import _own_runq, runq_in_own_work
+from ingero.analysis.verdict import OwnRunq, _own_runq, runq_in_own_work
 
 MS = 1_000_000
 
@@ -51,7 +51,7 @@ def test_a_tail_spanning_two_windows_counts_both_parts_only():
 
 def test_the_share_is_the_excess_wait_over_the_peers_median_per_excess_own_work():
     own = {0: 30 * MS, 1: 10 * MS, 2: 12 * MS, 3: 14 * MS}
-    assert _own_runq(own, 0, 9 * MS, 20) == {"mine": 30 * MS, "peers": 12 * MS, "share": (30 - 12) / 9, "steps": 20}
+    assert _own_runq(own, 0, 9 * MS, 20) == OwnRunq(mine=30 * MS, peers=12 * MS, share=(30 - 12) / 9, steps=20)
     assert _own_runq(own, 0, 0.0, 20) is None
     assert _own_runq(None, 0, 9 * MS, 20) is None
     assert _own_runq({0: 1.0}, 0, 9 * MS, 20) is None

@@ -9,11 +9,12 @@ in the runqueue far longer each time it woke than its peers."""
 from __future__ import annotations
 
 import duckdb
+import numpy as np
 
 from ingero import schema
 from ingero.analysis.model import RankRow
 from ingero.analysis.stats import retransmits
-from ingero.analysis.verdict import Candidate, _starved_behind
+from ingero.analysis.verdict import Candidate, Loss, NetworkHit, _starved_behind
 
 MS = 1_000_000
 
@@ -49,9 +50,9 @@ def _rows(rq: dict, waits: dict) -> dict:
 
 
 def _net(saving_ms: float) -> Candidate:
-    return Candidate("network", [2, 3], saving_ms * MS, "node b", cause="network",
-                     why="200 of 230 retransmits inside transfers are on b's connections; more",
-                     extra={"node": "b", "replay": None})
+    loss = Loss(200, 230, "b", 3, 150)
+    hit = NetworkHit("b", np.zeros(0, bool), f"{loss.text()}; more", 0.87, 3, False, lead=loss.text())
+    return Candidate("network", [2, 3], saving_ms * MS, "node b", cause="network", why=hit.why, net=hit)
 
 
 def test_a_rank_starved_each_time_it_wakes_takes_the_network_verdict():
@@ -75,8 +76,6 @@ def test_a_starved_rank_whose_wait_is_too_small_to_explain_the_network_fix_does_
 
 
 def test_a_starved_ranks_what_if_shortens_the_transfers_it_takes_part_in_and_no_others():
-    import numpy as np
-
     from ingero.analysis.calls import Events
     from ingero.analysis.replay import Measured
     from ingero.analysis.steps import Timeline
