@@ -17,7 +17,7 @@ SCENARIO ?= lossy-link
 DEMO_ARGS ?=
 
 .PHONY: setup system venv lint test test-lab-all test-unit test-bpf demo demo-trace readme-demo bench clean chart-lint e2e \
-	images test-images release
+	images test-images release mutation
 
 setup: system venv
 
@@ -105,6 +105,11 @@ e2e: setup
 
 bench: setup
 	$(PY) -m bench.run_all
+
+# Mutation score of the verdict against its hand-built unit tests (mutmut; slow, not in CI):
+# scripts/mutation.sh says how to run some mutants only.
+mutation: venv
+	VENV=$(VENV) scripts/mutation.sh
 
 clean:
 	rm -rf $(VENV) out build *.egg-info
