@@ -264,3 +264,38 @@ def test_a_second_off_cpu_reason_is_said_beside_the_first():
     assert cause == "cpu-contention"
     assert why.endswith("; also 400 ms off-CPU in io wait vs a peer median of 110 ms (3.6x its peers', against "
                         "5.5x for runqueue)")
+
+
+def test_a_rank_starved_behind_the_retransmits_takes_the_network_fixs_saving_and_replay():
+    from ingero.analysis.verdict import Loss, NetworkHit, OwnWork, WhatIf
+
+    rows = _rq_rows({0: 335, 1: 300, 2: 235, 3: 2331}, {0: 31, 1: 40, 2: 89, 3: 23})
+    j = SimpleNamespace(rows=rows, tl=SimpleNamespace(steps=40), traced_ns=TRACED, own={3: 50 * MS},
+                        peers_own={3: 52 * MS})
+    loss = Loss(200, 230, "b", 2, 150)
+    net = _cand("network", 20.0, ranks=(2, 3), cause="network")
+    net.net = NetworkHit("b", np.zeros(0, bool), loss.text(), 0.87, 2, False, loss)
+    net.whatif = WhatIf(None, np.zeros(0, np.int64))
+    k = _against_network(j, net, [])
+    assert (k.label, k.score, k.whatif, k.own) == ("rank 3", 39.14, net.whatif, OwnWork(50 * MS, 52 * MS))
+    assert k.why == ("it spent 2331 ms waiting in the runqueue vs a peer median of 300 ms (z 39.1), 50.8 ms/step "
+                     "more, 13.5x its peers' wait each time it came back from off-CPU; the transfers slowed with "
+                     "retransmits in flight on b's connections (200 of 230 retransmits inside transfers are on b's "
+                     "connections (rank 2 owns 150)) are what a rank answering late causes without any loss: fixing "
+                     "them would save 20.0 ms/step, and a lossy link leaves its ranks on CPU")
+    assert _against_network(SimpleNamespace(**{**vars(j), "tl": SimpleNamespace(steps=0)}), net, []) is net
+    net.saving_ns = 102 * MS                                              # its 50.8 ms/step: under half of it
+    assert _against_network(j, net, []) is net
+
+
+def test_runqueue_wait_inside_its_own_work_is_said_with_its_figures():
+    from ingero.analysis.verdict import OwnRunq
+
+    rows = _rq_rows({0: 851, 1: 354, 2: 438, 3: 522}, {0: 492, 1: 354, 2: 438, 3: 522})    # 1.7x per wait
+    own = OwnRunq(mine=32.58 * MS, peers=12 * MS, share=2.1, steps=20)
+    cause, why = _offcpu_cause(rows, 0, 196 * MS, TRACED, own)
+    assert (cause, why) == ("cpu-contention", "it spent 32.6 ms/step waiting for a CPU inside its own work vs a peer "
+                            "median of 12.0 ms, 210% of its excess own work (851 ms of runqueue wait in all vs 438 ms, "
+                            "1.7x its peers' per off-CPU interval)")
+    assert _offcpu_cause(rows, 0, 196 * MS, TRACED, own._replace(share=0.5))[0] == "cpu-contention"
+    assert _offcpu_cause(rows, 0, 196 * MS, TRACED, own._replace(share=0.49))[0] == "compute/unknown"
