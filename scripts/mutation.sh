@@ -3,7 +3,7 @@
 # tests, with mutmut (PyPI). Slow (each mutant reruns the tests that reach the mutated
 # function), so no part of CI: `make mutation` (every mutant), or
 # `scripts/mutation.sh 'ingero.analysis.verdict.x__arbitrate__mutmut_*' ...` for some;
-# then `mutmut results` / `mutmut show NAME` in $WORK/src with $WORK/venv/bin/mutmut.
+# then `results` / `show NAME` the same way in $WORK/src (the last line below).
 #
 # mutmut imports the mutated copy from $WORK/mutants by putting it first on sys.path; the
 # editable install's import finder would still map `ingero` to this tree, so the run happens
@@ -22,11 +22,11 @@ py=$(readlink -f "$VENV/bin/python")
 
 rm -rf "$WORK/src"
 mkdir -p "$WORK/src/tests/unit"
-if [ ! -x "$WORK/venv/bin/mutmut" ]; then
+if [ ! -x "$WORK/venv/bin/python" ]; then
     "$py" -m venv "$WORK/venv"
     echo "$site" > "$("$WORK/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/deps.pth"
-    "$WORK/venv/bin/python" -m pip install -q mutmut
 fi
+"$WORK/venv/bin/python" -c 'import mutmut' 2>/dev/null || "$WORK/venv/bin/python" -m pip install -q mutmut
 cp -r "$ROOT/ingero" "$ROOT/bench" "$WORK/src/"
 cp "$ROOT/tests/__init__.py" "$ROOT/tests/conftest.py" "$WORK/src/tests/"
 for t in $TESTS; do cp "$ROOT/tests/unit/$t.py" "$WORK/src/tests/unit/"; done
@@ -35,4 +35,4 @@ find "$WORK/src" -name __pycache__ -prune -exec rm -rf {} +
   printf '\n[tool.mutmut]\nsource_paths = ["ingero/analysis/verdict.py"]\nalso_copy = ["ingero", "bench"]\n'
   printf 'pytest_add_cli_args_test_selection = ["tests/unit"]\n'; } > "$WORK/src/pyproject.toml"
 cd "$WORK/src"
-"$WORK/venv/bin/mutmut" run --max-children "${MUTATION_JOBS:-2}" "$@"
+"$WORK/venv/bin/python" -c 'from mutmut.__main__ import cli; cli()' run --max-children "${MUTATION_JOBS:-2}" "$@"
