@@ -12,7 +12,8 @@ from ingero.analysis.model import RankRow
 from ingero.analysis.replay import Measured
 from ingero.analysis.stats import Retransmits
 from ingero.analysis.steps import Timeline
-from ingero.analysis.verdict import (Candidate, _against_network, _arbitrate, _network, _offcpu_cause, _role_peers,
+from ingero.analysis.verdict import (Candidate, Loss, NetworkHit, OwnRunq, OwnWork, WhatIf, _against_network,
+                                     _arbitrate, _named, _network, _offcpu_cause, _own_offcpu, _role_peers,
                                      _slow_nodes, _spread_beats)
 
 MS = 1_000_000
@@ -155,21 +156,6 @@ def test_against_the_network_a_rank_with_its_own_io_wait_saving_half_as_much_is_
     assert _against_network(j, net, [_cand("rank", 15.0, ranks=(1,))]) is net     # no off-CPU cause
 
 
-def test_against_the_network_a_rank_starved_behind_its_retransmits_is_the_cause():
-    from ingero.analysis.verdict import Loss, NetworkHit
-
-    # rank 3: 2.3 s in the runqueue in 23 waits (100 ms each) vs peers ~250 ms in 30-89 waits
-    rows = _rq_rows({0: 335, 1: 300, 2: 235, 3: 2331}, {0: 31, 1: 40, 2: 89, 3: 23})
-    j = SimpleNamespace(rows=rows, tl=SimpleNamespace(steps=40), traced_ns=TRACED, own={3: 50 * MS},
-                        peers_own={3: 52 * MS})
-    loss = Loss(200, 230, "b", 2, 150)
-    net = _cand("network", 20.0, ranks=(2, 3), cause="network")
-    net.net = NetworkHit("b", np.zeros(0, bool), loss.text(), 0.87, 2, False, loss)
-    k = _against_network(j, net, [])
-    assert (k.kind, k.ranks, k.cause, k.saving_ns) == ("rank", [3], "cpu-contention", net.saving_ns)
-    assert f"({loss.text()})" in k.why
-
-
 def test_the_network_evidence_holds_its_figures():
     tl, rows = _two_nodes()
     hit = _network(tl, rows, _retx(["a"] * 9 + ["b"]))
@@ -239,8 +225,6 @@ def test_spread_at_its_floor_exactly_and_a_best_fix_at_half_exactly():
 
 
 def test_only_a_rank_has_an_off_cpu_cause_of_its_own():
-    from ingero.analysis.verdict import _own_offcpu
-
     rows = _rq_rows({0: 400, 1: 100, 2: 100, 3: 100}, {0: 10, 1: 10, 2: 10, 3: 10})     # 4x per wait exactly
     assert _own_offcpu(rows, _cand("rank", 9.0, cause="cpu-contention"))
     assert not _own_offcpu(rows, _cand("stage", 9.0, cause="io"))
@@ -248,8 +232,6 @@ def test_only_a_rank_has_an_off_cpu_cause_of_its_own():
 
 
 def test_the_named_candidate_is_the_best_fix_over_the_floor():
-    from ingero.analysis.verdict import _named
-
     j = SimpleNamespace(rows={}, base_step=100 * MS, pct=lambda k: 100.0 * k.saving_ns / (100 * MS))
     spread = _cand("spread", 5.0)
     assert _named(j, _cand("rank", 5.0), spread).kind == "rank"
@@ -267,8 +249,7 @@ def test_a_second_off_cpu_reason_is_said_beside_the_first():
 
 
 def test_a_rank_starved_behind_the_retransmits_takes_the_network_fixs_saving_and_replay():
-    from ingero.analysis.verdict import Loss, NetworkHit, OwnWork, WhatIf
-
+    # rank 3: 2.3 s in the runqueue in 23 waits (100 ms each) vs peers ~250 ms in 30-89 waits
     rows = _rq_rows({0: 335, 1: 300, 2: 235, 3: 2331}, {0: 31, 1: 40, 2: 89, 3: 23})
     j = SimpleNamespace(rows=rows, tl=SimpleNamespace(steps=40), traced_ns=TRACED, own={3: 50 * MS},
                         peers_own={3: 52 * MS})
@@ -277,6 +258,7 @@ def test_a_rank_starved_behind_the_retransmits_takes_the_network_fixs_saving_and
     net.net = NetworkHit("b", np.zeros(0, bool), loss.text(), 0.87, 2, False, loss)
     net.whatif = WhatIf(None, np.zeros(0, np.int64))
     k = _against_network(j, net, [])
+    assert (k.kind, k.ranks, k.cause, k.saving_ns) == ("rank", [3], "cpu-contention", net.saving_ns)
     assert (k.label, k.score, k.whatif, k.own) == ("rank 3", 39.14, net.whatif, OwnWork(50 * MS, 52 * MS))
     assert k.why == ("it spent 2331 ms waiting in the runqueue vs a peer median of 300 ms (z 39.1), 50.8 ms/step "
                      "more, 13.5x its peers' wait each time it came back from off-CPU; the transfers slowed with "
@@ -289,8 +271,6 @@ def test_a_rank_starved_behind_the_retransmits_takes_the_network_fixs_saving_and
 
 
 def test_runqueue_wait_inside_its_own_work_is_said_with_its_figures():
-    from ingero.analysis.verdict import OwnRunq
-
     rows = _rq_rows({0: 851, 1: 354, 2: 438, 3: 522}, {0: 492, 1: 354, 2: 438, 3: 522})    # 1.7x per wait
     own = OwnRunq(mine=32.58 * MS, peers=12 * MS, share=2.1, steps=20)
     cause, why = _offcpu_cause(rows, 0, 196 * MS, TRACED, own)
