@@ -52,8 +52,8 @@ def test_the_node_holding_two_thirds_of_the_retransmits_in_transfers_is_where_th
     tl, rows = _two_nodes()
     hit = _network(tl, rows, _retx(["a"] * 7 + ["b"] * 3))
     assert hit is not None and (hit.node, hit.rank, hit.single) == ("a", 0, True)
-    assert hit.loss.text() == "7 of 10 retransmits inside transfers are on a's connections (rank 0 owns 7)"
-    assert hit.hit.sum() == 14 and hit.why.startswith(hit.loss.text() + "; ")
+    assert hit.lead == "7 of 10 retransmits inside transfers are on a's connections (rank 0 owns 7)"
+    assert hit.hit.sum() == 14 and hit.why.startswith(hit.lead + "; ") and not hit.rdma
     assert _network(tl, rows, _retx(["a"] * 8 + ["b"] * 2)).node == "a"
 
 
@@ -185,9 +185,9 @@ def test_a_node_of_several_ranks_is_named_as_a_node_unless_one_rank_owns_the_los
     assert (hit.rank, hit.single) == (0, True)                            # rank 0 owns all 9
     owners[::2] = 2                                                       # 5 of 9 on rank 2: 56%
     hit = _network(tl, rows, retx._replace(rank=owners))
-    assert (hit.rank, hit.single, hit.loss.owned) == (2, False, 5)
+    assert (hit.rank, hit.single) == (2, False) and hit.lead.endswith("(rank 2 owns 5)")
     hit = _network(tl, rows, retx._replace(rank=np.full(9, -1)))          # no owner known
-    assert (hit.rank, hit.single, hit.loss.owned) == (0, False, None)
+    assert (hit.rank, hit.single) == (0, False)
     assert "owns" not in hit.why
 
 
@@ -255,7 +255,7 @@ def test_a_rank_starved_behind_the_retransmits_takes_the_network_fixs_saving_and
                         peers_own={3: 52 * MS})
     loss = Loss(200, 230, "b", 2, 150)
     net = _cand("network", 20.0, ranks=(2, 3), cause="network")
-    net.net = NetworkHit("b", np.zeros(0, bool), loss.text(), 0.87, 2, False, loss)
+    net.net = NetworkHit("b", np.zeros(0, bool), loss.text(), 0.87, 2, False, lead=loss.text())
     net.whatif = WhatIf(None, np.zeros(0, np.int64))
     k = _against_network(j, net, [])
     assert (k.kind, k.ranks, k.cause, k.saving_ns) == ("rank", [3], "cpu-contention", net.saving_ns)
