@@ -247,8 +247,8 @@ CONCURRENT = {"1f1b": ((2, 2, 2), dict(schedule="1f1b", world=False, dist_opt=Tr
 def test_concurrent_streams_replay_to_the_measured_step_and_one_sequence_per_rank_does_not(tmp_path, shape):
     layout, kw = CONCURRENT[shape]
     pipeline_session(tmp_path, *layout, nodes=2, steps=12, fault="clean", gpu="plugin", streams=True, **kw)
-    _, info = analyse_with_replays(open_source(tmp_path))
-    tl = info["timeline"]
+    _, d = analyse_with_replays(open_source(tmp_path))
+    tl = d.timeline
     ev = tl.ev
     measured = tl.step_ns(ev.e)
     m = measure(ev)
@@ -271,10 +271,10 @@ def test_a_kept_lab_trace_on_concurrent_streams_replays_to_its_step_and_keeps_it
         src = FIXTURES / "lab-3d-gpu" / f"{t}.parquet"
         con.execute(f"INSERT INTO {t} BY NAME SELECT * FROM read_parquet('{src}')")
     host_calls(con)
-    rep, info = analyse_with_replays(con)
+    rep, d = analyse_with_replays(con)
     s = rep.straggler
     assert rep.timing == "device" and (s.kind, s.rank, s.cause) == ("rank", 1, "compute/unknown"), s
-    tl = info["timeline"]
+    tl = d.timeline
     ev = tl.ev
     measured = tl.step_ns(ev.e)
     assert (np.diff(ev.prev_ptr) > 1).sum() > 100            # events that follow two streams' ends
