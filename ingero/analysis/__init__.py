@@ -52,7 +52,7 @@ def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[
     cov = coverage(con)
     if not device and cov.calls == cov.dropped:     # no call to place: nothing to key a rank's row by
         # (a job that hung before the trace began made no call since: its threads show the hang)
-        return Report(ranks=[], straggler=None, step_ms=0.0, collectives=0, retransmits=len(retransmits(con)[0]),
+        return Report(ranks=[], straggler=None, step_ms=0.0, collectives=0, retransmits=len(retransmits(con).ts),
                       warnings=[why] if why else [], cannot_judge=judge(cov, [], None).cannot_judge,
                       hang=find_hang(con)), None
     c, warnings = load(con, device=device)
