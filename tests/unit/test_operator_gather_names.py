@@ -10,7 +10,7 @@ from pathlib import Path
 from aiohttp import web
 
 from ingero_operator.gather import LocalSession, fetch_new
-from tests.unit.test_operator_hostile_agent import agent_at
+from tests.security.test_attack_hostile_agent import agent_at
 
 GOOD = "node-a__s1__0.parquet"
 HOSTILE = ["../../escaped.parquet", "/tmp/abs.parquet", "..parquet", "a/../../b.parquet",
