@@ -19,8 +19,6 @@ CASES = [
     ((1, 4, 2, 2), "1f1b", {"fault": "slow-rank", "victim": 2, "slow": 1.5}),
     ((2, 1, 4, 2), "fsdp", {"fault": "slow-rank", "victim": 6, "slow": 1.6}),
     ((2, 2, 2, 2), "1f1b", {"fault": "cpu-contention", "victim": 3, "slow": 1.7}),
-    ((1, 2, 4, 2), "gpipe", {"fault": "io", "victim": 4, "slow": 1.8}),
-    ((2, 4, 1, 2), "gpipe", {"fault": "slow-stage", "stage_slow": 2, "slow": 1.5}),
     ((2, 2, 4, 4), "1f1b", {"fault": "slow-node", "lossy_node": 1, "slow": 1.5}),
     ((4, 2, 2, 4), "gpipe", {"fault": "network", "lossy_node": 2, "loss_ms": 3.0}),
     ((2, 2, 2, 2), "1f1b", {"fault": "imbalance"}),
