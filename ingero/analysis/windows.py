@@ -38,7 +38,8 @@ from ingero.analysis.proxy import add_proxy_waits
 from ingero.analysis.stats import add_offcpu, robust_z
 from ingero.analysis.verdict import SAVING_FLOOR_PCT, SPREAD_FLOOR_PCT
 
-WINDOW_CALLS = 2_500_000     # NCCL calls per window: ~0.4 GB of the engine's arrays per million
+WINDOW_CALLS = 1_250_000     # NCCL calls per window (the last up to 1.5x): 2.5 M-call windows peaked at 1.96 GiB
+                             # with DuckDB (docs/benchmarks.md), and the chart's operator limit is 2 GiB
 BOUNDARY_LEAD = 0.25         # a window starts this share of a step before the boundary it opens with
 SPREAD = "spread: no single rank"
 
@@ -85,7 +86,7 @@ def analyse_windows(con, slow_collective_ms: float | None = None, window_calls: 
         final = hi + width // 2 >= last          # what is left is less than half a window: all of it
         where = f"timestamp_ns >= {lo}" + ("" if final else f" AND timestamp_ns < {hi}")
         with events_where(con, where) as (db, shadowed):
-            share = (min(hi, last) - lo) / (last - first)
+            share = ((last if final else hi) - lo) / (last - first)
             con.execute(f"""CREATE OR REPLACE TEMP VIEW sched_totals AS
                 SELECT * REPLACE (CAST(total_ns * {share!r} AS BIGINT) AS total_ns,
                                   CAST(intervals * {share!r} AS BIGINT) AS intervals)
@@ -136,10 +137,9 @@ def combine(wins: list[_Window], con=None) -> Report:
     weigh = lambda f: sum(f(w) * w.steps for w in judged) / steps
     out.step_ms = weigh(lambda w: w.report.step_ms)
     out.mean_step_ms = weigh(lambda w: w.report.mean_step_ms)
-    cov = [w.report.covered_ranks for w in judged]
-    if any(c is not None for c in cov):
-        out.covered_ranks = sorted(set().union(*(set(c) if c is not None else {r.rank for r in w.report.ranks}
-                                                  for c, w in zip(cov, judged))))
+    if any(w.report.covered_ranks is not None for w in judged):
+        covered = set().union(*(w.report.covered_ranks or {r.rank for r in w.report.ranks} for w in judged))
+        out.covered_ranks = None if covered >= {r.rank for r in out.ranks} else sorted(covered)
     floor = max(0.5e6, 0.01 * out.step_ms * 1e6)
     for k, z in robust_z({r.rank: r.late_ms * 1e6 for r in out.ranks}, floor).items():
         next(r for r in out.ranks if r.rank == k).late_z = round(z, 2)

@@ -52,7 +52,7 @@ def add_parser(sub):
     r.add_argument("--final-max-calls", type=int, default=None, metavar="N",
                    help="a finished session with more NCCL calls than this is judged in windows of whole "
                         "steps holding about N each (the analysis needs ~0.4 GB per million calls of a "
-                        "window); default 2500000")
+                        "window); default 1250000")
     r.add_argument("--standalone", action="store_true", help="no kopf peering (one operator only)")
     r.add_argument("--peering", default=None, metavar="NAME",
                    help="kopf peering object (ClusterKopfPeering, or KopfPeering per watched namespace): "
