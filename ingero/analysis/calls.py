@@ -735,9 +735,8 @@ class P2pCounts:
         sel = (c.t < upto) & (c.peer >= 0)
         for op, src, dst, into in ((_SEND, c.rank, c.peer, self.sends), (_RECV, c.peer, c.rank, self.recvs)):
             k = np.flatnonzero(sel & (c.op == op))
-            keys, n = np.unique(np.stack([c.comm[k], src[k], dst[k]]), axis=1, return_counts=True)
-            for (comm, a, b), m in zip(keys.T.tolist(), n.tolist()):
-                key = (int(c.comm_hash[comm]), a, b)
+            keys, n = np.unique(_pair_key(c, k, src[k], dst[k]), return_counts=True)
+            for key, m in zip(_pair_names(c, keys), n.tolist()):
                 into[key] = into.get(key, 0) + m
 
     @staticmethod
@@ -745,9 +744,23 @@ class P2pCounts:
         """Per row of `rows`: the count `counts` holds for its (communicator, src, dst)."""
         if not counts or not len(rows):
             return np.zeros(len(rows), np.int64)
-        keys, inv = np.unique(np.stack([c.comm[rows], src, dst]), axis=1, return_inverse=True)
-        base = np.array([counts.get((int(c.comm_hash[comm]), a, b), 0) for comm, a, b in keys.T.tolist()], np.int64)
-        return base[inv.ravel()]
+        keys, inv = np.unique(_pair_key(c, rows, src, dst), return_inverse=True)
+        return np.array([counts.get(k, 0) for k in _pair_names(c, keys)], np.int64)[inv.ravel()]
+
+
+_PAIR_BITS = 21          # global ranks below 2^21; communicator codes below 2^20 (`load`)
+
+
+def _pair_key(c: Calls, rows: np.ndarray, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """(communicator code, src, dst) of `rows` as one int64."""
+    return (c.comm[rows] << (2 * _PAIR_BITS)) | (src << _PAIR_BITS) | dst
+
+
+def _pair_names(c: Calls, keys: np.ndarray) -> list:
+    """The (communicator hash, src, dst) of each `_pair_key`."""
+    mask = (1 << _PAIR_BITS) - 1
+    comm, src, dst = keys >> (2 * _PAIR_BITS), (keys >> _PAIR_BITS) & mask, keys & mask
+    return list(zip(c.comm_hash[comm].tolist(), src.tolist(), dst.tolist()))
 
 
 def _clamped_cumsum(step: np.ndarray, newrank: np.ndarray) -> np.ndarray:
