@@ -114,7 +114,8 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def child(root: Path, ranks: int, collectives: int, nodes: int, fault: str, path: str, layout: str = "") -> dict:
+def child(root: Path, ranks: int, collectives: int, nodes: int, fault: str, path: str, layout: str = "",
+          window_calls: int = 0) -> dict:
     sys.path.insert(0, str(REPO / "operator"))
     import duckdb
 
@@ -145,7 +146,8 @@ def child(root: Path, ranks: int, collectives: int, nodes: int, fault: str, path
     cpu0 = _cpu_s()
     t = time.perf_counter()
     if path == "operator":
-        rep, _ = gather.build_artifact(local, lay["offsets"])
+        rep, _ = (gather.build_artifact(local, lay["offsets"], window_calls=window_calls) if window_calls
+                  else gather.build_artifact(local, lay["offsets"]))
     else:   # the straightforward path: copy every row into trace.duckdb, then SQL
         db = root / "materialized.duckdb"
         db.unlink(missing_ok=True)
@@ -182,11 +184,12 @@ def child(root: Path, ranks: int, collectives: int, nodes: int, fault: str, path
 
 
 def run_child(root: Path, ranks: int, collectives: int, nodes: int, fault: str, path: str,
-              layout: str = "", repo: Path = REPO) -> dict:
+              layout: str = "", repo: Path = REPO, window_calls: int = 0) -> dict:
     """One measured run in a fresh process, of the code in `repo` (this checkout, or --baseline's)."""
+    more = ["--window-calls", str(window_calls)] if window_calls else []
     out = subprocess.run([sys.executable, "-m", "bench.analysis_scale", "--child", str(root.resolve()), "--ranks",
                           str(ranks), "--collectives", str(collectives), "--nodes", str(nodes),
-                          "--faults", fault, "--path", path, "--layout", layout],
+                          "--faults", fault, "--path", path, "--layout", layout, *more],
                          cwd=repo, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"child failed:\n{out.stderr[-3000:]}")
@@ -212,11 +215,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="64 ranks x 2,000 collectives on 8 nodes, one run")
     ap.add_argument("--baseline", type=Path, help="another checkout (e.g. `git worktree add /tmp/base main`): "
                     "each run is followed by the same run of its code on the same segments; reports must be equal")
+    ap.add_argument("--lengths", default="", help="e.g. 1,4,16: the same job with that many times --collectives "
+                    "(steps), one run each (--repeat), to show memory flat and time linear in session length")
+    ap.add_argument("--window-calls", type=int, default=0, help="NCCL calls per analysis window "
+                    "(default: the operator's, ingero.analysis.windows.WINDOW_CALLS)")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--path", default="operator", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
-        print(json.dumps(child(a.child, a.ranks, a.collectives, a.nodes, a.faults, a.path, a.layout),
+        print(json.dumps(child(a.child, a.ranks, a.collectives, a.nodes, a.faults, a.path, a.layout, a.window_calls),
                          default=str))
         return {}
     if a.quick:
@@ -235,6 +242,9 @@ def main(argv=None) -> dict:
     else:
         print(f"analysis_scale: {a.ranks} ranks x {a.collectives:,} collectives = {rows:,} NCCL rows on "
               f"{a.nodes} nodes, {a.segments_per_node} segments per node; {os.cpu_count()} CPUs")
+    if a.lengths:
+        results["lengths"] = _lengths(a, faults[0], [int(k) for k in a.lengths.split(",")])
+        return results
     for fault in faults:
         root = ensure_session(a.data, a.ranks, a.collectives, a.nodes, a.segments_per_node, fault, a.layout)
         runs, base = [], []
@@ -295,6 +305,31 @@ def main(argv=None) -> dict:
     print(f"  target < {TARGET_S:.0f} s and < {TARGET_GIB:.0f} GiB: "
           f"{'met' if results['meets_target'] else 'MISSED'} (worst median {worst:.2f} s, peak {peak:,.0f} MiB)")
     return results
+
+
+def _lengths(a, fault: str, ks: list[int]) -> dict:
+    """The job at k x --collectives for each k: median seconds, CPU seconds and peak RSS, with
+    their ratios to the shortest's (memory flat, time linear: ratio of seconds per row near 1)."""
+    out = {}
+    for k in ks:
+        n = a.collectives * k
+        root = ensure_session(a.data, a.ranks, n, a.nodes, a.segments_per_node, fault, a.layout)
+        runs = [run_child(root, a.ranks, n, a.nodes, fault, "operator", a.layout, window_calls=a.window_calls)
+                for _ in range(a.repeat)]
+        out[k] = {"rows": runs[0]["rows"], "seconds_median": statistics.median(r["seconds"] for r in runs),
+                  "cpu_seconds_median": statistics.median(r["cpu_seconds"] for r in runs),
+                  "peak_rss_mib": max(r["peak_rss_mib"] for r in runs), "verdict_ok": all(r["verdict_ok"] for r in runs),
+                  "load_before": [round(r["load_before"], 2) for r in runs]}
+        print(f"  {k}x: {out[k]['rows']:,} rows, {out[k]['seconds_median']:.2f} s median "
+              f"({out[k]['cpu_seconds_median']:.1f} CPU-s), peak RSS {out[k]['peak_rss_mib']:,.0f} MiB, verdict "
+              f"{'as planted' if out[k]['verdict_ok'] else 'WRONG'}; load {out[k]['load_before']}", flush=True)
+    ref = out[ks[0]]
+    for k in ks[1:]:
+        o = out[k]
+        o["memory_ratio"] = o["peak_rss_mib"] / ref["peak_rss_mib"]
+        o["cpu_per_row_ratio"] = (o["cpu_seconds_median"] / o["rows"]) / (ref["cpu_seconds_median"] / ref["rows"])
+        print(f"  {k}x against {ks[0]}x: memory {o['memory_ratio']:.2f}x, CPU per row {o['cpu_per_row_ratio']:.2f}x")
+    return out
 
 
 if __name__ == "__main__":

@@ -17,10 +17,11 @@
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import numpy as np
 
-from ingero.analysis.calls import device_timing, events, load
+from ingero.analysis.calls import Calls, P2pCounts, device_timing, events, load
 from ingero.analysis.coverage import coverage, judge
 from ingero.analysis.hang import find_hang
 from ingero.analysis.model import Hang, RankRow, Report, Straggler
@@ -48,20 +49,42 @@ def analyse(con, slow_collective_ms: float | None = None) -> Report:
 
 def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[Report, Decision | None]:
     """analyse, and what the verdict worked on (None when there was no step to judge)."""
+    part = analyse_part(con, slow_collective_ms)
+    return part.report, part.decision
+
+
+class Part(NamedTuple):
+    """One part of a session judged (``analyse_part``)."""
+
+    report: Report
+    decision: Decision | None     # None: no step to judge
+    calls: Calls | None           # its calls, when asked for (`p2p_before`)
+
+
+def analyse_part(con, slow_collective_ms: float | None = None, count_from: int | None = None,
+                 hang: bool = True, p2p_before: P2pCounts | None = None) -> Part:
+    """analyse_with_replays on what `con` shows, a window of a session (``windows``) or all of it.
+
+    `count_from` (a window after the first): the per-rank counts and figures take only the
+    calls and retransmits from this time on (the earlier ones were counted by the window
+    before). `hang`: look for a hang (a window leaves it to the session). `p2p_before`: the
+    sends and receives before the window, to pair its own with; the Part then holds its calls."""
     device, why = device_timing(con)
     cov = coverage(con)
     if not device and cov.calls == cov.dropped:     # no call to place: nothing to key a rank's row by
         # (a job that hung before the trace began made no call since: its threads show the hang)
-        return Report(ranks=[], straggler=None, step_ms=0.0, collectives=0, retransmits=len(retransmits(con).ts),
-                      warnings=[why] if why else [], cannot_judge=judge(cov, [], None).cannot_judge,
-                      hang=find_hang(con)), None
+        return Part(Report(ranks=[], straggler=None, step_ms=0.0, collectives=0,
+                           retransmits=len(retransmits(con).ts), warnings=[why] if why else [],
+                           cannot_judge=judge(cov, [], None).cannot_judge,
+                           hang=find_hang(con) if hang else None), None, None)
     c, warnings = load(con, device=device)
     if why:
         warnings.append(why)
-    rows, w2 = rank_rows(c, slow_collective_ms)
+    rows, w2 = rank_rows(c if count_from is None else c.since(count_from), slow_collective_ms)
     warnings += w2
     retx = retransmits(con)
-    ev = events(c)
+    counted = slice(None) if count_from is None else retx.ts >= count_from
+    ev = events(c, p2p_before)
     timing = "device" if device else ("host" if host_synchronous(ev) else "host-enqueue")
     if timing == "host-enqueue":
         # on a GPU a call returns once its work is queued: [t, t + duration] is not when the
@@ -69,7 +92,7 @@ def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[
         warnings.append("NCCL calls return before their collectives complete (a GPU: host time is enqueue "
                         "time); timing is host-side only and the network is not judged from host windows. "
                         "Load Ingero's NCCL profiler plugin for device times (docs/tracing.md)")
-    add_network(c, rows, retx.ts, retx.rank, windows=timing != "host-enqueue")
+    add_network(c, rows, retx.ts[counted], retx.rank[counted], windows=timing != "host-enqueue")
     add_proxy_waits(con, rows)
     # judged for a lossy link: retransmits on connections that leave their node (inside a node
     # there is no wire to lose a segment on: a receiver that does not drain its socket, e.g.
@@ -78,7 +101,7 @@ def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[
     add_offcpu(con, rows)
     rdma = rdma_ports(con)
     warnings += rdma_notes(rdma)
-    total_retx = len(retx.ts)
+    total_retx = len(retx.ts[counted])
     collectives = sum(r.collectives for r in rows.values())
     if ev.unpaired:
         warnings.append(f"{ev.unpaired} send/recv calls have no matching call on their peer "
@@ -89,7 +112,7 @@ def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[
     step_ms = _median_gap_ms(tl)
     report = Report(ranks=sorted(rows.values(), key=lambda r: r.rank), straggler=None, step_ms=step_ms,
                     collectives=collectives, retransmits=total_retx, warnings=warnings, timing=timing)
-    report.hang = find_hang(con)
+    report.hang = find_hang(con) if hang else None
     floor = max(LATE_FLOOR_NS, 0.01 * step_ms * 1e6)
     for k, z in robust_z({k: r.late_ms * 1e6 for k, r in rows.items()}, floor).items():
         rows[k].late_z = round(z, 2)
@@ -97,7 +120,7 @@ def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[
     scope = judge(cov, placed, None if tl is None else placed if tl.covered is None else tl.covered)
     report.cannot_judge, report.covered_ranks = scope.cannot_judge, scope.covered
     if report.cannot_judge:
-        return report, None
+        return Part(report, None, c if p2p_before is not None else None)
     if cov.dropped:
         warnings.append(f"{cov.dropped:,} of {cov.calls:,} NCCL calls cannot be placed, and the verdict does "
                         f"not weigh them: {cov.why_dropped()}")
@@ -128,7 +151,7 @@ def analyse_with_replays(con, slow_collective_ms: float | None = None) -> tuple[
     elif d.best is not None:
         report.predicted_step_ms = (base - d.best.saving_ns) / 1e6
     log.debug("candidates: %s", [(k.label, k.saving_ns) for k in d.candidates])
-    return report, d
+    return Part(report, d, c if p2p_before is not None else None)
 
 
 def host_synchronous(ev, min_spread_ns: int = 100_000, min_instances: int = 10) -> bool:

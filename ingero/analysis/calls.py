@@ -37,7 +37,7 @@ when it started ran beside it, and is none of its predecessors (``_stream_order`
 from __future__ import annotations
 
 import warnings as warnings_
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pyarrow as pa
@@ -180,6 +180,12 @@ class Calls:
     @property
     def n(self) -> int:
         return len(self.t)
+
+    def since(self, t0: int) -> "Calls":
+        """The calls from `t0` on, in the same order, with the same instances and communicators."""
+        k = self.t >= t0
+        rows = {f: getattr(self, f)[k] for f in ("rank", "t", "d", "op", "comm", "seq", "inst", "peer", "pid")}
+        return replace(self, **rows, launch=None if self.launch is None else self.launch[k])
 
 
 def load(con, device: bool = False) -> tuple[Calls, list[str]]:
@@ -595,8 +601,10 @@ def _join(inst_of_row: np.ndarray, owner: np.ndarray, n_events: int) -> np.ndarr
     return inst
 
 
-def events(c: Calls) -> Events:
-    """The sync events of `c` and their p2p dependencies."""
+def events(c: Calls, before: P2pCounts | None = None) -> Events:
+    """The sync events of `c` and their p2p dependencies. `before`: the sends and receives
+    made before `c`'s first call (a window of a session), so that pairs count from the
+    session's start."""
     n = c.n
     if n == 0:
         z = np.zeros(0, np.int64)
@@ -619,6 +627,9 @@ def events(c: Calls) -> Events:
     sk = (c.comm[sends] * W + c.rank[sends]) * W + c.peer[sends]
     rk = (c.comm[recvs] * W + c.peer[recvs]) * W + c.rank[recvs]
     s_ord, r_ord = _nth(sk), _nth(rk)
+    if before is not None:
+        s_ord += before.lookup(c, sends, c.rank[sends], c.peer[sends], before.sends)
+        r_ord += before.lookup(c, recvs, c.peer[recvs], c.rank[recvs], before.recvs)
     K = int(max(s_ord.max(initial=0), r_ord.max(initial=0))) + 1
     s_full = sk * K + s_ord
     r_full = rk * K + r_ord
@@ -710,6 +721,46 @@ def _in_blocks(v: np.ndarray, lo: np.ndarray, hi: np.ndarray, q: np.ndarray, sid
         sel = order[cut[b]:cut[b + 1]]
         out[sel] = l + np.searchsorted(v[l:h], q[sel], side=side)
     return out
+
+
+@dataclass
+class P2pCounts:
+    """Sends and receives per (communicator hash, sender, receiver) made so far."""
+
+    sends: dict = field(default_factory=dict)
+    recvs: dict = field(default_factory=dict)
+
+    def add(self, c: Calls, upto: int) -> None:
+        """Count `c`'s sends and receives before time `upto`."""
+        sel = (c.t < upto) & (c.peer >= 0)
+        for op, src, dst, into in ((_SEND, c.rank, c.peer, self.sends), (_RECV, c.peer, c.rank, self.recvs)):
+            k = np.flatnonzero(sel & (c.op == op))
+            keys, n = np.unique(_pair_key(c, k, src[k], dst[k]), return_counts=True)
+            for key, m in zip(_pair_names(c, keys), n.tolist()):
+                into[key] = into.get(key, 0) + m
+
+    @staticmethod
+    def lookup(c: Calls, rows: np.ndarray, src: np.ndarray, dst: np.ndarray, counts: dict) -> np.ndarray:
+        """Per row of `rows`: the count `counts` holds for its (communicator, src, dst)."""
+        if not counts or not len(rows):
+            return np.zeros(len(rows), np.int64)
+        keys, inv = np.unique(_pair_key(c, rows, src, dst), return_inverse=True)
+        return np.array([counts.get(k, 0) for k in _pair_names(c, keys)], np.int64)[inv.ravel()]
+
+
+_PAIR_BITS = 21          # global ranks below 2^21; communicator codes below 2^20 (`load`)
+
+
+def _pair_key(c: Calls, rows: np.ndarray, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """(communicator code, src, dst) of `rows` as one int64."""
+    return (c.comm[rows] << (2 * _PAIR_BITS)) | (src << _PAIR_BITS) | dst
+
+
+def _pair_names(c: Calls, keys: np.ndarray) -> list:
+    """The (communicator hash, src, dst) of each `_pair_key`."""
+    mask = (1 << _PAIR_BITS) - 1
+    comm, src, dst = keys >> (2 * _PAIR_BITS), (keys >> _PAIR_BITS) & mask, keys & mask
+    return list(zip(c.comm_hash[comm].tolist(), src.tolist(), dst.tolist()))
 
 
 def _clamped_cumsum(step: np.ndarray, newrank: np.ndarray) -> np.ndarray:

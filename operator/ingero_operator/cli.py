@@ -50,8 +50,9 @@ def add_parser(sub):
     r.add_argument("--refresh-interval", type=float, default=None, metavar="S",
                    help="live status refresh period while a session runs, seconds (default 2)")
     r.add_argument("--final-max-calls", type=int, default=None, metavar="N",
-                   help="a finished session with more NCCL calls than this is judged on its last steps "
-                        "holding N (the analysis needs ~0.5 GB per million calls); default 2500000")
+                   help="a finished session with more NCCL calls than this is judged in windows of whole "
+                        "steps holding about N each (the analysis needs ~0.4 GB per million calls of a "
+                        "window); default 1250000")
     r.add_argument("--standalone", action="store_true", help="no kopf peering (one operator only)")
     r.add_argument("--peering", default=None, metavar="NAME",
                    help="kopf peering object (ClusterKopfPeering, or KopfPeering per watched namespace): "

@@ -15,7 +15,6 @@ artifact is rebuilt from all segments with the offsets measured at the end.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
@@ -29,6 +28,7 @@ from ingero import schema
 from ingero.comms import grow_links, resolve_split_ranks, with_grow_ids, with_split_ranks
 from ingero.analysis import Report, analyse
 from ingero.analysis.hang import find_hang
+from ingero.analysis.windows import WINDOW_CALLS, analyse_windows, events_where
 from ingero_operator.agents import AgentBroke, AgentClient, AgentUnreachable
 from ingero_operator.settings import GatherSettings
 
@@ -408,49 +408,12 @@ def _warn_behind(rep: Report, behind: list[tuple[str, float]]) -> None:
                                "others' (its agent slow to flush, or gone): the live verdict judges up to it")
 
 
-@contextlib.contextmanager
-def _events_where(con, where: str):
-    """For the while, temporary views shadow every event table with its rows matching
-    `where` (SQL, e.g. on timestamp_ns). Yields (the database's name, for a view over
-    another of its tables; the list of views dropped at the end, to add such a view to)."""
-    db = con.execute("SELECT current_database()").fetchone()[0].replace('"', '""')
-    shadowed = list(schema.EVENT_TABLES)
-    try:
-        for table in schema.EVENT_TABLES:
-            con.execute(f'CREATE OR REPLACE TEMP VIEW {table} AS SELECT * FROM "{db}".main.{table} WHERE {where}')
-        yield db, shadowed
-    finally:
-        for table in shadowed:
-            con.execute(f"DROP VIEW IF EXISTS temp.{table}")
-
-
 def _analyse_until(con, slow_collective_ms: float | None, until: int | None) -> Report:
     """`analyse` of the events up to `until` (None: all)."""
     if until is None:
         return analyse(con, slow_collective_ms)
-    with _events_where(con, f"timestamp_ns <= {int(until)}"):
+    with events_where(con, f"timestamp_ns <= {int(until)}"):
         return analyse(con, slow_collective_ms)
-
-
-def _analyse_bounded(con, slow_collective_ms: float | None, max_calls: int | None) -> Report:
-    """The whole session's report, or, when it holds more than `max_calls` NCCL calls, the
-    report of its last part holding about that many (the analysis keeps every call in
-    memory), with a warning saying which part."""
-    if max_calls is None:
-        return analyse(con, slow_collective_ms)
-    calls, first, last = con.execute(
-        "SELECT count(*), min(timestamp_ns), max(timestamp_ns) FROM nccl_events").fetchone()
-    if calls <= max_calls or first is None or last <= first:
-        return analyse(con, slow_collective_ms)
-    since = int(last - (last - first) * max_calls / calls)
-    with _events_where(con, f"timestamp_ns >= {since}"):
-        rep = analyse(con, slow_collective_ms)
-    window_s = (last - since) / 1e9
-    rep.warnings.insert(0, f"the verdict covers the last {window_s:.3g} s of the session ({calls:,} NCCL calls "
-                           f"in all, more than the {max_calls:,} the operator analyses at once: "
-                           "--final-max-calls, chart operator.finalMaxCalls); off-CPU times are the "
-                           "whole session's")
-    return rep
 
 
 def _recent(con, slow_collective_ms: float | None, recent_s: float, span_ns: int,
@@ -496,7 +459,7 @@ def _analyse_recent(con, slow_collective_ms: float | None, recent_s: float, span
     since = int(newest - recent_s * 1e9)
     upto = f" AND timestamp_ns <= {int(until)}" if until is not None else ""
     base = con.execute("SELECT max(at_ns) FROM _sched_totals_at WHERE at_ns <= ?", [since]).fetchone()[0]
-    with _events_where(con, f"timestamp_ns >= {since}{upto}") as (db, shadowed):
+    with events_where(con, f"timestamp_ns >= {since}{upto}") as (db, shadowed):
         if base is not None:
             con.execute("DELETE FROM _sched_totals_at WHERE at_ns < ?", [base])
             # a restarted agent counts from 0 again: then the whole new total is recent
@@ -549,7 +512,7 @@ def _event_view(con, table: str, local: LocalSession, offsets: dict[str, int]) -
 
 def build_artifact(local: LocalSession, offsets: dict[str, int],
                    slow_collective_ms: float | None = None,
-                   max_calls: int | None = None) -> tuple[Report, int | None]:
+                   window_calls: int = WINDOW_CALLS) -> tuple[Report, int | None]:
     """Merge every node's segments (clock offsets applied) into trace.duckdb and analyse it.
 
     NCCL calls and operations and scheduler events (nearly all rows) are not copied: in
@@ -559,7 +522,8 @@ def build_artifact(local: LocalSession, offsets: dict[str, int],
     artifact and can be moved or copied whole. Readers resolve them against the folder
     (``ingero.readonly_sql.open_source`` does, by absolute path; the duckdb shell does when
     started inside it). The analysis reads the calls through the view
-    as Arrow columns (``ingero.analysis.calls``). Copying 100 M rows into a DuckDB file took 137 s on 2
+    as Arrow columns (``ingero.analysis.calls``), in windows of whole steps holding about
+    `window_calls` NCCL calls each (``ingero.analysis.windows``). Copying 100 M rows into a DuckDB file took 137 s on 2
     cores; the other tables are small and are copied. See docs/benchmarks.md, "Gather,
     merge and analysis at scale".
     """
@@ -578,7 +542,7 @@ def build_artifact(local: LocalSession, offsets: dict[str, int],
         resolve_split_ranks(con)           # comms (nccl_events is still an empty table here)
         for table in ("nccl_events", "nccl_profiler_events", "sched_events"):
             _event_view(con, table, local, offsets)
-        result = _analyse_bounded(con, slow_collective_ms, max_calls), world_size(con)
+        result = analyse_windows(con, slow_collective_ms, window_calls), world_size(con)
     finally:
         con.close()
     os.replace(tmp, local.artifact)

@@ -199,18 +199,25 @@ def test_a_large_live_session_is_judged_on_its_recent_window_only(tmp_path):
     assert [r.collectives for r in same.ranks] == [r.collectives for r in whole.ranks]
 
 
-def test_a_session_too_large_to_analyse_whole_is_judged_on_its_last_calls_and_says_so(tmp_path):
+def test_a_session_larger_than_a_window_is_judged_in_windows_of_every_call_and_says_so(tmp_path):
     from bench.synthetic import session
 
     local = LocalSession(tmp_path / "ns" / "big")
     lay = session(local.work / "nodes", steps=400, fault="slow-rank")     # 3,200 calls
     whole, _ = build_artifact(local, {})
-    assert not any("the verdict covers" in w for w in whole.warnings)
-    part, _ = build_artifact(local, {}, max_calls=800)
-    assert part.warnings[0].startswith("the verdict covers the last ") and "3,200 NCCL calls" in part.warnings[0]
-    assert 780 <= part.collectives <= 820, part.collectives
+    assert not any("windows of whole steps" in w for w in whole.warnings)
+    part, _ = build_artifact(local, {}, window_calls=800)
+    assert part.warnings[0].startswith("judged in 4 windows of whole steps"), part.warnings
+    # every call counted once, every step judged once
+    assert [r.collectives for r in part.ranks] == [r.collectives for r in whole.ranks]
+    assert part.collectives == whole.collectives == 3200
+    steps = int(part.warnings[0].split("(")[1].split()[0].replace(",", ""))
+    assert steps == 399, part.warnings[0]          # 400 step markers: 399 whole steps
     assert part.straggler.rank == whole.straggler.rank == lay["victim"]
-    # the artifact itself still holds every call
+    assert part.straggler.cause == whole.straggler.cause
+    assert part.straggler.saving_ms_per_step == pytest.approx(whole.straggler.saving_ms_per_step, rel=0.1)
+    assert part.mean_step_ms == pytest.approx(whole.mean_step_ms, rel=0.02)
+    # the artifact itself holds every call
     con = duckdb.connect(str(local.artifact), read_only=True)
     con.execute(f"SET file_search_path = '{local.root.resolve()}'")
     assert con.execute("SELECT count(*) FROM nccl_events").fetchone()[0] == 3200

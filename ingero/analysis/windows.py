@@ -1,0 +1,238 @@
+"""A session judged in windows of whole steps: memory bounded by a window, not by the session.
+
+The engine (``analyse_part``) holds every call of what it judges in memory. A
+session holding more calls than a window is read window after window, each a time range
+of the event tables (views that DuckDB answers from the Parquet row groups in range), and
+the windows' figures are combined:
+
+* The windows follow one another at step boundaries: the next window starts at the first
+  arrival of the last boundary the previous window judged (a little before, by a quarter of
+  its step), so each step is judged in exactly one window and none is lost to a cut.
+* Sends and receives pair in order per (communicator, sender, receiver), counted from the
+  session's start: each window starts from the counts of the calls before it.
+* Rows the next window reads again (the part of a step after that boundary) count in the
+  window that read them first: the per-rank counts (calls, retransmits) add up over the
+  windows. The off-CPU totals the kernel keeps carry no time: a window takes its share by
+  its length, and the session's table shows the whole totals.
+* The verdict: each window's candidates' savings, weighted by the window's steps, are the
+  session's savings (a candidate a window did not name or replay saves 0 there). The
+  candidate some window named that saves most over the session is named when it clears
+  the floor, with the cause that holds most of its saving and the evidence of the window
+  where it saved most. Own work and waits per step are the windows' weighted by steps,
+  duration quantiles and lateness weighted by calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+
+
+from ingero import schema
+from ingero.analysis import analyse, analyse_part
+from ingero.analysis.calls import P2pCounts
+from ingero.analysis.hang import find_hang
+from ingero.analysis.model import RankRow, Report
+from ingero.analysis.proxy import add_proxy_waits
+from ingero.analysis.stats import add_offcpu, robust_z
+from ingero.analysis.verdict import SAVING_FLOOR_PCT, SPREAD_FLOOR_PCT
+
+WINDOW_CALLS = 1_250_000     # NCCL calls per window (the last up to 1.5x): 2.5 M-call windows peaked at 1.96 GiB
+                             # with DuckDB (docs/benchmarks.md), and the chart's operator limit is 2 GiB
+BOUNDARY_LEAD = 0.25         # a window starts this share of a step before the boundary it opens with
+SPREAD = "spread: no single rank"
+
+
+@contextlib.contextmanager
+def events_where(con, where: str):
+    """For the while, temporary views shadow every event table with its rows matching
+    `where` (SQL, e.g. on timestamp_ns). Yields (the database's name, for a view over
+    another of its tables; the list of views dropped at the end, to add such a view to)."""
+    db = con.execute("SELECT current_database()").fetchone()[0].replace('"', '""')
+    shadowed = list(schema.EVENT_TABLES)
+    try:
+        for table in schema.EVENT_TABLES:
+            con.execute(f'CREATE OR REPLACE TEMP VIEW {table} AS SELECT * FROM "{db}".main.{table} WHERE {where}')
+        yield db, shadowed
+    finally:
+        for table in shadowed:
+            con.execute(f"DROP VIEW IF EXISTS temp.{table}")
+
+
+@dataclasses.dataclass
+class _Window:
+    report: Report
+    steps: int                 # whole steps it judged
+    candidates: dict           # label -> saving, ns per step
+    named: str | None          # the label of the candidate it named
+    lo: int                    # its time range (ns)
+    hi: int
+
+
+def analyse_windows(con, slow_collective_ms: float | None = None, window_calls: int = WINDOW_CALLS) -> Report:
+    """The session on `con` judged in windows of whole steps holding about `window_calls`
+    NCCL calls each (see the module's docstring); `analyse` itself when it holds no more."""
+    calls, first, last = con.execute(
+        "SELECT count(*), min(timestamp_ns), max(timestamp_ns) FROM nccl_events").fetchone()
+    if calls <= window_calls or first is None or last <= first:
+        return analyse(con, slow_collective_ms)
+    width = max(int((last - first) * window_calls / calls), 1)
+    wins: list[_Window] = []
+    lo, counted = int(first), None
+    pairs = P2pCounts()
+    while True:
+        hi = lo + width
+        final = hi + width // 2 >= last          # what is left is less than half a window: all of it
+        where = f"timestamp_ns >= {lo}" + ("" if final else f" AND timestamp_ns < {hi}")
+        with events_where(con, where) as (db, shadowed):
+            share = ((last if final else hi) - lo) / (last - first)
+            con.execute(f"""CREATE OR REPLACE TEMP VIEW sched_totals AS
+                SELECT * REPLACE (CAST(total_ns * {share!r} AS BIGINT) AS total_ns,
+                                  CAST(intervals * {share!r} AS BIGINT) AS intervals)
+                FROM "{db}".main.sched_totals""")
+            shadowed.append("sched_totals")
+            part = analyse_part(con, slow_collective_ms, count_from=counted, hang=False, p2p_before=pairs)
+        rep, d = part.report, part.decision
+        tl = d.timeline if d is not None else None
+        named = (d.named or d.best) if d is not None else None
+        wins.append(_Window(rep, tl.steps if tl is not None and not rep.cannot_judge else 0,
+                            {k.label: k.saving_ns for k in d.candidates} if d is not None else {},
+                            named.label if named is not None and rep.straggler is not None else None,
+                            lo, last if final else hi))
+        if final:
+            break
+        nxt = hi
+        if tl is not None and tl.steps:
+            nxt = int(tl.first_arrivals()[:, -1].min() - BOUNDARY_LEAD * rep.step_ms * 1e6)
+        nxt = nxt if lo < nxt < hi else hi
+        if part.calls is not None:
+            pairs.add(part.calls, nxt)
+        lo, counted = nxt, hi
+    out = combine(wins, con)
+    out.hang = find_hang(con)
+    return out
+
+
+def combine(wins: list[_Window], con=None) -> Report:
+    """The session's report from its windows' (see the module's docstring). With `con`, the
+    off-CPU times and NCCL's proxy waits of the table are the whole session's."""
+    judged = [w for w in wins if w.steps]
+    first = wins[0].report
+    out = Report(ranks=_ranks(wins), straggler=None, step_ms=0.0,
+                 collectives=sum(w.report.collectives for w in wins),
+                 retransmits=sum(w.report.retransmits for w in wins),
+                 warnings=_warnings(wins), timing=first.timing)
+    if con is not None:
+        rows = {r.rank: r for r in out.ranks}
+        for r in out.ranks:
+            r.offcpu_ms, r.offcpu_waits = {}, {}
+        add_offcpu(con, rows)
+        add_proxy_waits(con, rows)
+    if not judged:
+        out.cannot_judge = next((w.report.cannot_judge for w in wins if w.report.cannot_judge),
+                                "no window held two whole steps")
+        return out
+    steps = sum(w.steps for w in judged)
+    weigh = lambda f: sum(f(w) * w.steps for w in judged) / steps
+    out.step_ms = weigh(lambda w: w.report.step_ms)
+    out.mean_step_ms = weigh(lambda w: w.report.mean_step_ms)
+    if any(w.report.covered_ranks is not None for w in judged):
+        covered = set().union(*(w.report.covered_ranks or {r.rank for r in w.report.ranks} for w in judged))
+        out.covered_ranks = None if covered >= {r.rank for r in out.ranks} else sorted(covered)
+    floor = max(0.5e6, 0.01 * out.step_ms * 1e6)
+    for k, z in robust_z({r.rank: r.late_ms * 1e6 for r in out.ranks}, floor).items():
+        next(r for r in out.ranks if r.rank == k).late_z = round(z, 2)
+    skipped = [w for w in wins if not w.steps]
+    if skipped:
+        out.warnings.insert(0, f"{len(skipped)} of {len(wins)} windows could not be judged and the verdict does "
+                               f"not weigh them ({skipped[0].report.cannot_judge or 'no whole step'})")
+    out.warnings.insert(0, f"judged in {len(wins)} windows of whole steps ({steps:,} steps in all)")
+    # each candidate's saving over the session, ns per step
+    saving: dict = {}
+    for w in judged:
+        named_saving = {}
+        if w.named is not None:
+            named_saving[w.named] = w.report.straggler.saving_ms_per_step * 1e6
+        for label, s in {**w.candidates, **named_saving}.items():
+            saving[label] = saving.get(label, 0.0) + s * w.steps / steps
+    base = out.mean_step_ms * 1e6
+    if saving and base > 0:
+        best = max(saving, key=saving.get)
+        out.best_candidate, out.best_saving_pct = best, round(100.0 * saving[best] / base, 2)
+    names = {w.named for w in judged if w.named is not None}
+    if names and base > 0:
+        label = max(names, key=lambda k: saving[k])
+        pct = 100.0 * saving[label] / base
+        if pct >= (SPREAD_FLOOR_PCT if label == SPREAD else SAVING_FLOOR_PCT):
+            out.straggler = _named(judged, label, saving[label], base, steps)
+            out.predicted_step_ms = (base - saving[label]) / 1e6
+    if out.straggler is None and out.best_candidate is not None:
+        out.predicted_step_ms = (base - saving[out.best_candidate]) / 1e6
+    return out
+
+
+def _named(judged: list[_Window], label: str, saving_ns: float, base: float, steps: int):
+    """The straggler a label names over the session: the cause that holds most of its saving,
+    the evidence of the window where it saved most."""
+    mine = [w for w in judged if w.named == label]
+    by_cause: dict = {}
+    for w in mine:
+        s = w.report.straggler
+        by_cause[s.cause] = by_cause.get(s.cause, 0.0) + s.saving_ms_per_step * w.steps
+    cause = max(by_cause, key=by_cause.get)
+    top = max((w for w in mine if w.report.straggler.cause == cause), key=lambda w: w.report.straggler.saving_ms_per_step)
+    s = top.report.straggler
+    held = sum(w.steps for w in mine)
+    return dataclasses.replace(
+        s, cause=cause, saving_ms_per_step=saving_ns / 1e6, saving_pct=100.0 * saving_ns / base,
+        evidence=(f"named in {len(mine)} of {len(judged)} windows ({held:,} of {steps:,} steps), saving "
+                  f"{saving_ns / 1e6:.1f} ms/step over the session; in the window where it saved most: {s.evidence}"))
+
+
+def _ranks(wins: list[_Window]) -> list[RankRow]:
+    """The per-rank table over the windows: counts added, own work and waits weighted by the
+    windows' steps, quantiles and lateness by the rank's calls in each."""
+    acc: dict = {}
+    for w in wins:
+        for r in w.report.ranks:
+            acc.setdefault(r.rank, []).append((r, w.steps))
+    out = []
+    for rank, got in sorted(acc.items()):
+        last = got[-1][0]
+        row = RankRow(rank=rank, node=last.node, pod=last.pod, pid=last.pid)
+        n = sum(r.collectives for r, _ in got)
+        by_calls = lambda f: sum(f(r) * r.collectives for r, _ in got) / n if n else 0.0
+        st = sum(s for _, s in got)
+        by_steps = lambda f: sum(f(r) * s for r, s in got) / st if st else 0.0
+        row.collectives = n
+        row.p50_ms, row.p99_ms = by_calls(lambda r: r.p50_ms), by_calls(lambda r: r.p99_ms)
+        row.late_ms, row.last_share = by_calls(lambda r: r.late_ms), by_calls(lambda r: r.last_share)
+        row.retransmits = sum(r.retransmits for r, _ in got)
+        row.retransmits_in_window = sum(r.retransmits_in_window for r, _ in got)
+        if any(r.slow_collectives is not None for r, _ in got):
+            row.slow_collectives = sum(r.slow_collectives or 0 for r, _ in got)
+        row.own_ms, row.wait_ms = by_steps(lambda r: r.own_ms), by_steps(lambda r: r.wait_ms)
+        row.stage = next((r.stage for r, _ in reversed(got) if r.stage is not None), None)
+        row.offcpu_ms, row.offcpu_waits, row.net_wait_ms = last.offcpu_ms, last.offcpu_waits, last.net_wait_ms
+        for op in dict.fromkeys(k for r, _ in got for k in r.per_op):
+            parts = [r.per_op[op] for r, _ in got if op in r.per_op]
+            k = sum(p["calls"] for p in parts)
+            row.per_op[op] = {"calls": k, **{q: sum(p[q] * p["calls"] for p in parts) / k if k else 0.0
+                                             for q in ("p50_ms", "p99_ms")}}
+        out.append(row)
+    return out
+
+
+def _warnings(wins: list[_Window]) -> list[str]:
+    """Each window's warnings once: those that differ only in their figures are one, with
+    the number of windows that gave it."""
+    seen: dict = {}
+    for w in wins:
+        for text in w.report.warnings:
+            shape = re.sub(r"\d[\d,.]*", "#", text)
+            if shape in seen:
+                seen[shape][1] += 1
+            else:
+                seen[shape] = [text, 1]
+    return [t if k == 1 else f"{t} (in {k} of {len(wins)} windows; figures of the first)" for t, k in seen.values()]
