@@ -694,7 +694,7 @@ def pipeline_session(seg_dir, tp: int, pp: int, dp: int, nodes: int, steps: int 
                      fault: str = "clean", victim: int | None = None, stage_slow: int = 1,
                      slow: float = 1.5, imbalance: float = 1.0, seed: int = 5, lossy_node: int = 0,
                      loss_ms: float = 2.0, skew_ns=None, gpu: str | None = None, busy: float = 0.0,
-                     untraced=(), **kw) -> dict:
+                     untraced=(), hidden=(), **kw) -> dict:
     """Write a simulated tp x pp x dp session below `seg_dir` (one folder per node, ranks
     in order over nodes) and return the ground truth: the planted saving per step (the
     same run without the fault, same noise), the victim, stage or lossy node.
@@ -715,6 +715,8 @@ def pipeline_session(seg_dir, tp: int, pp: int, dp: int, nodes: int, steps: int 
     `busy`: a busy machine under the fault: every rank's work x U(1, 1 + busy) per step
     (other draws than `imbalance`'s); the planted saving's run keeps it.
     `untraced`: global ranks that run but whose rows are not written (no probe on them).
+    `hidden`: kinds of group (e.g. "world") whose collectives run but are not written, as a
+    sync over another backend (gloo, the store) would be.
     `fsdp` (layers), `replicas` and `streams` in `kw`: an FSDP (HSDP) job, asynchronous
     collectives on streams of their own (``simulate_pipeline``)."""
     from pathlib import Path
@@ -782,8 +784,9 @@ def pipeline_session(seg_dir, tp: int, pp: int, dp: int, nodes: int, steps: int 
             cols = {k: [] for k in ("timestamp_ns", "duration_ns", "op", "rank", "nranks", "comm_id_hash",
                                     "seq", "peer", "pid", "tid", "global_rank", "ret", "count", "bytes")}
             seqs: dict = {}
-            dev = _device_launches(run["calls"][r], list(hashes))
-            for op, kind, g, peer, a, d in run["calls"][r]:
+            calls = [call for call in run["calls"][r] if call[1] not in hidden]
+            dev = _device_launches(calls, list(hashes))
+            for op, kind, g, peer, a, d in calls:
                 cols["timestamp_ns"].append(t0 + int(a) + skew[ni])
                 cols["duration_ns"].append(int(d))
                 cols["op"].append(op)
@@ -803,8 +806,7 @@ def pipeline_session(seg_dir, tp: int, pp: int, dp: int, nodes: int, steps: int 
             cols.update(pid=[1000 + r] * n, tid=[1000 + r] * n, global_rank=[r] * n, ret=[0] * n,
                         count=[1024] * n, bytes=[4096] * n)
             if gpu:
-                dev_t = np.asarray(cols["timestamp_ns"], np.int64) - np.asarray([a for _, _, _, _, a, _ in run["calls"][r]],
-                                                                                 np.int64)
+                dev_t = np.asarray(cols["timestamp_ns"], np.int64) - np.asarray([a for _, _, _, _, a, _ in calls], np.int64)
                 dev_t, dev_d = dev_t + dev[0], dev[1] - dev[0]
                 lead = np.random.default_rng([seed, r, 3]).uniform(0.2e6, 3e6, n).astype(np.int64)
                 cols["timestamp_ns"] = list(dev_t - lead)          # queued before the device ran it

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ingero.analysis import untraced
 from ingero.analysis.calls import Calls, P2pCounts, device_timing, events, load
 from ingero.analysis.coverage import coverage, judge
 from ingero.analysis.hang import find_hang
@@ -106,8 +107,7 @@ def analyse_part(con, slow_collective_ms: float | None = None, count_from: int |
     if ev.unpaired:
         warnings.append(f"{ev.unpaired} send/recv calls have no matching call on their peer "
                         "(peer not traced, or the trace starts or ends between them)")
-    m = measure(ev)
-    tl = timeline(c, ev, m)
+    ev, m, tl = _timeline(c, ev, timing, p2p_before, warnings)
     traced_ns = int((c.t + c.d).max() - c.t.min()) if c.n else 0
     step_ms = _median_gap_ms(tl)
     report = Report(ranks=sorted(rows.values(), key=lambda r: r.rank), straggler=None, step_ms=step_ms,
@@ -152,6 +152,21 @@ def analyse_part(con, slow_collective_ms: float | None = None, count_from: int |
         report.predicted_step_ms = (base - d.best.saving_ns) / 1e6
     log.debug("candidates: %s", [(k.label, k.saving_ns) for k in d.candidates])
     return Part(report, d, c if p2p_before is not None else None)
+
+
+def _timeline(c: Calls, ev, timing: str, p2p_before: P2pCounts | None, warnings: list[str]):
+    """(events, their measurement, the step timeline); a sync between steps that the trace does
+    not show (``untraced``) is judged as a collective over the ranks it holds."""
+    m = measure(ev)
+    tl = timeline(c, ev, m)
+    u = untraced.between_steps(c, ev, tl) if tl is not None and timing == "host" else None
+    if u is None:
+        return ev, m, tl
+    warnings.append(u.note())
+    c = untraced.with_sync(c, u)
+    ev = events(c, p2p_before)
+    m = measure(ev)
+    return ev, m, timeline(c, ev, m)
 
 
 def host_synchronous(ev, min_spread_ns: int = 100_000, min_instances: int = 10) -> bool:
