@@ -8,8 +8,14 @@ ranks, untraced: the plugin's own cost in the ranks) three times, one after the 
 they share the machine's noise: without the plugin ("off"), with it but no proxy events
 (``INGERO_PROFILER_PROXY_RING=0``: Coll, P2p and kernel-channel events only, "proxy off"),
 and with its defaults ("proxy on": ProxyOp, ProxyStep and NetPlugin events summarised per
-ProxyOp). Reported: the median mean step of each set and the medians of the per-round
-ratios (proxy on / off, proxy on / proxy off). Then one long run with proxy on samples
+ProxyOp); every other round in the reverse order, so that a machine getting busier or
+quieter during a round weighs on both sides alike. On a shared machine a run's mean step
+moves by tens of percent with the load, far more than the cost sought: each round gives
+paired differences (proxy on against proxy off, and against off, in % of the latter),
+and reported is their median with a distribution-free confidence interval (order
+statistics, the sign test's binomial: 95%, from 6 rounds on). The cost is shown under 1%
+when the interval's upper end is; an interval wider than that says how many rounds it
+would take (its width shrinks as 1/sqrt(rounds)). Then one long run with proxy on samples
 every rank's resident memory (VmRSS) and the plugin's shared mappings
 (``/memfd:ingero-nccl-ops``: slots and proxy ring, fixed in size, touched as they are
 used) once a second: bounded when the resident memory outside the mappings peaks in the
@@ -29,6 +35,24 @@ import time
 from pathlib import Path
 
 MAPPING = "ingero-nccl-ops"
+TARGET_PCT = 1.0          # the proxy events may cost at most this much of the step
+
+
+def median_ci(x: list, level: float = 0.95) -> tuple:
+    """(low, median, high) of `x`: the median and a distribution-free confidence interval for
+    it, the k-th smallest and largest values for the largest k with P(Binomial(n, 1/2) < k) <=
+    (1 - level) / 2; low and high None when n is too small for `level`."""
+    from ingero.analysis.proxy import sign_test
+
+    v = sorted(x)
+    n = len(v)
+    if not n:
+        return None, None, None
+    k = 0
+    while k + 1 <= n // 2 and sign_test(n - k, n) <= (1 - level) / 2:   # P(X <= k) = P(X >= n - k)
+        k += 1
+    mid = statistics.median(v)
+    return (v[k - 1], mid, v[n - k]) if k else (None, mid, None)
 
 
 def rank_memory(pid: int) -> tuple[int, int, int] | None:
@@ -105,24 +129,33 @@ def main(argv=None) -> dict:
     from ingero_agent.profiler_build import build_profiler
 
     plugin = build_profiler()
-    sets = {"off": [], "proxy off": [], "proxy on": []}
+    sets: dict = {"off": [], "proxy off": [], "proxy on": []}
+    runs = (("off", None, False), ("proxy off", plugin, False), ("proxy on", plugin, True))
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.rounds):
-            for name, lib, proxy in (("off", None, False), ("proxy off", plugin, False), ("proxy on", plugin, True)):
+            for name, lib, proxy in runs if i % 2 == 0 else runs[::-1]:
                 sets[name].append(one_run(Path(tmp) / f"{name.replace(' ', '-')}{i}", a.seconds, lib, proxy)["step_ms"])
             off, no, on = (sets[k][-1] for k in ("off", "proxy off", "proxy on"))
             print(f"round {i + 1}: off {off:.2f} ms, proxy off {no:.2f} ms ({100 * (no / off - 1):+.2f}%), "
                   f"proxy on {on:.2f} ms ({100 * (on / off - 1):+.2f}%)", flush=True)
         long = one_run(Path(tmp) / "long", a.long_seconds, plugin, True, sample=True) if a.long_seconds else None
     med = {k: statistics.median(v) for k, v in sets.items()}
-    ratio = lambda a_, b_: 100.0 * (statistics.median(x / y for x, y in zip(sets[a_], sets[b_])) - 1.0)
-    r = {"median_step_ms": med, "all": sets, "on_vs_off_pct": ratio("proxy on", "off"),
-         "on_vs_proxy_off_pct": ratio("proxy on", "proxy off"), "proxy_off_vs_off_pct": ratio("proxy off", "off")}
-    print(f"plugin cost on the GPU-like lab (clean, 2x2, median of {a.rounds} rounds of 3 runs): mean step off "
-          f"{med['off']:.2f} ms, plugin with proxy off {med['proxy off']:.2f} ms, with proxy on "
-          f"{med['proxy on']:.2f} ms; per-round ratios: proxy on / off {r['on_vs_off_pct']:+.2f}%, proxy on / "
-          f"proxy off {r['on_vs_proxy_off_pct']:+.2f}%, proxy off / off {r['proxy_off_vs_off_pct']:+.2f}% "
-          "(target <= 1%)")
+    r = {"median_step_ms": med, "all": sets}
+    print(f"plugin cost on the GPU-like lab (clean, 2x2, {a.rounds} rounds of 3 runs of {a.seconds:g} s, "
+          f"alternating order): median mean step off {med['off']:.2f} ms, plugin with proxy off "
+          f"{med['proxy off']:.2f} ms, with proxy on {med['proxy on']:.2f} ms")
+    for key, x, y in (("on_vs_proxy_off", "proxy on", "proxy off"), ("on_vs_off", "proxy on", "off"),
+                      ("proxy_off_vs_off", "proxy off", "off")):
+        d = [100.0 * (b_ / a_ - 1.0) for a_, b_ in zip(sets[y], sets[x])]
+        lo, mid, hi = median_ci(d)
+        r[key] = {"pct": d, "median": mid, "ci95": (lo, hi)}
+        if lo is None:
+            say = f"no 95% interval from {len(d)} rounds (6 needed)"
+        else:
+            need = len(d) * ((hi - lo) / 2.0 / TARGET_PCT) ** 2 if hi > TARGET_PCT and hi > lo else 0
+            say = (f"95% CI {lo:+.2f} .. {hi:+.2f}%: " + (f"under {TARGET_PCT:g}%, shown" if hi <= TARGET_PCT else
+                   f"not shown under {TARGET_PCT:g}% (an interval of +-{TARGET_PCT:g}% would take about {need:.0f} rounds)"))
+        print(f"  {x} vs {y}: paired difference median {mid:+.2f}%, {say}")
     if long and len(long["memory"]) >= 8:
         mem = long["memory"]
         q = len(mem) // 4

@@ -266,8 +266,8 @@ NCCL_PROXY = Table(
     "one direction) as Ingero's profiler plugin summarised it over its steps: timestamp_ns when the "
     "proxy started it, the operation (op, seq, comm_hash as in nccl_profiler_events), peer its rank in "
     "the communicator and peer_rank its global rank (NULL: its process was not traced), the NIC its "
-    "NetPlugin events named (net ib or socket; nic_device the socket's interface, nic_index NCCL's IB "
-    "device index; nic_port NULL: not known), bytes moved, and the time its steps spent in each of "
+    "NetPlugin events named (net ib or socket; nic_device the socket's interface, nic_index the IB "
+    "device's index inside the connection's virtual NIC, 0 unless ports are fused; nic_port NULL: not known), bytes moved, and the time its steps spent in each of "
     "NCCL's wait states: for the GPU's data, for the peer's clear-to-send, for the network to send, "
     "for the network's data, for the flush, for the GPU to consume it. lost: summaries of the "
     "process's communicator overwritten before the tracer read them, so far.",

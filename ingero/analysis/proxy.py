@@ -12,16 +12,17 @@ steps name the plugin (socket or IB).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import duckdb
 import numpy as np
 
-from ingero.analysis.stats import NetworkHit, robust_z
+from ingero.analysis.stats import NetworkHit, median_of_others
 
-NET_WAIT_Z = 3.5              # a rank's send wait on the network, an outlier among the ranks' ...
-NET_WAIT_RATIO = 3.0          # ... and >= 3x the others' median (lab slow-link sender: 2.1-7.1x the
-                              # other node's, 6 runs; clean: no outlier)
+NET_WAIT_ALPHA = 0.001        # a rank's sends wait longer than its peers' in the same operations more
+                              # consistently than a fair coin would once in 1000 (one-sided sign test,
+                              # over the ranks tested)
 NET_WAIT_FLOOR_MS = 10.0      # ... by at least this much over the trace (the scale's floor)
 SLOW_OP_FLOOR_NS = 1_000_000  # one ProxyOp's send wait under 1 ms is no stall
 SLOW_OP_QUANTILE = 0.95       # ... and a stall waits longer than 95% of the other ranks' ProxyOps
@@ -38,7 +39,9 @@ class ProxySends:
     end: np.ndarray
     wait: np.ndarray
     peer: np.ndarray            # the peer's global rank, -1 where it is not known
+    op: np.ndarray              # the operation (communicator, op, seq): one number on every rank, -1 not known
     comms: dict                 # comm_transports: {comm_hash: {NCCL transport name: [global ranks]}}
+    nics: dict = field(default_factory=dict)   # rank_nics: {global rank: its NICs, in words}
 
 
 def add_proxy_waits(con, rows: dict) -> None:
@@ -81,7 +84,9 @@ def proxy_sends(con) -> ProxySends | None:
     the plugin's proxy summaries."""
     try:
         got = con.execute("""SELECT rank, timestamp_ns, timestamp_ns + greatest(duration_ns, 0),
-                                    coalesce(send_net_wait_ns, 0), coalesce(peer_rank, -1)
+                                    coalesce(send_net_wait_ns, 0), coalesce(peer_rank, -1),
+                                    CASE WHEN comm_hash IS NULL OR seq IS NULL THEN -1
+                                         ELSE dense_rank() OVER (ORDER BY comm_hash, op, seq) END
                              FROM nccl_proxy WHERE is_send AND rank IS NOT NULL AND timestamp_ns IS NOT NULL
                              ORDER BY 2""").fetchnumpy()
     except duckdb.CatalogException:
@@ -89,41 +94,125 @@ def proxy_sends(con) -> ProxySends | None:
     if not len(got["rank"]):
         return None
     cols = list(got.values())
-    return ProxySends(*(np.asarray(c, np.int64) for c in cols), comms=comm_transports(con))
+    return ProxySends(*(np.asarray(c, np.int64) for c in cols), comms=comm_transports(con), nics=rank_nics(con))
+
+
+def rank_nics(con) -> dict:
+    """{global rank: "eth0 (its sockets' interface)" | "mlx5_0 port 1 (uverbs)", ...}: the NICs
+    each rank's proxy transfers used. NET/Socket: the interface of the sockets the NetPlugin
+    events named. NET/IB: its IB event gives only the device's index inside the connection's
+    virtual NIC (NCCL's qpIndex % ndevs, 0 where no ports are fused), never which NIC, so the
+    ports the agent mapped the rank to (rdma_ranks, with how) name it."""
+    out: dict = {}
+    try:
+        for rank, nic in con.execute("""SELECT DISTINCT rank, nic_device FROM nccl_proxy
+                                        WHERE net = 'socket' AND rank IS NOT NULL AND nic_device IS NOT NULL
+                                        ORDER BY ALL""").fetchall():
+            out.setdefault(rank, []).append(f"{nic} (its sockets' interface)")
+        ib = [r for (r,) in con.execute("SELECT DISTINCT rank FROM nccl_proxy WHERE net = 'ib' AND rank IS NOT NULL")
+              .fetchall()]
+        if ib:
+            for rank, dev, port, how in con.execute(
+                    """SELECT DISTINCT rank, device, port, source FROM rdma_ranks
+                       WHERE rank IN (SELECT unnest(?::INTEGER[])) ORDER BY ALL""", [ib]).fetchall():
+                out.setdefault(rank, []).append(f"{dev} port {port} ({how})")
+    except (duckdb.CatalogException, duckdb.BinderException):
+        pass        # a trace without the plugin's NIC columns or the agent's RDMA mapping
+    return {r: ", ".join(v) for r, v in out.items()}
+
+
+@dataclass
+class PairedWait:
+    """A rank's send network wait against its peers' in the same operations (`paired_waits`)."""
+
+    mine_ms: float      # its wait, summed over the operations it shares with a peer
+    peers_ms: float     # the median of the peers' wait in each of those operations, summed
+    longer: int         # operations where it waited longer than that median ...
+    decided: int        # ... of those where the two differ and one is a stall (over SLOW_OP_FLOOR_NS)
+    p: float            # the chance of `longer` or more of `decided` for a rank as fast as its peers
+
+    @property
+    def excess_ms(self) -> float:
+        return self.mine_ms - self.peers_ms
+
+
+def sign_test(k: int, n: int) -> float:
+    """P(X >= k) for X ~ Binomial(n, 1/2): the one-sided sign test, summed term by term from
+    the k-th (its logarithm from lgamma) until the terms no longer count."""
+    if k <= 0:
+        return 1.0
+    if k > n:
+        return 0.0
+    term = math.exp(math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) - n * math.log(2))
+    total = 0.0
+    for i in range(k, n + 1):
+        total += term
+        if term < 1e-17 * total and i > n / 2:
+            break
+        term *= (n - i) / (i + 1)
+    return min(total, 1.0)
+
+
+def paired_waits(sends: ProxySends) -> dict[int, PairedWait]:
+    """Per rank, its sends' network wait in each operation (communicator, op, seq) against the
+    median of the other ranks' in the same operation: a link slowed both ways (a congested
+    port delays the data one way and the acknowledgements the other) makes its peers' waits
+    grow with its own, and a busy machine grows them all, so only the comparison inside one
+    operation, counted over many, says which side waits. Sends of unknown operation are left
+    out."""
+    ok = sends.op >= 0
+    if not ok.any():
+        return {}
+    width = int(sends.rank[ok].max()) + 1
+    key, inv = np.unique(sends.op[ok] * width + sends.rank[ok], return_inverse=True)
+    wait = np.bincount(inv.ravel(), sends.wait[ok], len(key))
+    op, rank = key // width, key % width
+    peers = median_of_others(op, wait)
+    has = ~np.isnan(peers)
+    theirs = np.where(has, peers, 0.0)
+    decided = has & (np.maximum(wait, theirs) >= SLOW_OP_FLOOR_NS) & (wait != theirs)
+    ranks, i = np.unique(rank, return_inverse=True)
+    sums = [np.bincount(i, w, len(ranks)) for w in (has * wait, theirs, decided & (wait > theirs), decided, has)]
+    return {int(r): PairedWait(mine / 1e6, peer / 1e6, int(k), int(n), sign_test(int(k), int(n)))
+            for r, mine, peer, k, n, shared in zip(ranks.tolist(), *sums) if shared}
+
+
+def net_wait_outliers(sends: ProxySends) -> dict[int, PairedWait]:
+    """The ranks whose sends wait on the network longer than their peers' in the same
+    operations, consistently (the sign test at NET_WAIT_ALPHA over the ranks tested) and by
+    NET_WAIT_FLOOR_MS or more over the trace."""
+    paired = paired_waits(sends)
+    return {r: w for r, w in paired.items()
+            if w.p <= NET_WAIT_ALPHA / len(paired) and w.excess_ms >= NET_WAIT_FLOOR_MS}
 
 
 def proxy_network(tl, rows: dict, sends: ProxySends | None) -> NetworkHit | None:
-    """The rank (or node) whose sends wait on the network far beyond the other ranks', from
+    """The rank (or node) whose sends wait on the network beyond the other ranks', from
     NCCL's own proxy steps alone (no TCP probe: NET/IB has none), as verdict's network rules
     return it.
 
     Only sends to a rank on another node count (`_across_nodes`): a transfer inside a node
     has no wire, and an inter-node transfer takes longer than an intra-node one without any
-    fault. The outliers are ranks whose send wait over the trace is a robust outlier
-    (NET_WAIT_Z on a NET_WAIT_FLOOR_MS floor) and NET_WAIT_RATIO times the others' median
-    (with one other rank: its wait, the scale the floor); those of the node
-    holding most of it are named, one rank alone when it is the only one there. The events hit
-    are the sync events whose transfer window overlaps one of their stalls (a ProxyOp waiting
-    over SLOW_OP_FLOOR_NS and the other ranks' SLOW_OP_QUANTILE); the replay sets them to
-    the clean median."""
+    fault. The outliers (`net_wait_outliers`) are compared operation by operation with the
+    other ranks sending between nodes; those of the node holding most of their excess are
+    named, one rank alone when it is the only one there. The events hit are the sync events
+    whose transfer window overlaps one of their stalls (a ProxyOp waiting over
+    SLOW_OP_FLOOR_NS and the other ranks' SLOW_OP_QUANTILE); the replay sets them to the
+    clean median."""
     if sends is None or tl is None:
         return None
     ev, m = tl.ev, tl.m
     sends = _across_nodes(sends, rows)
-    total = {int(r): float(sends.wait[sends.rank == r].sum()) / 1e6 for r in np.unique(sends.rank).tolist()
-             if int(r) in rows}
-    if len(total) < 2 or not len(ev.a):
+    if not len(ev.a):
         return None
-    z = robust_z(total, NET_WAIT_FLOOR_MS)
-    peers = {r: float(np.median([v for k, v in total.items() if k != r])) for r in total}
-    out = [r for r in total if z[r] >= NET_WAIT_Z and total[r] >= NET_WAIT_RATIO * peers[r]]
+    out = {r: w for r, w in net_wait_outliers(sends).items() if r in rows}
     if not out:
         return None
     by_node: dict = {}
     for r in out:
         by_node.setdefault(rows[r].node, []).append(r)
-    node = max(by_node, key=lambda n: sum(total[r] for r in by_node[n]))
-    named = sorted(by_node[node], key=lambda r: -total[r])
+    node = max(by_node, key=lambda n: sum(out[r].excess_ms for r in by_node[n]))
+    named = sorted(by_node[node], key=lambda r: -out[r].excess_ms)
     mine = np.isin(sends.rank, named)
     others = sends.wait[~mine]
     thr = max(SLOW_OP_FLOOR_NS, float(np.quantile(others, SLOW_OP_QUANTILE)) if len(others) else 0.0)
@@ -141,12 +230,18 @@ def proxy_network(tl, rows: dict, sends: ProxySends | None) -> NetworkHit | None
     single = len(named) == 1 or len(node_ranks) == 1
     who = f"rank {r}" if len(named) == 1 else "ranks " + ", ".join(map(str, sorted(named)))
     their = "its" if len(named) == 1 else "their"
-    lead = (f"NCCL's proxy: {who}'s sends waited {sum(total[k] for k in named):.0f} ms on the network "
-            f"(ProxyStep SendWait) vs {peers[r]:.0f} ms per rank at median for the others (z {z[r]:.1f})")
+    w = out[r]
+    lead = (f"NCCL's proxy: {who}'s sends waited {sum(out[k].mine_ms for k in named):.0f} ms on the network "
+            f"(ProxyStep SendWait) vs {sum(out[k].peers_ms for k in named):.0f} ms for the other ranks' in the same "
+            f"operations (median per operation); {'rank ' + str(r) if len(named) > 1 else 'it'} waited longer in "
+            f"{w.longer} of the {w.decided} operations where one of them waited over {SLOW_OP_FLOOR_NS / 1e6:.0f} ms")
     why = (f"{lead}; {int(slow.sum())} of {int(mine.sum())} of {their} send operations waited over {thr / 1e6:.1f} ms; "
            f"transfers with one in flight take {np.median(m.x[hit]) / 1e6:.1f} ms at median vs "
            f"{np.median(clean) / 1e6:.1f} ms without, in {int(hit.sum())} of {int(tl.inwin.sum())} sync events")
-    return NetworkHit(node, hit, why, round(z[r], 2), r, single, lead)
+    nics = [f"rank {k}: {sends.nics[k]}" if len(named) > 1 else sends.nics[k] for k in sorted(named) if k in sends.nics]
+    if nics:
+        why += f"; {their} NIC{'s' if len(nics) > 1 or ',' in nics[0] else ''}: {'; '.join(nics)}"
+    return NetworkHit(node, hit, why, round(w.longer / w.decided, 2), r, single, lead)
 
 
 def _across_nodes(sends: ProxySends, rows: dict) -> ProxySends:
@@ -159,7 +254,7 @@ def _across_nodes(sends: ProxySends, rows: dict) -> ProxySends:
     theirs = [node.get(p) for p in sends.peer.tolist()]
     keep = np.array([a is None or b is None or a != b for a, b in zip(mine, theirs)], bool)
     return ProxySends(sends.rank[keep], sends.start[keep], sends.end[keep], sends.wait[keep], sends.peer[keep],
-                      comms=sends.comms)
+                      sends.op[keep], comms=sends.comms, nics=sends.nics)
 
 
 def transport_note(sends: ProxySends | None, ranks: list, most: int = 4) -> str:

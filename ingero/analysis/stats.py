@@ -244,7 +244,7 @@ class NetworkHit:
     node: str
     hit: np.ndarray           # per sync event: the loss fell inside its transfer
     why: str
-    share: float              # its score: the share of the loss on it (the proxy's: its z)
+    share: float              # its score: the share of the loss on it (the proxy's: of the operations)
     rank: int | None          # the rank named for it
     single: bool              # that rank alone
     lead: str = ""            # the evidence's first clause, what the loss is (quoted beside a starved rank)

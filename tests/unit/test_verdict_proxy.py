@@ -5,8 +5,9 @@ The jobs are test_verdict_rdma's (``bench.synthetic.pipeline_session``: 2 nodes,
 fault slows every transfer that crosses the lossy node's link and writes TCP retransmits
 inside those transfers; here the retransmits are taken away and the plugin's proxy
 summaries carry the loss instead, as the tracer writes nccl_proxy rows: every rank's sends
-wait 50 us on the network every 4 ms, and a send of the rank that owned each retransmit
-waits `loss_ms` around it (a stalled IB work request, or a resent segment)."""
+wait 50 us on the network in an operation every 4 ms, and a send of the rank that owned each
+retransmit waits `loss_ms` around it in that slot's operation (a stalled IB work request, or
+a resent segment)."""
 
 from __future__ import annotations
 
@@ -40,11 +41,13 @@ def _proxy(tmp_path, gt, stalls: dict) -> None:
         ranks = [r for r in range(8) if r // 4 == i]
         t = np.arange(span[0], span[-1], 4_000_000)
         ts, rk = [np.tile(t, len(ranks))], [np.repeat(ranks, len(t))]
+        seq = [np.tile(np.arange(len(t)), len(ranks))]       # the operation: every rank's send of a slot
         wait, dur = [np.full(len(t) * len(ranks), 50_000)], [np.full(len(t) * len(ranks), 200_000)]
         if node in stalls:
             at, who = stalls[node]
             ts.append(at - 1_000_000)
             rk.append(who)
+            seq.append(np.searchsorted(t, at - 1_000_000, side="right") - 1)
             wait.append(np.full(len(at), int(LOSS_MS * 1e6)))
             dur.append(np.full(len(at), int(LOSS_MS * 1e6) + 1_000_000))
         n = sum(len(x) for x in ts)
@@ -52,7 +55,8 @@ def _proxy(tmp_path, gt, stalls: dict) -> None:
         w.append("nccl_proxy", {"event_id": schema.node_prefix(node) + np.arange(n, dtype=np.uint64),
                                 "timestamp_ns": np.concatenate(ts), "duration_ns": np.concatenate(dur),
                                 "rank": np.concatenate(rk), "is_send": [True] * n, "net": ["ib"] * n,
-                                "comm_hash": [COMM] * n, "steps": [4] * n,
+                                "comm_hash": [COMM] * n, "op": ["ALL_REDUCE"] * n, "seq": np.concatenate(seq),
+                                "steps": [4] * n,
                                 "send_net_wait_ns": np.concatenate(wait)})
         w.close()
 
@@ -93,5 +97,5 @@ def test_only_sends_between_nodes_or_to_unknown_peers_are_compared():
     rows = {r: RankRow(rank=r, node="a" if r < 2 else "b", pod=None, pid=r) for r in range(4)}
     peer = np.array([1, 2, 3, 0, -1, 9])            # same node, across, same node, across, unknown, untraced
     z = np.zeros(6, np.int64)
-    got = _across_nodes(ProxySends(np.array([0, 1, 2, 3, 0, 2]), z, z, np.arange(6), peer, comms={}), rows)
+    got = _across_nodes(ProxySends(np.array([0, 1, 2, 3, 0, 2]), z, z, np.arange(6), peer, z, comms={}), rows)
     assert got.wait.tolist() == [1, 3, 4, 5] and got.peer.tolist() == [2, 0, -1, 9]
