@@ -65,7 +65,8 @@ class DemoConfig:
     crd: Path = REPO / "crds" / "tracesession.yaml"
     example: Path = REPO / "examples" / "tracesession.yaml"
     timeout_s: float = 180.0               # for the session to complete after the ranks exit
-    attach_timeout_s: float = 90.0         # for every agent to compile and attach its probes (bcc, on the node)
+    attach_timeout_s: float = 180.0        # for every agent to compile and attach its probes (bcc, on the node:
+                                           # 3.5 s of CPU each: two took 40 s beside CI at load 30, 90 s at load 43)
     operator_args: tuple[str, ...] = ("--standalone",)   # e.g. ("--peering", NAME) with extra_crds
     extra_crds: tuple[Path, ...] = ()      # more CRDs the embedded API server serves
     metrics_out: Path | None = None        # save the operator's and agents' /metrics here (see Demo.save_scrapes)
