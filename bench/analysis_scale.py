@@ -196,6 +196,54 @@ def run_child(root: Path, ranks: int, collectives: int, nodes: int, fault: str, 
     return json.loads(out.stdout.splitlines()[-1])
 
 
+def window_reads(root: Path, ranks: int, collectives: int, nodes: int, fault: str, windows: int,
+                 repeat: int) -> dict:
+    """CPU seconds (all threads) of one window's DuckDB reads (the calls, coverage, runqueue
+    tails) of the middle 1/`windows` of the session: through the merged views with a time
+    predicate, and from only the segments in range (the operator's windows), alternating."""
+    import warnings
+
+    sys.path.insert(0, str(REPO / "operator"))
+    import duckdb
+
+    from bench.synthetic import scale_layout
+    from ingero import schema
+    from ingero.analysis.calls import load
+    from ingero.analysis.coverage import coverage
+    from ingero.analysis.stats import runqueue_tails
+    from ingero.analysis.windows import events_between
+    from ingero.comms import resolve_split_ranks
+    from ingero_operator import gather
+
+    warnings.simplefilter("ignore", UserWarning)
+    offsets = scale_layout(ranks, collectives, nodes, fault)["offsets"]
+    local = gather.LocalSession(root)
+    con = duckdb.connect()
+    con.execute("SET parquet_metadata_cache = true")
+    con.execute("SET file_search_path = ?", [str(local.root.resolve())])
+    schema.create_all(con)
+    gather._load_state(con, local, offsets)
+    resolve_split_ranks(con)
+    views = {t: gather._event_view(con, t, local, offsets)
+             for t in ("nccl_events", "nccl_profiler_events", "sched_events")}
+    lo, hi = con.execute("SELECT min(timestamp_ns), max(timestamp_ns) FROM nccl_events").fetchone()
+    w = (hi - lo) // windows
+    a, b = lo + (windows // 2) * w, lo + (windows // 2 + 1) * w
+    cpu: dict = {"merged views": [], "segments in range": []}
+    for _ in range(repeat):
+        for name, between in (("merged views", events_between), ("segments in range", gather._segments_between(views))):
+            t = _cpu_s()
+            with between(con, a, b):
+                c, _ = load(con)
+                coverage(con)
+                runqueue_tails(con)
+            cpu[name].append(_cpu_s() - t)
+    out = {k: statistics.median(v) for k, v in cpu.items()}
+    print(f"  one 1/{windows} window's reads ({c.n:,} calls), median of {repeat}: "
+          + ", ".join(f"{k} {v:.2f} CPU-s" for k, v in out.items()) + f"; load {os.getloadavg()[0]:.1f}")
+    return out
+
+
 # ---- the benchmark ---------------------------------------------------------------------------
 
 def main(argv=None) -> dict:
@@ -219,6 +267,8 @@ def main(argv=None) -> dict:
                     "(steps), one run each (--repeat), to show memory flat and time linear in session length")
     ap.add_argument("--window-calls", type=int, default=0, help="NCCL calls per analysis window "
                     "(default: the operator's, ingero.analysis.windows.WINDOW_CALLS)")
+    ap.add_argument("--window-reads", type=int, default=0, metavar="N", help="only the DuckDB reads of one "
+                    "1/N window: through the merged views and from the segments in range (CPU-s, --repeat runs)")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--path", default="operator", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -242,6 +292,11 @@ def main(argv=None) -> dict:
     else:
         print(f"analysis_scale: {a.ranks} ranks x {a.collectives:,} collectives = {rows:,} NCCL rows on "
               f"{a.nodes} nodes, {a.segments_per_node} segments per node; {os.cpu_count()} CPUs")
+    if a.window_reads:
+        root = ensure_session(a.data, a.ranks, a.collectives, a.nodes, a.segments_per_node, faults[0], a.layout)
+        results["window_reads"] = window_reads(root, a.ranks, a.collectives, a.nodes, faults[0], a.window_reads,
+                                               a.repeat)
+        return results
     if a.lengths:
         results["lengths"] = _lengths(a, faults[0], [int(k) for k in a.lengths.split(",")])
         return results

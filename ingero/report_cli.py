@@ -1,4 +1,7 @@
-"""`ingero report SOURCE`: the per-rank table and the straggler verdict of a trace."""
+"""`ingero report SOURCE`: the per-rank table and the straggler verdict of a trace.
+
+A trace holding more NCCL calls than a window (``ingero.analysis.windows``) is judged window
+after window, so memory stays bounded by a window whatever the session's length."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from ingero.analysis import analyse
+from ingero.analysis.windows import analyse_windows
 from ingero.report_text import render
 from ingero.readonly_sql import open_source
 
@@ -28,7 +31,7 @@ def add_parser(sub):
 def run(args) -> int:
     con = open_source(args.source, session=args.session)
     try:
-        rep = analyse(con)
+        rep = analyse_windows(con)
     finally:
         con.close()
     if args.json:

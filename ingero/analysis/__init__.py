@@ -79,8 +79,7 @@ def analyse_part(con, slow_collective_ms: float | None = None, count_from: int |
                            cannot_judge=judge(cov, [], None).cannot_judge,
                            hang=find_hang(con) if hang else None), None, None)
     c, warnings = load(con, device=device)
-    if why:
-        warnings.append(why)
+    warnings += [why] if why else []
     rows, w2 = rank_rows(c if count_from is None else c.since(count_from), slow_collective_ms)
     warnings += w2
     retx = retransmits(con)
@@ -95,23 +94,17 @@ def analyse_part(con, slow_collective_ms: float | None = None, count_from: int |
                         "Load Ingero's NCCL profiler plugin for device times (docs/tracing.md)")
     add_network(c, rows, retx.ts[counted], retx.rank[counted], windows=timing != "host-enqueue")
     add_proxy_waits(con, rows)
-    # judged for a lossy link: retransmits on connections that leave their node (inside a node
-    # there is no wire to lose a segment on: a receiver that does not drain its socket, e.g.
-    # starved of CPU, makes its local peer retransmit), and none from host windows
-    wire = ~retx.local if timing != "host-enqueue" else np.zeros(len(retx.ts), bool)
     add_offcpu(con, rows)
     rdma = rdma_ports(con)
     warnings += rdma_notes(rdma)
-    total_retx = len(retx.ts[counted])
-    collectives = sum(r.collectives for r in rows.values())
     if ev.unpaired:
         warnings.append(f"{ev.unpaired} send/recv calls have no matching call on their peer "
                         "(peer not traced, or the trace starts or ends between them)")
     ev, m, tl = _timeline(c, ev, timing, p2p_before, warnings)
-    traced_ns = int((c.t + c.d).max() - c.t.min()) if c.n else 0
     step_ms = _median_gap_ms(tl)
     report = Report(ranks=sorted(rows.values(), key=lambda r: r.rank), straggler=None, step_ms=step_ms,
-                    collectives=collectives, retransmits=total_retx, warnings=warnings, timing=timing)
+                    collectives=sum(r.collectives for r in rows.values()), retransmits=len(retx.ts[counted]),
+                    warnings=warnings, timing=timing)
     report.hang = find_hang(con) if hang else None
     floor = max(LATE_FLOOR_NS, 0.01 * step_ms * 1e6)
     for k, z in robust_z({k: r.late_ms * 1e6 for k, r in rows.items()}, floor).items():
@@ -119,13 +112,20 @@ def analyse_part(con, slow_collective_ms: float | None = None, count_from: int |
     placed = [r for r in rows if r >= 0]
     scope = judge(cov, placed, None if tl is None else placed if tl.covered is None else tl.covered)
     report.cannot_judge, report.covered_ranks = scope.cannot_judge, scope.covered
+    kept = c if p2p_before is not None else None
     if report.cannot_judge:
-        return Part(report, None, c if p2p_before is not None else None)
+        return Part(report, None, kept)
     if cov.dropped:
         warnings.append(f"{cov.dropped:,} of {cov.calls:,} NCCL calls cannot be placed, and the verdict does "
                         f"not weigh them: {cov.why_dropped()}")
     if scope.note:
         warnings.append(scope.note)
+    return Part(report, _verdict(con, report, rows, c, retx, m, tl, rdma), kept)
+
+
+def _verdict(con, report: Report, rows: dict, c: Calls, retx, m, tl, rdma) -> Decision:
+    """The straggler verdict of a judged part, into `report` and its rows."""
+    warnings, timing = report.warnings, report.timing
     for r, v in own_per_rank(tl, m.w).items():
         if r in rows:
             rows[r].own_ms = v / 1e6
@@ -135,6 +135,11 @@ def analyse_part(con, slow_collective_ms: float | None = None, count_from: int |
     for r, s in tl.stage_of.items():
         if r in rows:
             rows[r].stage = s
+    # judged for a lossy link: retransmits on connections that leave their node (inside a node
+    # there is no wire to lose a segment on: a receiver that does not drain its socket, e.g.
+    # starved of CPU, makes its local peer retransmit), and none from host windows
+    wire = ~retx.local if timing != "host-enqueue" else np.zeros(len(retx.ts), bool)
+    traced_ns = int((c.t + c.d).max() - c.t.min()) if c.n else 0
     d = decide(tl, rows, retx.only(wire), traced_ns, runqueue_tails(con),
                rdma=rdma if timing != "host-enqueue" else None, local_retx=int(retx.local.sum()),
                proxy=proxy_sends(con) if timing != "host-enqueue" else None)
@@ -151,7 +156,7 @@ def analyse_part(con, slow_collective_ms: float | None = None, count_from: int |
     elif d.best is not None:
         report.predicted_step_ms = (base - d.best.saving_ns) / 1e6
     log.debug("candidates: %s", [(k.label, k.saving_ns) for k in d.candidates])
-    return Part(report, d, c if p2p_before is not None else None)
+    return d
 
 
 def _timeline(c: Calls, ev, timing: str, p2p_before: P2pCounts | None, warnings: list[str]):

@@ -192,18 +192,47 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
     """The session's collective, p2p and group calls from `con` (any view of the tables);
     with `device`, the operations as the GPU ran them (nccl_profiler_events)."""
     warnings: list[str] = []
+    tbl, recovering = _rows(con, device, warnings)
+    if tbl.num_rows == 0:
+        return _no_calls(np.zeros(0, np.uint64)), warnings
+    k = _columns(tbl, device, recovering, warnings)
+    hashes, k["comm"] = _codes(k.pop("comm_h"))
+    simulated_by_rank = _leave_out_simulated(k, warnings)
+    if not len(k["o"]):
+        return _no_calls(hashes, simulated_by_rank), warnings
+    rank, op, comm = k["rank"], k["op"], k["comm"]
+    members, peer = _members_and_peers(rank, op, comm, k["crank"], k["peer_c"])
+    inst, inst_comm, inst_op, cnt = _instances(rank, op, comm, k["seq"], warnings)
+    return Calls(rank=rank, t=k["t"], d=k["d"], op=op, comm=comm, seq=k["seq"], inst=inst, peer=peer,
+                 pid=k["pid"], node_of=_where_ranks_are(rank, k["t"], k["o"], tbl), comm_hash=hashes,
+                 inst_comm=np.asarray(inst_comm), inst_op=np.asarray(inst_op), inst_size=np.asarray(cnt),
+                 comm_members=members, simulated=simulated_by_rank,
+                 launch=_launches(rank, k["pid"], comm, k["grp"]) if device else None,
+                 stream=k["strm"] if device else None), warnings
+
+
+def _no_calls(hashes: np.ndarray, simulated_by_rank: dict | None = None) -> Calls:
+    z = np.zeros(0, np.int64)
+    return Calls(z, z, z, z.astype(np.int8), z, z, z, z, z, {}, hashes, z, z, z, {},
+                 simulated=simulated_by_rank or {})
+
+
+def _rows(con, device: bool, warnings: list[str]) -> tuple[pa.Table, bool]:
+    """The calls' rows as Arrow, and whether communicators created before tracing were
+    recovered (their identity from the calls, in call order: the rows then come sorted)."""
     with warnings_.catch_warnings():     # (DuckDB notes the Arrow copy of a DB-API result)
         warnings_.simplefilter("ignore", UserWarning)
         tbl = (con.execute(_DEVICE_QUERY).to_arrow_table() if device
                else _fetch(con, _QUERY_KNOWN, {"grank": -1, "crank": -1, "peer": -1, "ret": -1}))
-        # communicators created before tracing: identity from the calls, in call order
         recovering = not device and tbl.num_rows > 0 and bool(recover.unknown_comm(tbl, OPS).any())
         if recovering:
             tbl = recover.communicators(con, con.execute(_QUERY + _ORDER).to_arrow_table(), OPS, warnings)
-    if tbl.num_rows == 0:
-        z = np.zeros(0, np.int64)
-        return Calls(z, z, z, z.astype(np.int8), z, z, z, z, z, {}, z.astype(np.uint64), z, z, z, {}), warnings
+    return tbl, recovering
 
+
+def _columns(tbl: pa.Table, device: bool, recovering: bool, warnings: list[str]) -> dict:
+    """The rows with a rank as numpy columns, by (rank, time, event id); ``o``: each one's
+    row in `tbl`."""
     def col(name, dtype=None, fill=0):
         c = tbl.column(name)
         if c.null_count:
@@ -215,46 +244,48 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
     keep = rank >= 0                   # no ranks row, no torchrun RANK, no rank in the communicator
     if not keep.all():
         warnings.append(f"{int((~keep).sum())} calls of processes without a rank were left out")
-    t, d = col("t", np.int64), col("d", np.int64)
+    t = col("t", np.int64)
     op, sim_end = _op_codes(tbl)
-    comm_h = col("comm", np.uint64)
-    seq = col("seq", np.int64)
-    crank = col("crank", np.int64, -1)
-    peer_c = col("peer", np.int64, -1)
-    pid = col("pid", np.int64)
-    grp = col("grp", np.int64, -1) if device else None
-    strm = _stream_codes(tbl.column("strm")) if device else None
+    k = {"rank": rank, "t": t, "d": col("d", np.int64), "op": op, "comm_h": col("comm", np.uint64),
+         "seq": col("seq", np.int64), "crank": col("crank", np.int64, -1), "peer_c": col("peer", np.int64, -1),
+         "pid": col("pid", np.int64), "sim_end": sim_end,
+         "grp": col("grp", np.int64, -1) if device else None,
+         "strm": _stream_codes(tbl.column("strm")) if device else None}
     if device or recovering:           # rows come sorted by (rank, time, event id); NULL ranks last
         o = np.flatnonzero(keep)
     else:
         o = _call_order(rank, t, col("event_id", np.uint64))
     if len(o) < len(keep) or not (device or recovering):
-        rank, t, d, op, comm_h, seq, crank, peer_c, pid, sim_end = (
-            a[o] for a in (rank, t, d, op, comm_h, seq, crank, peer_c, pid, sim_end))
-        grp, strm = (grp[o], strm[o]) if device else (None, None)
+        k = {name: None if a is None else a[o] for name, a in k.items()}
+    k["o"] = o
     if device:
-        t, d = _monotonic(rank, t, d)
-    hashes, comm = _codes(comm_h)
-    sim = simulated(rank, op, sim_end)
-    simulated_by_rank: dict = {}
-    if sim.any():
-        seq = launched_seq(rank, op, comm, seq, sim)
-        ur, n = np.unique(rank[sim & (op > 0)], return_counts=True)
-        simulated_by_rank = dict(zip(ur.tolist(), n.tolist()))
-        if simulated_by_rank:
-            who = ", ".join(f"rank {r}: {k}" for r, k in list(simulated_by_rank.items())[:8])
-            warnings.append(f"{int(n.sum())} calls in groups closed by ncclGroupSimulateEnd were left out "
-                            "(NCCL only estimated their time and launched nothing): "
-                            f"{who}{', ...' if len(simulated_by_rank) > 8 else ''}")
-        k = ~sim
-        rank, t, d, op, comm, seq, crank, peer_c, pid, o = (
-            a[k] for a in (rank, t, d, op, comm, seq, crank, peer_c, pid, o))
-        if not len(o):
-            z = np.zeros(0, np.int64)
-            return Calls(z, z, z, z.astype(np.int8), z, z, z, z, z, {}, hashes, z, z, z, {},
-                         simulated=simulated_by_rank), warnings
-    node_of = _where_ranks_are(rank, t, o, tbl)
-    # comm rank -> global rank, per communicator, from the calls themselves
+        k["t"], k["d"] = _monotonic(k["rank"], k["t"], k["d"])
+    return k
+
+
+def _leave_out_simulated(k: dict, warnings: list[str]) -> dict:
+    """Drop from the columns `k` the calls of groups closed by ncclGroupSimulateEnd (seq
+    renumbered as launched); rank -> calls left out."""
+    sim = simulated(k["rank"], k["op"], k.pop("sim_end"))
+    if not sim.any():
+        return {}
+    k["seq"] = launched_seq(k["rank"], k["op"], k["comm"], k["seq"], sim)
+    ur, n = np.unique(k["rank"][sim & (k["op"] > 0)], return_counts=True)
+    by_rank = dict(zip(ur.tolist(), n.tolist()))
+    if by_rank:
+        who = ", ".join(f"rank {r}: {c}" for r, c in list(by_rank.items())[:8])
+        warnings.append(f"{int(n.sum())} calls in groups closed by ncclGroupSimulateEnd were left out "
+                        "(NCCL only estimated their time and launched nothing): "
+                        f"{who}{', ...' if len(by_rank) > 8 else ''}")
+    for name, a in list(k.items()):
+        if a is not None:
+            k[name] = a[~sim]
+    return by_rank
+
+
+def _members_and_peers(rank, op, comm, crank, peer_c) -> tuple[dict, np.ndarray]:
+    """(comm code -> its sorted global ranks, the global rank at the other end of each
+    send/recv or -1), from the calls' communicator ranks."""
     ismem = (op > 0) & (crank >= 0)
     key = comm[ismem] * (1 << 32) + crank[ismem]
     uk, first = np.unique(key, return_index=True)
@@ -263,7 +294,7 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
     for c, g in zip((uk >> 32).tolist(), gr.tolist()):
         members.setdefault(c, []).append(g)
     members = {c: sorted(set(v)) for c, v in members.items()}
-    peer = np.full(len(t), -1, np.int64)
+    peer = np.full(len(rank), -1, np.int64)
     p2p = ((op == _SEND) | (op == _RECV)) & (peer_c >= 0)
     if p2p.any():
         pk = comm[p2p] * (1 << 32) + peer_c[p2p]
@@ -272,33 +303,34 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
         pg = np.full(len(pk), -1, np.int64)
         pg[ok] = gr[i[ok]]
         peer[p2p] = pg
-    # collective instances (comm, seq, op)
+    return members, peer
+
+
+def _instances(rank, op, comm, seq, warnings: list[str]):
+    """Collective instances (comm, op, seq): (instance of each call or -1, and per instance
+    its comm code, op code and calls)."""
     coll = (op > 0) & (op != _SEND) & (op != _RECV)
-    inst = np.full(len(t), -1, np.int64)
-    if coll.any():
-        # (comm, op, seq) as one integer: comm < 2^20, op < 2^5, seq < 2^38
-        sq = seq[coll]
-        if sq.min() < 0 or sq.max() >= 1 << 38 or comm.max() >= 1 << 20:
-            raise IngeroError("a collective seq or communicator count out of range for the analysis")
-        ik = (comm[coll] << 43) | (op[coll].astype(np.int64) << 38) | sq
-        u, inv = _codes(ik)
-        cnt = np.bincount(inv, minlength=len(u))
-        inst[coll] = inv
-        inst_comm, inst_op = u >> 43, (u >> 38) & 31
-        # one rank calling one instance twice: keep the first call as the instance's
-        dup = _dups(inst, rank)
-        if dup.any():
-            warnings.append(f"{int(dup.sum())} calls repeat a (communicator, seq) already called "
-                            "by the same rank; they are counted as calls, not as instances")
-            inst[dup] = -1
-            cnt = np.bincount(inst[inst >= 0], minlength=len(inst_op))
-    else:
-        inst_comm = inst_op = cnt = np.zeros(0, np.int64)
-    return Calls(rank=rank, t=t, d=d, op=op, comm=comm, seq=seq, inst=inst, peer=peer, pid=pid,
-                 node_of=node_of, comm_hash=hashes, inst_comm=np.asarray(inst_comm),
-                 inst_op=np.asarray(inst_op), inst_size=np.asarray(cnt), comm_members=members,
-                 simulated=simulated_by_rank,
-                 launch=_launches(rank, pid, comm, grp) if device else None, stream=strm), warnings
+    inst = np.full(len(rank), -1, np.int64)
+    if not coll.any():
+        z = np.zeros(0, np.int64)
+        return inst, z, z, z
+    # (comm, op, seq) as one integer: comm < 2^20, op < 2^5, seq < 2^38
+    sq = seq[coll]
+    if sq.min() < 0 or sq.max() >= 1 << 38 or comm.max() >= 1 << 20:
+        raise IngeroError("a collective seq or communicator count out of range for the analysis")
+    ik = (comm[coll] << 43) | (op[coll].astype(np.int64) << 38) | sq
+    u, inv = _codes(ik)
+    cnt = np.bincount(inv, minlength=len(u))
+    inst[coll] = inv
+    inst_comm, inst_op = u >> 43, (u >> 38) & 31
+    # one rank calling one instance twice: keep the first call as the instance's
+    dup = _dups(inst, rank)
+    if dup.any():
+        warnings.append(f"{int(dup.sum())} calls repeat a (communicator, seq) already called "
+                        "by the same rank; they are counted as calls, not as instances")
+        inst[dup] = -1
+        cnt = np.bincount(inst[inst >= 0], minlength=len(inst_op))
+    return inst, inst_comm, inst_op, cnt
 
 
 def _fetch(con, sql: str, fills: dict):

@@ -48,16 +48,30 @@ SPREAD = "spread: no single rank"
 def events_where(con, where: str):
     """For the while, temporary views shadow every event table with its rows matching
     `where` (SQL, e.g. on timestamp_ns). Yields (the database's name, for a view over
-    another of its tables; the list of views dropped at the end, to add such a view to)."""
+    another of its tables; the list of views dropped at the end, to add such a view to).
+    A temporary view already shadowing a table (``readonly_sql.confine_views``) is the one
+    narrowed, and is back at the end."""
     db = con.execute("SELECT current_database()").fetchone()[0].replace('"', '""')
     shadowed = list(schema.EVENT_TABLES)
+    moved = [t for (t,) in con.execute("SELECT view_name FROM duckdb_views() WHERE temporary AND view_name IN "
+                                       "(SELECT unnest(?))", [shadowed]).fetchall()]
     try:
+        for table in moved:
+            con.execute(f"ALTER VIEW temp.{table} RENAME TO _whole_{table}")
         for table in schema.EVENT_TABLES:
-            con.execute(f'CREATE OR REPLACE TEMP VIEW {table} AS SELECT * FROM "{db}".main.{table} WHERE {where}')
+            src = f"temp._whole_{table}" if table in moved else f'"{db}".main.{table}'
+            con.execute(f"CREATE OR REPLACE TEMP VIEW {table} AS SELECT * FROM {src} WHERE {where}")
         yield db, shadowed
     finally:
         for table in shadowed:
             con.execute(f"DROP VIEW IF EXISTS temp.{table}")
+        for table in moved:
+            con.execute(f"ALTER VIEW temp._whole_{table} RENAME TO {table}")
+
+
+def events_between(con, lo: int, hi: int | None):
+    """``events_where`` the rows from `lo` to `hi` (ns; None: to the end)."""
+    return events_where(con, f"timestamp_ns >= {int(lo)}" + ("" if hi is None else f" AND timestamp_ns < {int(hi)}"))
 
 
 @dataclasses.dataclass
@@ -70,9 +84,13 @@ class _Window:
     hi: int
 
 
-def analyse_windows(con, slow_collective_ms: float | None = None, window_calls: int = WINDOW_CALLS) -> Report:
+def analyse_windows(con, slow_collective_ms: float | None = None, window_calls: int = WINDOW_CALLS,
+                    between=events_between) -> Report:
     """The session on `con` judged in windows of whole steps holding about `window_calls`
-    NCCL calls each (see the module's docstring); `analyse` itself when it holds no more."""
+    NCCL calls each (see the module's docstring); `analyse` itself when it holds no more.
+    `between(con, lo, hi)`: a context that shows the event tables' rows from `lo` to `hi`
+    (None: to the end) and yields ``events_where``'s pair (the operator's reads only the
+    segments in range)."""
     calls, first, last = con.execute(
         "SELECT count(*), min(timestamp_ns), max(timestamp_ns) FROM nccl_events").fetchone()
     if calls <= window_calls or first is None or last <= first:
@@ -84,8 +102,7 @@ def analyse_windows(con, slow_collective_ms: float | None = None, window_calls: 
     while True:
         hi = lo + width
         final = hi + width // 2 >= last          # what is left is less than half a window: all of it
-        where = f"timestamp_ns >= {lo}" + ("" if final else f" AND timestamp_ns < {hi}")
-        with events_where(con, where) as (db, shadowed):
+        with between(con, lo, None if final else hi) as (db, shadowed):
             share = ((last if final else hi) - lo) / (last - first)
             con.execute(f"""CREATE OR REPLACE TEMP VIEW sched_totals AS
                 SELECT * REPLACE (CAST(total_ns * {share!r} AS BIGINT) AS total_ns,

@@ -63,3 +63,31 @@ def test_a_session_judged_in_windows_names_what_the_whole_session_names(tmp_path
     if w.kind == "rank":       # a group names its worst rank, which may differ from window to window
         assert (p.rank, p.node) == (w.rank, w.node), where
     assert p.saving_ms_per_step == pytest.approx(w.saving_ms_per_step, rel=0.10), where
+
+
+def test_an_artifact_judged_in_windows_reads_each_call_once_from_the_segments_in_range(tmp_path):
+    """The operator's windows read only the segments whose time range meets theirs; `ingero
+    report` judges the artifact in the same windows through its read-only views: both give
+    the same report, every call counted once."""
+    from bench.synthetic import scale_layout, scale_session
+    from ingero.analysis.windows import analyse_windows
+    from ingero.readonly_sql import open_source
+    from ingero_operator import gather
+
+    ranks, collectives, nodes = 16, 600, 4
+    scale_session(tmp_path / "work" / "nodes", ranks=ranks, collectives=collectives, nodes=nodes,
+                  fault="slow-rank", segments_per_node=6)
+    lay = scale_layout(ranks, collectives, nodes, "slow-rank")
+    local = gather.LocalSession(tmp_path)
+    window = ranks * collectives // 4
+    rep, _ = gather.build_artifact(local, lay["offsets"], window_calls=window)
+    assert rep.warnings[0].startswith("judged in "), rep.warnings
+    assert sum(r.collectives for r in rep.ranks) == ranks * collectives
+    assert rep.straggler is not None and rep.straggler.rank == lay["victim"], rep.straggler
+    con = open_source(tmp_path)
+    try:
+        again = analyse_windows(con, window_calls=window)
+        assert con.execute("SELECT count(*) FROM nccl_events").fetchone()[0] == ranks * collectives
+    finally:
+        con.close()
+    assert again.to_dict() == rep.to_dict()
