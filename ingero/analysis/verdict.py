@@ -192,7 +192,8 @@ class _Job:
     peers_own: dict           # rank -> its role peers' median of that
     own_z: dict
     own_rq: dict | None       # rank -> runqueue wait inside its own work per step (`runq_in_own_work`)
-    tails: RunqTails | None   # the runqueue tails of the ranks' off-CPU intervals
+    work: np.ndarray          # each event's own work less the runqueue wait inside it (`runq_in_events`)
+    work_step: float          # the step that replays to
     replayer: _Replayer
 
     @property
@@ -238,14 +239,18 @@ def _job(tl: Timeline, rows: dict, traced_ns: int, tails: RunqTails | None, base
     med = np.where(np.isnan(med) | (tl.key < 0), m.w, med)
     own = own_per_rank(tl, m.w)
     role = {r: tl.stage_of.get(r, 0) for r in own}
+    work, work_step = m.w, base_step
+    if tails is not None and len(tails.rank):
+        work = np.maximum(m.w - runq_in_events(tl, tails, once=True), 0).astype(np.int64)
+        work_step = tl.step_ns(replay(tl.ev, work, m.x).e)
     own_z: dict = {}
     for s in set(role.values()):
         own_z.update(robust_z({r: v for r, v in own.items() if role[r] == s}, max(0.01 * base_step, 100_000)))
     return _Job(tl, rows, traced_ns, base_step, fixed_w=np.minimum(m.w, med).astype(np.int64),
                 slot=np.where(tl.key >= 0, tl.role * tl.slots + tl.since, -1), own=own,
                 peers_own=_role_peers(own, role), own_z=own_z,
-                own_rq=runq_in_own_work(tl, tails) if tails is not None else None, tails=tails,
-                replayer=_Replayer(tl, base_step))
+                own_rq=runq_in_own_work(tl, tails) if tails is not None else None, work=work,
+                work_step=work_step, replayer=_Replayer(tl, base_step))
 
 
 def _role_peers(own: dict, role: dict) -> dict:
@@ -386,7 +391,7 @@ def _spread_candidate(j: _Job) -> Candidate:
     m, ok = j.tl.m, j.slot >= 0
     cap = quantile_at(j.slot[ok], m.w[ok].astype(np.float64), 0.5, j.slot)
     all_w = np.where(np.isnan(cap), m.w, np.minimum(m.w, cap)).astype(np.int64)
-    s = j.replayer.saving(all_w, need=SPREAD_FLOOR_PCT / 100 * j.base_step, alone=True)
+    s = j.replayer.saving(all_w, need=SPREAD_FLOOR_PCT / 100 * j.work_step, alone=True)
     return Candidate("spread", sorted(j.own), s.ns, "spread: no single rank", cause="imbalance", whatif=s.whatif)
 
 
@@ -478,20 +483,20 @@ def _spread_estimate(j: _Job, spread: Candidate, best: Candidate | None) -> Pers
     best single fix under SPREAD_SHARE of it, and ranks working longer for whole steps
     (`_persistent`) account for SAVING_FLOOR_PCT more than the job's jitter would. Capping
     each sync event also removes its jitter, which adds up with the sync events per step.
-    Both are measured on the own work less the runqueue wait inside it (`runq_in_events`,
-    overlapping waits of the rank's threads once), where the sched probe gave it, against the
-    step that work replays to: a busy machine makes a rank wait for a CPU after most wake-ups
-    (27-47% of the lab's 3D own work at a load of ~45 on two cores), which is no work of the
-    rank's and, scattered over its sync events, reads as jitter large enough to hide a
-    planted per-step imbalance (1.8% to just under 5% of the step left over the jitter; net
-    of the waits 7.1-10.2%, a clean job's -0.2-0.3%)."""
-    if not _spread_beats(spread, best, j.base_step):
+    Its floors are shares of the step the ranks' own work less the runqueue wait inside it
+    replays to (`_Job.work`, where the sched probe gave the waits), and the imbalance proper
+    and its jitter are measured on that work: a busy machine makes a rank wait for a CPU
+    after most wake-ups (27-47% of the lab's 3D own work at a load of ~45 on two cores),
+    which no fix of the ranks removes and which, scattered over their sync events, reads as
+    jitter large enough to hide a planted per-step imbalance (1.8% to just under 5% of the
+    measured step left over the jitter; net of the waits 7.1-10.2%, a clean job's
+    -0.2-0.3%), while the waits lengthen the measured step (the same imbalance's "fix
+    everyone" from 12.3-15.0% of the step at load 0 down to 11.7%)."""
+    if not _spread_beats(spread, best, j.work_step):
         return None
-    w, net = j.tl.m.w, ""
-    if j.tails is not None and len(j.tails.rank):
-        w = np.maximum(w - runq_in_events(j.tl, j.tails, once=True), 0).astype(np.int64)
-        net = ", less their waits for a CPU"
-    est = _persistent(j.tl, j.slot, w)._replace(net=net)
+    est = _persistent(j.tl, j.slot, j.work)
+    if j.work is not j.tl.m.w:
+        est = est._replace(net=", less their waits for a CPU")
     return est if est.persistent - est.jitter >= SAVING_FLOOR_PCT / 100 * est.step else None
 
 
