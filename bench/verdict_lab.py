@@ -2,7 +2,8 @@
 
     python -m bench.verdict_lab [--runs 3] [--background-load 0,2] [--cases all|dp|3d|gpu|3d-gpu|fsdp] [--steps 40]
                                 [--only cpu-hog,clean] [--set hog_weight=16]
-                                [--keep-wrong DIR]
+                                [--keep-wrong DIR | --keep DIR]
+    python -m bench.verdict_lab --rejudge DIR
 
 Each case is one real lab run traced with real eBPF (``ingero lab run --trace``,
 the merged trace analysed by ``ingero.analysis``): the data-parallel job (2
@@ -23,7 +24,8 @@ an FSDP job (``--cases fsdp``: tp=2, dp=4, 4 layers, each gathered and
 reduce-scattered in coalesced groups; HSDP with dp=8 as 2 replicas) with
 clean, slow-rank, lossy-link, imbalance, cpu-hog and io-stall, and slow-rank, clean
 and imbalance on the GPU-like device.
-A trace that cannot be judged is never right. ``--only`` keeps the cases whose name contains one of
+``--keep`` keeps every run's lab folder, ``--rejudge DIR`` judges the kept runs of DIR again
+with the current analysis (no lab run, no root). A trace that cannot be judged is never right. ``--only`` keeps the cases whose name contains one of
 the given words (``--cases all --only cpu-hog``: the four cpu-hog cases); ``--set``
 overrides a LabConfig field in every case (a number or a word). A verdict is right when
 it names what was planted (rank / stage / spread / nobody) with the planted
@@ -150,6 +152,48 @@ def one(kw: dict, steps: int, load: int, out: Path):
         con.close()
 
 
+def judge(rep, lab, cfg: dict, check) -> tuple[bool, str]:
+    """Whether the report names what was planted, and what it says."""
+    s = rep.straggler
+    # a trace that cannot be judged is never right, not even for a clean job
+    ok = (check(s, lab) and rep.verdict != "cannot-judge"
+          and (rep.timing == "device") == (cfg.get("device") == "gpu"))
+    what = rep.verdict if s is None else f"{s.kind} {s.group or s.rank} {s.cause} {s.saving_pct:.1f}%"
+    return ok, (f"{'RIGHT' if ok else 'WRONG'}  {what}; {rep.timing} times, mean step {rep.mean_step_ms:.1f} ms, "
+                f"best fix {rep.best_saving_pct:.1f}%")
+
+
+def _folder(name: str, load: int, i: int) -> str:
+    return f"{name.replace(' ', '-')}-load{load}-run{i + 1}"
+
+
+def rejudge(kept: Path, cases: list) -> list:
+    """Each kept run of `cases` in `kept` analysed again: (load, name, ok) rows, one line each."""
+    import json
+    import re
+
+    from ingero.analysis import analyse
+    from ingero.readonly_sql import open_source
+
+    rows = []
+    by_folder = {name.replace(" ", "-"): (name, kw, check) for name, kw, check in cases}
+    for d in sorted(kept.iterdir()):
+        m = re.fullmatch(r"(.+)-load(\d+)-run(\d+)", d.name)
+        if m is None or m[1] not in by_folder or not (d / "trace.duckdb").exists():
+            continue
+        name, kw, check = by_folder[m[1]]
+        con = open_source(d / "trace.duckdb")
+        try:
+            rep = analyse(con)
+        finally:
+            con.close()
+        lab = json.loads((d / "lab.json").read_text())
+        ok, what = judge(rep, lab, kw, check)
+        print(f"load {m[2]} {name:22s} run {m[3]}: {what}" + _victim_detail(rep, lab), flush=True)
+        rows.append((int(m[2]), name, ok))
+    return rows
+
+
 def _victim_detail(rep, lab) -> str:
     """For cpu-hog: the victim's runqueue wait and own work per step against its peers' medians;
     for lossy-link, each rank's sends' network wait (NCCL's proxy), when the plugin gave it."""
@@ -181,6 +225,9 @@ def main(argv=None) -> int:
                     help="override a LabConfig field in every case (repeatable)")
     ap.add_argument("--keep-wrong", type=Path, metavar="DIR",
                     help="move the lab folder (trace.duckdb, lab.json, logs) of each wrong run into DIR")
+    ap.add_argument("--keep", type=Path, metavar="DIR", help="move every run's lab folder into DIR")
+    ap.add_argument("--rejudge", type=Path, metavar="DIR",
+                    help="no lab run: analyse the runs kept in DIR again and judge them")
     a = ap.parse_args(argv)
     loads = [int(x) for x in a.background_load.split(",")]
     cases = [c for k in GROUPS if a.cases in ("all", k) for c in CASES[k]]
@@ -201,8 +248,20 @@ def main(argv=None) -> int:
                 overrides[k] = float(v)
             except ValueError:
                 overrides[k] = v
-    right = total = 0
+    rows = rejudge(a.rejudge, cases) if a.rejudge is not None else _run(a, cases, loads, overrides)
+    right, total = sum(ok for *_, ok in rows), len(rows)
+    loads = sorted({ld for ld, *_ in rows}) if a.rejudge is not None else loads
+    print(f"\nverdict_lab: {right} of {total} right")
+    for load in loads:
+        sub = [ok for ld, _, ok in rows if ld == load]
+        print(f"  background load {load}: {sum(sub)} of {len(sub)}")
+    return 0 if right == total else 1
+
+
+def _run(a, cases: list, loads: list, overrides: dict) -> list:
+    """Each case `a.runs` times at each load: (load, name, ok) rows, one line each."""
     rows = []
+    keep = a.keep if a.keep is not None else a.keep_wrong
     for load in loads:
         for name, kw, check in cases:
             for i in range(a.runs):
@@ -211,33 +270,21 @@ def main(argv=None) -> int:
                 cfg = dict(kw, **overrides)
                 try:
                     rep, lab = one(cfg, a.steps, load, out)
-                    s = rep.straggler
-                    # a trace that cannot be judged is never right, not even for a clean job
-                    ok = (check(s, lab) and rep.verdict != "cannot-judge"
-                          and (rep.timing == "device") == (cfg.get("device") == "gpu"))
-                    what = (rep.verdict if s is None else f"{s.kind} {s.group or s.rank} {s.cause} "
-                            f"{s.saving_pct:.1f}%")
-                    line = (f"load {load} {name:22s} run {i + 1}: {'RIGHT' if ok else 'WRONG'}  {what}; "
-                            f"{rep.timing} times, mean step {rep.mean_step_ms:.1f} ms, best fix {rep.best_saving_pct:.1f}% "
-                            f"({time.monotonic() - t:.0f} s)" + _victim_detail(rep, lab))
+                    ok, what = judge(rep, lab, cfg, check)
+                    line = (f"load {load} {name:22s} run {i + 1}: {what} ({time.monotonic() - t:.0f} s)"
+                            + _victim_detail(rep, lab))
                 except Exception as e:          # a failed run counts as wrong, with its reason
                     ok, line = False, f"load {load} {name:22s} run {i + 1}: ERROR {type(e).__name__}: {e}"
-                if not ok and a.keep_wrong is not None:
-                    kept = a.keep_wrong / f"{name.replace(' ', '-')}-load{load}-run{i + 1}"
-                    a.keep_wrong.mkdir(parents=True, exist_ok=True)
+                if keep is not None and (not ok or a.keep is not None):
+                    kept = keep / _folder(name, load, i)
+                    keep.mkdir(parents=True, exist_ok=True)
                     shutil.rmtree(kept, ignore_errors=True)
                     shutil.move(str(out), kept)
                     line += f" [kept in {kept}]"
                 shutil.rmtree(out, ignore_errors=True)
                 print(line, flush=True)
                 rows.append((load, name, ok))
-                right += ok
-                total += 1
-    print(f"\nverdict_lab: {right} of {total} right")
-    for load in loads:
-        sub = [ok for ld, _, ok in rows if ld == load]
-        print(f"  background load {load}: {sum(sub)} of {len(sub)}")
-    return 0 if right == total else 1
+    return rows
 
 
 if __name__ == "__main__":

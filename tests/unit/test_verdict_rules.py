@@ -232,7 +232,7 @@ def test_only_a_rank_has_an_off_cpu_cause_of_its_own():
 
 
 def test_the_named_candidate_is_the_best_fix_over_the_floor():
-    j = SimpleNamespace(rows={}, base_step=100 * MS, pct=lambda k: 100.0 * k.saving_ns / (100 * MS))
+    j = SimpleNamespace(rows={}, base_step=100 * MS, work_step=100 * MS, pct=lambda k: 100.0 * k.saving_ns / (100 * MS))
     spread = _cand("spread", 5.0)
     assert _named(j, _cand("rank", 5.0), spread).kind == "rank"
     assert _named(j, _cand("rank", 4.9), spread) is None
