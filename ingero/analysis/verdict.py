@@ -139,6 +139,8 @@ class Decision:
     best: Candidate | None = None       # the best single fix, named or not
     named: Candidate | None = None
     candidates: list = field(default_factory=list)
+    work_step_ns: float = 0.0           # the step the ranks' own work less its waits for a CPU replays to
+                                        # (spread's floors are shares of it; the measured step without waits)
 
     @property
     def best_saving_pct(self) -> float:
@@ -221,6 +223,7 @@ def decide(tl: Timeline, rows: dict, retx: Retransmits, traced_ns: int, tails: R
     if d.base_step_ns <= 0:
         return d
     j = _job(tl, rows, traced_ns, tails, d.base_step_ns)
+    d.work_step_ns = j.work_step
     cands = [*_rank_candidates(j), _starved_candidate(j), _stage_candidate(j), *_node_candidates(j),
              *_network_candidates(j, retx, rdma, proxy)]
     cands = sorted((k for k in cands if k is not None), key=lambda k: -k.saving_ns)

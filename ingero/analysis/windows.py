@@ -80,6 +80,7 @@ class _Window:
     steps: int                 # whole steps it judged
     candidates: dict           # label -> saving, ns per step
     named: str | None          # the label of the candidate it named
+    work_step: float           # the step spread's floors are shares of (``Decision.work_step_ns``)
     lo: int                    # its time range (ns)
     hi: int
 
@@ -116,7 +117,7 @@ def analyse_windows(con, slow_collective_ms: float | None = None, window_calls: 
         wins.append(_Window(rep, tl.steps if tl is not None and not rep.cannot_judge else 0,
                             {k.label: k.saving_ns for k in d.candidates} if d is not None else {},
                             named.label if named is not None and rep.straggler is not None else None,
-                            lo, last if final else hi))
+                            d.work_step_ns if d is not None else 0.0, lo, last if final else hi))
         if final:
             break
         nxt = hi
@@ -180,8 +181,9 @@ def combine(wins: list[_Window], con=None) -> Report:
     names = {w.named for w in judged if w.named is not None}
     if names and base > 0:
         label = max(names, key=lambda k: saving[k])
-        pct = 100.0 * saving[label] / base
-        if pct >= (SPREAD_FLOOR_PCT if label == SPREAD else SAVING_FLOOR_PCT):
+        # spread's floor is a share of the step without the ranks' waits for a CPU, as in a window
+        of = weigh(lambda w: w.work_step or w.report.mean_step_ms * 1e6) if label == SPREAD else base
+        if 100.0 * saving[label] / of >= (SPREAD_FLOOR_PCT if label == SPREAD else SAVING_FLOOR_PCT):
             out.straggler = _named(judged, label, saving[label], base, steps)
             out.predicted_step_ms = (base - saving[label]) / 1e6
     if out.straggler is None and out.best_candidate is not None:

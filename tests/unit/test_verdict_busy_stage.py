@@ -88,3 +88,20 @@ def test_a_clean_job_whose_jitter_every_fix_would_remove_names_nobody(tmp_path):
     _spread_decides(part.decision)
     s = part.report.straggler
     assert s is None, f"{s.kind} {s.group or s.rank} {s.cause} {s.saving_pct:.1f}%: {s.evidence}"
+
+
+def test_the_imbalance_judged_in_windows_is_still_spread(tmp_path):
+    """The session in three windows: each judges spread against its step less the waits for
+    a CPU, and so does the session's verdict that combines them."""
+    from ingero.analysis.windows import analyse_windows
+
+    db = build_duckdb(sorted((FIXTURES / "busy-3d-imbalance").iterdir()), tmp_path / "trace.duckdb")
+    con = open_source(db)
+    try:
+        calls = con.execute("SELECT count(*) FROM nccl_events").fetchone()[0]
+        rep = analyse_windows(con, window_calls=calls // 3 + 1)
+    finally:
+        con.close()
+    assert "judged in 3 windows" in rep.warnings[0] or "judged in 4 windows" in rep.warnings[0], rep.warnings
+    s = rep.straggler
+    assert s is not None and s.kind == "spread" and s.cause == "imbalance", (s, rep.best_candidate, rep.best_saving_pct)
