@@ -87,12 +87,16 @@ def pytest_runtest_makereport(item, call):
 # group: they run one after another in one worker, first, as they would in a serial run, with
 # CI's background load beside them (background_load). The other worker takes everything else
 # a file at a time (unit, chart, the probe and capability tests, each in its own cgroups:
-# test_cgroup_prefix), and the lab worker joins it when the lab is done.
+# test_cgroup_prefix), the files of most tests first, and the lab worker joins it when the lab
+# is done. SPREAD files come last a test at a time: independent cases of seconds each (no
+# module fixture), they fill the end of the run on both workers, so that neither ends alone
+# in a long file.
 
 SERIAL = ("tests/cluster/", "tests/lab/", "tests/bpf/test_lab_", "tests/bpf/test_nccl_profiler.py",
           "tests/bpf/test_sched_probes.py", "tests/bpf/test_ring_wakeups.py", "tests/bpf/test_agent_load.py",
           "tests/chart/test_rbac.py",    # its recorded flow runs a traced lab job (ingero demo)
           "tests/images/test_lab.py")    # a traced lab job with the agent and operator images
+SPREAD = ("tests/unit/test_verdict_matrix.py",)
 
 
 def _where(item) -> str:
@@ -106,30 +110,42 @@ LAB_ALL = os.environ.get("INGERO_TEST_LAB_ALL") == "1"
 
 
 def pytest_collection_modifyitems(config, items):
-    """The lab group first, in its files' order, then the rest (a serial run sees the same);
-    the extended lab jobs only with INGERO_TEST_LAB_ALL=1."""
+    """The lab group first, in its files' order, then the other files, those of most tests
+    first, and the SPREAD files last (a serial run sees the same order, which is also the
+    order of the work units of `-n N`); the extended lab jobs only with INGERO_TEST_LAB_ALL=1."""
     if not LAB_ALL:
         out = [it for it in items if it.get_closest_marker("extended")]
         if out:
             config.hook.pytest_deselected(items=out)
             items[:] = [it for it in items if not it.get_closest_marker("extended")]
-    serial = [it for it in items if _where(it).startswith(SERIAL)]
-    picked = set(map(id, serial))
-    items[:] = serial + [it for it in items if id(it) not in picked]
+    where = {id(it): _where(it) for it in items}
+    count: dict[str, int] = {}
+    for w in where.values():
+        count[w] = count.get(w, 0) + 1
+
+    def rank(it) -> tuple:
+        w = where[id(it)]
+        return (0, 0) if w.startswith(SERIAL) else (2, 0) if w.startswith(SPREAD) else (1, -count[w])
+
+    items.sort(key=rank)      # stable: each file's tests keep their order
 
 
 def pytest_xdist_make_scheduler(config, log):
     """The work units of `-n N` (the load modes): the lab group is one unit, every other test
-    file one. (xdist's own `--dist loadgroup` would do it from xdist_group marks, but its
-    renamed node ids have no effect since pytest 9.2.)"""
+    file one, each test of a SPREAD file one; handed out in the collection's order
+    (pytest_collection_modifyitems), not xdist's (units of most tests first, which put two
+    files of more tests than the lab group before it). (xdist's own `--dist loadgroup` would
+    group from xdist_group marks, but its renamed node ids have no effect since pytest 9.2.)"""
     if config.getvalue("dist") not in ("load", "loadscope", "loadfile", "loadgroup"):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    config.option.loadscopereorder = False
+
     class LabThenFiles(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return "lab" if path.startswith(SERIAL) else path
+            return "lab" if path.startswith(SERIAL) else nodeid if path.startswith(SPREAD) else path
 
     return LabThenFiles(config, log)
 
