@@ -98,6 +98,20 @@ def test_both_images_are_two_stage_builds_on_one_debian_bookworm_base():
         assert any(w == "COPY" and "--from=build" in a for w, a in ins)
 
 
+def test_the_operators_build_stage_is_the_agents_up_to_the_wheel_so_docker_builds_it_once():
+    """Docker's layer cache shares a stage only while every instruction is the same: one
+    differing line and a cold `make images` downloads the Debian packages and the Python
+    dependencies twice."""
+    def build_stage(name: str) -> list[tuple[str, str]]:
+        ins = instructions(name)
+        return ins[:[i for i, (w, _) in enumerate(ins) if w == "FROM"][1]]
+
+    agent, operator = build_stage("Dockerfile.agent"), build_stage("Dockerfile.operator")
+    wheel = next(i for i, (w, a) in enumerate(operator) if w == "RUN" and "pip wheel" in a)
+    assert operator[:wheel + 1] == agent[:wheel + 1]
+    assert operator[wheel + 1:] == []     # the agent's plugin build is its own
+
+
 def test_agent_image_has_debian_bcc_and_a_venv_with_system_site_packages():
     ins = instructions("Dockerfile.agent")
     text = " ".join(a for _, a in ins)
