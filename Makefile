@@ -39,8 +39,9 @@ lint: venv
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/mypy
 
-# The images suite is `make test-images`: a machine without docker's layer cache spends ~30 min
-# building both images from the Debian mirror, beyond this suite's budget.
+# The images suite is `make test-images`: a machine without docker's layer cache fetches ~310 MB
+# (Debian packages and lists, Python wheels) and builds for ~30 min on a busy 2-core machine
+# (~2 min of it CPU in the builds), beyond this suite's budget.
 test: setup lint
 	$(PY) -m pytest -n $(PYTEST_JOBS) --ignore=tests/images $(PYTEST_ARGS)
 
