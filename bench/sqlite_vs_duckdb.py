@@ -30,7 +30,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from ingero.published import SLOW_COLLECTIVE_JOIN
+from bench.published import SLOW_COLLECTIVE_JOIN
 
 
 HOUR_NS = 3_600_000_000_000

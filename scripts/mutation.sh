@@ -16,7 +16,7 @@ WORK=${MUTATION_DIR:-$ROOT/.mutation}
 # the verdict's hand-built unit tests: the synthetic sessions (test_verdict_matrix, _pipeline,
 # _gpu, _rdma) cost seconds to minutes per mutant
 TESTS=${MUTATION_TESTS:-"test_verdict_rules test_verdict_cause test_verdict_starved test_verdict_own_runqueue
-  test_proxy_waits test_verdict_spread"}
+  test_proxy_waits test_verdict_spread test_verdict_slow_nodes test_verdict_per_wait"}
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 py=$(readlink -f "$VENV/bin/python")
 

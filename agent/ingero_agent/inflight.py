@@ -103,8 +103,8 @@ class FrameReader:
                 self.threads_readable = False
             return None
         try:
-            key = ct.c_int(fd)
-            return leaf if self._lib.bpf_lookup_elem(self.fd, ct.byref(key), ct.byref(leaf)) == 0 else None
+            fd_key = ct.c_int(fd)
+            return leaf if self._lib.bpf_lookup_elem(self.fd, ct.byref(fd_key), ct.byref(leaf)) == 0 else None
         finally:
             os.close(fd)
 
@@ -158,7 +158,7 @@ def snapshot(reader: FrameReader, proc: Path, pids, mono_to_wall_ns: int, now_wa
             for tid, op in stacks(pid, [t for t, r in by_tid.items() if r["state"] != "R"]).items():
                 row = by_tid[tid]
                 last = (previous or {}).get((pid, tid))
-                held = last is not None and last["op"] == op and last["comm_rank"] is None and last["since_ns"]
-                row.update(op=op, since_ns=last["since_ns"] if held else now_wall_ns)
+                held = last["since_ns"] if last is not None and last["op"] == op and last["comm_rank"] is None else None
+                row.update(op=op, since_ns=held or now_wall_ns)
         rows += mine
     return rows

@@ -141,11 +141,11 @@ def judge(cov: Coverage, placed: list, stepped: list | None) -> Scope:
                   "compares at least 2 ranks")
     if len(stepped) == len(known):
         return Scope(None, None, None)
-    why = [f"{ranks_text(sorted(set(placed) - set(stepped)))} made calls but have no whole step"
-           if len(stepped) < len(placed) else "",
-           f"{ranks_text(sorted(set(known) - set(placed)))} were not traced" if len(placed) < len(known) else ""]
+    gaps = [f"{ranks_text(sorted(set(placed) - set(stepped)))} made calls but have no whole step"
+            if len(stepped) < len(placed) else "",
+            f"{ranks_text(sorted(set(known) - set(placed)))} were not traced" if len(placed) < len(known) else ""]
     return Scope(None, stepped, f"the verdict covers {ranks_text(stepped)} of the job's {len(known)}: "
-                                + "; ".join(w for w in why if w))
+                                + "; ".join(g for g in gaps if g))
 
 
 def span(ranks: list) -> str:

@@ -72,10 +72,9 @@ def step_svg(report, d: Decision | None, step: int | None = None) -> tuple[str, 
     m = tl.m
     lo, hi = tl.step_bounds(base.e, k)
     panels = [("measured", _segments(tl, base.a, base.e, m.x, lo, hi), lo, hi)]
-    rep_fix = named.whatif if named is not None else None
     who = set(named.ranks) if named is not None and named.kind != "spread" else set()
-    if rep_fix is not None:
-        fixed, x = rep_fix
+    if named is not None and named.whatif is not None:
+        fixed, x = named.whatif
         flo, fhi = tl.step_bounds(fixed.e, k)
         panels.append((f"replayed without {named.label}'s excess", _segments(tl, fixed.a, fixed.e, x, flo, fhi),
                        flo, fhi))

@@ -93,8 +93,8 @@ def proxy_sends(con) -> ProxySends | None:
         return None
     if not len(got["rank"]):
         return None
-    cols = list(got.values())
-    return ProxySends(*(np.asarray(c, np.int64) for c in cols), comms=comm_transports(con), nics=rank_nics(con))
+    rank, start, end, wait, peer, op = (np.asarray(c, np.int64) for c in got.values())
+    return ProxySends(rank, start, end, wait, peer, op, comms=comm_transports(con), nics=rank_nics(con))
 
 
 def rank_nics(con) -> dict:

@@ -155,7 +155,7 @@ class _Fix:
         c, seq, cut = self.cols, self.cols.seq, self.cut
         members = sorted(g.members, key=lambda h: h.grank)
         cid = _synthetic_id(members)
-        order = {h.grank: i for i, h in enumerate(members)} if g.crank is None else \
+        order = {h.grank: i for i, h in enumerate(members)} if not g.crank else \
             {h.grank: g.crank[h] for h in members}
         aligned = [h for h in members if len(h.coll) and h in g.base]   # (send/receive groups: none)
         firsts = [int(seq[h.coll].min()) + g.base[h] for h in aligned]
@@ -170,7 +170,7 @@ class _Fix:
             else:
                 cut[h.coll] = True    # a stray collective or two on a send/receive handle: unaligned
         fit = _p2p_fit(members, c.opname, c.peer, order, c.t, c.d, cut)
-        conf = g.sep * fit if g.crank is not None else \
+        conf = g.sep * fit if g.crank else \
             g.agree * (1.0 if g.forced else _separation(g, pairs, blocking)) * fit
         if conf < MIN_CONF:
             for h in members:
@@ -178,11 +178,11 @@ class _Fix:
                 self.guessed[h.rows] = True
             self.guesses.append(f"{_ranks(order)} ({conf:.2f})")
             return
-        unproven = g.crank is None and not blocking
+        unproven = not g.crank and not blocking
         if unproven:
             conf = min(conf, ENQUEUED_CONF)
         self.recovered_ranks.update(order)
-        how = "call sequences" if g.crank is None else "send/receive pairs"
+        how = "call sequences" if not g.crank else "send/receive pairs"
         self.lines.append(f"communicator {cid:#018x}: recovered from {how}, {len(members)} ranks "
                           f"({_ranks(order)}), confidence {conf:.2f}"
                           + ("" if fit == 1.0 else f" (its sends and receives fit the rank order at {fit:.2f})")
@@ -283,7 +283,8 @@ class _Group:
         self.base = {h: 0}        # aligned seq = seq + base
         self.gap = 0.0            # widest end-time gap of its pairs
         self.agrees: list[float] = []
-        self.crank: dict | None = None   # handle -> its rank in the communicator, from p2p peers
+        self.crank: dict[_Handle, int | None] = {}   # handle -> its rank in the communicator, from
+                                                     # p2p peers (empty: a group of collectives)
         self.sep = 1.0                   # p2p groups: the clearest margin of their links
         self.forced = False              # a member's calls overlap no handle's outside it
 
@@ -318,9 +319,9 @@ def _group(hs: list[_Handle]) -> tuple[list[_Group], dict, bool]:
         ga, gb = group[ia], group[ib]
         if ga is gb or {h.grank for h in ga.members} & {h.grank for h in gb.members}:
             continue
-        cross = [(x, y, edges.get((id(x), id(y)))) for x in ga.members for y in gb.members]
-        if any(q is None for _, _, q in cross):
+        if any((id(x), id(y)) not in edges for x in ga.members for y in gb.members):
             continue
+        cross = [(x, y, edges[(id(x), id(y))]) for x in ga.members for y in gb.members]
         widest = max(q.gap for _, _, q in cross)
         if (not blocking and len(ga.members) + len(gb.members) > 2
                 and widest > GAP * max(ga.gap, gb.gap) + NOISE_NS):
@@ -354,11 +355,11 @@ def _p2p_groups(hs: list[_Handle], opname, peer, count, t, d) -> list[_Group]:
     then the smallest end-time gap; the best one's margin over the next is its link's
     confidence. Links join groups tightest first (a channel's next candidate where its best
     was taken); a group is as sure as its clearest link."""
-    chans: dict[tuple, np.ndarray] = {}
+    calls: dict[tuple, list[int]] = {}
     for h in hs:
         for i in h.send_recv.tolist():
-            chans.setdefault((h, opname[i], int(peer[i]), int(count[i])), []).append(i)
-    chans = {k: np.asarray(sorted(v, key=lambda i: t[i])) for k, v in chans.items()}
+            calls.setdefault((h, opname[i], int(peer[i]), int(count[i])), []).append(i)
+    chans = {k: np.asarray(sorted(v, key=lambda i: t[i])) for k, v in calls.items()}
     recvs = [(k, v) for k, v in chans.items() if k[1] == "RECV" and len(v) >= MIN_CALLS]
     links = []
     for (x, op, q, c), s in chans.items():
@@ -453,7 +454,7 @@ def _p2p_fit(members: list[_Handle], opname, peer, order: dict, t, d, cut) -> fl
     """Share of sends/receives whose peer is a member under the assumed rank order and whose
     (sender, receiver) pair is seen from both ends; marks in `cut` the leading calls of a
     pair whose partners the trace start did not reach. 1.0 with no sends or receives."""
-    rows = {}
+    rows: dict[tuple[str, tuple[int, int]], list[int]] = {}
     for h in members:
         for i in h.send_recv.tolist():
             p = int(peer[i])
@@ -540,7 +541,7 @@ def _group_times(opname, grank, t, d) -> tuple[np.ndarray, np.ndarray]:
 
 def _call_keys(op, cnt, dtype) -> np.ndarray:
     """One integer per (op, count, datatype)."""
-    names = {}
+    names: dict[tuple, int] = {}
     codes = np.array([names.setdefault((o, dt), len(names)) for o, dt in zip(op.tolist(), dtype.tolist())],
                      dtype=np.int64)
     return codes * (1 << 44) + (cnt & ((1 << 44) - 1))

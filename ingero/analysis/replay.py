@@ -15,6 +15,7 @@ excess: the what-if.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,23 +135,44 @@ def _expand(ptr: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return np.repeat(ptr[rows] - (np.cumsum(cnt) - cnt), cnt) + np.arange(int(cnt.sum()))
 
 
-def schedule(ev: Events) -> Schedule:
-    """The rounds of `ev`'s replays (see Schedule), found once and kept on `ev`."""
-    if ev.schedule is not None:
-        return ev.schedule
+def _releases(ev: Events) -> tuple[np.ndarray, Callable[[np.ndarray], np.ndarray]]:
+    """The events that follow none (round 0's arrivals), and a function that, given the
+    events completing in a round, returns those that arrive next: the events whose previous
+    ones (each its rank's previous one, or on streams those of ``Events.prev_ptr``) have
+    all completed."""
     n = len(ev.a)
-    one = ev.prev_ptr is None
-    if one:                                          # each event follows its rank's previous one
+    if ev.prev_ptr is None or ev.prev_idx is None:   # each event follows its rank's previous one
         has_next = np.ones(n, bool)
         has_next[ev.off[1:] - 1] = False
-        new = ev.off[:-1].astype(np.int64)
-    else:
-        prev_ptr, prev_idx = ev.prev_ptr, ev.prev_idx
-        held = np.diff(prev_ptr)                     # previous events not yet completed
-        po = np.argsort(prev_idx, kind="stable")     # who follows each event
-        succ = np.repeat(np.arange(n), held)[po]
-        succ_ptr = np.r_[0, np.cumsum(np.bincount(prev_idx, minlength=n))]
-        new = np.flatnonzero(held == 0)
+        return ev.off[:-1].astype(np.int64), lambda go: go[has_next[go]] + 1
+    prev_ptr, prev_idx = ev.prev_ptr, ev.prev_idx
+    held = np.diff(prev_ptr)                         # previous events not yet completed
+    po = np.argsort(prev_idx, kind="stable")         # who follows each event
+    succ = np.repeat(np.arange(n), held)[po]
+    succ_ptr = np.r_[0, np.cumsum(np.bincount(prev_idx, minlength=n))]
+
+    def release(go: np.ndarray) -> np.ndarray:
+        nxt, cnt = np.unique(succ[_expand(succ_ptr, go)], return_counts=True)
+        held[nxt] -= cnt
+        return nxt[held[nxt] == 0]
+    return np.flatnonzero(held == 0), release
+
+
+@dataclass
+class _Rounds:
+    arrs: list[np.ndarray]    # per round, the events that arrive
+    gos: list[np.ndarray]     # per round, the events that complete (an instance's side by side)
+    arr_round: np.ndarray     # per event, its arrival round
+    go_round: np.ndarray      # per event, its completion round
+    stuck: int                # rounds that released a cycle
+
+
+def _rounds(ev: Events) -> _Rounds:
+    """Round by round, the events that arrive and those that complete: an event completes in
+    the first round by which its p2p dependencies and its instance's members have all
+    arrived; a round where none can releases everyone waiting (a cycle in bad data)."""
+    n = len(ev.a)
+    new, release = _releases(ev)
     has = ev.inst >= 0
     ni = int(ev.inst.max()) + 1 if has.any() else 0
     inst_size = np.bincount(ev.inst[has], minlength=ni)
@@ -162,15 +184,12 @@ def schedule(ev: Events) -> Schedule:
     rev_ptr = np.r_[0, np.cumsum(np.bincount(ev.dep_idx, minlength=n))]
     has_rev = np.diff(rev_ptr) > 0
     dep_cnt = np.zeros(n, np.int64)
-    arr_round = np.empty(n, np.int64)
-    go_round = np.empty(n, np.int64)
-    arrs, gos = [], []
-    stuck = 0
+    out = _Rounds([], [], np.empty(n, np.int64), np.empty(n, np.int64), 0)
     waiting = np.zeros(0, np.int64)
     k = 0
     while len(new) or len(waiting):
-        arrs.append(new)
-        arr_round[new] = k
+        out.arrs.append(new)
+        out.arr_round[new] = k
         ci = ev.inst[new]
         np.add.at(inst_cnt, ci[ci >= 0], 1)
         r = new[has_rev[new]]
@@ -182,99 +201,128 @@ def schedule(ev: Events) -> Schedule:
         m = ci >= 0
         ok[m] &= inst_cnt[ci[m]] == inst_size[ci[m]]
         if not ok.any():                        # a cycle in bad data: release everyone waiting
-            stuck += 1
+            out.stuck += 1
             ok[:] = True
         go = cur[ok]
         go = go[np.argsort(ev.inst[go], kind="stable")]      # an instance's members side by side
         waiting = cur[~ok]
-        gos.append(go)
-        go_round[go] = k
-        if one:                                 # each event follows its rank's previous one
-            new = go[has_next[go]] + 1
-        else:
-            nxt, cnt = np.unique(succ[_expand(succ_ptr, go)], return_counts=True)
-            held[nxt] -= cnt
-            new = nxt[held[nxt] == 0]
+        out.gos.append(go)
+        out.go_round[go] = k
+        new = release(go)
         k += 1
-    arr, go = np.concatenate(arrs), np.concatenate(gos)
-    arr_ptr = np.r_[0, np.cumsum([len(a) for a in arrs]), n]        # round k + 1 may have none
-    go_ptr = np.r_[0, np.cumsum([len(g) for g in gos])]
-    apos = np.empty(n, np.int64)
-    apos[arr] = np.arange(n)
-    gpos = np.empty(n, np.int64)
-    gpos[go] = np.arange(n)
-    if one:
-        arr_prev_ptr = np.r_[np.zeros(len(arrs[0]), np.int64), np.arange(n - len(arrs[0]) + 1)]
-        arr_prev_pos = gpos[arr[len(arrs[0]):] - 1]
-    else:
-        arr_prev_ptr = np.r_[0, np.cumsum(np.diff(prev_ptr)[arr])]
-        arr_prev_pos = gpos[prev_idx[_expand(prev_ptr, arr)]]
-    # own segments: the event itself, then its p2p dependencies arrived by its round
+    return out
+
+
+def _nth(seg: np.ndarray) -> np.ndarray:
+    """Per item of sorted segment ids `seg`, its place in its segment (0, 1, ...)."""
+    first = np.r_[True, seg[1:] != seg[:-1]]
+    return np.arange(len(seg)) - np.maximum.accumulate(np.where(first, np.arange(len(seg)), 0))
+
+
+def _own_segments(ev: Events, go: np.ndarray, apos: np.ndarray, rs: _Rounds) -> tuple[np.ndarray, np.ndarray]:
+    """Per completing event (in `go` order), the arrival positions of itself, then its p2p
+    dependencies arrived by its round: (own_pos, own_ptr)."""
+    n = len(go)
+    ndeps = np.diff(ev.dep_ptr)
     q = np.repeat(np.arange(n), ndeps[go])         # completion index of each dependency, in order
     d = ev.dep_idx[_expand(ev.dep_ptr, go)]
-    keep = arr_round[d] <= go_round[go[q]]
+    keep = rs.arr_round[d] <= rs.go_round[go[q]]
     q, d = q[keep], d[keep]
     own_ptr = np.r_[0, np.cumsum(1 + np.bincount(q, minlength=n))]
     own_pos = np.empty(int(own_ptr[-1]), np.int64)
     own_pos[own_ptr[:-1]] = apos[go]
     if len(q):
-        first = np.r_[True, q[1:] != q[:-1]]
-        nth = np.arange(len(q)) - np.maximum.accumulate(np.where(first, np.arange(len(q)), 0))
-        own_pos[own_ptr[q] + 1 + nth] = apos[d]
-    # instance groups: (round, instance) of the completing members, side by side in `go`
+        own_pos[own_ptr[q] + 1 + _nth(q)] = apos[d]
+    return own_pos, own_ptr
+
+
+def _groups(ev: Events, go: np.ndarray, apos: np.ndarray, rs: _Rounds
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The instance groups of the completing events, (round, instance) each, side by side
+    in `go`: (grp_pos, grp_ptr, grp_of, grp_rptr) as Schedule keeps them."""
+    n = len(go)
+    R = len(rs.gos) + 1
     grp_of = np.full(n, -1, np.int64)
     gq = np.flatnonzero(ev.inst[go] >= 0)
-    R = k + 1
-    if len(gq):
-        g_round, g_inst = go_round[go[gq]], ev.inst[go[gq]]
-        new_g = np.r_[True, (g_round[1:] != g_round[:-1]) | (g_inst[1:] != g_inst[:-1])]
-        gid = np.cumsum(new_g) - 1
-        grp_of[gq] = gid
-        starts = np.flatnonzero(new_g)
-        g_round, g_inst = g_round[starts], g_inst[starts]
-        sizes = np.diff(np.r_[starts, len(gq)])
-        grp_rptr = np.searchsorted(g_round, np.arange(R + 1))
-        # an instance that completes whole in one round (all but a cycle's): its members are
-        # its group, side by side in `go`; the others' members join every group of their
-        # instance from the round they arrived
-        whole = sizes == inst_size[g_inst]
-        ng = len(starts)
-        cnt = np.where(whole, sizes, 0)
-        part = np.flatnonzero(~whole)
-        if len(part):
-            pkey = g_inst[part] * R + g_round[part]
-            by = np.argsort(pkey, kind="stable")
-            pkey = pkey[by]
-            mark = np.zeros(ni, bool)
-            mark[g_inst[part]] = True
-            mem = np.flatnonzero(has & mark[np.maximum(ev.inst, 0)])
-            lo = np.searchsorted(pkey, ev.inst[mem] * R + arr_round[mem])
-            hi = np.searchsorted(pkey, ev.inst[mem] * R + R)
-            k_mem = hi - lo
-            mem_of = np.repeat(mem, k_mem)
-            pg = part[by[np.repeat(lo - (np.cumsum(k_mem) - k_mem), k_mem) + np.arange(int(k_mem.sum()))]]
-            o = np.argsort(pg, kind="stable")
-            mem_of, pg = mem_of[o], pg[o]
-            cnt += np.bincount(pg, minlength=ng)
-        grp_ptr = np.r_[0, np.cumsum(cnt)]
-        grp_pos = np.empty(int(grp_ptr[-1]), np.int64)
-        w = np.flatnonzero(whole[gid])                 # members of whole groups, in `go` order
-        grp_pos[grp_ptr[gid[w]] + (w - starts[gid[w]])] = apos[go[gq[w]]]
-        if len(part):
-            first = np.r_[True, pg[1:] != pg[:-1]]
-            nth = np.arange(len(pg)) - np.maximum.accumulate(np.where(first, np.arange(len(pg)), 0))
-            grp_pos[grp_ptr[pg] + nth] = apos[mem_of]
+    if not len(gq):
+        return np.zeros(0, np.int64), np.zeros(1, np.int64), grp_of, np.zeros(R + 1, np.int64)
+    has = ev.inst >= 0
+    inst_size = np.bincount(ev.inst[has], minlength=int(ev.inst.max()) + 1)
+    g_round, g_inst = rs.go_round[go[gq]], ev.inst[go[gq]]
+    new_g = np.r_[True, (g_round[1:] != g_round[:-1]) | (g_inst[1:] != g_inst[:-1])]
+    gid = np.cumsum(new_g) - 1
+    grp_of[gq] = gid
+    starts = np.flatnonzero(new_g)
+    g_round, g_inst = g_round[starts], g_inst[starts]
+    sizes = np.diff(np.r_[starts, len(gq)])
+    grp_rptr = np.searchsorted(g_round, np.arange(R + 1))
+    # an instance that completes whole in one round (all but a cycle's): its members are
+    # its group, side by side in `go`; the others' members join every group of their
+    # instance from the round they arrived
+    whole = sizes == inst_size[g_inst]
+    cnt = np.where(whole, sizes, 0)
+    part = np.flatnonzero(~whole)
+    if len(part):
+        mem_of, pg = _cycle_members(ev, part, g_inst, g_round, rs.arr_round, R)
+        cnt += np.bincount(pg, minlength=len(starts))
+    grp_ptr = np.r_[0, np.cumsum(cnt)]
+    grp_pos = np.empty(int(grp_ptr[-1]), np.int64)
+    w = np.flatnonzero(whole[gid])                 # members of whole groups, in `go` order
+    grp_pos[grp_ptr[gid[w]] + (w - starts[gid[w]])] = apos[go[gq[w]]]
+    if len(part):
+        grp_pos[grp_ptr[pg] + _nth(pg)] = apos[mem_of]
+    return grp_pos, grp_ptr, grp_of, grp_rptr
+
+
+def _cycle_members(ev: Events, part: np.ndarray, g_inst: np.ndarray, g_round: np.ndarray,
+                   arr_round: np.ndarray, R: int) -> tuple[np.ndarray, np.ndarray]:
+    """For the groups `part` of instances that complete over several rounds (a released
+    cycle's): every member of such an instance joins each of its groups from the round it
+    arrived. Returns (member event, group) pairs, by group."""
+    pkey = g_inst[part] * R + g_round[part]
+    by = np.argsort(pkey, kind="stable")
+    pkey = pkey[by]
+    mark = np.zeros(int(ev.inst.max()) + 1, bool)
+    mark[g_inst[part]] = True
+    mem = np.flatnonzero((ev.inst >= 0) & mark[np.maximum(ev.inst, 0)])
+    lo = np.searchsorted(pkey, ev.inst[mem] * R + arr_round[mem])
+    hi = np.searchsorted(pkey, ev.inst[mem] * R + R)
+    k_mem = hi - lo
+    mem_of = np.repeat(mem, k_mem)
+    pg = part[by[np.repeat(lo - (np.cumsum(k_mem) - k_mem), k_mem) + np.arange(int(k_mem.sum()))]]
+    o = np.argsort(pg, kind="stable")
+    return mem_of[o], pg[o]
+
+
+def schedule(ev: Events) -> Schedule:
+    """The rounds of `ev`'s replays (see Schedule), found once and kept on `ev`."""
+    if isinstance(ev.schedule, Schedule):
+        return ev.schedule
+    n = len(ev.a)
+    rs = _rounds(ev)
+    arr, go = np.concatenate(rs.arrs), np.concatenate(rs.gos)
+    arr_ptr = np.r_[0, np.cumsum([len(a) for a in rs.arrs]), n]     # round k + 1 may have none
+    go_ptr = np.r_[0, np.cumsum([len(g) for g in rs.gos])]
+    apos = np.empty(n, np.int64)
+    apos[arr] = np.arange(n)
+    gpos = np.empty(n, np.int64)
+    gpos[go] = np.arange(n)
+    n0 = len(rs.arrs[0])
+    if ev.prev_ptr is None or ev.prev_idx is None:
+        arr_prev_ptr = np.r_[np.zeros(n0, np.int64), np.arange(n - n0 + 1)]
+        arr_prev_pos = gpos[arr[n0:] - 1]
     else:
-        grp_pos = np.zeros(0, np.int64)
-        grp_ptr = np.zeros(1, np.int64)
-        grp_rptr = np.zeros(R + 1, np.int64)
+        arr_prev_ptr = np.r_[0, np.cumsum(np.diff(ev.prev_ptr)[arr])]
+        arr_prev_pos = gpos[ev.prev_idx[_expand(ev.prev_ptr, arr)]]
+    own_pos, own_ptr = _own_segments(ev, go, apos, rs)
+    grp_pos, grp_ptr, grp_of, grp_rptr = _groups(ev, go, apos, rs)
     big = max(int(own_ptr[-1]), int(grp_ptr[-1]), n)
     idx = np.int32 if big < np.iinfo(np.int32).max else np.int64   # positions: half the memory
     ev.schedule = Schedule(arr=arr.astype(idx), arr_ptr=arr_ptr, go=go.astype(idx), go_ptr=go_ptr,
                            arr_prev_pos=arr_prev_pos.astype(idx), arr_prev_ptr=arr_prev_ptr,
                            own_pos=own_pos.astype(idx), own_ptr=own_ptr.astype(idx),
                            grp_pos=grp_pos.astype(idx), grp_ptr=grp_ptr.astype(idx), grp_of=grp_of.astype(idx),
-                           grp_rptr=grp_rptr, stuck_rounds=stuck)
+                           grp_rptr=grp_rptr, stuck_rounds=rs.stuck)
     return ev.schedule
 
 

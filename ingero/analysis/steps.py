@@ -28,6 +28,7 @@ within a role.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -205,21 +206,22 @@ def _every_few_steps(c: Calls, ev: Events, op: int, fam: list) -> bool:
     mem = sorted(set().union(*(c.comm_members.get(comm, []) for comm in comms)) & traced)
     if len(mem) < 2:
         return False
-    parent = {}
+    parent: dict[int, int] = {}
 
-    def find(x):
+    def find(x: int) -> int:
         while parent.get(x, x) != x:
             x = parent[x]
         return x
 
-    def join(group):
+    def join(group: Iterable[int]) -> None:
         roots = {find(g) for g in group}
         for r in roots:
             parent[r] = min(roots)
 
     kind = _kind(c, ev.inst)
     src = np.repeat(np.arange(len(ev.a)), np.diff(ev.dep_ptr))
-    comms_used, pairs = set(), set()
+    comms_used: set[int] = set()
+    pairs: set[tuple[int, int]] = set()
     for r in mem:
         k = int(np.searchsorted(ev.ranks, r))
         lo, hi = int(ev.off[k]), int(ev.off[k + 1])
@@ -308,6 +310,79 @@ def _align(first: list[np.ndarray]) -> list[int]:
     return out
 
 
+def _marker_runs(c: Calls, ev: Events, first: np.ndarray) -> tuple[list[np.ndarray], list[int]]:
+    """Each marker's boundary instances in order of first arrival (whole steps only: see
+    ``_whole_steps``), and its communicator; markers seen fewer than twice left out.
+    `first`: every instance's earliest member arrival (int64 max: none)."""
+    seen = first < np.iinfo(np.int64).max
+    per, used = [], []
+    for comm, op in markers(c, seen, ev):
+        ids = np.flatnonzero((c.inst_comm == comm) & (c.inst_op == op) & seen)
+        if len(ids) >= 2:
+            per.append(ids[np.argsort(first[ids], kind="stable")])
+            used.append(comm)
+    return [_whole_steps(c, ev, p, comm) for p, comm in zip(per, used)], used
+
+
+def _steps_before(c: Calls, ev: Events, per: list[np.ndarray], used: list[int], off: list[int],
+                  seg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per event, the reference steps its rank began before it (-1: unknown), and the last
+    event at or before it that opens a step on its rank (-1: none). Each rank follows one
+    marker, the first that holds it; ranks no marker holds get theirs through
+    ``_propagate``."""
+    nr = len(ev.ranks)
+    has = ev.inst >= 0
+    rank_mk = np.full(nr, -1, np.int64)
+    for g in range(len(per) - 1, -1, -1):
+        mem = np.array(c.comm_members.get(used[g], []), np.int64)
+        rank_mk[np.isin(ev.ranks, mem)] = g
+    mk_of = np.full(len(c.inst_size), -1, np.int64)
+    for g, p in enumerate(per):
+        mk_of[p] = g
+    is_mk = has & (mk_of[np.maximum(ev.inst, 0)] == rank_mk[seg]) & (rank_mk[seg] >= 0)
+    cs = np.cumsum(is_mk)
+    base = np.r_[0, cs][ev.off[:-1]]
+    before = cs - is_mk - base[seg]                        # the rank's markers strictly before
+    # the rank's first marker instance is its marker's step (its position there + offset)
+    pos = np.zeros(len(c.inst_size), np.int64)
+    for o, p in zip(off, per):
+        pos[p] = np.arange(len(p)) + o
+    first_mk = np.full(nr, -1, np.int64)
+    idx_mk = np.flatnonzero(is_mk)
+    who, at = np.unique(seg[idx_mk], return_index=True)
+    first_mk[who] = idx_mk[at]
+    covered_k = first_mk >= 0
+    start = np.where(covered_k, pos[ev.inst[np.maximum(first_mk, 0)]], 0)
+    gb = np.where(covered_k[seg], before + start[seg], -1)   # markers strictly before, as reference steps
+    idx = np.arange(len(ev.a))
+    last_mk = np.maximum.accumulate(np.where(is_mk, idx, -1))
+    if not covered_k.all():
+        gb, opened = _propagate(ev, gb, covered_k, seg)
+        last_mk = np.maximum.accumulate(np.where(is_mk | opened, idx, -1))
+    return gb, last_mk
+
+
+def _ordinals(c: Calls, ev: Events, per: list[np.ndarray], seg: np.ndarray, last_mk: np.ndarray,
+              inwin: np.ndarray) -> np.ndarray:
+    """Per event, its ordinal since its rank's last step opening (before the first: 10**6
+    past the rank's start). A collective made less often than once per step (a loss logged
+    every few steps) takes no ordinal from the events after it, and has slots of its own
+    after the step's."""
+    has = ev.inst >= 0
+    idx = np.arange(len(ev.a))
+    rank_start = ev.off[:-1][seg]
+    since = np.where(last_mk >= rank_start, idx - last_mk, idx - rank_start + 10**6)
+    code = c.inst_comm * 64 + c.inst_op
+    rare = has & (np.bincount(code)[code][np.maximum(ev.inst, 0)] * ALIKE_COUNT < min(len(p) for p in per))
+    if rare.any():
+        after_mk = last_mk >= rank_start
+        reg = np.cumsum(~rare)
+        since = np.where(after_mk, reg - reg[np.maximum(last_mk, 0)], since)
+        top = int(since[after_mk & ~rare & inwin].max(initial=0)) + 1
+        since = np.where(after_mk & rare, top + since, since)
+    return since
+
+
 def timeline(c: Calls, ev: Events, m: Measured) -> Timeline | None:
     """The step window from the markers (see the module's docstring); None without two whole
     boundaries common to every marker."""
@@ -317,16 +392,9 @@ def timeline(c: Calls, ev: Events, m: Measured) -> Timeline | None:
     # every instance's earliest member event; instances with none are no sync event
     first = np.full(len(c.inst_size), np.iinfo(np.int64).max, np.int64)
     np.minimum.at(first, ev.inst[has], ev.a[has])
-    pairs = markers(c, first < np.iinfo(np.int64).max, ev)
-    per, used = [], []
-    for comm, op in pairs:
-        ids = np.flatnonzero((c.inst_comm == comm) & (c.inst_op == op) & (first < np.iinfo(np.int64).max))
-        if len(ids) >= 2:
-            per.append(ids[np.argsort(first[ids], kind="stable")])
-            used.append(comm)
+    per, used = _marker_runs(c, ev, first)
     if not per:
         return None
-    per = [_whole_steps(c, ev, p, comm) for p, comm in zip(per, used)]
     off = _align([first[p] for p in per])
     L = max(off)                                           # the window: reference steps L..H
     H = min(o + len(p) - 1 for o, p in zip(off, per))
@@ -334,51 +402,12 @@ def timeline(c: Calls, ev: Events, m: Measured) -> Timeline | None:
     if steps < 1:
         return None
     marker_inst = np.stack([p[L - o:H - o + 1] for o, p in zip(off, per)])
-    # each rank follows one marker: the first that holds it
     nr = len(ev.ranks)
-    rank_mk = np.full(nr, -1, np.int64)
-    for g in range(len(per) - 1, -1, -1):
-        mem = np.array(c.comm_members.get(used[g], []), np.int64)
-        rank_mk[np.isin(ev.ranks, mem)] = g
-    mk_of = np.full(len(c.inst_size), -1, np.int64)
-    for g, p in enumerate(per):
-        mk_of[p] = g
     seg = np.repeat(np.arange(nr), np.diff(ev.off))
-    is_mk = has & (mk_of[np.maximum(ev.inst, 0)] == rank_mk[seg]) & (rank_mk[seg] >= 0)
-    n = len(ev.a)
-    cs = np.cumsum(is_mk)
-    base = np.r_[0, cs][ev.off[:-1]]
-    before = cs - is_mk - base[seg]                        # the rank's markers strictly before
-    # the rank's first marker instance is its marker's step (its position there + offset)
-    pos = np.zeros(len(c.inst_size), np.int64)
-    for g, (o, p) in enumerate(zip(off, per)):
-        pos[p] = np.arange(len(p)) + o
-    first_mk = np.full(nr, -1, np.int64)
-    idx_mk = np.flatnonzero(is_mk)
-    who, at = np.unique(seg[idx_mk], return_index=True)
-    first_mk[who] = idx_mk[at]
-    covered_k = first_mk >= 0
-    start = np.where(covered_k, pos[ev.inst[np.maximum(first_mk, 0)]], 0)
-    gb = np.where(covered_k[seg], before + start[seg], -1)   # markers strictly before, as reference steps
-    idx = np.arange(n)
-    last_mk = np.maximum.accumulate(np.where(is_mk, idx, -1))
-    if not covered_k.all():
-        gb, opened = _propagate(ev, gb, covered_k, seg)
-        last_mk = np.maximum.accumulate(np.where(is_mk | opened, idx, -1))
+    gb, last_mk = _steps_before(c, ev, per, used, off, seg)
     covered_k = np.bincount(seg[gb >= 0], minlength=nr) > 0
     inwin = (gb >= L + 1) & (gb <= H)
-    rank_start = ev.off[:-1][seg]
-    since = np.where(last_mk >= rank_start, idx - last_mk, idx - rank_start + 10**6)
-    # a collective made less often than once per step (a loss logged every few steps) takes
-    # no ordinal from the events after it, and has slots of its own after the step's
-    code = c.inst_comm * 64 + c.inst_op
-    rare = has & (np.bincount(code)[code][np.maximum(ev.inst, 0)] * ALIKE_COUNT < min(len(p) for p in per))
-    if rare.any():
-        after_mk = last_mk >= rank_start
-        reg = np.cumsum(~rare)
-        since = np.where(after_mk, reg - reg[np.maximum(last_mk, 0)], since)
-        top = int(since[after_mk & ~rare & inwin].max(initial=0)) + 1
-        since = np.where(after_mk & rare, top + since, since)
+    since = _ordinals(c, ev, per, seg, last_mk, inwin)
     stage_of = stages(c)
     role = np.array([stage_of.get(int(r), 0) for r in ev.ranks.tolist()], np.int64)[seg]
     # one small integer per (role, step, ordinal) inside the window, -1 outside

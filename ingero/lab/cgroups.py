@@ -40,9 +40,10 @@ class Pod:
     ips: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        d = {"name": self.name, "namespace": self.namespace, "uid": self.uid, "node": self.node,
-             "containers": [{"name": "trainer", "id": f"containerd://{self.container_id}"}],
-             "ips": list(self.ips), "cgroup": str(self.cgroup)}
+        d: dict[str, object] = {
+            "name": self.name, "namespace": self.namespace, "uid": self.uid, "node": self.node,
+            "containers": [{"name": "trainer", "id": f"containerd://{self.container_id}"}],
+            "ips": list(self.ips), "cgroup": str(self.cgroup)}
         if self.rank is not None:
             d["rank"] = self.rank
         return d

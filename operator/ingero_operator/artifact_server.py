@@ -161,10 +161,10 @@ def make_app(root: Path) -> web.Application:
         if file != "artifact.tar":
             return await serving.stream_file(request, folder / file, reads, {"Content-Type": FILES[file]})
         if tar_slots.locked():
-            resp = status_error(503, "ServiceUnavailable", f"{TAR_STREAMS} artifact.tar downloads are under "
+            busy = status_error(503, "ServiceUnavailable", f"{TAR_STREAMS} artifact.tar downloads are under "
                                 "way; retry shortly")
-            resp.headers["Retry-After"] = "5"
-            return resp
+            busy.headers["Retry-After"] = "5"
+            return busy
         async with tar_slots:
             files = await loop.run_in_executor(lookups, members, folder)
             resp = web.StreamResponse(headers={"Content-Type": FILES[file],

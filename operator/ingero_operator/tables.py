@@ -109,7 +109,7 @@ def fields_match(obj: dict, selector: str) -> bool:
         neg = "!=" in term
         path, _, want = term.partition("!=" if neg else "=")
         want = want.lstrip("=")
-        cur = obj
+        cur: object = obj
         for part in path.split("."):
             cur = cur.get(part) if isinstance(cur, dict) else None
         got = "" if cur is None else str(cur)

@@ -16,7 +16,7 @@ import subprocess
 import pytest
 
 from tests.conftest import bpf_reason
-from ingero.published import SLOW_COLLECTIVE_JOIN
+from bench.published import SLOW_COLLECTIVE_JOIN
 
 pytestmark = pytest.mark.bpf
 

@@ -9,7 +9,7 @@ from ingero import schema
 from ingero.cli import main
 from ingero.store import SegmentWriter, build_duckdb
 from ingero.readonly_sql import open_source
-from ingero.published import SLOW_COLLECTIVE_JOIN
+from bench.published import RETRANSMIT_COUNT, SLOW_COLLECTIVE_JOIN, TOP_SLOW_CALLS
 
 
 
@@ -80,11 +80,10 @@ def test_query_cli_prints_published_queries_and_one_line_errors(tmp_path, capsys
     w.append("nccl_events", _nccl(3, 0, 2, 60_000_000))
     w.close()
     db = build_duckdb([tmp_path / "seg"], tmp_path / "t.duckdb")
-    assert main(["query", str(db), "SELECT op, rank, nranks, duration_ns/1e6 AS ms FROM nccl_events "
-                 "ORDER BY duration_ns DESC LIMIT 20"]) == 0
+    assert main(["query", str(db), TOP_SLOW_CALLS]) == 0
     out = capsys.readouterr().out
     assert "ALL_REDUCE" in out and "60.000" in out
-    assert main(["query", str(db), "SELECT COUNT(*) FROM tcp_events WHERE event = 'tcp_retransmit_skb'"]) == 0
+    assert main(["query", str(db), RETRANSMIT_COUNT]) == 0
     capsys.readouterr()
     assert main(["query", str(db), "SELEC nonsense"]) == 2
     err = capsys.readouterr().err

@@ -141,6 +141,14 @@ def test_retransmits_inside_a_node_are_said_beside_a_rank_verdict():
                            "as link loss (no wire: a receiver that does not drain its socket causes them)")
 
 
+def test_a_rank_at_tie_share_of_its_group_exactly_is_named_even_beside_retransmits():
+    j = SimpleNamespace(rows={}, tl=None, traced_ns=TRACED, own={}, peers_own={})
+    stage, rank = _cand("stage", 10.0, ranks=(0, 1)), _cand("rank", 9.0)
+    assert _arbitrate(j, [stage, rank], _retx([]), 0) is rank                  # 90% exactly
+    stage, rank = _cand("stage", 10.0, ranks=(0, 1)), _cand("rank", 9.2)
+    assert _arbitrate(j, [stage, rank], _retx(["a", "b"]), 0) is rank and stage.notes == []
+
+
 def _rq_rows(rq: dict, waits: dict) -> dict:
     return {r: RankRow(rank=r, node="a" if r < 2 else "b", pod=None, pid=r, offcpu_ms={"runqueue": float(rq[r])},
                        offcpu_waits={"runqueue": waits[r]}) for r in rq}
@@ -215,6 +223,18 @@ def test_against_the_network_fix_the_best_rank_says_what_it_was_weighed_against(
     assert _arbitrate(j, [rank, net], _retx([]), 0) is rank and "weighed against network 2's" in rank.text()
     node = _cand("node", 10.0, ranks=(0, 1))
     assert _arbitrate(j, [node, _cand("rank", 9.5)], _retx([]), 0).kind == "rank"
+
+
+def test_against_the_network_a_rank_starved_at_each_wait_is_the_cause_and_the_fix_is_said_to_0_1_ms():
+    # rank 1: 100 ms a wait vs its peers' 10 ms
+    rows = _rq_rows({0: 300, 1: 300, 2: 300, 3: 300}, {0: 30, 1: 3, 2: 30, 3: 30})
+    j = SimpleNamespace(rows=rows, tl=SimpleNamespace(steps=40), traced_ns=TRACED, own={}, peers_own={})
+    net = _cand("network", 20.0500005, ranks=(2, 3), cause="network")
+    cpu = _cand("rank", 12.0, ranks=(1,), cause="cpu-contention")
+    assert _arbitrate(j, [net, cpu], _retx([]), 0) is cpu and "would save 20.1 ms/step" in cpu.text()
+    # the same wait in ten times as many waits: woken more often, not starved
+    j.rows = _rq_rows({0: 300, 1: 300, 2: 300, 3: 300}, {0: 30, 1: 30, 2: 30, 3: 30})
+    assert _arbitrate(j, [net, _cand("rank", 12.0, ranks=(1,), cause="cpu-contention")], _retx([]), 0) is net
 
 
 def test_spread_at_its_floor_exactly_and_a_best_fix_at_half_exactly():

@@ -97,3 +97,39 @@ def test_a_starved_ranks_what_if_shortens_the_transfers_it_takes_part_in_and_no_
     # rank 2's own events, every member of instance 0, and rank 0's recv of its send: halved;
     # rank 1's instance 1 (without rank 2): untouched
     assert x.tolist() == [500, 500, 500, 1000, 500, 500]
+
+
+def _three(rq0: float = 1000.0) -> dict:
+    """Three ranks: rank 0 on node b starved (100 ms a wait), rank 1 beside it with no runqueue
+    time recorded, rank 2 on node a (2 ms a wait)."""
+    return {0: RankRow(rank=0, node="b", pod=None, pid=0, offcpu_ms={"runqueue": rq0},
+                       offcpu_waits={"runqueue": 10}),
+            1: RankRow(rank=1, node="b", pod=None, pid=1, offcpu_waits={"runqueue": 10}),
+            2: RankRow(rank=2, node="a", pod=None, pid=2, offcpu_ms={"runqueue": 20.0},
+                       offcpu_waits={"runqueue": 10})}
+
+
+class _OneStep:
+    steps = 1
+
+
+def test_three_ranks_and_one_step_are_enough_to_find_the_starved_rank_and_its_figures():
+    # rank 1 has no runqueue time: 0 ms, so its peers' median is 10 ms and rank 0 is
+    # 990.05 ms over it in the one step, 100 ms a wait vs a median of 1 ms
+    k = _starved_behind(_net(1980.0500005), _three(1000.0500005), _OneStep(), 1_000 * MS, {}, {})
+    assert k is not None and k.ranks == [0] and k.score == 66.78
+    assert k.own == (0.0, 0.0)
+    assert k.why.startswith("it spent 1000 ms waiting in the runqueue vs a peer median of 10 ms (z 66.8), "
+                            "990.1 ms/step more, 100.0x its peers' wait each time")
+    assert "fixing them would save 1980.1 ms/step" in k.why
+
+
+def test_a_starved_wait_of_exactly_half_the_network_fix_takes_it_and_a_hair_less_does_not():
+    assert _starved_behind(_net(1980.0), _three(), _OneStep(), 1_000 * MS, {}, {}) is not None
+    assert _starved_behind(_net(1980.001), _three(), _OneStep(), 1_000 * MS, {}, {}) is None
+
+
+def test_a_starved_rank_never_takes_an_rdma_verdict():
+    net = _net(1980.0)
+    net.net.rdma = True
+    assert _starved_behind(net, _three(), _OneStep(), 1_000 * MS, {}, {}) is None

@@ -1,7 +1,7 @@
 """The example queries published for the original Ingero tool.
 
-They must run unchanged on our tables (DESIGN.md, "Tables"); the tests run
-them on real traces and the SQLite-vs-DuckDB benchmark times the join.
+They must run unchanged on Ingero's tables (ingero/schema.py): tests run them
+on real traces, and bench/sqlite_vs_duckdb.py times the join.
 """
 
 TOP_SLOW_CALLS = ("SELECT op, rank, nranks, duration_ns/1e6 AS ms FROM nccl_events "
