@@ -22,6 +22,7 @@ kernels hold the compute kernels, which no trace here sees.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -97,14 +98,15 @@ def with_sync(c: Calls, u: Untraced) -> Calls:
     after = np.r_[np.ones(c.n, np.int8), np.zeros(nr * nb, np.int8)]
     o = np.lexsort((after, rows["t"], rows["rank"]))
     rows = {f: v[o] for f, v in rows.items()}
-    members = dict(c.comm_members)
-    members[comm] = sorted(int(r) for r in u.ranks)
-    return replace(c, **rows,
-                   comm_hash=np.r_[c.comm_hash, 0].astype(c.comm_hash.dtype),
-                   inst_comm=np.r_[c.inst_comm, np.full(nb, comm)].astype(c.inst_comm.dtype),
-                   inst_op=np.r_[c.inst_op, np.full(nb, OPS.index("ALL_REDUCE") + 1)].astype(c.inst_op.dtype),
-                   inst_size=np.r_[c.inst_size, np.full(nb, nr)].astype(c.inst_size.dtype),
-                   comm_members=members)
+    changed: dict[str, Any] = {
+        **rows,
+        "comm_hash": np.r_[c.comm_hash, 0].astype(c.comm_hash.dtype),
+        "inst_comm": np.r_[c.inst_comm, np.full(nb, comm)].astype(c.inst_comm.dtype),
+        "inst_op": np.r_[c.inst_op, np.full(nb, OPS.index("ALL_REDUCE") + 1)].astype(c.inst_op.dtype),
+        "inst_size": np.r_[c.inst_size, np.full(nb, nr)].astype(c.inst_size.dtype),
+        "comm_members": {**c.comm_members, comm: sorted(int(r) for r in u.ranks)},
+    }
+    return replace(c, **changed)
 
 
 def _boundary_events(ev: Events, tl: Timeline) -> tuple[np.ndarray, np.ndarray]:
@@ -120,8 +122,8 @@ def _boundary_events(ev: Events, tl: Timeline) -> tuple[np.ndarray, np.ndarray]:
     first = np.full(len(ev.ranks) * B, np.iinfo(np.int64).max, np.int64)
     np.minimum.at(first, cell, idx)
     first[first == np.iinfo(np.int64).max] = -1
-    last, first = last.reshape(-1, B), first.reshape(-1, B)
-    return last[:, 1:B - 1], first[:, 2:B]
+    ends, opens = last.reshape(-1, B), first.reshape(-1, B)
+    return ends[:, 1:B - 1], opens[:, 2:B]
 
 
 def _spans_every_rank(c: Calls, ranks: np.ndarray) -> bool:

@@ -28,7 +28,6 @@ import contextlib
 import dataclasses
 import re
 
-
 from ingero import schema
 from ingero.analysis import analyse, analyse_part
 from ingero.analysis.calls import P2pCounts
