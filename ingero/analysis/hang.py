@@ -164,11 +164,14 @@ def _choose(con, waits: list[dict], longest: dict) -> _At:
              for (c, o, q), held in by_inst.items()]
 
     def rank(at: _At):
+        # a call only stopped ranks are in holds nobody yet (a rank stopped inside an operation
+        # its peers finished: they wait in its next one)
+        waited = any(w["state"] not in STOPPED_STATES for w in at.held.values())
         cause = any(m not in at.held and m not in at.entered
                     and (m not in longest or longest[m]["state"] in STOPPED_STATES) for m in at.members)
         cause |= any(w["state"] in STOPPED_STATES for w in at.held.values())
         # a host call and its operation on the device are one wait: the host's names the call
-        return cause, len(at.held), not at.on_device, max(w["waited"] for w in at.held.values())
+        return waited, cause, len(at.held), not at.on_device, max(w["waited"] for w in at.held.values())
     return max(cands, key=rank)
 
 

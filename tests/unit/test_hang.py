@@ -339,6 +339,31 @@ def test_a_rank_stopped_while_its_gpu_ran_the_collective_is_named_inside_it():
     assert "rank 2 entered it 20 s ago and its threads are stopped" in h.evidence
 
 
+def test_a_rank_stopped_inside_an_operation_its_peer_finished_is_named_by_the_peers_next_one():
+    """Rank 2 stopped while its GPU ran ALL_REDUCE #20 on the communicator it shares with rank
+    3, after its data had reached rank 3: rank 3's ALL_REDUCE #20 ended, and it waits in
+    BROADCAST #20, which rank 2 queued and never started; ranks 0 and 1 wait in their own
+    communicator's next ALL_REDUCE. Rank 2's operation is open longest, but only a stopped rank
+    is in it (a lab run in CI)."""
+    con = trace()
+    other = PCOMM + 1
+    for r in range(4):
+        for s in range(20):
+            device_done(con, r, s, T0 + s * 50_000_000, 4_000_000, comm=PCOMM if r >= 2 else other)
+    _quiet(con, 21)
+    device_done(con, 3, 20, END, 4_000_000)
+    device_open(con, 3, END + 21 * S, op="BROADCAST", seq=20, dev_start=END + S)
+    device_open(con, 2, END + 21 * S, op="ALL_REDUCE", seq=20, dev_start=END + S // 2)
+    device_open(con, 2, END + 21 * S, op="BROADCAST", seq=20, slot=1)
+    for r in (0, 1):
+        device_open(con, r, END + 21 * S, op="ALL_REDUCE", seq=20, dev_start=END + S, comm=other)
+    h = find_hang(con)
+    assert h is not None and (h.op, h.seq) == ("BROADCAST", 20), h
+    assert h.missing == [2] and [w["rank"] for w in h.waiting] == [3], h
+    assert "rank 2 entered ALL_REDUCE #20" in h.evidence and "its threads are stopped" in h.evidence, h.evidence
+    assert analyse(con).verdict == "hang"
+
+
 def test_a_device_operation_open_for_long_on_a_job_whose_collectives_take_that_long_is_no_hang():
     con = trace()
     for r in range(4):
