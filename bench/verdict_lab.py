@@ -129,7 +129,7 @@ CASES["fsdp"] = [
 ]
 # the 3D faults again on the GPU-like device, judged on the plugin's device times
 CASES["3d-gpu"] = [(name.replace("3d", "3d-gpu", 1), dict(kw, device="gpu", profiler=True), check)
-                   for name, kw, check in CASES["3d"] if "imbalance" not in name]
+                   for name, kw, check in CASES["3d"]]
 GROUPS = tuple(CASES)
 
 
