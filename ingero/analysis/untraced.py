@@ -43,7 +43,6 @@ class Untraced:
     pid: np.ndarray      # each rank's process
     enter: np.ndarray    # (ranks, boundaries): the return of its step's last call
     leave: np.ndarray    # (ranks, boundaries): the last entry, or its next call if that came first
-    step_ns: float
 
     def note(self) -> str:
         wait = np.median(self.leave - self.enter, axis=1) / 1e6
@@ -73,7 +72,7 @@ def between_steps(c: Calls, ev: Events, tl: Timeline) -> Untraced | None:
     step_ns = tl.step_ns(ev.e)
     if shared.mean() < SHARED or step_ns <= 0 or np.median(latest - enter.min(axis=0)) < SPREAD * step_ns:
         return None
-    return Untraced(ranks=ev.ranks[held], pid=_pids(c, ev.ranks[held]), enter=enter, leave=np.minimum(latest, nxt), step_ns=step_ns)
+    return Untraced(ranks=ev.ranks[held], pid=_pids(c, ev.ranks[held]), enter=enter, leave=np.minimum(latest, nxt))
 
 
 def with_sync(c: Calls, u: Untraced) -> Calls:
