@@ -116,8 +116,9 @@ class Traces:
         return path
 
     def report(self, session: str):
-        """(Report, open connection) of a session."""
-        from ingero.analysis import analyse
+        """(Report, open connection) of a session, judged in windows as `ingero report` judges it
+        (memory bounded by a window, whatever the session's length)."""
+        from ingero.analysis.windows import analyse_windows
         from ingero.readonly_sql import open_source
 
         path = self.resolve(session)
@@ -125,7 +126,7 @@ class Traces:
             con = open_source(path)
         try:
             with tool_errors():
-                return analyse(con), con
+                return analyse_windows(con), con
         except BaseException:
             con.close()
             raise
