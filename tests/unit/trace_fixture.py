@@ -197,12 +197,14 @@ def spawn_mcp_http(root: Path, token_file: Path, *args: str, cwd: Path | None = 
     proc = subprocess.Popen([sys.executable, "-m", "ingero", "mcp", "--root", str(root), "--http",
                              f"127.0.0.1:{port}", "--token-file", str(token_file), *args], cwd=cwd,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    deadline = time.monotonic() + 180         # its imports alone take half a minute on a busy 2-core machine
+    while True:
         try:
             socket.create_connection(("127.0.0.1", port), 0.2).close()
-            break
+            return proc, port
         except OSError:
             assert proc.poll() is None, proc.stderr.read()
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"ingero mcp --http did not accept on port {port} within 180 s")
             time.sleep(0.1)
-    return proc, port
