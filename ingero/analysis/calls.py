@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import warnings as warnings_
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import numpy as np
 import pyarrow as pa
@@ -593,17 +594,17 @@ def _group_owners(c: Calls) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.flatnonzero(ev_start), owner, _join(c.inst, owner, int(ev_start.sum()))
 
 
-def _launch_owners(c: Calls) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _launch_owners(c: Calls, launch: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Device rows: (first row of each event, event of each row, instance of each event).
-    An event per kernel launch (`c.launch`; a row on its own is one), arriving with its
-    first row; instances launched together are joined (``_join``)."""
+    An event per kernel launch (`launch`, ``Calls.launch``; a row on its own is one), arriving
+    with its first row; instances launched together are joined (``_join``)."""
     n = c.n
     first = np.arange(n)
-    grouped = np.flatnonzero(c.launch >= 0)
+    grouped = np.flatnonzero(launch >= 0)
     if len(grouped):
-        lf = np.full(int(c.launch.max()) + 1, n, np.int64)
-        np.minimum.at(lf, c.launch[grouped], grouped)
-        first[grouped] = lf[c.launch[grouped]]
+        lf = np.full(int(launch.max()) + 1, n, np.int64)
+        np.minimum.at(lf, launch[grouped], grouped)
+        first[grouped] = lf[launch[grouped]]
     ev_start = first == np.arange(n)
     gid = np.cumsum(ev_start) - 1
     owner = gid[first]
@@ -641,7 +642,7 @@ def events(c: Calls, before: P2pCounts | None = None) -> Events:
     if n == 0:
         z = np.zeros(0, np.int64)
         return Events(z, np.zeros(1, np.int64), z, z, z, z, np.zeros(1, np.int64), z, 0, 0)
-    first_call, owner, inst = _group_owners(c) if c.launch is None else _launch_owners(c)
+    first_call, owner, inst = _group_owners(c) if c.launch is None else _launch_owners(c, c.launch)
     ne = len(first_call)
     real = c.op > 0
     ev_rank = c.rank[first_call]
@@ -717,7 +718,7 @@ def _stream_order(rank: np.ndarray, a: np.ndarray, e: np.ndarray, stream: np.nda
     pos = np.empty(n, np.int64)
     pos[o] = np.arange(n)
     own = pos > lo_of[lane]
-    ev_of, cand = [np.flatnonzero(own)], [o[pos[own] - 1]]     # its stream's previous event
+    ev_parts, cand_parts = [np.flatnonzero(own)], [o[pos[own] - 1]]     # its stream's previous event
     end_run = e[o].copy()                            # per lane, the latest end so far
     for lo, hi in zip(lo_of.tolist(), hi_of.tolist()):
         end_run[lo:hi] = np.maximum.accumulate(end_run[lo:hi])
@@ -731,9 +732,9 @@ def _stream_order(rank: np.ndarray, a: np.ndarray, e: np.ndarray, stream: np.nda
         n_before = _in_blocks(o, lo, hi_of[L], ev_k, "left") - lo
         n_ended = np.minimum(_in_blocks(end_run, lo, hi_of[L], a[ev_k], "right") - lo, n_before)
         ok = n_ended > 0
-        ev_of.append(ev_k[ok])
-        cand.append(o[lo[ok] + n_ended[ok] - 1])
-    ev_of, cand = np.concatenate(ev_of), np.concatenate(cand)
+        ev_parts.append(ev_k[ok])
+        cand_parts.append(o[lo[ok] + n_ended[ok] - 1])
+    ev_of, cand = np.concatenate(ev_parts), np.concatenate(cand_parts)
     late = np.full(n, np.iinfo(np.int64).min, np.int64)         # the latest start among them
     np.maximum.at(late, ev_of, a[cand])
     keep = (e[cand] > late[ev_of]) | (a[cand] == late[ev_of])
@@ -742,7 +743,8 @@ def _stream_order(rank: np.ndarray, a: np.ndarray, e: np.ndarray, stream: np.nda
     return np.r_[0, np.cumsum(np.bincount(ev_of, minlength=n))], cand[srt]
 
 
-def _in_blocks(v: np.ndarray, lo: np.ndarray, hi: np.ndarray, q: np.ndarray, side: str) -> np.ndarray:
+def _in_blocks(v: np.ndarray, lo: np.ndarray, hi: np.ndarray, q: np.ndarray,
+               side: Literal["left", "right"]) -> np.ndarray:
     """Per query, np.searchsorted of q[i] in v[lo[i]:hi[i]] (each block sorted), as an index of v."""
     out = np.empty(len(q), np.int64)
     blocks, inv = np.unique(lo, return_inverse=True)

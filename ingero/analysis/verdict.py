@@ -224,9 +224,9 @@ def decide(tl: Timeline, rows: dict, retx: Retransmits, traced_ns: int, tails: R
         return d
     j = _job(tl, rows, traced_ns, tails, d.base_step_ns)
     d.work_step_ns = j.work_step
-    cands = [*_rank_candidates(j), _starved_candidate(j), _stage_candidate(j), *_node_candidates(j),
+    found = [*_rank_candidates(j), _starved_candidate(j), _stage_candidate(j), *_node_candidates(j),
              *_network_candidates(j, retx, rdma, proxy)]
-    cands = sorted((k for k in cands if k is not None), key=lambda k: -k.saving_ns)
+    cands = sorted((k for k in found if k is not None), key=lambda k: -k.saving_ns)
     spread = _spread_candidate(j)
     d.candidates = [*cands, spread]
     d.best = _arbitrate(j, cands, retx, local_retx)
@@ -315,7 +315,7 @@ def _stage_candidate(j: _Job) -> Candidate | None:
     several = len(tl.stage_of) > len(st_med)
     rq = j.own_rq if several and j.own_rq else {}
     net = _stage_medians(tl.stage_of, {r: v - rq.get(r, 0.0) for r, v in j.own.items()})
-    s = max(net, key=net.get)
+    s = max(net, key=net.__getitem__)
     others = _peer_median(st_med, s)
     excess = net[s] - _peer_median(net, s)
     if not (excess > 0 and others > 0):
@@ -457,7 +457,7 @@ def _named(j: _Job, best: Candidate | None, spread: Candidate) -> Candidate | No
                       f"({best.label if best else 'none'}) only {share:.0%} of that")
         spread.score = round(share, 2)
         excess = j.excess
-        spread.worst = max(excess, key=excess.get)
+        spread.worst = max(excess, key=excess.__getitem__)
         return spread
     if best is None or j.pct(best) < SAVING_FLOOR_PCT:
         return None
@@ -779,7 +779,7 @@ def _starved_rank(rows: dict, tl: Timeline, traced_ns: int) -> Starved | None:
     if len(vals) < 3 or tl.steps <= 0:
         return None
     z = robust_z(vals, _offcpu_floor_ms(traced_ns))
-    r = max(vals, key=vals.get)
+    r = max(vals, key=vals.__getitem__)
     per_wait = _per_wait_ratio(rows, r)
     if z[r] < OFFCPU_Z or per_wait is None or per_wait < STARVED_PER_WAIT:
         return None
@@ -951,6 +951,7 @@ def _rdma_network(tl: Timeline, rows: dict, ports: list | None) -> NetworkHit | 
     if total < RETX_MIN:
         return None
     k, p, hit, behind, during = max(found, key=lambda f: f.k)
+    assert p.node is not None           # only ports on a traced node were found
     clean = m.x[~hit & tl.inwin]
     if k < RETX_SHARE * total or hit.sum() < RETX_MIN_EVENT_SHARE * tl.inwin.sum() or not len(clean):
         return None
@@ -1055,7 +1056,7 @@ def _propagated(tl: Timeline, named: set, base_step: float, fixed: WhatIf | None
     key = ev.rank[sel] * W + m.crit[sel]
     by = np.bincount(key, weights=gain[sel], minlength=W * W).reshape(W, W) / tl.steps
     tot = by.sum(axis=1)
-    out = []
+    out: list[str] = []
     for r in np.argsort(-tot).tolist():
         if r in named or tot[r] < 0.02 * base_step or len(out) >= 8:
             continue

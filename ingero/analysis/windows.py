@@ -32,7 +32,7 @@ from ingero import schema
 from ingero.analysis import analyse, analyse_part
 from ingero.analysis.calls import P2pCounts
 from ingero.analysis.hang import find_hang
-from ingero.analysis.model import RankRow, Report
+from ingero.analysis.model import RankRow, Report, Straggler
 from ingero.analysis.proxy import add_proxy_waits
 from ingero.analysis.stats import add_offcpu, robust_z
 from ingero.analysis.verdict import SAVING_FLOOR_PCT, SPREAD_FLOOR_PCT
@@ -82,6 +82,12 @@ class _Window:
     work_step: float           # the step spread's floors are shares of (``Decision.work_step_ns``)
     lo: int                    # its time range (ns)
     hi: int
+
+    @property
+    def straggler(self) -> Straggler:
+        """The straggler it named (a window with `named` set names one)."""
+        assert self.report.straggler is not None
+        return self.report.straggler
 
 
 def analyse_windows(con, slow_collective_ms: float | None = None, window_calls: int = WINDOW_CALLS,
@@ -170,12 +176,12 @@ def combine(wins: list[_Window], con=None) -> Report:
     for w in judged:
         named_saving = {}
         if w.named is not None:
-            named_saving[w.named] = w.report.straggler.saving_ms_per_step * 1e6
+            named_saving[w.named] = w.straggler.saving_ms_per_step * 1e6
         for label, s in {**w.candidates, **named_saving}.items():
             saving[label] = saving.get(label, 0.0) + s * w.steps / steps
     base = out.mean_step_ms * 1e6
     if saving and base > 0:
-        best = max(saving, key=saving.get)
+        best = max(saving, key=saving.__getitem__)
         out.best_candidate, out.best_saving_pct = best, round(100.0 * saving[best] / base, 2)
     names = {w.named for w in judged if w.named is not None}
     if names and base > 0:
@@ -190,17 +196,17 @@ def combine(wins: list[_Window], con=None) -> Report:
     return out
 
 
-def _named(judged: list[_Window], label: str, saving_ns: float, base: float, steps: int):
+def _named(judged: list[_Window], label: str, saving_ns: float, base: float, steps: int) -> Straggler:
     """The straggler a label names over the session: the cause that holds most of its saving,
     the evidence of the window where it saved most."""
     mine = [w for w in judged if w.named == label]
-    by_cause: dict = {}
+    by_cause: dict[str, float] = {}
     for w in mine:
-        s = w.report.straggler
+        s = w.straggler
         by_cause[s.cause] = by_cause.get(s.cause, 0.0) + s.saving_ms_per_step * w.steps
-    cause = max(by_cause, key=by_cause.get)
-    top = max((w for w in mine if w.report.straggler.cause == cause), key=lambda w: w.report.straggler.saving_ms_per_step)
-    s = top.report.straggler
+    cause = max(by_cause, key=by_cause.__getitem__)
+    top = max((w for w in mine if w.straggler.cause == cause), key=lambda w: w.straggler.saving_ms_per_step)
+    s = top.straggler
     held = sum(w.steps for w in mine)
     return dataclasses.replace(
         s, cause=cause, saving_ms_per_step=saving_ns / 1e6, saving_pct=100.0 * saving_ns / base,
