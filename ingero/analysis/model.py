@@ -29,6 +29,9 @@ class RankRow:
     net_wait_ms: float | None = None  # its sends' wait on the network, whole trace (nccl_proxy)
 
 
+Rows = dict[int, RankRow]     # rank -> its row: what the analysis's modules hand each other
+
+
 @dataclass
 class Straggler:
     rank: int | None              # the rank named (for a group: the worst rank in it)

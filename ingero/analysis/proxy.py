@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 import duckdb
 import numpy as np
 
+from ingero.analysis.model import Rows
 from ingero.analysis.stats import NetworkHit, median_of_others
+from ingero.analysis.steps import Timeline
 
 NET_WAIT_ALPHA = 0.001        # a rank's sends wait longer than its peers' in the same operations more
                               # consistently than a fair coin would once in 1000 (one-sided sign test,
@@ -44,7 +46,7 @@ class ProxySends:
     nics: dict = field(default_factory=dict)   # rank_nics: {global rank: its NICs, in words}
 
 
-def add_proxy_waits(con, rows: dict) -> None:
+def add_proxy_waits(con, rows: Rows) -> None:
     """Set each rank's `net_wait_ms` (model.RankRow): its sends' time waiting on the network
     over the trace, from the plugin's proxy summaries; left None without them."""
     try:
@@ -186,7 +188,7 @@ def net_wait_outliers(sends: ProxySends) -> dict[int, PairedWait]:
             if w.p <= NET_WAIT_ALPHA / len(paired) and w.excess_ms >= NET_WAIT_FLOOR_MS}
 
 
-def proxy_network(tl, rows: dict, sends: ProxySends | None) -> NetworkHit | None:
+def proxy_network(tl: Timeline, rows: Rows, sends: ProxySends | None) -> NetworkHit | None:
     """The rank (or node) whose sends wait on the network beyond the other ranks', from
     NCCL's own proxy steps alone (no TCP probe: NET/IB has none), as verdict's network rules
     return it.

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
 from ingero.analysis.calls import OPS, Calls, _RECV, _SEND
-from ingero.analysis.model import RankRow
+from ingero.analysis.model import RankRow, Rows
+
+K = TypeVar("K")           # whatever robust_z's values are keyed by
 
 
 def _packed(keys: np.ndarray, values: np.ndarray):
@@ -123,7 +126,7 @@ def median_of_others(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
     return out
 
 
-def robust_z(values: dict, floor: float) -> dict:
+def robust_z(values: Mapping[K, float], floor: float) -> dict[K, float]:
     """For each key, (x - median of the others) / max(1.4826 * MAD of the others, floor).
 
     Each value is judged against its peers without itself: with a handful of ranks, an
@@ -145,10 +148,10 @@ def robust_z(values: dict, floor: float) -> dict:
     return dict(zip(keys, z.tolist()))
 
 
-def rank_rows(c: Calls, slow_collective_ms: float | None) -> tuple[dict, list[str]]:
+def rank_rows(c: Calls, slow_collective_ms: float | None) -> tuple[Rows, list[str]]:
     """Per rank: collective counts, duration quantiles (all and per op), arrival lateness,
     share of instances where it came last."""
-    rows: dict = {}
+    rows: Rows = {}
     warnings: list[str] = []
     coll = c.inst >= 0
     ranks = np.unique(c.rank[(c.op > 0)]) if c.n else np.zeros(0, np.int64)
@@ -259,7 +262,7 @@ def retransmits(con) -> Retransmits:
     return Retransmits(ts, rk, [r[2] for r in rows], np.array([bool(r[3]) for r in rows], bool))
 
 
-def add_network(c: Calls, rows: dict, ts: np.ndarray, rk: np.ndarray, windows: bool = True) -> None:
+def add_network(c: Calls, rows: Rows, ts: np.ndarray, rk: np.ndarray, windows: bool = True) -> None:
     """Retransmits per rank on its own connections, and (`windows`: the calls' times are
     when the data moved) those inside its calls' windows."""
     for r in rows.values():
@@ -276,7 +279,7 @@ def add_network(c: Calls, rows: dict, ts: np.ndarray, rk: np.ndarray, windows: b
         r.retransmits_in_window = int(np.count_nonzero((i >= 0) & (e[np.maximum(i, 0)] >= mine)))
 
 
-def add_offcpu(con, rows: dict) -> None:
+def add_offcpu(con, rows: Rows) -> None:
     """Off-CPU time by reason: kernel totals when present, else the events over threshold."""
     has_totals = con.execute("SELECT count(*) FROM sched_totals").fetchone()[0] > 0
     src, col = ("sched_totals", "total_ns") if has_totals else ("sched_events", "duration_ns")

@@ -460,7 +460,7 @@ def _propagate(ev: Events, gb: np.ndarray, covered: np.ndarray, seg: np.ndarray)
     return gb, opened
 
 
-def _per_rank(tl: Timeline, values: np.ndarray) -> dict:
+def _per_rank(tl: Timeline, values: np.ndarray) -> dict[int, float]:
     """Per covered rank: the sum of `values` over its events in the window, per step."""
     ev = tl.ev
     sel = tl.inwin
@@ -471,11 +471,11 @@ def _per_rank(tl: Timeline, values: np.ndarray) -> dict:
             if keep is None or r in keep}
 
 
-def own_per_rank(tl: Timeline, w: np.ndarray) -> dict:
+def own_per_rank(tl: Timeline, w: np.ndarray) -> dict[int, float]:
     """Own work per step of each covered rank."""
     return _per_rank(tl, w.astype(np.float64))
 
 
-def wait_per_rank(tl: Timeline) -> dict:
+def wait_per_rank(tl: Timeline) -> dict[int, float]:
     """Time blocked on other ranks per step of each covered rank."""
     return _per_rank(tl, (tl.m.ready - tl.ev.a).astype(np.float64))

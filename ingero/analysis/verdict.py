@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ingero.analysis.model import Straggler
+from ingero.analysis.model import Rows, Straggler
 from ingero.analysis.proxy import ProxySends, proxy_network, transport_note
 from ingero.analysis.replay import Replayed, replay
 from ingero.analysis.stats import (NetworkHit, RdmaPort, Retransmits, RunqTails, median_of_others, quantile_at,
@@ -209,7 +209,7 @@ class _Job:
         return 100.0 * k.saving_ns / self.base_step
 
 
-def decide(tl: Timeline, rows: dict, retx: Retransmits, traced_ns: int, tails: RunqTails | None = None,
+def decide(tl: Timeline, rows: Rows, retx: Retransmits, traced_ns: int, tails: RunqTails | None = None,
            rdma: list | None = None, local_retx: int = 0, proxy: ProxySends | None = None) -> Decision:
     """The verdict and what it worked on.
 
