@@ -17,7 +17,7 @@ SCENARIO ?= lossy-link
 DEMO_ARGS ?=
 
 .PHONY: setup system venv lint test test-lab-all test-unit test-bpf demo demo-trace readme-demo bench clean chart-lint e2e \
-	images test-images release mutation
+	images test-images release mutation mutation-listed
 
 setup: system venv
 
@@ -111,6 +111,10 @@ bench: setup
 # scripts/mutation.sh says how to run some mutants only.
 mutation: venv
 	VENV=$(VENV) scripts/mutation.sh
+
+# The thirty hand-written mutations of ingero/analysis (scripts/mutation_listed.py), killed or not.
+mutation-listed: venv
+	VENV=$(VENV) scripts/mutation.sh --listed
 
 clean:
 	rm -rf $(VENV) out build *.egg-info

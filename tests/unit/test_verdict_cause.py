@@ -140,3 +140,87 @@ def test_only_a_rank_starved_at_each_wait_outweighs_a_network_or_spread_verdict(
     for r in rows.values():                           # no interval counts: the totals' tests decided
         r.offcpu_waits = {}
     assert _own_offcpu(rows, rank0("cpu-contention"))
+
+
+# Each threshold of the weighing on its figure exactly, with three peers alike (their MAD is 0,
+# so a z is the excess over the 12 ms floor of a 6 s session).
+
+def _alike(victim: dict, peers: dict, waits: dict | None = None) -> dict:
+    rows = {r: RankRow(rank=r, node=None, pod=None, pid=r, offcpu_ms=dict(peers)) for r in (1, 2, 3)}
+    rows[0] = RankRow(rank=0, node=None, pod=None, pid=0, offcpu_ms=victim)
+    for r, n in (waits or {}).items():
+        rows[r].offcpu_waits = {"runqueue": n}
+    return rows
+
+
+def test_the_evidence_says_both_reasons_weighed_with_their_figures():
+    cause, why = _offcpu_cause(_rows({"io": 400.0, "runqueue": 1300.0}), 0, 1500 * MS, TRACED)
+    assert (cause, why) == ("io", "it spent 400 ms off-CPU in io wait vs a peer median of 0 ms (z 2.7), 27% of its "
+                                  "excess own work; also 1300 ms off-CPU in runqueue wait vs a peer median of 700 ms "
+                                  "(1.9x its peers', against 40.0x for io)")
+    cause, why = _offcpu_cause(_rows({"io": 400.0, "runqueue": 700.0}), 0, 1500 * MS, TRACED)
+    assert (cause, why) == ("compute/unknown", "no CPU or I/O wait of its own explains it (off-CPU times weighed)")
+    assert _offcpu_cause(_rows({"io": 400.0}), 9, 1500 * MS, TRACED) == ("compute/unknown", "")   # no row
+
+
+def test_an_outlier_at_z_3_5_exactly_is_one_on_both_scales():
+    rows = _alike({"io": 142.0}, {"io": 100.0})                           # 42 ms over: z 3.5 on the 12 ms floor
+    assert _offcpu_cause(rows, 0, 100 * MS, TRACED)[0] == "io"            # 42% of the excess, alone
+    assert _offcpu_cause(_alike({"io": 141.9}, {"io": 100.0}), 0, 100 * MS, TRACED)[0] == "compute/unknown"
+
+
+def test_io_covering_40_percent_of_the_excess_names_io_alone():
+    # 60 ms over peers alike: z 5 on the floor, 4 on a tenth of the 150 ms excess
+    assert _offcpu_cause(_alike({"io": 160.0}, {"io": 100.0}), 0, 150 * MS, TRACED)[0] == "io"
+    # the same with interval counts: io is judged by its totals, not per wait as the runqueue is
+    rows = _alike({"io": 160.0}, {"io": 100.0}, waits={0: 10, 1: 10, 2: 10, 3: 10})
+    assert _offcpu_cause(rows, 0, 150 * MS, TRACED)[0] == "io"
+
+
+def test_waits_weighed_together_name_the_cause_at_half_the_excess_exactly():
+    # io 25% and runqueue 25% of a 400 ms excess: neither alone, together half of it
+    rows = _alike({"io": 100.0, "runqueue": 200.0}, {"runqueue": 100.0})
+    assert _offcpu_cause(rows, 0, 400 * MS, TRACED)[0] == "io"            # 10x its peers' floor vs 2x
+    assert _offcpu_cause(rows, 0, 401 * MS, TRACED)[0] == "compute/unknown"
+
+
+def test_a_wait_covering_15_percent_of_the_excess_exactly_is_weighed():
+    # io: 45 ms of a 300 ms excess (15%, z 3.75, not alone), runqueue 37.5%: together over half
+    rows = _alike({"io": 45.0, "runqueue": 212.5}, {"runqueue": 100.0})
+    assert _offcpu_cause(rows, 0, 300 * MS, TRACED)[0] == "io"
+    rows = _alike({"io": 44.9, "runqueue": 212.5}, {"runqueue": 100.0})
+    assert _offcpu_cause(rows, 0, 300 * MS, TRACED)[0] == "compute/unknown"
+
+
+def test_a_rank_waiting_4x_its_peers_per_wait_exactly_is_judged_by_its_totals():
+    # 40 ms a wait against 10: starved, so its 300 ms over the peers (60% of the excess) names it
+    rows = _alike({"runqueue": 400.0}, {"runqueue": 100.0}, waits={0: 10, 1: 10, 2: 10, 3: 10})
+    assert _offcpu_cause(rows, 0, 500 * MS, TRACED)[0] == "cpu-contention"
+    rows = _alike({"runqueue": 399.0}, {"runqueue": 100.0}, waits={0: 10, 1: 10, 2: 10, 3: 10})
+    assert _offcpu_cause(rows, 0, 500 * MS, TRACED)[0] == "compute/unknown"     # 3.99x: more waits only
+
+
+def test_a_wait_inside_own_work_at_the_absolute_floor_exactly_names_it():
+    rows = _clean_starved_rows()
+    at = OwnRunq(mine=12_600_000, peers=12_000_000, share=2.1, steps=20)       # 0.6 ms x 20 = the 12 ms floor
+    assert _offcpu_cause(rows, 0, 196 * MS, TRACED, at)[0] == "cpu-contention"
+    assert _offcpu_cause(rows, 0, 196 * MS, TRACED, at._replace(mine=12_599_999))[0] == "compute/unknown"
+
+
+def test_a_wait_inside_own_work_is_weighed_beside_an_io_wait():
+    # runqueue inside its own work (1.9x its peers' total) against io 1.9x its peers': the larger
+    # multiple is the cause, the other is said
+    rows = _with_waits(_rows({"runqueue": 851.0, "io": 93.0}, peer_rq=(354, 438, 522)),
+                       {0: 492, 1: 354, 2: 438, 3: 522})
+    for r in (1, 2, 3):
+        rows[r].offcpu_ms["io"] = 50.0
+    cause, why = _offcpu_cause(rows, 0, 196 * MS, TRACED, _own(2.1))
+    assert cause == "cpu-contention"
+    assert why.endswith("; also 93 ms off-CPU in io wait vs a peer median of 50 ms (1.9x its peers', against "
+                        "1.9x for runqueue)"), why
+    # io the larger multiple (3.5x) but not alone: the runqueue inside its own work makes up the rest
+    for r in (1, 2, 3):
+        rows[r].offcpu_ms["io"] = 20.0
+    rows[0].offcpu_ms["io"] = 70.0
+    cause, why = _offcpu_cause(rows, 0, 196 * MS, TRACED, _own(2.1))
+    assert cause == "io" and "against 3.5x for io" in why, why

@@ -122,6 +122,7 @@ def test_spread_needs_its_floor_and_a_best_single_fix_under_half_of_it():
     assert not _spread_beats(spread, _cand("rank", 11.0), 100 * MS)
     assert _spread_beats(spread, None, 100 * MS)
     assert not _spread_beats(_cand("spread", 11.0), None, 100 * MS)      # 11% < 12%
+    assert not _spread_beats(_cand("spread", 11.9), None, 100 * MS)
 
 
 def test_a_rank_close_to_its_groups_saving_is_named_instead_of_the_group():
@@ -299,3 +300,53 @@ def test_runqueue_wait_inside_its_own_work_is_said_with_its_figures():
                             "1.7x its peers' per off-CPU interval)")
     assert _offcpu_cause(rows, 0, 196 * MS, TRACED, own._replace(share=0.5))[0] == "cpu-contention"
     assert _offcpu_cause(rows, 0, 196 * MS, TRACED, own._replace(share=0.49))[0] == "compute/unknown"
+
+
+def _at(nodes: list, owners: list, steps: int) -> Retransmits:
+    """One retransmit per step, 300 ns after its arrivals, on `nodes`, owned by `owners`."""
+    return Retransmits(ts=1000 * np.arange(len(nodes), dtype=np.int64) + 300, rank=np.array(owners), node=nodes,
+                       local=np.zeros(len(nodes), bool))
+
+
+def test_two_thirds_of_the_retransmits_is_67_in_100_exactly():
+    tl, rows = _two_nodes(100)
+    rows[2] = RankRow(rank=2, node="a", pod=None, pid=2)                 # a second rank on node a, no events
+    hit = _network(tl, rows, _at(["a"] * 67 + ["b"] * 33, [0] * 67 + [1] * 33, 100))
+    assert hit is not None and hit.node == "a" and hit.share == 0.67
+    assert _network(tl, rows, _at(["a"] * 66 + ["b"] * 34, [0] * 66 + [1] * 34, 100)) is None
+    # all on node a: rank 0 owning 67 of them is the rank behind it, 66 leaves it to the node
+    hit = _network(tl, rows, _at(["a"] * 100, [0] * 67 + [2] * 33, 100))
+    assert (hit.rank, hit.single) == (0, True)
+    assert not _network(tl, rows, _at(["a"] * 100, [0] * 66 + [2] * 34, 100)).single
+
+
+def test_the_share_of_the_loss_is_said_to_two_places():
+    tl, rows = _two_nodes()
+    assert _network(tl, rows, _retx(["a"] * 11 + ["b"] * 5)).share == 0.69
+
+
+def test_retransmits_hitting_5_percent_of_the_sync_events_exactly_are_a_network():
+    tl, rows = _two_nodes()                                               # 40 sync events in the window
+    three = Retransmits(ts=np.array([250, 300, 350]), rank=np.zeros(3, np.int64), node=["a"] * 3,
+                        local=np.zeros(3, bool))                          # all in step 0: 2 events
+    hit = _network(tl, rows, three)
+    assert hit is not None and hit.hit.sum() == 2
+
+
+def test_retransmits_on_a_node_without_a_traced_rank_name_the_node_and_no_rank():
+    tl, rows = _two_nodes()
+    hit = _network(tl, rows, _at(["c"] * 5, [-1] * 5, 5))
+    assert hit is not None and (hit.node, hit.rank, hit.single) == ("c", None, False)
+
+
+def test_the_network_evidence_says_what_nccls_proxy_saw():
+    tl, rows = _two_nodes()
+    rows[0].net_wait_ms, rows[1].net_wait_ms = 50.0, 5.0
+    hit = _network(tl, rows, _retx(["a"] * 10))
+    assert hit.why.endswith("; NCCL's proxy: a's ranks' sends waited up to 50 ms on the network, the other "
+                            "ranks' 5 ms at median"), hit.why
+
+
+def test_a_node_is_not_slow_against_a_reference_that_did_no_work():
+    rows = {r: RankRow(rank=r, node="abc"[r // 2], pod=None, pid=r) for r in range(6)}
+    assert _slow_nodes(rows, {0: 5.0, 1: 5.0, 2: 0.0, 3: 0.0, 4: 0.0, 5: 0.0}, {}) == []

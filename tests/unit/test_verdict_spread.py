@@ -1,6 +1,7 @@
 """The "spread" rule on hand-built steps (ingero.analysis.verdict): what fixing imbalance
 proper saves (`_persistent`), judged net of the runqueue wait inside the ranks' own work
-(`_spread_estimate`, `runq_in_events`), and what the verdict then says (`_named`).
+(`_spread_estimate`, `runq_in_events`), and what the verdict then says (`_named`); on the
+same steps, what a rank's fix sets its work to and the starved rank the verdict names.
 
 Each job: four ranks of one role, one sync event per rank and step (a collective of all
 four, the step's marker), own work before it; the step is the slowest rank's work plus the
@@ -11,11 +12,12 @@ from __future__ import annotations
 import numpy as np
 
 from ingero.analysis.calls import Events
+from ingero.analysis.model import RankRow
 from ingero.analysis.replay import measure
 from ingero.analysis.steps import Timeline
-from ingero.analysis.stats import RunqTails
+from ingero.analysis.stats import Retransmits, RunqTails
 from ingero.analysis.verdict import (SAVING_FLOOR_PCT, Candidate, _job, _named, _persistent, _spread_estimate,
-                                     runq_in_events)
+                                     decide, runq_in_events)
 
 MS = 1_000_000
 X = 2 * MS                    # every collective's transfer
@@ -162,3 +164,64 @@ def test_spread_named_says_its_figures_and_the_worst_rank():
                           "38% of that")
     half = Candidate("rank", [1], 2 * MS, "rank 1")
     assert _named(j, half, _spread(4.0)) is half                 # half of it: no spread, the rank (9%)
+
+
+def test_a_ranks_fix_sets_its_work_to_its_peers_median_and_never_lengthens_it():
+    work = np.tile([5.0, 10.0, 11.0, 20.0], (5, 1))               # per step: ranks 0-3
+    j = _spread_job(_steps(work), None)
+    fixed = j.fixed_w[j.tl.inwin].reshape(4, 4) / MS             # by rank, then step
+    assert fixed[0].tolist() == [5.0] * 4                        # under the others' median (11): kept
+    assert fixed[1].tolist() == [10.0] * 4                       # under theirs (11) too
+    assert fixed[2].tolist() == fixed[3].tolist() == [10.0] * 4  # over theirs: set to it
+
+
+def _starved_rows(waits: int) -> dict:
+    """Rank 2 waited 2 s in the runqueue over the session in `waits` waits, its peers 100 ms in 100."""
+    return {r: RankRow(rank=r, node=None, pod=None, pid=r, offcpu_ms={"runqueue": 2000.0 if r == 2 else 100.0},
+                       offcpu_waits={"runqueue": waits if r == 2 else 100}) for r in range(4)}
+
+
+def test_a_rank_starved_of_cpu_inside_its_collectives_is_named_though_its_own_work_is_its_peers():
+    tl = _steps(np.full((9, 4), 10.0))
+    none = Retransmits(np.zeros(0, np.int64), np.zeros(0, np.int64), [], np.zeros(0, bool))
+    d = decide(tl, _starved_rows(10), none, 10_000 * MS)          # 200 ms a wait vs its peers' 1 ms
+    assert d.named is not None and (d.named.kind, d.named.ranks, d.named.cause) == ("rank", [2], "cpu-contention")
+    assert round(d.named.saving_ns / MS, 3) == 0.9 * X / MS       # 90% of every transfer it is in, at most
+    assert decide(tl, _starved_rows(1000), none, 10_000 * MS).named is None     # 2 ms a wait: only more of them
+
+
+def test_a_rank_with_an_off_cpu_cause_of_its_own_is_named_over_spread_from_5_percent_of_the_step():
+    j = _spread_job(_steps(_one_slow_each_step()), None)          # a 22 ms step, spread saves 10 ms
+    rank = Candidate("rank", [1], 1_100_000, "rank 1", cause="cpu-contention")     # 5% of it exactly
+    assert _named(j, rank, _spread(10.0)) is rank
+    assert rank.notes == ["the rest is spread over the ranks: fixing every rank's excess own work would save "
+                          "10.0 ms/step, this rank 11% of that"]
+    less = Candidate("rank", [1], 1_099_999, "rank 1", cause="cpu-contention")
+    assert _named(j, less, _spread(10.0)).kind == "spread"
+    assert _named(j, Candidate("rank", [1], 2 * MS, "rank 1"), _spread(10.0)).kind == "spread"   # no cause
+
+
+def test_spread_named_with_no_single_fix_says_none_and_the_jitter():
+    work = _one_slow_each_step()
+    work[1] += 1.0                                                # every rank 1 ms longer in step 1
+    spread = _named(_spread_job(_steps(work), None), None, _spread(4.0))
+    assert spread is not None and spread.score == 0.0
+    assert spread.why == ("fixing every rank's excess own work would save 4.0 ms/step (10.0 from ranks working "
+                          "longer for a whole step, jitter would give 0.1); the best single fix (none) only 0% "
+                          "of that")
+
+
+def test_the_jitter_counts_against_imbalance_proper():
+    best = Candidate("rank", [1], 0.1 * MS, "rank 1")
+    work = _one_slow_each_step(slow=10.7)                         # 0.7 ms of a 12.7 ms step: 5.5%
+    assert _spread_estimate(_spread_job(_steps(work), None), _spread(10.0), best) is not None
+    work[1] += 1.0                                                # less its jitter: under 5%
+    assert _spread_estimate(_spread_job(_steps(work), None), _spread(10.0), best) is None
+
+
+def test_the_verdict_names_the_rank_whose_fix_saves_most():
+    # ranks 1 and 2 work 20 and 14 ms a step against 10: fixing rank 1 saves 6 ms, rank 2 nothing
+    tl = _steps(np.tile([10.0, 20.0, 14.0, 10.0], (9, 1)))
+    none = Retransmits(np.zeros(0, np.int64), np.zeros(0, np.int64), [], np.zeros(0, bool))
+    d = decide(tl, {}, none, 10_000 * MS)
+    assert d.named is not None and d.named.ranks == [1] and round(d.named.saving_ns / MS, 3) == 6.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import duckdb
 import numpy as np
+import pytest
 
 from ingero import schema
 from ingero.analysis.model import RankRow
@@ -133,3 +134,14 @@ def test_a_starved_rank_never_takes_an_rdma_verdict():
     net = _net(1980.0)
     net.net.rdma = True
     assert _starved_behind(net, _three(), _OneStep(), 1_000 * MS, {}, {}) is None
+
+
+@pytest.mark.parametrize("at, below, waits, saving_ms", [
+    (142, 141.9, {0: 10, 1: 10, 2: 10, 3: 2}, 2.0),     # 42 ms over three peers alike: z 3.5 on the 12 ms floor
+    (400, 399, {0: 10, 1: 10, 2: 10, 3: 10}, 10.0),     # 40 ms a wait against their 10: 4x exactly
+])
+def test_a_starved_rank_on_its_thresholds_exactly_takes_the_network_verdict(at, below, waits, saving_ms):
+    k = _starved_behind(_net(saving_ms), _rows({0: 100, 1: 100, 2: 100, 3: at}, waits), _TL(), 6_000 * MS, {}, {})
+    assert k is not None and k.ranks == [3]
+    assert _starved_behind(_net(saving_ms), _rows({0: 100, 1: 100, 2: 100, 3: below}, waits), _TL(), 6_000 * MS,
+                           {}, {}) is None
