@@ -280,20 +280,36 @@ def add_network(c: Calls, rows: Rows, ts: np.ndarray, rk: np.ndarray, windows: b
 
 
 def add_offcpu(con, rows: Rows) -> None:
-    """Off-CPU time by reason: kernel totals when present, else the events over threshold."""
+    """Off-CPU time by reason: kernel totals when present, else the events over threshold.
+
+    An I/O wait is the whole interval, blocked and then runnable until it runs: the wait for
+    a CPU after the wake-up comes of the I/O (without the block there is no wake-up to wait
+    after). The events' durations hold it; the kernel's totals count that runnable tail under
+    runqueue, so the tails of the recorded I/O intervals move from runqueue to io."""
     has_totals = con.execute("SELECT count(*) FROM sched_totals").fetchone()[0] > 0
     src, col = ("sched_totals", "total_ns") if has_totals else ("sched_events", "duration_ns")
     # the number of waits only from the kernel's totals: the events are only those over a threshold
     waits = "sum(s.intervals)" if has_totals else "NULL"
-    q = f"""SELECT COALESCE(r.rank, s.rank), s.reason, sum(s.{col}), {waits}
-            FROM {src} s LEFT JOIN (SELECT node, pid, any_value(rank) AS rank
-                                    FROM ranks GROUP BY ALL) r
-              ON r.node IS NOT DISTINCT FROM s.node AND r.pid = s.pid GROUP BY ALL"""
+    q = f"SELECT COALESCE(r.rank, s.rank), s.reason, sum(s.{col}), {waits} FROM {_ranked(src)} GROUP BY ALL"
     for grank, reason, ns, n in con.execute(q).fetchall():
         if grank in rows and reason and ns is not None:
             rows[grank].offcpu_ms[reason] = ns / 1e6
             if n:
                 rows[grank].offcpu_waits[reason] = int(n)
+    if not has_totals:
+        return
+    q = f"SELECT COALESCE(r.rank, s.rank), sum(s.runq_ns) FROM {_ranked('sched_events')} WHERE s.reason = 'io' GROUP BY ALL"
+    for grank, ns in con.execute(q).fetchall():
+        if grank in rows and ns:
+            ms = rows[grank].offcpu_ms
+            ms["io"] = ms.get("io", 0.0) + ns / 1e6
+            ms["runqueue"] = max(ms.get("runqueue", 0.0) - ns / 1e6, 0.0)
+
+
+def _ranked(src: str) -> str:
+    """The sched table `src` (alias s) beside the rank of its process (alias r)."""
+    return f"""{src} s LEFT JOIN (SELECT node, pid, any_value(rank) AS rank FROM ranks GROUP BY ALL) r
+               ON r.node IS NOT DISTINCT FROM s.node AND r.pid = s.pid"""
 
 
 class RunqTails(NamedTuple):
@@ -306,12 +322,11 @@ class RunqTails(NamedTuple):
 
 def runqueue_tails(con) -> RunqTails:
     """The runnable tail of every recorded off-CPU interval (the whole interval for a
-    preempted thread). Only the intervals over the tracer's threshold are events."""
-    q = """SELECT COALESCE(r.rank, s.rank, -1) AS g, s.timestamp_ns + s.duration_ns AS e, s.runq_ns AS rq
-           FROM sched_events s LEFT JOIN (SELECT node, pid, any_value(rank) AS rank
-                                          FROM ranks GROUP BY ALL) r
-             ON r.node IS NOT DISTINCT FROM s.node AND r.pid = s.pid
-           WHERE s.runq_ns > 0 AND s.timestamp_ns IS NOT NULL AND s.duration_ns IS NOT NULL"""
+    preempted thread) but the I/O ones, whose wait for a CPU is the I/O's (`add_offcpu`).
+    Only the intervals over the tracer's threshold are events."""
+    q = f"""SELECT COALESCE(r.rank, s.rank, -1) AS g, s.timestamp_ns + s.duration_ns AS e, s.runq_ns AS rq
+            FROM {_ranked('sched_events')} WHERE s.runq_ns > 0 AND s.reason IS DISTINCT FROM 'io'
+              AND s.timestamp_ns IS NOT NULL AND s.duration_ns IS NOT NULL"""
     cols = con.execute(q).fetchnumpy()
     g, e, rq = (np.asarray(cols[k], np.int64) for k in ("g", "e", "rq"))
     return RunqTails(g, e - rq, e)

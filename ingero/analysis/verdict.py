@@ -49,7 +49,8 @@ OFFCPU_FLOOR_MS = 10.0        # scale floor when the peers agree closely: 10 ms 
 OFFCPU_FLOOR_SHARE = 0.1      # ... 10% of the excess own work it would explain,
 OFFCPU_FLOOR_TRACED = 0.002   # ... 0.2% of the traced time (a long session's scattered waits are no outlier)
 OFFCPU_EXPLAINS = 0.3         # I/O wait names io covering >= 30% of the excess own work (its write path is
-                              # CPU work of its own: io-stall victims' I/O wait covers 40-48%)
+                              # CPU work of its own: io-stall victims' I/O wait, blocked and then runnable
+                              # until they run, covers 47-90% at load averages of 30-49)
 OFFCPU_EXPLAINS_RUNQUEUE = 0.5  # runqueue wait names cpu-contention covering >= 50%: a starved rank waits
                               # longer than its excess (cpu-hog victims: 225-238%), a slow rank beside a busy
                               # neighbour waits more too (slow-rank victims: 14-23%, once over 30%)
@@ -58,10 +59,10 @@ OFFCPU_EXPLAINS_WEAK = 0.15   # a second reason covering >= 15% is weighed again
 STARVED_PER_WAIT = 4.0        # starved: each wait for a CPU after off-CPU is >= 4x the peers' median
                               # (cpu-hog victims: 7.7-41x); a rank only woken more often, or working longer,
                               # waits more in total but not per wait (lossy-link senders 0.9-2.3x, io-stall
-                              # 0.8-1.5x, slow-rank 1.2-1.7x, clean and imbalance <= 1.7x). Below it, the
+                              # 0.5-1.6x, slow-rank 1.2-1.7x, clean and imbalance <= 1.7x). Below it, the
                               # runqueue wait inside the rank's own work (`runq_in_own_work`) over its peers'
                               # names cpu-contention at OFFCPU_EXPLAINS_RUNQUEUE of the excess (cpu-hog
-                              # victims 1.0-1.9, slow-rank -0.03-0.33, io-stall -0.38-0.35), but outweighs
+                              # victims 1.0-1.9, slow-rank -0.03-0.33, io-stall -0.89-0.59), but outweighs
                               # neither a network nor a spread verdict (`_own_offcpu`): a lossy link's sender
                               # (1.3-2.4) and a busy machine's most imbalanced rank (1.0-2.3) hold as much
 # Candidates replayed.

@@ -7,6 +7,10 @@ Judged by the first reason to pass alone it was named cpu-contention in 2 of 3 r
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from ingero.analysis.model import RankRow
 from ingero.analysis.verdict import OwnRunq, _offcpu_cause
 
@@ -224,3 +228,30 @@ def test_a_wait_inside_own_work_is_weighed_beside_an_io_wait():
     rows[0].offcpu_ms["io"] = 70.0
     cause, why = _offcpu_cause(rows, 0, 196 * MS, TRACED, _own(2.1))
     assert cause == "io" and "against 3.5x for io" in why, why
+
+
+def test_a_lab_io_stall_on_a_busy_machine_is_io(tmp_path):
+    """A real run (fixtures/lab-gpu-io-stall-busy: `bench.verdict_lab` GPU-like io-stall, 2 nodes
+    x 2 ranks, beside `--background-load 2` and other lab jobs on 2 cores; every table but the
+    calls in flight). Rank 2 writes and fsyncs 8 MB a step: blocked 419 ms in all, and 797 ms
+    more runnable after those wake-ups before it ran. Counted as runqueue wait, that tail left
+    the I/O wait 29% of the excess own work, and the cause compute/unknown."""
+    import duckdb
+
+    from ingero import schema
+    from ingero.analysis import analyse
+
+    con = duckdb.connect()
+    schema.create_all(con)
+    for p in sorted((Path(__file__).parent / "fixtures" / "lab-gpu-io-stall-busy").glob("*.parquet")):
+        con.execute(f"INSERT INTO {p.stem} BY NAME SELECT * FROM read_parquet('{p}')")
+    rep = analyse(con)
+    s = rep.straggler
+    assert s is not None and (s.kind, s.rank, s.cause) == ("rank", 2, "io"), s
+    blocked, queued, tails = con.execute(
+        "SELECT sum(total_ns) FILTER (reason = 'io'), sum(total_ns) FILTER (reason = 'runqueue'), "
+        "(SELECT sum(runq_ns) FROM sched_events WHERE rank = 2 AND reason = 'io') "
+        "FROM sched_totals WHERE rank = 2").fetchone()
+    off = next(r.offcpu_ms for r in rep.ranks if r.rank == 2)
+    assert off["io"] * MS == pytest.approx(blocked + tails) and tails > blocked, (off, blocked, tails)
+    assert (off["io"] + off["runqueue"]) * MS == pytest.approx(blocked + queued), off      # moved, not added
