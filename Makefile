@@ -39,9 +39,10 @@ lint: venv
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/mypy
 
-# The images suite is `make test-images`: a machine without docker's layer cache fetches ~310 MB
-# (Debian packages and lists, Python wheels) and builds for ~30 min on a busy 2-core machine
-# (~2 min of it CPU in the builds), beyond this suite's budget.
+# The images suite is `make test-images`, not part of `make test`: on a machine without docker's
+# layer cache it builds both images from the Debian mirror (~300 MB fetched, ~110 s of CPU: dpkg,
+# pip, layer copies) and runs a lab job in containers (~80 s); started beside this suite, whose CPU
+# it shares, that adds ~2 min to a run already close to its budget.
 test: setup lint
 	$(PY) -m pytest -n $(PYTEST_JOBS) --ignore=tests/images $(PYTEST_ARGS)
 

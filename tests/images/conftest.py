@@ -2,7 +2,8 @@
 base made from the mirror, with no image registry pull, after starting a docker daemon when
 none runs (scripts/docker-daemon.sh). The first build on a machine bootstraps the base (~15 s
 with a fast mirror; its tarball is kept under $INGERO_CACHE/images) and builds both images
-(minutes: Debian's bcc and LLVM, the Python dependencies); docker's layer cache keeps the
+(~110 s of CPU in all, most of it dpkg and pip: Debian's bcc and LLVM, the Python
+dependencies; the wall time grows with the machine's load); docker's layer cache keeps the
 base, the Debian packages and the dependencies (a layer per image, rebuilt when
 pyproject.toml changes), so a later build redoes only the project's own layers.
 
