@@ -235,7 +235,7 @@ def window_reads(root: Path, ranks: int, collectives: int, nodes: int, fault: st
             t = _cpu_s()
             with between(con, a, b):
                 c, _ = load(con)
-                coverage(con)
+                coverage(con, c.counted)
                 runqueue_tails(con)
             cpu[name].append(_cpu_s() - t)
     out = {k: statistics.median(v) for k, v in cpu.items()}

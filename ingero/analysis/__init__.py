@@ -71,14 +71,14 @@ def analyse_part(con, slow_collective_ms: float | None = None, count_from: int |
     before). `hang`: look for a hang (a window leaves it to the session). `p2p_before`: the
     sends and receives before the window, to pair its own with; the Part then holds its calls."""
     device, why = device_timing(con)
-    cov = coverage(con)
+    c, warnings = load(con, device=device)
+    cov = coverage(con, c.counted)
     if not device and cov.calls == cov.dropped:     # no call to place: nothing to key a rank's row by
         # (a job that hung before the trace began made no call since: its threads show the hang)
         return Part(Report(ranks=[], straggler=None, step_ms=0.0, collectives=0,
                            retransmits=len(retransmits(con).ts), warnings=[why] if why else [],
                            cannot_judge=judge(cov, [], None).cannot_judge,
                            hang=find_hang(con) if hang else None), None, None)
-    c, warnings = load(con, device=device)
     warnings += [why] if why else []
     rows, w2 = rank_rows(c if count_from is None else c.since(count_from), slow_collective_ms)
     warnings += w2

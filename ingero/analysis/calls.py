@@ -65,9 +65,20 @@ _QUERY = f"""
       AND ((e.op IN ({', '.join(repr(o) for o in OPS)}) AND (e.comm_id_hash <> 0 OR e.comm <> 0) AND e.seq IS NOT NULL)
            OR e.op IN ('GROUP_START', 'GROUP_END', 'GROUP_SIMULATE_END'))"""
 _ORDER = " ORDER BY grank, t, e.event_id"
-# Without the columns only the recovery of unknown communicators reads (recover.py), and
-# unsorted: numpy orders the calls (``_call_order``) for a fraction of what ORDER BY costs
-_QUERY_KNOWN = _QUERY.replace(", e.comm AS ptr, e.count AS cnt, e.datatype AS dtype", "")
+_GROUP_OPS = ("GROUP_START", "GROUP_END", "GROUP_SIMULATE_END")
+# What ``load`` reads: every call that returned, the ones it cannot place too (coverage.py
+# counts them from this read: no second pass over the calls), with ``how`` saying which:
+# 1 no communicator hash, 2 a communicator handle, 4 no seq. The op as an ENUM (Arrow
+# dictionary codes); none of the columns only the recovery of unknown communicators reads
+# (recover.py: it reads _QUERY again); unsorted: numpy orders the calls (``_call_order``)
+# for a fraction of what ORDER BY costs.
+_QUERY_KNOWN = (_QUERY[:_QUERY.index("AND ((e.op")]
+                .replace(", e.comm AS ptr, e.count AS cnt, e.datatype AS dtype",
+                         ", (COALESCE(e.comm_id_hash, 0) = 0)::UTINYINT + 2 * (COALESCE(e.comm, 0) <> 0)::UTINYINT"
+                         " + 4 * (e.seq IS NULL)::UTINYINT AS how")
+                .replace("e.pid, e.op,", f"e.pid, e.op::ENUM({', '.join(repr(o) for o in OPS + list(_GROUP_OPS))}) AS op,")
+                + f"AND e.op IN ({', '.join(repr(o) for o in OPS + list(_GROUP_OPS))})")
+_NO_HASH, _HANDLE, _NO_SEQ = 1, 2, 4
 
 # The same columns from the NCCL profiler plugin's rows: when the GPU ran each operation
 # (device start/end, on the host's clock), NCCL's own communicator hash and seq, and the
@@ -96,7 +107,7 @@ def device_timing(con) -> tuple[bool, str | None]:
     """(use the plugin's device times?, a warning: why not, or which operations they miss).
     Yes when every rank that made NCCL calls has device-timed operations from the plugin."""
     try:
-        have = con.execute("SELECT count(*) FROM nccl_profiler_events WHERE device_start_ns IS NOT NULL").fetchone()[0]
+        have = con.execute("SELECT count(*) FROM nccl_profiler_events WHERE device_start_ns IS NOT NULL").fetchall()[0][0]
     except Exception:        # an older trace without the table
         return False, None
     if not have:
@@ -175,6 +186,9 @@ class Calls:
     inst_size: np.ndarray      # instance -> calls (traced members)
     comm_members: dict         # comm code -> sorted global ranks
     simulated: dict = field(default_factory=dict)   # rank -> calls left out (ncclGroupSimulateEnd)
+    # host rows: coverage.py's counts of every call that returned, per (node, global rank):
+    # (node, rank, calls, no communicator, no seq, on a handle); device rows: None
+    counted: list | None = None
     launch: np.ndarray | None = None   # device rows: the kernel launch of each (-1: its own); host: None
     stream: np.ndarray | None = None   # device rows: the stream of each, a code (-1: not recorded); host: None
 
@@ -193,14 +207,14 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
     """The session's collective, p2p and group calls from `con` (any view of the tables);
     with `device`, the operations as the GPU ran them (nccl_profiler_events)."""
     warnings: list[str] = []
-    tbl, recovering = _rows(con, device, warnings)
+    tbl, recovering, counted = _rows(con, device, warnings)
     if tbl.num_rows == 0:
-        return _no_calls(np.zeros(0, np.uint64)), warnings
+        return replace(_no_calls(np.zeros(0, np.uint64)), counted=counted), warnings
     k = _columns(tbl, device, recovering, warnings)
     hashes, k["comm"] = _codes(k.pop("comm_h"))
     simulated_by_rank = _leave_out_simulated(k, warnings)
     if not len(k["o"]):
-        return _no_calls(hashes, simulated_by_rank), warnings
+        return replace(_no_calls(hashes, simulated_by_rank), counted=counted), warnings
     rank, op, comm = k["rank"], k["op"], k["comm"]
     members, peer = _members_and_peers(rank, op, comm, k["crank"], k["peer_c"])
     inst, inst_comm, inst_op, cnt = _instances(rank, op, comm, k["seq"], warnings)
@@ -209,7 +223,7 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
                  inst_comm=np.asarray(inst_comm), inst_op=np.asarray(inst_op), inst_size=np.asarray(cnt),
                  comm_members=members, simulated=simulated_by_rank,
                  launch=_launches(rank, k["pid"], comm, k["grp"]) if device else None,
-                 stream=k["strm"] if device else None), warnings
+                 stream=k["strm"] if device else None, counted=counted), warnings
 
 
 def _no_calls(hashes: np.ndarray, simulated_by_rank: dict | None = None) -> Calls:
@@ -218,17 +232,47 @@ def _no_calls(hashes: np.ndarray, simulated_by_rank: dict | None = None) -> Call
                  simulated=simulated_by_rank or {})
 
 
-def _rows(con, device: bool, warnings: list[str]) -> tuple[pa.Table, bool]:
-    """The calls' rows as Arrow, and whether communicators created before tracing were
-    recovered (their identity from the calls, in call order: the rows then come sorted)."""
+def _rows(con, device: bool, warnings: list[str]) -> tuple[pa.Table, bool, list | None]:
+    """The calls' rows as Arrow, whether communicators created before tracing were
+    recovered (their identity from the calls, in call order: the rows then come sorted),
+    and the host calls' counts (``Calls.counted``)."""
     with warnings_.catch_warnings():     # (DuckDB notes the Arrow copy of a DB-API result)
         warnings_.simplefilter("ignore", UserWarning)
-        tbl = (con.execute(_DEVICE_QUERY).to_arrow_table() if device
-               else _fetch(con, _QUERY_KNOWN, {"grank": -1, "crank": -1, "peer": -1, "ret": -1}))
-        recovering = not device and tbl.num_rows > 0 and bool(recover.unknown_comm(tbl, OPS).any())
+        if device:
+            return con.execute(_DEVICE_QUERY).to_arrow_table(), False, None
+        tbl = _fetch(con, _QUERY_KNOWN, {"grank": -1, "crank": -1, "peer": -1, "ret": -1})
+        op, _ = _op_codes(tbl)
+        how = tbl.column("how").to_numpy()
+        counted = _counted(tbl, op, how)
+        keep = (op < 0) | (((how & _NO_HASH) == 0) | ((how & _HANDLE) != 0)) & ((how & _NO_SEQ) == 0)
+        if not keep.all():
+            tbl = tbl.filter(pa.array(keep))
+        recovering = bool(((op[keep] > 0) & ((how[keep] & _NO_HASH) != 0)).any())
         if recovering:
             tbl = recover.communicators(con, con.execute(_QUERY + _ORDER).to_arrow_table(), OPS, warnings)
-    return tbl, recovering
+    return tbl, recovering, counted
+
+
+def _counted(tbl: pa.Table, op: np.ndarray, how: np.ndarray) -> list:
+    """``Calls.counted`` from the rows `_QUERY_KNOWN` read (op codes `op`, flags `how`)."""
+    call = np.flatnonzero(op > 0)
+    if not len(call):
+        return []
+    node = tbl.column("node").combine_chunks()
+    if not pa.types.is_dictionary(node.type):
+        node = node.dictionary_encode()
+    names = node.dictionary.to_pylist() + [None]
+    nidx = node.indices.fill_null(len(names) - 1).to_numpy()[call].astype(np.int64)
+    grank = np.maximum(tbl.column("grank").to_numpy()[call].astype(np.int64), -1)    # < 0: no rank
+    h = how[call]
+    no_hash, handle = (h & _NO_HASH) != 0, (h & _HANDLE) != 0
+    flags = (no_hash & ~handle, ~no_hash & ((h & _NO_SEQ) != 0), no_hash & handle)
+    keys, g = _codes(nidx * (int(grank.max()) + 2) + (grank + 1))
+    n = len(keys)
+    sums = [np.bincount(g, minlength=n)] + [np.bincount(g, weights=f, minlength=n).astype(np.int64) for f in flags]
+    span = int(grank.max()) + 2
+    return [(names[k // span], None if k % span == 0 else k % span - 1, *(int(x[i]) for x in sums))
+            for i, k in enumerate(keys.tolist())]
 
 
 def _columns(tbl: pa.Table, device: bool, recovering: bool, warnings: list[str]) -> dict:
@@ -345,6 +389,9 @@ def _fetch(con, sql: str, fills: dict):
         for name, c in zip(b.schema.names, b.columns):
             if pa.types.is_string(c.type) or pa.types.is_large_string(c.type):
                 cols.append(pc.dictionary_encode(c))
+            elif pa.types.is_dictionary(c.type):          # an ENUM
+                cols.append(pa.DictionaryArray.from_arrays(np.array(c.indices.to_numpy(zero_copy_only=False)),
+                                                           c.dictionary))
             else:
                 c = c.fill_null(pa.scalar(fills.get(name, 0), c.type)) if c.null_count else c
                 cols.append(pa.array(np.array(c.to_numpy(), copy=True), type=c.type))

@@ -20,7 +20,8 @@ from ingero.schema import NCCL_OK_RETS
 # Every collective and p2p call that returned, per (node, global rank as calls.load takes
 # it), with the calls it cannot place: an unknown communicator or no seq; and those on a
 # communicator created before the probes attached whose handle is known, which calls.load
-# may place yet (ingero/analysis/recover.py matches them across ranks).
+# may place yet (ingero/analysis/recover.py matches them across ranks). calls.load counts
+# the same from the rows it reads (``Calls.counted``).
 _COUNTS = f"""
     SELECT e.node, COALESCE(r.rank, e.global_rank, e.rank) AS grank, count(*) AS calls,
            count(*) FILTER (WHERE COALESCE(e.comm_id_hash, 0) = 0 AND COALESCE(e.comm, 0) = 0) AS no_comm,
@@ -61,11 +62,13 @@ class Coverage:
         return "; ".join(p for p in parts if p)
 
 
-def coverage(con) -> Coverage:
-    """The counts `judge` weighs, from the trace's tables (one pass over nccl_events)."""
+def coverage(con, counted: list | None = None) -> Coverage:
+    """The counts `judge` weighs, from the trace's tables. `counted`: the calls' counts
+    (``Calls.counted``) when calls.load read them; None: one pass over nccl_events."""
     cov = Coverage()
     placed_nodes = set()
-    for node, grank, calls, no_comm, no_seq, handles in con.execute(_COUNTS).fetchall():
+    for node, grank, calls, no_comm, no_seq, handles in counted if counted is not None \
+            else con.execute(_COUNTS).fetchall():
         cov.calls += calls
         cov.handles += handles
         if grank is None or grank < 0:

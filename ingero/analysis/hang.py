@@ -69,6 +69,8 @@ _OPEN = f"""
       AND NOT EXISTS (SELECT 1 FROM nccl_events e
                       WHERE e.node IS NOT DISTINCT FROM i.node AND e.pid = i.pid AND e.tid = i.tid
                         AND e.op = i.op AND abs(e.timestamp_ns - i.since_ns) < {SAME_ENTRY_NS})"""
+# is there one? (else the anti-join above would still hash every call of the session)
+_ANY_OPEN = f"SELECT 1 FROM nccl_inflight i WHERE i.op IN ({_CALLS}) AND i.seen_ns - i.since_ns >= $min_ns LIMIT 1"
 # calls that failed after a long wait
 _FAILED = f"""
     SELECT COALESCE(r.rank, e.global_rank) AS grank, e.op, COALESCE(e.comm_id_hash, 0) AS comm, e.seq,
@@ -118,7 +120,8 @@ def _waits(con, min_s: float) -> list[dict]:
     params = {"min_ns": int(min_s * 1e9)}
     plugin = {x["g"] for x in _rows(con, f"""SELECT DISTINCT COALESCE(r.rank, d.rank) AS g
         FROM nccl_device_inflight d {_RANK_OF.format(a="d")}""", {}, inflight=True)}
-    waits = [w for w in _rows(con, _FAILED, params) + _rows(con, _OPEN, params, inflight=True)
+    in_flight = _rows(con, _OPEN, params, inflight=True) if _rows(con, _ANY_OPEN, params, inflight=True) else []
+    waits = [w for w in _rows(con, _FAILED, params) + in_flight
              + _rows(con, _DEVICE, params, inflight=True)
              if w["grank"] is not None and not (w["on_stack"] and w["grank"] in plugin)]
     states = _thread_states(con) if any(w["on_device"] for w in waits) else {}

@@ -44,12 +44,13 @@ SPREAD = "spread: no single rank"
 
 
 @contextlib.contextmanager
-def events_where(con, where: str):
+def events_where(con, where: str, rows: dict | None = None):
     """For the while, temporary views shadow every event table with its rows matching
     `where` (SQL, e.g. on timestamp_ns). Yields (the database's name, for a view over
     another of its tables; the list of views dropped at the end, to add such a view to).
     A temporary view already shadowing a table (``readonly_sql.confine_views``) is the one
-    narrowed, and is back at the end."""
+    narrowed, and is back at the end. `rows`: table -> a query of exactly those rows to show
+    instead (None: none), for tables the caller reads another way."""
     db = con.execute("SELECT current_database()").fetchone()[0].replace('"', '""')
     shadowed = list(schema.EVENT_TABLES)
     moved = [t for (t,) in con.execute("SELECT view_name FROM duckdb_views() WHERE temporary AND view_name IN "
@@ -59,7 +60,8 @@ def events_where(con, where: str):
             con.execute(f"ALTER VIEW temp.{table} RENAME TO _whole_{table}")
         for table in schema.EVENT_TABLES:
             src = f"temp._whole_{table}" if table in moved else f'"{db}".main.{table}'
-            con.execute(f"CREATE OR REPLACE TEMP VIEW {table} AS SELECT * FROM {src} WHERE {where}")
+            body = (rows or {}).get(table, f"SELECT * FROM {src} WHERE {where}")
+            con.execute(f"CREATE OR REPLACE TEMP VIEW {table} AS {body or f'SELECT * FROM {src} WHERE false'}")
         yield db, shadowed
     finally:
         for table in shadowed:
@@ -91,14 +93,15 @@ class _Window:
 
 
 def analyse_windows(con, slow_collective_ms: float | None = None, window_calls: int = WINDOW_CALLS,
-                    between=events_between) -> Report:
+                    between=events_between, extent: tuple | None = None) -> Report:
     """The session on `con` judged in windows of whole steps holding about `window_calls`
     NCCL calls each (see the module's docstring); `analyse` itself when it holds no more.
     `between(con, lo, hi)`: a context that shows the event tables' rows from `lo` to `hi`
     (None: to the end) and yields ``events_where``'s pair (the operator's reads only the
-    segments in range)."""
-    calls, first, last = con.execute(
-        "SELECT count(*), min(timestamp_ns), max(timestamp_ns) FROM nccl_events").fetchone()
+    segments in range). `extent`: nccl_events' (rows, first and last timestamp_ns) when the
+    caller knows them (the operator, from the segments' footers); None: counted."""
+    calls, first, last = extent or con.execute(
+        "SELECT count(*), min(timestamp_ns), max(timestamp_ns) FROM nccl_events").fetchall()[0]
     if calls <= window_calls or first is None or last <= first:
         return analyse(con, slow_collective_ms)
     width = max(int((last - first) * window_calls / calls), 1)

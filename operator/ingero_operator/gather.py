@@ -29,7 +29,7 @@ from ingero import schema
 from ingero.comms import grow_links, resolve_split_ranks, with_grow_ids, with_split_ranks
 from ingero.analysis import Report, analyse
 from ingero.analysis.hang import find_hang
-from ingero.analysis.windows import WINDOW_CALLS, analyse_windows, events_between, events_where
+from ingero.analysis.windows import WINDOW_CALLS, analyse_windows, events_where
 from ingero_operator.agents import AgentBroke, AgentClient, AgentUnreachable
 from ingero_operator.settings import GatherSettings
 
@@ -485,20 +485,22 @@ class _Segments:
     files: list[Path]              # relative to the session folder (resolved against file_search_path)
     first: list[int | None]        # each file's earliest and latest timestamp_ns on the session's
     last: list[int | None]         # clock, from its row groups' statistics (None: unknown)
+    rows: list[int]                # each file's rows
 
     def sql(self, keep: list[bool] | None = None) -> str | None:
         files = [f for f, k in zip(self.files, keep or [True] * len(self.files)) if k]
         return f"SELECT {self.select} FROM read_parquet({_sql_list(files)}, union_by_name = true)" if files else None
 
 
-def _time_range(f: Path, off: int) -> tuple[int | None, int | None]:
-    """The earliest and latest timestamp_ns of a segment, shifted by its node's offset."""
+def _time_range(f: Path, off: int) -> tuple[int | None, int | None, int]:
+    """The earliest and latest timestamp_ns of a segment, shifted by its node's offset
+    (None: unknown), and its rows."""
     md = pq.read_metadata(f)
     at = md.schema.names.index("timestamp_ns") if "timestamp_ns" in md.schema.names else -1
     stats = [md.row_group(i).column(at).statistics for i in range(md.num_row_groups)] if at >= 0 else [None]
-    if not stats or any(s is None or not s.has_min_max for s in stats):
-        return None, None
-    return min(s.min for s in stats) - off, max(s.max for s in stats) - off
+    if not md.num_rows or not stats or any(s is None or not s.has_min_max for s in stats):
+        return None, None, md.num_rows
+    return min(s.min for s in stats) - off, max(s.max for s in stats) - off, md.num_rows
 
 
 def _event_view(con, table: str, local: LocalSession, offsets: dict[str, int]) -> list[_Segments]:
@@ -519,7 +521,7 @@ def _event_view(con, table: str, local: LocalSession, offsets: dict[str, int]) -
                         if c in present else f'NULL::{ty} AS "{c}"' for c, ty in cols)
         ranges = [_time_range(f, off) for f in files]
         segs.append(_Segments(sel, [f.relative_to(root) for f in files], [r[0] for r in ranges],
-                              [r[1] for r in ranges]))
+                              [r[1] for r in ranges], [r[2] for r in ranges]))
     con.execute(f"DROP TABLE {table}")
     body = _view_body(con, table, [s.sql() for s in segs])
     con.execute(f"CREATE VIEW {table} AS {body}" if body else schema.TABLES[table].ddl())
@@ -547,17 +549,26 @@ def _segments_between(views: dict[str, list[_Segments]]):
     query over the whole view opens every segment: ~0.2 ms per file and query)."""
     @contextlib.contextmanager
     def between(con, lo: int, hi: int | None):
-        with events_between(con, lo, hi) as (db, shadowed):
-            where = f"timestamp_ns >= {int(lo)}" + ("" if hi is None else f" AND timestamp_ns < {int(hi)}")
-            for table, segs in views.items():
-                parts = [s.sql([(b is None or b >= lo) and (a is None or hi is None or a < hi)
-                                for a, b in zip(s.first, s.last)]) for s in segs]
-                body = _view_body(con, table, parts)
-                con.execute(f"CREATE OR REPLACE TEMP VIEW {table} AS "
-                            + (f"SELECT * FROM ({body}) WHERE {where}" if body
-                               else f'SELECT * FROM "{db}".main.{table} WHERE false'))
+        where = f"timestamp_ns >= {int(lo)}" + ("" if hi is None else f" AND timestamp_ns < {int(hi)}")
+        rows = {}
+        for table, segs in views.items():
+            parts = [s.sql([(b is None or b >= lo) and (a is None or hi is None or a < hi)
+                            for a, b in zip(s.first, s.last)]) for s in segs]
+            body = _view_body(con, table, parts)
+            rows[table] = f"SELECT * FROM ({body}) WHERE {where}" if body else None
+        with events_where(con, where, rows) as (db, shadowed):
             yield db, shadowed
     return between
+
+
+def _extent(segs: list[_Segments]) -> tuple[int, int | None, int | None] | None:
+    """nccl_events' (rows, first and last timestamp_ns) from its segments' footers; None
+    when a footer has no statistics of timestamp_ns."""
+    ranges = [(a, b) for s in segs for a, b, n in zip(s.first, s.last, s.rows) if n]
+    if any(a is None or b is None for a, b in ranges):
+        return None
+    return (sum(n for s in segs for n in s.rows), min((a for a, _ in ranges), default=None),
+            max((b for _, b in ranges), default=None))
 
 
 def build_artifact(local: LocalSession, offsets: dict[str, int],
@@ -592,7 +603,8 @@ def build_artifact(local: LocalSession, offsets: dict[str, int],
         resolve_split_ranks(con)           # comms (nccl_events is still an empty table here)
         views = {table: _event_view(con, table, local, offsets)
                  for table in ("nccl_events", "nccl_profiler_events", "sched_events")}
-        result = (analyse_windows(con, slow_collective_ms, window_calls, between=_segments_between(views)),
+        result = (analyse_windows(con, slow_collective_ms, window_calls, between=_segments_between(views),
+                                  extent=_extent(views["nccl_events"])),
                   world_size(con))
     finally:
         con.close()

@@ -196,3 +196,19 @@ def test_calls_of_a_process_without_any_rank_are_left_out_not_a_crash(tmp_path):
     rep = analyse(open_source(tmp_path))
     assert rep.verdict == "none" and {r.rank for r in rep.ranks} == {0, 1}
     assert any("20 calls of processes without a rank were left out" in w for w in rep.warnings)
+
+
+def test_the_calls_read_counts_what_the_coverage_query_counts(tmp_path):
+    from ingero.analysis.calls import load
+    from ingero.analysis.coverage import coverage
+
+    # placed calls; one on an unknown communicator, one without a seq; one of a process without a rank
+    node(tmp_path, "n1", steps(range(2)) + [(1000, 0, 0, "ALL_REDUCE", 0, 50, T0 + 7),
+                                            (1001, 1, 1, "ALL_REDUCE", COMM, None, T0 + 9)], ranks=range(2))
+    node(tmp_path, "n2", steps(range(2, 4)) + [(2000, None, None, "ALL_REDUCE", COMM, 3, T0)], ranks=range(2, 4))
+    con = open_source(tmp_path)
+    c, _ = load(con)
+    cov = coverage(con, c.counted)
+    assert (cov.calls, cov.no_comm, cov.no_seq, cov.no_rank, cov.dropped_by_rank) == (83, 1, 1, 1, {0: 1, 1: 1})
+    assert cov == coverage(con) and cov.nodes_calling == ["n1", "n2"]
+    assert c.n == 80
