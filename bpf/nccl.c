@@ -363,6 +363,7 @@ static __always_inline void nccl_put_comm(u64 comm, u64 hash, s32 rank, s32 nran
     nccl_comms.update(&k, &v);
 }
 
+#if !INGERO_MAPS_ONLY   /* the programs: bpf/ingero.h */
 /* A thread that exits (or is killed) inside an NCCL call or group leaves its
  * frame and group depth behind: drop them (task storage: the kernel does). */
 TRACEPOINT_PROBE(sched, sched_process_exit)
@@ -838,3 +839,4 @@ int nccl_return_init_all(struct pt_regs *ctx)
     }
     return 0;
 }
+#endif /* !INGERO_MAPS_ONLY */

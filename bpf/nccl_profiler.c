@@ -59,7 +59,7 @@ static __always_inline int ncclprof_emit(u64 rec)
 /* One entry program per general register the note may name (bcc's names,
  * which are struct pt_regs fields on x86-64; the loader's PROFILER_REGS).
  * INGERO_NCCLPROF_REGS (-D): 1 on x86-64, where these names exist. */
-#if INGERO_NCCLPROF_REGS
+#if INGERO_NCCLPROF_REGS && !INGERO_MAPS_ONLY   /* the programs: bpf/ingero.h */
 #define NCCLPROF_REG(r) \
     int ncclprof_##r(struct pt_regs *ctx) { return ncclprof_emit(ctx->r); }
 NCCLPROF_REG(ax)
