@@ -16,6 +16,9 @@
  *   INGERO_SCHED_MIN_NS    off-CPU intervals shorter than this are only summed
  *   INGERO_RINGBUF_PAGES   ring buffer size per probe family, in pages
  *   INGERO_RAW_TP          1: tracepoints hook as raw tracepoints (see INGERO_TRACEPOINT)
+ *   INGERO_MAPS_ONLY       1: the maps without the programs (ingero_agent/probecache.py
+ *                          loads the programs compiled before; every program of the
+ *                          family files sits inside `#if !INGERO_MAPS_ONLY`, every map outside)
  */
 #ifndef INGERO_H
 #define INGERO_H
@@ -31,6 +34,9 @@
 #endif
 #ifndef INGERO_RINGBUF_PAGES
 #define INGERO_RINGBUF_PAGES 4096
+#endif
+#ifndef INGERO_MAPS_ONLY
+#define INGERO_MAPS_ONLY 0
 #endif
 
 /* ---- NCCL call kinds (ingero_nccl_event.op): ingero.schema.Op ----------- */
@@ -317,13 +323,23 @@ struct ingero_sched_event {
  * only needs the record layouts leaves INGERO_BPF_PROGRAM undefined.
  *
  * Further settings (-D flags):
- *   INGERO_SELF_TGID      the agent's own tgid: never traced, even with --all
  *   INGERO_MAX_TARGETS    capacity of the target cgroup / tgid / IP maps
  *   INGERO_EXEC_NOTIFY    1: note execs of target processes in `exec_notes`
  */
 #ifdef INGERO_BPF_PROGRAM
 
 #include <uapi/linux/ptrace.h>   /* struct pt_regs for the uprobes */
+
+/* User memory reads: the helpers bpf_probe_read_user(_str) under names of our own. bcc's
+ * front end looks every call it compiles of a function named bpf_probe_read_user(_str) up in
+ * the kernel's symbols, and each look-up rebuilds a table of all /proc/kallsyms names (bcc
+ * 0.26: ~0.07 s of CPU per call site, a third of the NCCL programs' compile). Called through
+ * these pointers the helpers are the same instructions and cost the compile nothing; every
+ * kernel these probes load on has them (5.5+; ring buffers need 5.8). */
+static int (*ingero_read_user)(void *dst, __u32 size, const void *src) =
+    (void *)BPF_FUNC_probe_read_user;
+static int (*ingero_read_user_str)(void *dst, __u32 size, const void *src) =
+    (void *)BPF_FUNC_probe_read_user_str;
 
 /* A tracepoint hook: with INGERO_RAW_TP a raw tracepoint (BPF_RAW_TRACEPOINT_OPEN: an fd,
  * no perf event, so detaching it waits on no global lock; the program gets the
@@ -338,9 +354,6 @@ struct ingero_sched_event {
 #define INGERO_TRACEPOINT(category, event) TRACEPOINT_PROBE(category, event)
 #endif
 
-#ifndef INGERO_SELF_TGID
-#define INGERO_SELF_TGID 0
-#endif
 #ifndef INGERO_MAX_TARGETS
 #define INGERO_MAX_TARGETS 4096
 #endif
@@ -354,6 +367,10 @@ struct ingero_sched_event {
 BPF_HASH(target_cgroups, u64, u8, INGERO_MAX_TARGETS);
 /* Target processes by tgid (`--pid`). */
 BPF_HASH(target_tgids, u32, u8, INGERO_MAX_TARGETS);
+/* The tracer's own tgid (set by the loader right after the load): never a target, even
+ * with INGERO_TARGET_ALL. A map rather than a -D flag, so that every tracer process
+ * loads the same compiled program (ingero_agent/probecache.py). */
+BPF_ARRAY(self_tgid, u32, 1);
 /* Events dropped because a ring buffer was full, per family (LOST_*). */
 BPF_PERCPU_ARRAY(lost, u64, LOST_SLOTS);
 
@@ -407,7 +424,9 @@ static __always_inline u64 ingero_target_gen(void)
 /* Is the current task (tgid, cgroup cgid) traced? */
 static __always_inline int ingero_is_target(u32 tgid, u64 cgid)
 {
-    if (INGERO_SELF_TGID && tgid == INGERO_SELF_TGID)
+    int zero = 0;
+    u32 *self = self_tgid.lookup(&zero);
+    if (self && *self && tgid == *self)
         return 0;
     if (INGERO_TARGET_ALL)
         return 1;
@@ -486,6 +505,7 @@ static __always_inline int ingero_current_is_target(u32 tgid, u64 cgid)
  * periodic scans still find the process. */
 BPF_RINGBUF_OUTPUT(exec_notes, 1);
 
+#if !INGERO_MAPS_ONLY
 INGERO_TRACEPOINT(sched, sched_process_exec)
 {
     u64 id = bpf_get_current_pid_tgid();
@@ -493,6 +513,16 @@ INGERO_TRACEPOINT(sched, sched_process_exec)
         return 0;
     u64 tgid = id >> 32;
     exec_notes.ringbuf_output(&tgid, sizeof(tgid), 0);
+    return 0;
+}
+#endif /* !INGERO_MAPS_ONLY */
+#endif
+
+#if INGERO_MAPS_ONLY
+/* bcc loads a module's BTF, which the task-storage maps are created with, only when the
+ * module has a program: this one, never loaded. */
+int ingero_maps_only(void *ctx)
+{
     return 0;
 }
 #endif

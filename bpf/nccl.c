@@ -209,7 +209,7 @@ static __always_inline u64 ingero_splitmix64(u64 x)
 static __always_inline u64 ingero_hash_uid(const void *uid)
 {
     u64 w[16] = {};
-    if (bpf_probe_read_user(w, sizeof(w), uid) != 0)
+    if (ingero_read_user(w, sizeof(w), uid) != 0)
         return 0;
     u64 h = 0;
 #pragma unroll
@@ -224,7 +224,7 @@ static __always_inline u64 ingero_hash_uid(const void *uid)
 static __always_inline u64 nccl_stack_word(struct pt_regs *ctx, int off)
 {
     u64 v = 0;
-    bpf_probe_read_user(&v, sizeof(v), (void *)(PT_REGS_SP(ctx) + off));
+    ingero_read_user(&v, sizeof(v), (void *)(PT_REGS_SP(ctx) + off));
     return v;
 }
 
@@ -300,7 +300,7 @@ static __always_inline void nccl_adopt_pending(u32 tgid, u64 comm, struct nccl_c
         if (!p)
             continue;
         u64 handle = 0;
-        bpf_probe_read_user(&handle, sizeof(handle), (void *)p->out);
+        ingero_read_user(&handle, sizeof(handle), (void *)p->out);
         if (handle != comm)
             continue;
         v->hash = p->hash;
@@ -363,6 +363,7 @@ static __always_inline void nccl_put_comm(u64 comm, u64 hash, s32 rank, s32 nran
     nccl_comms.update(&k, &v);
 }
 
+#if !INGERO_MAPS_ONLY   /* the programs: bpf/ingero.h */
 /* A thread that exits (or is killed) inside an NCCL call or group leaves its
  * frame and group depth behind: drop them (task storage: the kernel does). */
 TRACEPOINT_PROBE(sched, sched_process_exit)
@@ -652,7 +653,7 @@ int nccl_enter_ncclCommShrink(struct pt_regs *ctx)
             s32 ex[INGERO_NCCL_SHRINK_MAX] = {};
             if (nexcl > 0) {
                 u32 n = ((u32)nexcl - 1) & (INGERO_NCCL_SHRINK_MAX - 1);
-                bpf_probe_read_user(ex, (n + 1) * 4, (void *)list);
+                ingero_read_user(ex, (n + 1) * 4, (void *)list);
             }
             s32 me = parent->rank;
 #pragma unroll
@@ -796,7 +797,7 @@ int nccl_return(struct pt_regs *ctx)
     case OP_COMM_SPLIT:
     case OP_COMM_SHRINK:
     case OP_COMM_GROW:
-        bpf_probe_read_user(&handle, sizeof(handle), (void *)f->comm);
+        ingero_read_user(&handle, sizeof(handle), (void *)f->comm);
         if ((ret == NCCL_SUCCESS || ret == NCCL_IN_PROGRESS) && !(f->flags & NCCL_F_COMM_UNKNOWN)) {
             if (handle) {
                 nccl_put_comm(handle, f->hash, f->rank, f->nranks);
@@ -831,10 +832,11 @@ int nccl_return_init_all(struct pt_regs *ctx)
     u64 hash = f->hash;
     for (u32 i = 0; i < INGERO_NCCL_INITALL_MAX && i < ndev; i++) {
         u64 handle = 0;
-        bpf_probe_read_user(&handle, sizeof(handle), (void *)(comms + 8 * i));
+        ingero_read_user(&handle, sizeof(handle), (void *)(comms + 8 * i));
         if (ret == 0 && handle)
             nccl_put_comm(handle, hash, i, ndev);
         nccl_emit(f, now, ret, handle, i);
     }
     return 0;
 }
+#endif /* !INGERO_MAPS_ONLY */

@@ -31,7 +31,7 @@ static __always_inline int ncclprof_emit(u64 rec)
         ingero_count_lost(LOST_NCCL_PROFILER);
         return 0;
     }
-    if (bpf_probe_read_user(&e->op, sizeof(e->op), (void *)rec) != 0 ||
+    if (ingero_read_user(&e->op, sizeof(e->op), (void *)rec) != 0 ||
         e->op.size != sizeof(e->op) || e->op.version != INGERO_NCCL_PROF_VERSION) {
         nccl_profiler_events.ringbuf_discard(e, 0);
         ingero_count_lost(LOST_NCCL_PROFILER);
@@ -43,15 +43,15 @@ static __always_inline int ncclprof_emit(u64 rec)
     e->tid = (u32)id;
     e->func[0] = e->datatype[0] = e->algo[0] = e->proto[0] = e->comm_name[0] = 0;
     if (e->op.func)
-        bpf_probe_read_user_str(e->func, sizeof(e->func), (void *)e->op.func);
+        ingero_read_user_str(e->func, sizeof(e->func), (void *)e->op.func);
     if (e->op.datatype)
-        bpf_probe_read_user_str(e->datatype, sizeof(e->datatype), (void *)e->op.datatype);
+        ingero_read_user_str(e->datatype, sizeof(e->datatype), (void *)e->op.datatype);
     if (e->op.algo)
-        bpf_probe_read_user_str(e->algo, sizeof(e->algo), (void *)e->op.algo);
+        ingero_read_user_str(e->algo, sizeof(e->algo), (void *)e->op.algo);
     if (e->op.proto)
-        bpf_probe_read_user_str(e->proto, sizeof(e->proto), (void *)e->op.proto);
+        ingero_read_user_str(e->proto, sizeof(e->proto), (void *)e->op.proto);
     if (e->op.comm_name)
-        bpf_probe_read_user_str(e->comm_name, sizeof(e->comm_name), (void *)e->op.comm_name);
+        ingero_read_user_str(e->comm_name, sizeof(e->comm_name), (void *)e->op.comm_name);
     nccl_profiler_events.ringbuf_submit(e, flags);
     return 0;
 }
@@ -59,7 +59,7 @@ static __always_inline int ncclprof_emit(u64 rec)
 /* One entry program per general register the note may name (bcc's names,
  * which are struct pt_regs fields on x86-64; the loader's PROFILER_REGS).
  * INGERO_NCCLPROF_REGS (-D): 1 on x86-64, where these names exist. */
-#if INGERO_NCCLPROF_REGS
+#if INGERO_NCCLPROF_REGS && !INGERO_MAPS_ONLY   /* the programs: bpf/ingero.h */
 #define NCCLPROF_REG(r) \
     int ncclprof_##r(struct pt_regs *ctx) { return ncclprof_emit(ctx->r); }
 NCCLPROF_REG(ax)

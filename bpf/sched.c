@@ -219,6 +219,7 @@ static __always_inline long sched_reported_state(u64 preempt, u32 state)
 #define SCHED_PREV_STATE() (args->prev_state)
 #endif
 
+#if !INGERO_MAPS_ONLY   /* the program: bpf/ingero.h */
 /* prev, the task leaving the CPU, is the current task. */
 INGERO_TRACEPOINT(sched, sched_switch)
 {
@@ -265,3 +266,4 @@ INGERO_TRACEPOINT(sched, sched_switch)
 #endif
     return 0;
 }
+#endif /* !INGERO_MAPS_ONLY */

@@ -159,6 +159,7 @@ static __always_inline void tcp_submit(struct ingero_tcp_event *e, int in_proces
         }                                                                         \
     } while (0)
 
+#if !INGERO_MAPS_ONLY   /* the programs: bpf/ingero.h */
 #if INGERO_RAW_TP
 /* Raw tracepoints: the arguments are the kernel's (TP_PROTO), so the fields the
  * tracepoints format are read here as their TP_fast_assign reads them
@@ -444,3 +445,4 @@ TRACEPOINT_PROBE(tcp, tcp_rcv_space_adjust)
 }
 #endif
 #endif /* INGERO_RAW_TP */
+#endif /* !INGERO_MAPS_ONLY */

@@ -39,6 +39,7 @@ import pyarrow.parquet as pq
 
 from ingero import readonly_sql, schema
 from ingero.families import NAMES as PROBES
+from ingero_agent import probecache
 
 log = logging.getLogger("ingero.agent")
 
@@ -177,17 +178,17 @@ class _Spawner(threading.Thread):
 
     def run(self):
         while True:
-            argv, log, fut = self.jobs.get()
+            argv, log, env, fut = self.jobs.get()
             try:
                 with open(log, "ab") as f:
-                    fut.set_result(subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
+                    fut.set_result(subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env,
                                                     stdin=subprocess.DEVNULL, preexec_fn=_pdeathsig))
             except Exception as e:  # handed to the request thread
                 fut.set_exception(e)
 
-    def popen(self, argv: list[str], log: Path) -> subprocess.Popen:
+    def popen(self, argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
         fut: Future = Future()
-        self.jobs.put((argv, log, fut))
+        self.jobs.put((argv, log, env, fut))
         return fut.result(timeout=30)
 
 
@@ -294,7 +295,7 @@ class SessionManager:
             (s.dir / "done").unlink(missing_ok=True)
             (s.dir / "plan.json").write_text(json.dumps(asdict(plan), indent=2))
             self._write_pods(s, plan)
-            s.proc = self._spawner.popen(self._argv(s), s.dir / "tracer.log")
+            s.proc = self._spawner.popen(self._argv(s), s.dir / "tracer.log", self._env())
             s.signalled = False
             s.started_ns = time.time_ns()
             s.starts += 1
@@ -309,6 +310,15 @@ class SessionManager:
         tmp = s.dir / "pods.json.tmp"
         tmp.write_text(json.dumps(doc, indent=2))
         os.replace(tmp, s.dir / "pods.json")
+
+    def _env(self) -> dict[str, str]:
+        """A tracer's environment: the agent's, with the compiled probes kept in the node's
+        cache folder, or in the data folder where that cannot be written (a container's root
+        file system is read-only); INGERO_BPF_CACHE, when set, says where."""
+        where = probecache.DEFAULT_DIR
+        if not probecache.writable(where):
+            where = self.data / "bpf-cache"
+        return {probecache.ENV: str(where), **os.environ}
 
     def _argv(self, s: Session) -> list[str]:
         p = s.plan

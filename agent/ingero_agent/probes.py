@@ -3,10 +3,13 @@
 The BPF program is bpf/ingero.h plus one file per ring of the selected
 families (bpf/nccl.c and nccl_profiler.c for `nccl`, tcp.c, sched.c),
 compiled together by bcc so the families share the filter maps and the lost
-counters. bcc only rewrites map calls in the
-text it compiles as its main file, so the files are inlined (with #line
-markers, so compiler messages name the real file and line) rather than
-#included. Every setting reaches the C as a -D flag.
+counters. bcc only rewrites map calls in the text it compiles as its main
+file, so the files are inlined (with #line markers, so compiler messages name
+the real file and line) rather than #included. Every setting reaches the C as
+a -D flag; what differs between the tracers of a node (targets, the tracer's
+own tgid) is in maps, so that they all run the same compiled program: it is
+compiled once per node and kept (ingero_agent/probecache.py); later tracers
+compile only its maps and load its programs from there.
 
 Uprobes attach per library *file* (dev, inode), for every process that maps
 it; the in-kernel filter decides whose calls are recorded. They are
@@ -25,6 +28,7 @@ from __future__ import annotations
 import ctypes as ct
 import errno
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +36,7 @@ import numpy as np
 
 from ingero.errors import IngeroError
 from ingero.families import FAMILIES, NAMES, RINGS, rings_of
-from ingero_agent import abi, kbtf, uprobe_multi, uprobe_names
+from ingero_agent import abi, kbtf, probecache, uprobe_multi, uprobe_names
 from ingero_agent.elfsyms import NCCL_SYMBOLS, file_offset, load_segments
 from ingero_agent.records import RECORDS, ringbuf_dtype
 from ingero_agent.ringbuf import PAGE_SIZE, MappedRing, RingWaiter, open_ring
@@ -223,7 +227,6 @@ def build_program(cfg: ProbeConfig, src: Path | None = None) -> tuple[str, list[
         f"-DINGERO_CGROUP_LEVELS={int(cfg.cgroup_levels)}",
         f"-DINGERO_SCHED_MIN_NS={int(cfg.sched_min_ns)}ULL",
         f"-DINGERO_RINGBUF_PAGES={int(cfg.ringbuf_pages)}",
-        f"-DINGERO_SELF_TGID={int(cfg.self_tgid)}",
         f"-DINGERO_MAX_TARGETS={int(cfg.max_targets)}",
         f"-DINGERO_TASK_STORAGE={int(frame_storage(cfg) == 'task')}",
     ] + flags
@@ -306,16 +309,33 @@ class Probes:
         """Compile, load and attach the program; where the kernel refuses its raw tracepoints,
         again with the tracepoints' perf events."""
         try:
-            self.bpf = self._BPF(text=self.text.encode(), cflags=self.cflags)
+            self._compile()
         except Exception as e:     # bcc: bare Exception
             if "-DINGERO_RAW_TP=1" not in self.cflags:
                 raise
             self.cflags = [f for f in self.cflags if not f.startswith("-DINGERO_RAW_TP=")] + ["-DINGERO_RAW_TP=0"]
-            self.bpf = self._BPF(text=self.text.encode(), cflags=self.cflags)
+            self._compile()
             self.notes.append(f"the kernel refused raw tracepoints ({e}): the TCP and scheduler "
                               "tracepoints are perf events, and stopping waits on the kernel's "
                               "event_mutex for each")
         self._load_nccl()
+
+    def _compile(self) -> None:
+        """self.bpf: the program compiled by bcc, or its maps compiled and its programs
+        from the node's cache (ingero_agent/probecache.py); self.compiled says which, and
+        self.compile_cpu_s what it cost."""
+        cpu0 = time.thread_time()
+        self.bpf, self.compiled = probecache.compile_or_load(self._BPF, self.text, self.cflags,
+                                                             self._set_self)
+        self.compile_cpu_s = time.thread_time() - cpu0
+
+    def _set_self(self, bpf) -> None:
+        """Before any probe is attached: the tracer's own tgid, never a target."""
+        try:
+            t = bpf[b"self_tgid"]
+        except KeyError:   # BPF sources of an older version (bench.uprobe_cost --baseline)
+            return
+        t[t.Key(0)] = t.Leaf(self.cfg.self_tgid)
 
     # ---- uprobes -----------------------------------------------------------
     def _load_nccl(self) -> None:

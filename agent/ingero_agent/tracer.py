@@ -156,7 +156,8 @@ class Tracer:
                 Path(self.opts.ready_file).touch()
             self.log(f"tracing {','.join(self.opts.probe_config.families)} for "
                      f"{self.targets.describe()} on node {self.opts.node}, session "
-                     f"{self.opts.session_id} (probes loaded in {time.monotonic() - t_load:.1f} s); "
+                     f"{self.opts.session_id} (probes loaded in {time.monotonic() - t_load:.1f} s, "
+                     f"{self.probes.compiled} in {self.probes.compile_cpu_s:.1f} s of CPU); "
                      "Ctrl-C to stop")
             cpu0, wall0 = _cpu_seconds(), time.monotonic()
             self._loop()

@@ -7,7 +7,8 @@ ncclAllReduce in phases while the targets change under it and while it moves
 between cgroups: every phase must be recorded exactly when the process is a
 target at that moment. The same as on an older kernel: frames in the hash, and
 each uprobe a perf event of its own instead of the uprobe_multi links
-(INGERO_UPROBE_MULTI=0)."""
+(INGERO_UPROBE_MULTI=0). Both run on programs loaded from the node's cache of
+compiled probes (ingero_agent/probecache.py), made by the compile just before."""
 
 from __future__ import annotations
 
@@ -65,8 +66,9 @@ def phases(fake_nccl, tmp_path):
 
 @pytest.mark.parametrize("storage", ["task", "hash"])
 def test_a_thread_is_recorded_exactly_while_it_is_a_target(storage, fake_nccl, phases, make_cgroup,
-                                                           monkeypatch):
+                                                           monkeypatch, tmp_path):
     from ingero_agent.elfsyms import nccl_symbols
+    from ingero_agent import probecache
     from ingero_agent.probes import ProbeConfig, Probes, task_storage_available
 
     if storage == "task" and not task_storage_available():
@@ -75,10 +77,14 @@ def test_a_thread_is_recorded_exactly_while_it_is_a_target(storage, fake_nccl, p
         monkeypatch.setenv("INGERO_UPROBE_MULTI", "0")
     cg = make_cgroup()
     cg_id = os.stat(cg).st_ino
-    p = Probes(ProbeConfig(families=("nccl",), ringbuf_pages=64, self_tgid=os.getpid(),
-                           frame_storage=storage))
+    monkeypatch.setenv(probecache.ENV, str(tmp_path / "bpf-cache"))
+    cfg = ProbeConfig(families=("nccl",), ringbuf_pages=64, self_tgid=os.getpid(), frame_storage=storage)
+    first = Probes(cfg)
+    first.close()
+    p = Probes(cfg)
     proc = None
     try:
+        assert (first.compiled, p.compiled) == ("compiled", "cached")
         assert f"-DINGERO_TASK_STORAGE={int(storage == 'task')}" in p.cflags
         st = os.stat(fake_nccl["lib"])
         attached = p.attach_library(fake_nccl["lib"], (st.st_dev, st.st_ino), nccl_symbols(fake_nccl["lib"]))
