@@ -27,8 +27,8 @@ import pyarrow.parquet as pq
 
 from ingero import schema
 from ingero.comms import grow_links, resolve_split_ranks, with_grow_ids, with_split_ranks
-from ingero.analysis import Report, analyse
-from ingero.analysis.hang import find_hang
+from ingero.analysis import Report, analyse_part
+from ingero.analysis.hang import SAME_ENTRY_NS, find_hang
 from ingero.analysis.windows import WINDOW_CALLS, analyse_windows, events_where
 from ingero_operator.agents import AgentBroke, AgentClient, AgentUnreachable
 from ingero_operator.settings import GatherSettings
@@ -303,31 +303,32 @@ def world_size(con) -> int | None:
 # enough of them (at the lab's ~55 ms steps the seconds dominate); and the live status
 # names no straggler before the session holds this many.
 RECENT_MIN_STEPS = 40
+# The live database keeps this many windows of events before the newest call judged (older
+# rows are deleted): the next refresh's window and the hang search's reads fit in them, and
+# a refresh costs the same an hour into a session as a minute in.
+KEEP_WINDOWS = 2
 
 
 def ingest_and_analyse(local: LocalSession, offsets: dict[str, int],
                        slow_collective_ms: float | None = None,
-                       recent_s: float | None = None,
-                       full_max_calls: int | None = None) -> tuple[Report, int | None]:
+                       recent_s: float | None = None) -> tuple[Report, int | None]:
     """Add event segments not yet in the live database, refresh state tables, analyse.
 
-    With `recent_s`, the most recent part of the session (`recent_s` seconds, and at
-    least RECENT_MIN_STEPS steps) is also judged on its own, and a straggler found
-    there is the one reported: a fault that starts mid-session shows up once it
-    fills about half of that window, instead of half of the whole session (where
-    the medians over every earlier, healthy step hide it).
-
-    With `full_max_calls` too, a session holding more NCCL calls than that is judged
-    on the recent window only (its per-rank table then covers the window, and a
-    warning says so): analysing everything again on every refresh grows with the
-    session (2.8 s per refresh at 2 M calls, 13 s at 10 M on 2 cores; the window alone
-    1.3 s: bench/live_refresh.py) and would outlast the refresh period. The whole
-    session is judged when it ends."""
+    With `recent_s`, the live status judges the most recent part of the session only
+    (`recent_s` seconds, and at least RECENT_MIN_STEPS steps of the step the refresh
+    before measured; the whole session while it is not longer), once per refresh, and a
+    warning says so when the session is longer: a fault that starts mid-session shows up
+    once it fills about half of that window, instead of half of the whole session (where
+    the medians over every earlier, healthy step hide it), and a refresh costs the same
+    at any session length. The live database then keeps only KEEP_WINDOWS windows of
+    events. The whole session is judged when it ends (``build_artifact``). Without
+    `recent_s`, every refresh judges the whole session again (its cost grows with it)."""
     local.work.mkdir(parents=True, exist_ok=True)
     con = duckdb.connect(str(local.live_db))
     try:
         schema.create_all(con)
         con.execute("CREATE TABLE IF NOT EXISTS _ingested (node VARCHAR, tbl VARCHAR, name VARCHAR)")
+        con.execute("CREATE TABLE IF NOT EXISTS _live_step (step_ms DOUBLE)")
         if not con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = '_extent'").fetchone()[0]:
             con.execute("CREATE TABLE _extent (node VARCHAR, calls BIGINT, first_ns BIGINT, last_ns BIGINT)")
             _add_extent(con, "nccl_events")      # a live database from before the extent was kept
@@ -341,14 +342,10 @@ def ingest_and_analyse(local: LocalSession, offsets: dict[str, int],
         if until is not None:
             last = until
         span_ns = (last - first) if first is not None else 0
-        if recent_s and full_max_calls is not None and calls > full_max_calls:
-            rep, window_s = _recent(con, slow_collective_ms, recent_s, span_ns, until=until)
-            if rep is not None:
-                rep.warnings.insert(0, f"live figures cover the last {window_s:.3g} s of {calls:,} NCCL "
-                                       "calls so far; the whole session is judged when it ends")
-                _warn_behind(rep, behind)
-                return _live_hang(con, rep), world_size(con)
-        rep = _analyse_until(con, slow_collective_ms, until)
+        if recent_s:
+            rep, window_s = _judge_recent(con, slow_collective_ms, recent_s, span_ns, until, last)
+        else:
+            rep, window_s = _analyse_until(con, slow_collective_ms, until), None
         steps = span_ns / (rep.step_ms * 1e6) if rep.step_ms else 0.0
         if rep.verdict in ("straggler", "none") and steps < RECENT_MIN_STEPS:
             # the first steps of a job (connections, the probes attaching) are not evidence:
@@ -356,14 +353,12 @@ def ingest_and_analyse(local: LocalSession, offsets: dict[str, int],
             rep.straggler = None
             rep.cannot_judge = (f"{steps:.0f} steps traced so far; the live verdict waits for "
                                 f"{RECENT_MIN_STEPS}")
-        if recent_s and not rep.cannot_judge:
-            recent, window_s = _recent(con, slow_collective_ms, recent_s, span_ns, rep.step_ms, until=until)
-            if recent is not None and recent.cannot_judge:   # e.g. a rank silent of late
-                rep.straggler, rep.cannot_judge = None, f"in the last {window_s:.3g} s: {recent.cannot_judge}"
-            elif recent is not None and recent.straggler is not None:
-                rep.straggler = recent.straggler
+        if window_s is not None:
+            rep.warnings.insert(0, f"live figures cover the last {window_s:.3g} s of {calls:,} NCCL "
+                                   "calls so far; the whole session is judged when it ends")
         _warn_behind(rep, behind)
-        return _live_hang(con, rep), world_size(con)
+        rep.hang = find_hang(con, LIVE_HANG_MIN_S)
+        return rep, world_size(con)
     finally:
         con.close()
 
@@ -373,13 +368,6 @@ def ingest_and_analyse(local: LocalSession, offsets: dict[str, int],
 LIVE_HANG_MIN_S = 5.0
 # A node this far behind the newest call is named in the live status's warnings.
 BEHIND_WARN_S = 5.0
-
-
-def _live_hang(con, rep: Report) -> Report:
-    """`rep` with a hang whose waits are LIVE_HANG_MIN_S long, when it names none yet."""
-    if rep.hang is None:
-        rep.hang = find_hang(con, LIVE_HANG_MIN_S)
-    return rep
 
 
 def _horizon(con) -> tuple[int | None, list[tuple[str, float]]]:
@@ -410,33 +398,60 @@ def _warn_behind(rep: Report, behind: list[tuple[str, float]]) -> None:
 
 
 def _analyse_until(con, slow_collective_ms: float | None, until: int | None) -> Report:
-    """`analyse` of the events up to `until` (None: all)."""
+    """The analysis of the events up to `until` (None: all), without the hang search (the
+    live status runs its own, ``find_hang`` with LIVE_HANG_MIN_S)."""
     if until is None:
-        return analyse(con, slow_collective_ms)
+        return analyse_part(con, slow_collective_ms, hang=False).report
     with events_where(con, f"timestamp_ns <= {int(until)}"):
-        return analyse(con, slow_collective_ms)
+        return analyse_part(con, slow_collective_ms, hang=False).report
 
 
-def _recent(con, slow_collective_ms: float | None, recent_s: float, span_ns: int,
-            step_ms: float | None = None, until: int | None = None) -> tuple[Report | None, float]:
-    """The report of the recent window and its length: `recent_s`, stretched to
-    RECENT_MIN_STEPS steps of `step_ms` (unknown: of the step the first `recent_s` show).
-    None when the session is not longer than the window. A straggler's evidence says
-    which window it comes from. `until`: the window ends there (`_horizon`), not at the
-    newest call."""
-    rep = None
-    if step_ms is None:
-        rep = _analyse_recent(con, slow_collective_ms, recent_s, span_ns, until)
-        if rep is None:
-            return None, recent_s
-        step_ms = rep.step_ms
-    window_s = max(recent_s, RECENT_MIN_STEPS * step_ms / 1e3)
-    if rep is None or window_s > recent_s * 1.01:
+def _window_s(recent_s: float, step_ms: float | None) -> float:
+    return max(recent_s, RECENT_MIN_STEPS * step_ms / 1e3) if step_ms else recent_s
+
+
+def _judge_recent(con, slow_collective_ms: float | None, recent_s: float, span_ns: int,
+                  until: int | None, newest: int | None) -> tuple[Report, float | None]:
+    """The report of the recent window and its length (None: the session is not longer, and
+    is judged whole): `recent_s`, stretched to RECENT_MIN_STEPS steps of the step the refresh
+    before measured (kept in ``_live_step``), or, when this window's own steps say it is too
+    short (the first refresh of a job with long steps), of those. A straggler's evidence and
+    a verdict's impossibility say which window they come from. `until`: the window ends
+    there (`_horizon`), not at the newest call. Then the events older than KEEP_WINDOWS
+    windows before `newest` are deleted (``_prune``)."""
+    known = con.execute("SELECT max(step_ms) FROM _live_step").fetchone()[0]
+    window_s = _window_s(recent_s, known)
+    rep = _analyse_recent(con, slow_collective_ms, window_s, span_ns, until)
+    if rep is not None and _window_s(recent_s, rep.step_ms) > window_s * 1.01:
+        window_s = _window_s(recent_s, rep.step_ms)
         rep = _analyse_recent(con, slow_collective_ms, window_s, span_ns, until)
-    if rep is not None and rep.straggler is not None:
-        s = rep.straggler
-        rep.straggler = dataclasses.replace(s, evidence=f"in the last {window_s:.3g} s: {s.evidence}")
+    if rep is None:
+        rep, window_s = _analyse_until(con, slow_collective_ms, until), None
+    if rep.step_ms:
+        con.execute("DELETE FROM _live_step")
+        con.execute("INSERT INTO _live_step VALUES (?)", [rep.step_ms])
+    if window_s is None:
+        return rep, None
+    if rep.straggler is not None:
+        rep.straggler = dataclasses.replace(rep.straggler,
+                                            evidence=f"in the last {window_s:.3g} s: {rep.straggler.evidence}")
+    if rep.cannot_judge:   # e.g. a rank silent of late
+        rep.cannot_judge = f"in the last {window_s:.3g} s: {rep.cannot_judge}"
+    if known is not None and newest is not None:
+        _prune(con, newest, KEEP_WINDOWS * window_s)
     return rep, window_s
+
+
+def _prune(con, newest_ns: int, keep_s: float) -> None:
+    """Delete the event rows older than `keep_s` before `newest_ns`, but none that a thread
+    seen inside a call may still pair with (``find_hang`` matches an open call with its
+    returned row by entry time)."""
+    cut = int(newest_ns - keep_s * 1e9)
+    open_since = con.execute("SELECT min(since_ns) FROM nccl_inflight WHERE op IS NOT NULL").fetchone()[0]
+    if open_since is not None:
+        cut = min(cut, int(open_since) - SAME_ENTRY_NS)
+    for table in schema.EVENT_TABLES:
+        con.execute(f"DELETE FROM {table} WHERE timestamp_ns < ?", [cut])
 
 
 def _keep_sched_totals(con, newest_call_ns: int | None) -> None:
@@ -474,7 +489,7 @@ def _analyse_recent(con, slow_collective_ms: float | None, recent_s: float, span
                   ON b.node IS NOT DISTINCT FROM c.node AND b.session_id IS NOT DISTINCT FROM c.session_id
                  AND b.pid = c.pid AND b.reason = c.reason""")
             shadowed.append("sched_totals")
-        return analyse(con, slow_collective_ms)
+        return analyse_part(con, slow_collective_ms, hang=False).report
 
 
 @dataclasses.dataclass
