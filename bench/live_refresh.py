@@ -133,9 +133,11 @@ def _snapshot_threads(local, lay: dict, ranks: int, nodes: int, at_ns: int) -> N
 
 
 def grow(data: Path, ranks: int, nodes: int, minutes: int, per_minute: int = 30, step_ms: float = 40.0,
-         report_at=(1, 2, 5, 10, 20, 30, 45, 60)) -> list:
+         report_at=(1, 2, 5, 10, 20, 30, 45, 60), every: int = 1) -> list:
     """Refresh a session that grows by one minute of segments per refresh (see the module's
-    docstring); returns a row per reported minute."""
+    docstring); returns a row per reported minute. `every` > 1: between reported minutes,
+    refresh only every this many minutes (each such refresh ingests them all), and on the
+    minute before a reported one, whose refresh then ingests one minute."""
     from bench.synthetic import SCALE_T0
     from ingero_operator.gather import LocalSession
     from ingero_operator.settings import TimingSettings
@@ -160,10 +162,13 @@ def grow(data: Path, ranks: int, nodes: int, minutes: int, per_minute: int = 30,
             os.link(f, dst)
             local.announce(rel.parts[0], rel.parts[1], f.name)
         _snapshot_threads(local, lay, ranks, nodes, SCALE_T0 + minute * 60_000_000_000)
+        reported = minute in report_at or minute == minutes
+        if not reported and minute % every and minute + 1 not in report_at:
+            continue
         t, c = time.perf_counter(), _cpu_s()
         rep, _ = ingest_and_analyse_default(local, lay["offsets"], timing)
         dt, dc = time.perf_counter() - t, _cpu_s() - c
-        if minute in report_at or minute == minutes:
+        if reported:
             rss = _rss_mib()
             t, c = time.perf_counter(), _cpu_s()
             ingest_and_analyse_default(local, lay["offsets"], timing)      # nothing new
@@ -202,6 +207,10 @@ def main(argv=None) -> dict:
                     help="refresh a session growing one minute at a time, up to MINUTES")
     ap.add_argument("--segments-per-minute", type=int, default=30,
                     help="with --grow: segments per node and table per minute (agents roll every 2 s: 30)")
+    ap.add_argument("--report-at", default="1,2,5,10,20,30,45,60",
+                    help="with --grow: the minutes reported, comma-separated")
+    ap.add_argument("--every", type=int, default=1,
+                    help="with --grow: between reported minutes, refresh only every this many minutes")
     ap.add_argument("--step-ms", type=float, default=40.0,
                     help="with --grow: step length (4 collectives a step: 40 ms is 100 calls/s per rank)")
     a = ap.parse_args(argv)
@@ -209,7 +218,8 @@ def main(argv=None) -> dict:
     if a.grow:
         print(f"live_refresh --grow: {a.ranks} ranks on {a.nodes} nodes, {a.grow} minutes, steps of "
               f"{a.step_ms:g} ms ({4000 / a.step_ms:g} calls/s per rank), one minute of segments per refresh")
-        return {"grow": grow(a.data, a.ranks, a.nodes, a.grow, a.segments_per_minute, a.step_ms)}
+        report_at = tuple(int(x) for x in a.report_at.split(",") if x)
+        return {"grow": grow(a.data, a.ranks, a.nodes, a.grow, a.segments_per_minute, a.step_ms, report_at, a.every)}
     if a.quick:
         a.ranks, a.nodes, a.collectives = 64, 8, "2000"
     try:
