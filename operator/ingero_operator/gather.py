@@ -191,9 +191,9 @@ def _sql_list(paths) -> str:
     return "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths) + "]"
 
 
-def _insert(con, table: str, sources: list[tuple[list[Path], int]], extent: bool = False) -> None:
-    """Insert the rows of (files, clock offset) sources, every node in one statement; with
-    `extent`, NCCL calls are also added to the per-node extent (`_add_extent`)."""
+def _rows(table: str, sources: list[tuple[list[Path], int]]) -> str | None:
+    """SQL for the rows of (files, clock offset) sources, every node in one statement (None:
+    no file)."""
     shift = SHIFTED.get(table, ())
     if not shift:     # no clock column: one scan of every node's files
         sources = [([f for files, _ in sources for f in files], 0)]
@@ -204,16 +204,14 @@ def _insert(con, table: str, sources: list[tuple[list[Path], int]], extent: bool
         repl = ", ".join(f'"{c}" - ({int(offset_ns)})::BIGINT AS "{c}"' for c in shift)
         star = f"* REPLACE ({repl})" if repl else "*"
         parts.append(f"SELECT {star} FROM read_parquet({_sql_list(files)}, union_by_name = true)")
-    if not parts:
-        return
-    rows = f"SELECT * FROM ({' UNION ALL BY NAME '.join(parts)})"
-    if not (extent and table == "nccl_events"):
-        con.execute(f"INSERT INTO {table} BY NAME {rows}")
-        return
-    con.execute(f"CREATE OR REPLACE TEMP TABLE _new AS {rows}")
-    con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM _new")
-    _add_extent(con, "_new")
-    con.execute("DROP TABLE _new")
+    return f"SELECT * FROM ({' UNION ALL BY NAME '.join(parts)})" if parts else None
+
+
+def _insert(con, table: str, sources: list[tuple[list[Path], int]], since: int | None = None) -> None:
+    """Insert the rows of (files, clock offset) sources (`since`: those from then on, ns)."""
+    rows = _rows(table, sources)
+    if rows is not None:
+        con.execute(f"INSERT INTO {table} BY NAME {rows}" + ("" if since is None else f" WHERE timestamp_ns >= {int(since)}"))
 
 
 def _new_segments(local: LocalSession) -> list[tuple[str, str, str]]:
@@ -231,27 +229,53 @@ def _new_segments(local: LocalSession) -> list[tuple[str, str, str]]:
     return [r for r in rows if len(r) == 3 and r[1] in schema.EVENT_TABLES]
 
 
-def _ingest_new(con, local: LocalSession, offsets: dict[str, int]) -> None:
-    """Insert the event segments not yet in the live database, each once. The announcements
-    are dropped once they are in (a failed refresh leaves them for the next)."""
+def _ingest_new(con, local: LocalSession, offsets: dict[str, int], recent_s: float | None) -> None:
+    """Insert the event segments not yet in the live database, each once: their NCCL calls
+    into the per-node extent, and their rows from the time ``_keep_since`` gives on (older
+    ones, in the database already, are deleted). The announcements are dropped once they are
+    in (a failed refresh leaves them for the next)."""
     cand = _new_segments(local)
+    todo: dict[str, dict[str, list[Path]]] = {}
     if cand:
         con.execute("CREATE OR REPLACE TEMP TABLE _cand (node VARCHAR, tbl VARCHAR, name VARCHAR)")
         con.executemany("INSERT INTO _cand VALUES (?, ?, ?)", [list(r) for r in cand])
         new = con.execute("SELECT DISTINCT node, tbl, name FROM _cand ANTI JOIN _ingested USING (node, tbl, name) "
                           "ORDER BY node, tbl, name").fetchall()
         con.execute("DROP TABLE _cand")
+        for node, tbl, name in new:
+            f = local.node_dir(node) / tbl / name
+            if f.exists():
+                todo.setdefault(tbl, {}).setdefault(node, []).append(f)
+    calls = _rows("nccl_events", [(files, offsets.get(node, 0)) for node, files in todo.get("nccl_events", {}).items()])
+    if calls is not None:
+        _add_extent(con, f"({calls})")
+    since = _keep_since(con, recent_s)
+    if since is not None:
         for table in schema.EVENT_TABLES:
-            todo: dict[str, list[Path]] = {}
-            for node, tbl, name in new:
-                f = local.node_dir(node) / tbl / name
-                if tbl == table and f.exists():
-                    todo.setdefault(node, []).append(f)
-            if todo:
-                _insert(con, table, [(files, offsets.get(node, 0)) for node, files in todo.items()], extent=True)
-                con.executemany("INSERT INTO _ingested VALUES (?, ?, ?)",
-                                [[node, table, f.name] for node, files in todo.items() for f in files])
+            con.execute(f"DELETE FROM {table} WHERE timestamp_ns < ?", [since])
+    for table, by_node in todo.items():
+        _insert(con, table, [(files, offsets.get(node, 0)) for node, files in by_node.items()], since)
+        con.executemany("INSERT INTO _ingested VALUES (?, ?, ?)",
+                        [[node, table, f.name] for node, files in by_node.items() for f in files])
     local.announced.unlink(missing_ok=True)
+
+
+def _keep_since(con, recent_s: float | None) -> int | None:
+    """The oldest event time the live database keeps: KEEP_WINDOWS live windows (of the step
+    the refresh before measured) before the newest call judged, or the entry of a call a
+    thread was last seen inside, if earlier (``find_hang`` pairs it with its returned row by
+    that time). None: every event is kept (the whole session is judged, or no step is known
+    yet)."""
+    known = con.execute("SELECT max(step_ms) FROM _live_step").fetchone()[0]
+    if not recent_s or known is None:
+        return None
+    until, _ = _horizon(con)
+    end = until if until is not None else con.execute("SELECT max(last_ns) FROM _extent").fetchone()[0]
+    if end is None:
+        return None
+    since = int(end - KEEP_WINDOWS * _window_s(recent_s, known) * 1e9)
+    entered = con.execute("SELECT min(since_ns) FROM nccl_inflight WHERE op IS NOT NULL").fetchone()[0]
+    return since if entered is None else min(since, int(entered) - SAME_ENTRY_NS)
 
 
 def _add_extent(con, rows: str) -> None:
@@ -332,8 +356,8 @@ def ingest_and_analyse(local: LocalSession, offsets: dict[str, int],
         if not con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = '_extent'").fetchone()[0]:
             con.execute("CREATE TABLE _extent (node VARCHAR, calls BIGINT, first_ns BIGINT, last_ns BIGINT)")
             _add_extent(con, "nccl_events")      # a live database from before the extent was kept
-        _ingest_new(con, local, offsets)
         _load_state(con, local, offsets)
+        _ingest_new(con, local, offsets, recent_s)
         resolve_split_ranks(con)
         calls, first, last = con.execute(
             "SELECT coalesce(sum(calls), 0), min(first_ns), max(last_ns) FROM _extent").fetchone()
@@ -343,7 +367,7 @@ def ingest_and_analyse(local: LocalSession, offsets: dict[str, int],
             last = until
         span_ns = (last - first) if first is not None else 0
         if recent_s:
-            rep, window_s = _judge_recent(con, slow_collective_ms, recent_s, span_ns, until, last)
+            rep, window_s = _judge_recent(con, slow_collective_ms, recent_s, span_ns, until)
         else:
             rep, window_s = _analyse_until(con, slow_collective_ms, until), None
         steps = span_ns / (rep.step_ms * 1e6) if rep.step_ms else 0.0
@@ -411,14 +435,13 @@ def _window_s(recent_s: float, step_ms: float | None) -> float:
 
 
 def _judge_recent(con, slow_collective_ms: float | None, recent_s: float, span_ns: int,
-                  until: int | None, newest: int | None) -> tuple[Report, float | None]:
+                  until: int | None) -> tuple[Report, float | None]:
     """The report of the recent window and its length (None: the session is not longer, and
     is judged whole): `recent_s`, stretched to RECENT_MIN_STEPS steps of the step the refresh
     before measured (kept in ``_live_step``), or, when this window's own steps say it is too
     short (the first refresh of a job with long steps), of those. A straggler's evidence and
     a verdict's impossibility say which window they come from. `until`: the window ends
-    there (`_horizon`), not at the newest call. Then the events older than KEEP_WINDOWS
-    windows before `newest` are deleted (``_prune``)."""
+    there (`_horizon`), not at the newest call."""
     known = con.execute("SELECT max(step_ms) FROM _live_step").fetchone()[0]
     window_s = _window_s(recent_s, known)
     rep = _analyse_recent(con, slow_collective_ms, window_s, span_ns, until)
@@ -437,21 +460,7 @@ def _judge_recent(con, slow_collective_ms: float | None, recent_s: float, span_n
                                             evidence=f"in the last {window_s:.3g} s: {rep.straggler.evidence}")
     if rep.cannot_judge:   # e.g. a rank silent of late
         rep.cannot_judge = f"in the last {window_s:.3g} s: {rep.cannot_judge}"
-    if known is not None and newest is not None:
-        _prune(con, newest, KEEP_WINDOWS * window_s)
     return rep, window_s
-
-
-def _prune(con, newest_ns: int, keep_s: float) -> None:
-    """Delete the event rows older than `keep_s` before `newest_ns`, but none that a thread
-    seen inside a call may still pair with (``find_hang`` matches an open call with its
-    returned row by entry time)."""
-    cut = int(newest_ns - keep_s * 1e9)
-    open_since = con.execute("SELECT min(since_ns) FROM nccl_inflight WHERE op IS NOT NULL").fetchone()[0]
-    if open_since is not None:
-        cut = min(cut, int(open_since) - SAME_ENTRY_NS)
-    for table in schema.EVENT_TABLES:
-        con.execute(f"DELETE FROM {table} WHERE timestamp_ns < ?", [cut])
 
 
 def _keep_sched_totals(con, newest_call_ns: int | None) -> None:
