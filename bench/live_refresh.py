@@ -2,25 +2,27 @@
 
     python -m bench.live_refresh [--collectives 2000,5000] [--ranks 1024] [--nodes 128]
                                  [--data DIR] [--repeat 2]
-    python -m bench.live_refresh --grow 60 [--ranks 64] [--nodes 8]
+    python -m bench.live_refresh --grow 60 [--ranks 64] [--nodes 8] [--step-ms 40]
+                                 [--segments-per-minute 30]
 
 While a TraceSession runs, the operator refreshes its status every 2 s
 (operator/ingero_operator/gather.py:ingest_and_analyse): new segments into a
 live DuckDB, then the analysis. This writes a synthetic session of `--ranks`
 ranks (bench.synthetic.scale_session, slow-rank planted) per size, ingests it
-once, then times refreshes with nothing new to ingest, the two ways side by
-side in one process: analysing the whole session plus the recent window
-(what the operator does up to TimingSettings.live_full_max_calls NCCL calls)
-and the recent window alone (what it does above). Reports seconds per
-refresh, the ratio, the peak RSS and whether the planted rank was named.
+once, then times refreshes with nothing new to ingest, first judging the whole
+session (`--live-window 0`), then the recent window (the operator's default).
+Reports seconds per refresh, the ratio, the peak RSS and whether the planted
+rank was named.
 
 `--grow MINUTES` measures a session as it grows instead: it writes MINUTES of a
-job (40 ms steps of 4 collectives, a segment per node and table every 2 s, as
-agents roll them), then hands the operator's refresh one more minute of
-segments at a time (announced as the gather announces its downloads), with the
+job (steps of `--step-ms` of 4 collectives, `--segments-per-minute` segments per
+node and table a minute; agents roll one every 2 s), then hands the operator's
+refresh one more minute of segments at a time (announced as the gather announces
+its downloads) with each node's threads as its agent last saw them, with the
 operator's default settings, and reports each refresh's time (the new minute's
 ingest included) and of one more with nothing new, the process's resident
-memory after them and the live database's size, at a few points of the session.
+memory after each (and its peak so far) and the live database's size, at a few
+points of the session.
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _refresh(local, offsets, window_s, full_max) -> tuple[float, object]:
+def _refresh(local, offsets, window_s) -> tuple[float, object]:
     from ingero_operator.gather import ingest_and_analyse
 
     t = time.perf_counter()
-    rep, _ = ingest_and_analyse(local, offsets, None, window_s, full_max)
+    rep, _ = ingest_and_analyse(local, offsets, None, window_s)
     return time.perf_counter() - t, rep
 
 
@@ -57,12 +59,13 @@ def one_size(data: Path, ranks: int, collectives: int, nodes: int, repeat: int, 
         print(f"  wrote {ranks * collectives:,} calls in {time.perf_counter() - t:.1f} s", flush=True)
     local = LocalSession(root)
     local.live_db.unlink(missing_ok=True)
-    first, _ = _refresh(local, lay["offsets"], window_s, None)       # ingest everything once
+    first, _ = _refresh(local, lay["offsets"], None)                 # ingest everything once
     whole, window = [], []
-    for _ in range(repeat):                                          # alternate the two ways
-        dt, rep_w = _refresh(local, lay["offsets"], window_s, None)
+    for _ in range(repeat):
+        dt, rep_w = _refresh(local, lay["offsets"], None)
         whole.append(dt)
-        dt, rep_r = _refresh(local, lay["offsets"], window_s, 0)
+    for _ in range(repeat):          # after the whole session's: a windowed refresh drops old rows
+        dt, rep_r = _refresh(local, lay["offsets"], window_s)
         window.append(dt)
     out = {"calls": ranks * collectives, "first_refresh_s": first,
            "whole_s": statistics.median(whole), "window_s": statistics.median(window),
@@ -73,6 +76,12 @@ def one_size(data: Path, ranks: int, collectives: int, nodes: int, repeat: int, 
     return out
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process so far, DuckDB's threads included."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _rss_mib() -> float:
     with open("/proc/self/status") as f:
         for line in f:
@@ -81,28 +90,65 @@ def _rss_mib() -> float:
     return 0.0
 
 
-def grow(data: Path, ranks: int, nodes: int, minutes: int, per_minute: int = 30,
-         report_at=(1, 2, 5, 10, 20, 30, 45, 60)) -> list:
-    """Refresh a session that grows by one minute of segments per refresh (see the module's
-    docstring); returns a row per reported minute."""
-    from bench.synthetic import scale_layout, scale_session
-    from ingero_operator.gather import LocalSession
-    from ingero_operator.settings import TimingSettings
+def _grow_source(data: Path, ranks: int, nodes: int, minutes: int, per_minute: int, step_ms: float):
+    """The whole session's segments (written once, then reused) and its layout."""
+    from bench.synthetic import SCALE_STEP, scale_layout, scale_session
 
-    collectives = minutes * 60 * 1000 // 40 * 4            # 40 ms steps of 4 collectives
-    src = data / f"grow-r{ranks}-n{nodes}-m{minutes}-s{per_minute}"
+    collectives = int(minutes * 60 * 1000 / step_ms) * len(SCALE_STEP)
+    src = data / f"grow-r{ranks}-n{nodes}-m{minutes}-s{per_minute}-t{step_ms:g}"
     lay = scale_layout(ranks, collectives, nodes, "slow-rank")
     if not src.is_dir():
         t = time.perf_counter()
-        scale_session(src, ranks=ranks, collectives=collectives, nodes=nodes, fault="slow-rank",
-                      segments_per_node=minutes * per_minute)
+        tmp = src.with_name(src.name + ".tmp")
+        if tmp.exists():
+            import shutil
+            shutil.rmtree(tmp)
+        scale_session(tmp, ranks=ranks, collectives=collectives, nodes=nodes, fault="slow-rank",
+                      segments_per_node=minutes * per_minute, step_ms=step_ms)
+        tmp.rename(src)
         print(f"  wrote {ranks * collectives:,} calls in {time.perf_counter() - t:.1f} s", flush=True)
+    return src, lay, collectives
+
+
+def _snapshot_threads(local, lay: dict, ranks: int, nodes: int, at_ns: int) -> None:
+    """Each node's nccl_inflight as its agent rewrites it every roll: every rank's thread, seen
+    at `at_ns` (the session's clock) sleeping outside NCCL."""
+    import pyarrow.parquet as pq
+
+    from bench.synthetic import _scale_node
+    from ingero.store import to_arrow
+
+    rpn = ranks // nodes
+    for ni in range(nodes):
+        node = _scale_node(ni)
+        granks = list(range(ni * rpn, (ni + 1) * rpn))
+        pids = [1000 + i for i in range(rpn)]
+        tbl = to_arrow("nccl_inflight", {"node": [node] * rpn, "session_id": ["scale"] * rpn, "pid": pids,
+                                         "tid": pids, "rank": granks, "seen_ns": [at_ns + lay["offsets"][node]] * rpn,
+                                         "state": ["S"] * rpn}, rpn)
+        d = local.node_dir(node) / "nccl_inflight"
+        d.mkdir(parents=True, exist_ok=True)
+        pq.write_table(tbl, d / ".snapshot.tmp")
+        os.replace(d / ".snapshot.tmp", d / f"{node}__scale.parquet")
+
+
+def grow(data: Path, ranks: int, nodes: int, minutes: int, per_minute: int = 30, step_ms: float = 40.0,
+         report_at=(1, 2, 5, 10, 20, 30, 45, 60), every: int = 1) -> list:
+    """Refresh a session that grows by one minute of segments per refresh (see the module's
+    docstring); returns a row per reported minute. `every` > 1: between reported minutes,
+    refresh only every this many minutes (each such refresh ingests them all), and on the
+    minute before a reported one, whose refresh then ingests one minute."""
+    from bench.synthetic import SCALE_T0
+    from ingero_operator.gather import LocalSession
+    from ingero_operator.settings import TimingSettings
+
+    src, lay, collectives = _grow_source(data, ranks, nodes, minutes, per_minute, step_ms)
     by_minute: dict[int, list[Path]] = {}
     for f in src.rglob("*.parquet"):
         seg = f.stem.rsplit("__", 1)[-1]
         by_minute.setdefault(int(seg) // per_minute + 1 if seg.isdigit() else 1, []).append(f)
     timing = TimingSettings()
-    live = data / f"grow-live-r{ranks}-n{nodes}-m{minutes}-s{per_minute}"
+    live = data / f"grow-live-{src.name}"
     if live.exists():
         import shutil
         shutil.rmtree(live)
@@ -115,29 +161,37 @@ def grow(data: Path, ranks: int, nodes: int, minutes: int, per_minute: int = 30,
             dst.parent.mkdir(parents=True, exist_ok=True)
             os.link(f, dst)
             local.announce(rel.parts[0], rel.parts[1], f.name)
-        t = time.perf_counter()
+        _snapshot_threads(local, lay, ranks, nodes, SCALE_T0 + minute * 60_000_000_000)
+        reported = minute in report_at or minute == minutes
+        if not reported and minute % every and minute + 1 not in report_at:
+            continue
+        t, c = time.perf_counter(), _cpu_s()
         rep, _ = ingest_and_analyse_default(local, lay["offsets"], timing)
-        dt = time.perf_counter() - t
-        if minute in report_at or minute == minutes:
-            t = time.perf_counter()
+        dt, dc = time.perf_counter() - t, _cpu_s() - c
+        if reported:
+            rss = _rss_mib()
+            t, c = time.perf_counter(), _cpu_s()
             ingest_and_analyse_default(local, lay["offsets"], timing)      # nothing new
-            idle = time.perf_counter() - t
+            idle, idle_cpu = time.perf_counter() - t, _cpu_s() - c
             row = {"minute": minute, "calls": ranks * collectives * minute // minutes, "refresh_s": dt,
-                   "idle_refresh_s": idle,
-                   "rss_mib": _rss_mib(), "live_db_mib": local.live_db.stat().st_size / 2**20,
+                   "refresh_cpu_s": dc, "idle_refresh_s": idle, "idle_refresh_cpu_s": idle_cpu,
+                   "rss_mib": rss, "idle_rss_mib": _rss_mib(),
+                   "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                   "live_db_mib": local.live_db.stat().st_size / 2**20,
                    "files": sum(1 for _ in (local.work / "nodes").rglob("*.parquet")),
-                   "named": getattr(rep.straggler, "rank", None) == lay["victim"]}
+                   "verdict": rep.verdict, "named": getattr(rep.straggler, "rank", None) == lay["victim"]}
             rows.append(row)
             print(f"  minute {minute:>3}: {row['calls']:>11,} calls in {row['files']:,} files, refresh "
-                  f"{dt:.2f} s (with nothing new {idle:.2f} s), RSS {row['rss_mib']:,.0f} MiB, live db {row['live_db_mib']:,.0f} MiB, "
-                  f"planted rank named: {row['named']}", flush=True)
+                  f"{dt:.2f} s, {dc:.2f} CPU-s (with nothing new {idle:.2f} s, {idle_cpu:.2f} CPU-s), RSS {rss:,.0f} / {row['idle_rss_mib']:,.0f} MiB "
+                  f"(peak so far {row['peak_rss_mib']:,.0f}), live db {row['live_db_mib']:,.0f} MiB, "
+                  f"verdict {rep.verdict}, planted rank named: {row['named']}", flush=True)
     return rows
 
 
 def ingest_and_analyse_default(local, offsets, timing):
     from ingero_operator.gather import ingest_and_analyse
 
-    return ingest_and_analyse(local, offsets, None, timing.live_window_s, timing.live_full_max_calls)
+    return ingest_and_analyse(local, offsets, None, timing.live_window_s)
 
 
 def main(argv=None) -> dict:
@@ -153,12 +207,19 @@ def main(argv=None) -> dict:
                     help="refresh a session growing one minute at a time, up to MINUTES")
     ap.add_argument("--segments-per-minute", type=int, default=30,
                     help="with --grow: segments per node and table per minute (agents roll every 2 s: 30)")
+    ap.add_argument("--report-at", default="1,2,5,10,20,30,45,60",
+                    help="with --grow: the minutes reported, comma-separated")
+    ap.add_argument("--every", type=int, default=1,
+                    help="with --grow: between reported minutes, refresh only every this many minutes")
+    ap.add_argument("--step-ms", type=float, default=40.0,
+                    help="with --grow: step length (4 collectives a step: 40 ms is 100 calls/s per rank)")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(REPO / "operator"))
     if a.grow:
-        print(f"live_refresh --grow: {a.ranks} ranks on {a.nodes} nodes, {a.grow} minutes, "
-              "one minute of segments per refresh")
-        return {"grow": grow(a.data, a.ranks, a.nodes, a.grow, a.segments_per_minute)}
+        print(f"live_refresh --grow: {a.ranks} ranks on {a.nodes} nodes, {a.grow} minutes, steps of "
+              f"{a.step_ms:g} ms ({4000 / a.step_ms:g} calls/s per rank), one minute of segments per refresh")
+        report_at = tuple(int(x) for x in a.report_at.split(",") if x)
+        return {"grow": grow(a.data, a.ranks, a.nodes, a.grow, a.segments_per_minute, a.step_ms, report_at, a.every)}
     if a.quick:
         a.ranks, a.nodes, a.collectives = 64, 8, "2000"
     try:

@@ -45,8 +45,9 @@ def add_parser(sub):
                    help="segments all nodes may send a session; the node that would pass it counts as "
                         "failed (default 128 GiB)")
     r.add_argument("--live-window", type=float, default=None, metavar="S",
-                   help="while a session runs, also judge the last S seconds alone so a fault that "
-                        "starts mid-session is named quickly; 0 judges the whole session only (default 6)")
+                   help="while a session runs, judge the last S seconds (and at least 40 steps) alone, so "
+                        "a fault that starts mid-session is named quickly and a refresh costs the same at "
+                        "any session length; 0 judges the whole session every refresh (default 6)")
     r.add_argument("--refresh-interval", type=float, default=None, metavar="S",
                    help="live status refresh period while a session runs, seconds (default 2)")
     r.add_argument("--final-max-calls", type=int, default=None, metavar="N",

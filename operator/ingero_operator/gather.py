@@ -27,8 +27,8 @@ import pyarrow.parquet as pq
 
 from ingero import schema
 from ingero.comms import grow_links, resolve_split_ranks, with_grow_ids, with_split_ranks
-from ingero.analysis import Report, analyse
-from ingero.analysis.hang import find_hang
+from ingero.analysis import Report, analyse_part
+from ingero.analysis.hang import SAME_ENTRY_NS, find_hang
 from ingero.analysis.windows import WINDOW_CALLS, analyse_windows, events_where
 from ingero_operator.agents import AgentBroke, AgentClient, AgentUnreachable
 from ingero_operator.settings import GatherSettings
@@ -191,9 +191,9 @@ def _sql_list(paths) -> str:
     return "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths) + "]"
 
 
-def _insert(con, table: str, sources: list[tuple[list[Path], int]], extent: bool = False) -> None:
-    """Insert the rows of (files, clock offset) sources, every node in one statement; with
-    `extent`, NCCL calls are also added to the per-node extent (`_add_extent`)."""
+def _rows(table: str, sources: list[tuple[list[Path], int]]) -> str | None:
+    """SQL for the rows of (files, clock offset) sources, every node in one statement (None:
+    no file)."""
     shift = SHIFTED.get(table, ())
     if not shift:     # no clock column: one scan of every node's files
         sources = [([f for files, _ in sources for f in files], 0)]
@@ -204,16 +204,14 @@ def _insert(con, table: str, sources: list[tuple[list[Path], int]], extent: bool
         repl = ", ".join(f'"{c}" - ({int(offset_ns)})::BIGINT AS "{c}"' for c in shift)
         star = f"* REPLACE ({repl})" if repl else "*"
         parts.append(f"SELECT {star} FROM read_parquet({_sql_list(files)}, union_by_name = true)")
-    if not parts:
-        return
-    rows = f"SELECT * FROM ({' UNION ALL BY NAME '.join(parts)})"
-    if not (extent and table == "nccl_events"):
-        con.execute(f"INSERT INTO {table} BY NAME {rows}")
-        return
-    con.execute(f"CREATE OR REPLACE TEMP TABLE _new AS {rows}")
-    con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM _new")
-    _add_extent(con, "_new")
-    con.execute("DROP TABLE _new")
+    return f"SELECT * FROM ({' UNION ALL BY NAME '.join(parts)})" if parts else None
+
+
+def _insert(con, table: str, sources: list[tuple[list[Path], int]], since: int | None = None) -> None:
+    """Insert the rows of (files, clock offset) sources (`since`: those from then on, ns)."""
+    rows = _rows(table, sources)
+    if rows is not None:
+        con.execute(f"INSERT INTO {table} BY NAME {rows}" + ("" if since is None else f" WHERE timestamp_ns >= {int(since)}"))
 
 
 def _new_segments(local: LocalSession) -> list[tuple[str, str, str]]:
@@ -231,27 +229,53 @@ def _new_segments(local: LocalSession) -> list[tuple[str, str, str]]:
     return [r for r in rows if len(r) == 3 and r[1] in schema.EVENT_TABLES]
 
 
-def _ingest_new(con, local: LocalSession, offsets: dict[str, int]) -> None:
-    """Insert the event segments not yet in the live database, each once. The announcements
-    are dropped once they are in (a failed refresh leaves them for the next)."""
+def _ingest_new(con, local: LocalSession, offsets: dict[str, int], recent_s: float | None) -> None:
+    """Insert the event segments not yet in the live database, each once: their NCCL calls
+    into the per-node extent, and their rows from the time ``_keep_since`` gives on (older
+    ones, in the database already, are deleted). The announcements are dropped once they are
+    in (a failed refresh leaves them for the next)."""
     cand = _new_segments(local)
+    todo: dict[str, dict[str, list[Path]]] = {}
     if cand:
         con.execute("CREATE OR REPLACE TEMP TABLE _cand (node VARCHAR, tbl VARCHAR, name VARCHAR)")
         con.executemany("INSERT INTO _cand VALUES (?, ?, ?)", [list(r) for r in cand])
         new = con.execute("SELECT DISTINCT node, tbl, name FROM _cand ANTI JOIN _ingested USING (node, tbl, name) "
                           "ORDER BY node, tbl, name").fetchall()
         con.execute("DROP TABLE _cand")
+        for node, tbl, name in new:
+            f = local.node_dir(node) / tbl / name
+            if f.exists():
+                todo.setdefault(tbl, {}).setdefault(node, []).append(f)
+    calls = _rows("nccl_events", [(files, offsets.get(node, 0)) for node, files in todo.get("nccl_events", {}).items()])
+    if calls is not None:
+        _add_extent(con, f"({calls})")
+    since = _keep_since(con, recent_s)
+    if since is not None:
         for table in schema.EVENT_TABLES:
-            todo: dict[str, list[Path]] = {}
-            for node, tbl, name in new:
-                f = local.node_dir(node) / tbl / name
-                if tbl == table and f.exists():
-                    todo.setdefault(node, []).append(f)
-            if todo:
-                _insert(con, table, [(files, offsets.get(node, 0)) for node, files in todo.items()], extent=True)
-                con.executemany("INSERT INTO _ingested VALUES (?, ?, ?)",
-                                [[node, table, f.name] for node, files in todo.items() for f in files])
+            con.execute(f"DELETE FROM {table} WHERE timestamp_ns < ?", [since])
+    for table, by_node in todo.items():
+        _insert(con, table, [(files, offsets.get(node, 0)) for node, files in by_node.items()], since)
+        con.executemany("INSERT INTO _ingested VALUES (?, ?, ?)",
+                        [[node, table, f.name] for node, files in by_node.items() for f in files])
     local.announced.unlink(missing_ok=True)
+
+
+def _keep_since(con, recent_s: float | None) -> int | None:
+    """The oldest event time the live database keeps: KEEP_WINDOWS live windows (of the step
+    the refresh before measured) before the newest call judged, or the entry of a call a
+    thread was last seen inside, if earlier (``find_hang`` pairs it with its returned row by
+    that time). None: every event is kept (the whole session is judged, or no step is known
+    yet)."""
+    known = con.execute("SELECT max(step_ms) FROM _live_step").fetchone()[0]
+    if not recent_s or known is None:
+        return None
+    until, _ = _horizon(con)
+    end = until if until is not None else con.execute("SELECT max(last_ns) FROM _extent").fetchone()[0]
+    if end is None:
+        return None
+    since = int(end - KEEP_WINDOWS * _window_s(recent_s, known) * 1e9)
+    entered = con.execute("SELECT min(since_ns) FROM nccl_inflight WHERE op IS NOT NULL").fetchone()[0]
+    return since if entered is None else min(since, int(entered) - SAME_ENTRY_NS)
 
 
 def _add_extent(con, rows: str) -> None:
@@ -303,36 +327,37 @@ def world_size(con) -> int | None:
 # enough of them (at the lab's ~55 ms steps the seconds dominate); and the live status
 # names no straggler before the session holds this many.
 RECENT_MIN_STEPS = 40
+# The live database keeps this many windows of events before the newest call judged (older
+# rows are deleted): the next refresh's window and the hang search's reads fit in them, and
+# a refresh costs the same an hour into a session as a minute in.
+KEEP_WINDOWS = 2
 
 
 def ingest_and_analyse(local: LocalSession, offsets: dict[str, int],
                        slow_collective_ms: float | None = None,
-                       recent_s: float | None = None,
-                       full_max_calls: int | None = None) -> tuple[Report, int | None]:
+                       recent_s: float | None = None) -> tuple[Report, int | None]:
     """Add event segments not yet in the live database, refresh state tables, analyse.
 
-    With `recent_s`, the most recent part of the session (`recent_s` seconds, and at
-    least RECENT_MIN_STEPS steps) is also judged on its own, and a straggler found
-    there is the one reported: a fault that starts mid-session shows up once it
-    fills about half of that window, instead of half of the whole session (where
-    the medians over every earlier, healthy step hide it).
-
-    With `full_max_calls` too, a session holding more NCCL calls than that is judged
-    on the recent window only (its per-rank table then covers the window, and a
-    warning says so): analysing everything again on every refresh grows with the
-    session (2.8 s per refresh at 2 M calls, 13 s at 10 M on 2 cores; the window alone
-    1.3 s: bench/live_refresh.py) and would outlast the refresh period. The whole
-    session is judged when it ends."""
+    With `recent_s`, the live status judges the most recent part of the session only
+    (`recent_s` seconds, and at least RECENT_MIN_STEPS steps of the step the refresh
+    before measured; the whole session while it is not longer), once per refresh, and a
+    warning says so when the session is longer: a fault that starts mid-session shows up
+    once it fills about half of that window, instead of half of the whole session (where
+    the medians over every earlier, healthy step hide it), and a refresh costs the same
+    at any session length. The live database then keeps only KEEP_WINDOWS windows of
+    events. The whole session is judged when it ends (``build_artifact``). Without
+    `recent_s`, every refresh judges the whole session again (its cost grows with it)."""
     local.work.mkdir(parents=True, exist_ok=True)
     con = duckdb.connect(str(local.live_db))
     try:
         schema.create_all(con)
         con.execute("CREATE TABLE IF NOT EXISTS _ingested (node VARCHAR, tbl VARCHAR, name VARCHAR)")
+        con.execute("CREATE TABLE IF NOT EXISTS _live_step (step_ms DOUBLE)")
         if not con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = '_extent'").fetchone()[0]:
             con.execute("CREATE TABLE _extent (node VARCHAR, calls BIGINT, first_ns BIGINT, last_ns BIGINT)")
             _add_extent(con, "nccl_events")      # a live database from before the extent was kept
-        _ingest_new(con, local, offsets)
         _load_state(con, local, offsets)
+        _ingest_new(con, local, offsets, recent_s)
         resolve_split_ranks(con)
         calls, first, last = con.execute(
             "SELECT coalesce(sum(calls), 0), min(first_ns), max(last_ns) FROM _extent").fetchone()
@@ -341,14 +366,10 @@ def ingest_and_analyse(local: LocalSession, offsets: dict[str, int],
         if until is not None:
             last = until
         span_ns = (last - first) if first is not None else 0
-        if recent_s and full_max_calls is not None and calls > full_max_calls:
-            rep, window_s = _recent(con, slow_collective_ms, recent_s, span_ns, until=until)
-            if rep is not None:
-                rep.warnings.insert(0, f"live figures cover the last {window_s:.3g} s of {calls:,} NCCL "
-                                       "calls so far; the whole session is judged when it ends")
-                _warn_behind(rep, behind)
-                return _live_hang(con, rep), world_size(con)
-        rep = _analyse_until(con, slow_collective_ms, until)
+        if recent_s:
+            rep, window_s = _judge_recent(con, slow_collective_ms, recent_s, span_ns, until)
+        else:
+            rep, window_s = _analyse_until(con, slow_collective_ms, until), None
         steps = span_ns / (rep.step_ms * 1e6) if rep.step_ms else 0.0
         if rep.verdict in ("straggler", "none") and steps < RECENT_MIN_STEPS:
             # the first steps of a job (connections, the probes attaching) are not evidence:
@@ -356,14 +377,12 @@ def ingest_and_analyse(local: LocalSession, offsets: dict[str, int],
             rep.straggler = None
             rep.cannot_judge = (f"{steps:.0f} steps traced so far; the live verdict waits for "
                                 f"{RECENT_MIN_STEPS}")
-        if recent_s and not rep.cannot_judge:
-            recent, window_s = _recent(con, slow_collective_ms, recent_s, span_ns, rep.step_ms, until=until)
-            if recent is not None and recent.cannot_judge:   # e.g. a rank silent of late
-                rep.straggler, rep.cannot_judge = None, f"in the last {window_s:.3g} s: {recent.cannot_judge}"
-            elif recent is not None and recent.straggler is not None:
-                rep.straggler = recent.straggler
+        if window_s is not None:
+            rep.warnings.insert(0, f"live figures cover the last {window_s:.3g} s of {calls:,} NCCL "
+                                   "calls so far; the whole session is judged when it ends")
         _warn_behind(rep, behind)
-        return _live_hang(con, rep), world_size(con)
+        rep.hang = find_hang(con, LIVE_HANG_MIN_S)
+        return rep, world_size(con)
     finally:
         con.close()
 
@@ -373,13 +392,6 @@ def ingest_and_analyse(local: LocalSession, offsets: dict[str, int],
 LIVE_HANG_MIN_S = 5.0
 # A node this far behind the newest call is named in the live status's warnings.
 BEHIND_WARN_S = 5.0
-
-
-def _live_hang(con, rep: Report) -> Report:
-    """`rep` with a hang whose waits are LIVE_HANG_MIN_S long, when it names none yet."""
-    if rep.hang is None:
-        rep.hang = find_hang(con, LIVE_HANG_MIN_S)
-    return rep
 
 
 def _horizon(con) -> tuple[int | None, list[tuple[str, float]]]:
@@ -410,32 +422,44 @@ def _warn_behind(rep: Report, behind: list[tuple[str, float]]) -> None:
 
 
 def _analyse_until(con, slow_collective_ms: float | None, until: int | None) -> Report:
-    """`analyse` of the events up to `until` (None: all)."""
+    """The analysis of the events up to `until` (None: all), without the hang search (the
+    live status runs its own, ``find_hang`` with LIVE_HANG_MIN_S)."""
     if until is None:
-        return analyse(con, slow_collective_ms)
+        return analyse_part(con, slow_collective_ms, hang=False).report
     with events_where(con, f"timestamp_ns <= {int(until)}"):
-        return analyse(con, slow_collective_ms)
+        return analyse_part(con, slow_collective_ms, hang=False).report
 
 
-def _recent(con, slow_collective_ms: float | None, recent_s: float, span_ns: int,
-            step_ms: float | None = None, until: int | None = None) -> tuple[Report | None, float]:
-    """The report of the recent window and its length: `recent_s`, stretched to
-    RECENT_MIN_STEPS steps of `step_ms` (unknown: of the step the first `recent_s` show).
-    None when the session is not longer than the window. A straggler's evidence says
-    which window it comes from. `until`: the window ends there (`_horizon`), not at the
-    newest call."""
-    rep = None
-    if step_ms is None:
-        rep = _analyse_recent(con, slow_collective_ms, recent_s, span_ns, until)
-        if rep is None:
-            return None, recent_s
-        step_ms = rep.step_ms
-    window_s = max(recent_s, RECENT_MIN_STEPS * step_ms / 1e3)
-    if rep is None or window_s > recent_s * 1.01:
+def _window_s(recent_s: float, step_ms: float | None) -> float:
+    return max(recent_s, RECENT_MIN_STEPS * step_ms / 1e3) if step_ms else recent_s
+
+
+def _judge_recent(con, slow_collective_ms: float | None, recent_s: float, span_ns: int,
+                  until: int | None) -> tuple[Report, float | None]:
+    """The report of the recent window and its length (None: the session is not longer, and
+    is judged whole): `recent_s`, stretched to RECENT_MIN_STEPS steps of the step the refresh
+    before measured (kept in ``_live_step``), or, when this window's own steps say it is too
+    short (the first refresh of a job with long steps), of those. A straggler's evidence and
+    a verdict's impossibility say which window they come from. `until`: the window ends
+    there (`_horizon`), not at the newest call."""
+    known = con.execute("SELECT max(step_ms) FROM _live_step").fetchone()[0]
+    window_s = _window_s(recent_s, known)
+    rep = _analyse_recent(con, slow_collective_ms, window_s, span_ns, until)
+    if rep is not None and _window_s(recent_s, rep.step_ms) > window_s * 1.01:
+        window_s = _window_s(recent_s, rep.step_ms)
         rep = _analyse_recent(con, slow_collective_ms, window_s, span_ns, until)
-    if rep is not None and rep.straggler is not None:
-        s = rep.straggler
-        rep.straggler = dataclasses.replace(s, evidence=f"in the last {window_s:.3g} s: {s.evidence}")
+    if rep is None:
+        rep, window_s = _analyse_until(con, slow_collective_ms, until), None
+    if rep.step_ms:
+        con.execute("DELETE FROM _live_step")
+        con.execute("INSERT INTO _live_step VALUES (?)", [rep.step_ms])
+    if window_s is None:
+        return rep, None
+    if rep.straggler is not None:
+        rep.straggler = dataclasses.replace(rep.straggler,
+                                            evidence=f"in the last {window_s:.3g} s: {rep.straggler.evidence}")
+    if rep.cannot_judge:   # e.g. a rank silent of late
+        rep.cannot_judge = f"in the last {window_s:.3g} s: {rep.cannot_judge}"
     return rep, window_s
 
 
@@ -474,7 +498,7 @@ def _analyse_recent(con, slow_collective_ms: float | None, recent_s: float, span
                   ON b.node IS NOT DISTINCT FROM c.node AND b.session_id IS NOT DISTINCT FROM c.session_id
                  AND b.pid = c.pid AND b.reason = c.reason""")
             shadowed.append("sched_totals")
-        return analyse(con, slow_collective_ms)
+        return analyse_part(con, slow_collective_ms, hang=False).report
 
 
 @dataclasses.dataclass

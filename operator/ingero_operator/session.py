@@ -322,8 +322,7 @@ class Controller:
                 t_live = time.monotonic()
                 rep, world = await asyncio.to_thread(ingest_and_analyse, self.local(ref),
                                                      {n: c[0] for n, c in live.clocks.items()},
-                                                     _slow_ms(spec), self.s.timing.live_window_s,
-                                                     self.s.timing.live_full_max_calls)
+                                                     _slow_ms(spec), self.s.timing.live_window_s)
                 metrics.DURATION.labels("live_analysis").observe(time.monotonic() - t_live)
                 unheard(self.local(ref), rows, rep)
                 patch.update(report_status(rep, world, self.s.gather))
