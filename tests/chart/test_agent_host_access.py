@@ -29,6 +29,9 @@ NOT_FROM_HOST = {
     "/sys/kernel/btf/vmlinux": "only checked to exist (task-local frames need kernel BTF): the "
                                "container's own read-only sysfs shows the host kernel's BTF; "
                                "without it the probes keep per-thread frames in a hash",
+    "/var/cache/ingero/bpf": "the compiled probes' cache outside a pod; in the chart's container (a "
+                             "read-only root) the agent's tracers keep it in the data folder "
+                             "(--data-dir, a host folder: it outlives the pod)",
 }
 # Host paths the agent writes, and why.
 WRITABLE = {
@@ -82,7 +85,7 @@ def test_the_agent_code_names_the_host_paths_this_test_expects():
     roots = sorted({p for p in code_paths() if not within(p, "/proc")})
     assert roots == ["/etc/ingero/agent.yaml", "/lib/modules", "/sys/class", "/sys/kernel/btf/vmlinux", "/sys/kernel/debug",
                      "/sys/kernel/debug/tracing", "/sys/kernel/debug/tracing/events", "/sys/kernel/tracing", "/sys/kernel/tracing/events",
-                     "/usr/src"]
+                     "/usr/src", "/var/cache/ingero/bpf"]
 
 
 def test_every_host_path_in_the_agent_code_is_served_by_the_pod():
