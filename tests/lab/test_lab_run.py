@@ -88,10 +88,18 @@ def test_lossy_link_makes_retransmits_on_the_victim_node_only(tmp_path):
     assert leftovers(run_id) == []
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_sigint_to_lab_run_removes_namespaces_and_cgroups(tmp_path):
+    # started as a terminal starts its foreground job, SIGINT at its default: a process that
+    # inherits SIGINT ignored keeps it ignored (Python too), and this worker's may be (some
+    # in-process code of an earlier test left it so)
     proc = subprocess.Popen([sys.executable, "-m", "ingero", "lab", "run", "--scenario", "cpu-hog",
                              "--seconds", "60", "--out", str(tmp_path)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_sigint_default)
     run_id = None
     for line in proc.stdout:        # the lab's build and network come first: minutes on a busy machine
         run_id = run_id or line.split()[1].rstrip(":")
@@ -107,7 +115,7 @@ def test_sigint_to_lab_run_removes_namespaces_and_cgroups(tmp_path):
     assert len(pids) >= 4 + 8, pids    # four ranks and the default eight hogs
     proc.send_signal(signal.SIGINT)
     rest = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 128 + signal.SIGINT, rest
+    assert proc.returncode == 128 + signal.SIGINT, (signal.getsignal(signal.SIGINT), rest)
     assert leftovers(run_id) == []
     assert [p for p in pids if running(p)] == []
 
