@@ -42,6 +42,10 @@ NO_SEQ = (1 << 64) - 1          # a p2p op whose peer was out of range
 _MAPPING = f" /memfd:{NCCL_PROF_TABLE_NAME}".encode()   # a maps line's path, after the spaces
 
 
+class _Gone(Exception):
+    """The process's memory reads short: it is exiting."""
+
+
 def _slot_dtype(h) -> np.dtype:
     return np.dtype({"names": ["state", "started", "stopped", "rec"],
                      "formats": ["<u4", "<i4", "<i4", NCCL_PROF_OP],
@@ -75,7 +79,7 @@ class Reader:
 
     def read(self, pid: int) -> list[dict] | None:
         """Each table of `pid`: {comm_hash, rank, nranks, ops: open slots' records}; None when the
-        process cannot be read."""
+        process cannot be read whole (it is gone, or exits while read)."""
         maps = self.tables(pid)
         if not maps:
             return []
@@ -85,28 +89,29 @@ class Reader:
             return None
         try:
             return [t for start, length in maps if (t := self._table(fd, pid, start, length)) is not None]
+        except _Gone:
+            return None     # it exited between its maps and its memory: a part would drop open operations
         finally:
             os.close(fd)
 
-    def _table(self, fd: int, pid: int, start: int, length: int) -> dict | None:
+    def _pread(self, fd: int, size: int, at: int) -> bytes:
+        """`size` bytes of the process's memory at `at`; _Gone when they cannot all be read."""
         try:
-            head = np.frombuffer(os.pread(fd, NCCL_PROF_TABLE.itemsize, start), NCCL_PROF_TABLE)
-        except (OSError, ValueError):
-            return None
-        if len(head) != 1:
-            return None
-        h = head[0]
+            data = os.pread(fd, size, at)
+        except OSError:
+            raise _Gone from None
+        if len(data) != size:
+            raise _Gone
+        return data
+
+    def _table(self, fd: int, pid: int, start: int, length: int) -> dict | None:
+        h = np.frombuffer(self._pread(fd, NCCL_PROF_TABLE.itemsize, start), NCCL_PROF_TABLE)[0]
         end = int(h["slots"]) + int(h["nslots"]) * int(h["stride"])
         if (int(h["magic"]) != NCCL_PROF_TABLE_MAGIC or int(h["size"]) != NCCL_PROF_TABLE.itemsize
                 or int(h["version"]) != VERSION or int(h["pid"]) != pid or end > length
                 or int(h["stride"]) < int(h["off_rec"]) + NCCL_PROF_OP.itemsize):
             return None     # finalized, another layout, or a forked child's copy of its parent's
-        try:
-            data = os.pread(fd, end, start)
-        except OSError:
-            return None
-        if len(data) != end:
-            return None
+        data = self._pread(fd, end, start)
         slots = np.frombuffer(data, _slot_dtype(h), count=int(h["nslots"]), offset=int(h["slots"]))
         rec = slots["rec"]
         live = ((slots["state"] == SLOT_OPEN) & (rec["size"] == NCCL_PROF_OP.itemsize)
@@ -186,7 +191,7 @@ def read_all(reader: Reader, pids, mono_to_wall_ns: int, now_wall_ns: int, rank_
     keeps its last rows, as a rank that gives up on a stuck collective finalizes, then exits);
     the `nccl_proxy` rows of every summary written since the last read, peer_rank filled where
     the peer's process is among `pids`)."""
-    tables = {pid: t for pid in pids if (t := reader.read(pid))}
+    tables = {pid: ts for pid in pids if (ts := reader.read(pid))}
     open_rows = rows(tables, mono_to_wall_ns, now_wall_ns, rank_of)
     where = {(t["comm_hash"], t["rank"]): rank_of(pid) for pid, ts in tables.items() for t in ts}
     proxy = []
@@ -203,10 +208,10 @@ def read_all(reader: Reader, pids, mono_to_wall_ns: int, now_wall_ns: int, rank_
 def rows(tables: dict[int, list[dict]], mono_to_wall_ns: int, now_wall_ns: int, rank_of) -> dict[int, list[dict]]:
     """pid -> its `nccl_device_inflight` rows now, from its tables as Reader.read gave them."""
     out: dict[int, list[dict]] = {}
-    for pid, tables in tables.items():
+    for pid, ts in tables.items():
         rank = rank_of(pid)
         mine = []
-        for t in tables:
+        for t in ts:
             base = {"pid": pid, "rank": rank, "seen_ns": now_wall_ns, "comm_hash": t["comm_hash"],
                     "comm_rank": t["rank"], "nranks": t["nranks"]}
             mine.append({**base, "slot": None, "op": None, "seq": None, "peer": None, "nchannels": None,
