@@ -60,9 +60,10 @@ STARVED_PER_WAIT = 4.0        # starved: each wait for a CPU after off-CPU is >=
                               # (cpu-hog victims: 7.7-41x); a rank only woken more often, or working longer,
                               # waits more in total but not per wait (lossy-link senders 0.9-2.3x, io-stall
                               # 0.5-1.6x, slow-rank 1.2-1.7x, clean and imbalance <= 1.7x). Below it, the
-                              # runqueue wait inside the rank's own work (`runq_in_own_work`) over its peers'
-                              # names cpu-contention at OFFCPU_EXPLAINS_RUNQUEUE of the excess (cpu-hog
-                              # victims 1.0-1.9, slow-rank -0.03-0.33, io-stall -0.89-0.59), but outweighs
+                              # runqueue wait inside the rank's own work (`runq_in_own_work`) beyond its
+                              # peers' rate (`_own_runq`) names cpu-contention at OFFCPU_EXPLAINS_RUNQUEUE of
+                              # the excess (cpu-hog victims 1.0-3.3; slow-rank and io-stall 0-0.11, at load
+                              # 30 too, where the peers' median gave a slow rank 0.72), but outweighs
                               # neither a network nor a spread verdict (`_own_offcpu`): a lossy link's sender
                               # (1.3-2.4) and a busy machine's most imbalanced rank (1.0-2.3) hold as much
 # Candidates replayed.
@@ -286,7 +287,7 @@ def _rank_candidates(j: _Job) -> list[Candidate]:
         if excess[r] <= 0:
             break
         cause, why = _offcpu_cause(j.rows, r, excess[r] * j.tl.steps, j.traced_ns,
-                                   _own_runq(j.own_rq, r, excess[r], j.tl.steps))
+                                   _own_runq(j.own_rq, j.own, r, excess[r], j.tl.steps))
         s = j.replayer.saving(np.where(ev.rank == r, j.fixed_w, j.tl.m.w))
         out.append(Candidate("rank", [r], s.ns, f"rank {r}", cause=cause, why=why, score=round(j.own_z.get(r, 0.0), 2),
                              whatif=s.whatif, own=j.own_work(r)))
@@ -328,7 +329,7 @@ def _stage_candidate(j: _Job) -> Candidate | None:
     score = round(st_med[s] / others, 2)
     if len(members) == 1:              # a stage of one rank (pure pipeline) is that rank
         r, excess = members[0], st_med[s] - others
-        cause, why = _offcpu_cause(j.rows, r, excess * tl.steps, j.traced_ns, _own_runq(j.own_rq, r, excess, tl.steps))
+        cause, why = _offcpu_cause(j.rows, r, excess * tl.steps, j.traced_ns, _own_runq(j.own_rq, j.own, r, excess, tl.steps))
         return Candidate("rank", members, saved.ns, f"rank {r}", cause=cause, why=why, score=score,
                          whatif=saved.whatif, own=OwnWork(st_med[s], others))
     why = (f"its ranks' own work is {st_med[s] / 1e6:.1f} ms/step vs "
@@ -641,8 +642,8 @@ def runq_in_own_work(tl: Timeline, tails: RunqTails) -> dict:
 
 
 class OwnRunq(NamedTuple):
-    """A rank's runqueue wait inside its own work against its peers' median, ns per step, and
-    the difference as a share of its excess own work."""
+    """A rank's runqueue wait inside its own work against what its work would wait at its
+    peers' rate, ns per step, and the difference as a share of its excess own work."""
 
     mine: float
     peers: float
@@ -650,12 +651,19 @@ class OwnRunq(NamedTuple):
     steps: int
 
 
-def _own_runq(own_rq: dict | None, r: int, excess_step_ns: float, steps: int) -> OwnRunq | None:
-    """None: no runqueue tails, no excess."""
+def _own_runq(own_rq: dict | None, own: dict, r: int, excess_step_ns: float, steps: int) -> OwnRunq | None:
+    """None: no runqueue tails, no excess.
+
+    The peers' rate is their runqueue wait per ns of the rest of their own work, pooled: on a
+    busy machine a rank that only works longer waits for a CPU in proportion (a slow rank
+    beside load 30: 104 ms/step of its 120 against 51-80 of its peers' 65-79), a starved one
+    waits more per ns of work than its peers."""
     if not own_rq or r not in own_rq or len(own_rq) < 2 or excess_step_ns <= 0 or steps <= 0:
         return None
-    peers = _peer_median(own_rq, r)
-    return OwnRunq(own_rq[r], peers, (own_rq[r] - peers) / excess_step_ns, steps)
+    rest = {k: max(own.get(k, 0.0) - q, 0.0) for k, q in own_rq.items()}
+    waited, worked = (sum(v[k] for k in own_rq if k != r) for v in (own_rq, rest))
+    expected = own_rq[r] if worked <= 0 else min(own_rq[r], waited / worked * rest[r])
+    return OwnRunq(own_rq[r], expected, (own_rq[r] - expected) / excess_step_ns, steps)
 
 
 class _Wait(NamedTuple):
@@ -723,8 +731,8 @@ def _weigh(rows: dict, r: int, reason: str, excess_total_ns: float, traced_ns: i
         if own is None or own.share < OFFCPU_EXPLAINS_RUNQUEUE or (own.mine - own.peers) * own.steps < base * 1e6:
             return None
         return _Wait(reason, cause, own.share, True, ratio,
-                     f"{own.mine / 1e6:.1f} ms/step waiting for a CPU inside its own work vs a peer median of "
-                     f"{own.peers / 1e6:.1f} ms, {own.share:.0%} of its excess own work ({vals[r]:.0f} ms of "
+                     f"{own.mine / 1e6:.1f} ms/step waiting for a CPU inside its own work vs "
+                     f"{own.peers / 1e6:.1f} ms at its peers' rate, {own.share:.0%} of its excess own work ({vals[r]:.0f} ms of "
                      f"runqueue wait in all vs {peers:.0f} ms, {per_wait:.1f}x its peers' per off-CPU interval)")
     if robust_z(vals, base)[r] < OFFCPU_Z or share < OFFCPU_EXPLAINS_WEAK:
         return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from ingero.analysis.verdict import OwnRunq, _own_runq, runq_in_own_work
 
@@ -49,9 +50,28 @@ def test_a_tail_spanning_two_windows_counts_both_parts_only():
     assert out == {0: 10 * MS / 2, 1: 0.0}
 
 
-def test_the_share_is_the_excess_wait_over_the_peers_median_per_excess_own_work():
-    own = {0: 30 * MS, 1: 10 * MS, 2: 12 * MS, 3: 14 * MS}
-    assert _own_runq(own, 0, 9 * MS, 20) == OwnRunq(mine=30 * MS, peers=12 * MS, share=(30 - 12) / 9, steps=20)
-    assert _own_runq(own, 0, 0.0, 20) is None
-    assert _own_runq(None, 0, 9 * MS, 20) is None
-    assert _own_runq({0: 1.0}, 0, 9 * MS, 20) is None
+def test_the_share_is_the_wait_beyond_the_peers_rate_per_excess_own_work():
+    """Peers wait 10+12+14 ms per step in 40+40+40 of own work: 36 ms per 84 of the rest of
+    it. Rank 0 works 49 ms, 30 of them waiting: its 19 of other work would wait ~8.1."""
+    rq = {0: 30 * MS, 1: 10 * MS, 2: 12 * MS, 3: 14 * MS}
+    own = {0: 49 * MS, 1: 40 * MS, 2: 40 * MS, 3: 40 * MS}
+    got = _own_runq(rq, own, 0, 9 * MS, 20)
+    expected = 36 / 84 * 19 * MS
+    assert got == OwnRunq(mine=30 * MS, peers=pytest.approx(expected), share=pytest.approx((30 * MS - expected) / (9 * MS)),
+                          steps=20)
+    assert _own_runq(rq, own, 0, 0.0, 20) is None
+    assert _own_runq(None, own, 0, 9 * MS, 20) is None
+    assert _own_runq({0: 1.0}, own, 0, 9 * MS, 20) is None
+
+
+def test_a_rank_that_only_works_longer_on_a_busy_machine_waits_no_more_than_its_peers_rate():
+    """Load 30 (a CI run beside cpu-hog labs): every rank waits for a CPU most of its own work,
+    a slow rank in proportion to its longer work. Its excess wait is no starvation of its own
+    (the peers' median would call 38 of its 53 ms of excess so); a starved rank, whose other
+    work is as short as its peers', still waits far beyond their rate."""
+    rq = {0: 51.2 * MS, 1: 103.8 * MS, 2: 65.7 * MS, 3: 80.1 * MS}
+    own = {0: 64.6 * MS, 1: 119.7 * MS, 2: 66.6 * MS, 3: 78.6 * MS}
+    slow = _own_runq(rq, own, 1, 53.1 * MS, 40)
+    assert slow is not None and slow.share == 0.0
+    starved = _own_runq({**rq, 1: 150 * MS}, {**own, 1: 152 * MS}, 1, 85.4 * MS, 40)
+    assert starved is not None and starved.share > 0.5

@@ -295,8 +295,8 @@ def test_runqueue_wait_inside_its_own_work_is_said_with_its_figures():
     rows = _rq_rows({0: 851, 1: 354, 2: 438, 3: 522}, {0: 492, 1: 354, 2: 438, 3: 522})    # 1.7x per wait
     own = OwnRunq(mine=32.58 * MS, peers=12 * MS, share=2.1, steps=20)
     cause, why = _offcpu_cause(rows, 0, 196 * MS, TRACED, own)
-    assert (cause, why) == ("cpu-contention", "it spent 32.6 ms/step waiting for a CPU inside its own work vs a peer "
-                            "median of 12.0 ms, 210% of its excess own work (851 ms of runqueue wait in all vs 438 ms, "
+    assert (cause, why) == ("cpu-contention", "it spent 32.6 ms/step waiting for a CPU inside its own work vs 12.0 "
+                            "ms at its peers' rate, 210% of its excess own work (851 ms of runqueue wait in all vs 438 ms, "
                             "1.7x its peers' per off-CPU interval)")
     assert _offcpu_cause(rows, 0, 196 * MS, TRACED, own._replace(share=0.5))[0] == "cpu-contention"
     assert _offcpu_cause(rows, 0, 196 * MS, TRACED, own._replace(share=0.49))[0] == "compute/unknown"
