@@ -230,12 +230,8 @@ def test_a_wait_inside_own_work_is_weighed_beside_an_io_wait():
     assert cause == "io" and "against 3.5x for io" in why, why
 
 
-def test_a_lab_io_stall_on_a_busy_machine_is_io(tmp_path):
-    """A real run (fixtures/lab-gpu-io-stall-busy: `bench.verdict_lab` GPU-like io-stall, 2 nodes
-    x 2 ranks, beside `--background-load 2` and other lab jobs on 2 cores; every table but the
-    calls in flight). Rank 2 writes and fsyncs 8 MB a step: blocked 419 ms in all, and 797 ms
-    more runnable after those wake-ups before it ran. Counted as runqueue wait, that tail left
-    the I/O wait 29% of the excess own work, and the cause compute/unknown."""
+def _lab_fixture(name: str):
+    """A real lab run kept as Parquet under fixtures/`name`, loaded and judged."""
     import duckdb
 
     from ingero import schema
@@ -243,9 +239,18 @@ def test_a_lab_io_stall_on_a_busy_machine_is_io(tmp_path):
 
     con = duckdb.connect()
     schema.create_all(con)
-    for p in sorted((Path(__file__).parent / "fixtures" / "lab-gpu-io-stall-busy").glob("*.parquet")):
+    for p in sorted((Path(__file__).parent / "fixtures" / name).glob("*.parquet")):
         con.execute(f"INSERT INTO {p.stem} BY NAME SELECT * FROM read_parquet('{p}')")
-    rep = analyse(con)
+    return con, analyse(con)
+
+
+def test_a_lab_io_stall_on_a_busy_machine_is_io():
+    """A real run (fixtures/lab-gpu-io-stall-busy: `bench.verdict_lab` GPU-like io-stall, 2 nodes
+    x 2 ranks, beside `--background-load 2` and other lab jobs on 2 cores; every table but the
+    calls in flight). Rank 2 writes and fsyncs 8 MB a step: blocked 419 ms in all, and 797 ms
+    more runnable after those wake-ups before it ran. Counted as runqueue wait, that tail left
+    the I/O wait 29% of the excess own work, and the cause compute/unknown."""
+    con, rep = _lab_fixture("lab-gpu-io-stall-busy")
     s = rep.straggler
     assert s is not None and (s.kind, s.rank, s.cause) == ("rank", 2, "io"), s
     blocked, queued, tails = con.execute(
@@ -255,3 +260,13 @@ def test_a_lab_io_stall_on_a_busy_machine_is_io(tmp_path):
     off = next(r.offcpu_ms for r in rep.ranks if r.rank == 2)
     assert off["io"] * MS == pytest.approx(blocked + tails) and tails > blocked, (off, blocked, tails)
     assert (off["io"] + off["runqueue"]) * MS == pytest.approx(blocked + queued), off      # moved, not added
+
+
+def test_a_lab_slow_rank_on_a_busy_machine_is_compute():
+    """A real run (fixtures/lab-gpu-slow-rank-busy: the GPU-like slow-rank test of tests/bpf, 2
+    nodes x 2 ranks, in a CI run beside two cpu-hog lab loops, load ~30). Every rank waited for
+    a CPU most of its own work; rank 1 computes twice as long and so waited twice as long:
+    against its peers' median wait that was 72% of its excess own work, named cpu-contention."""
+    _, rep = _lab_fixture("lab-gpu-slow-rank-busy")
+    s = rep.straggler
+    assert s is not None and (s.kind, s.rank, s.cause) == ("rank", 1, "compute/unknown"), s
