@@ -243,6 +243,18 @@ def check_machine(cfg: ProbeConfig) -> None:
         abi.machine()   # raises, naming the fix, on a machine without an argument table
 
 
+# Functions that close a group: their entries are attached before the rest, so that a group
+# whose start is seen has its end seen too. Probes reach a running job one function after
+# the other; a start seen without its end (a 3D lab job probed late on a busy machine) put
+# every later call of that thread into one group, one event holding hundreds of collectives.
+GROUP_CLOSERS = ("ncclGroupEnd", "ncclGroupSimulateEnd")
+
+
+def entry_order(names) -> list[str]:
+    """`names`, the functions that close a group first, the rest in their order."""
+    return sorted(names, key=lambda n: n not in GROUP_CLOSERS)
+
+
 class Probes:
     """A loaded BPF program and what is attached to it."""
 
@@ -404,7 +416,7 @@ class Probes:
         # Returns first: a call whose entry is seen has its return seen too.
         groups = [("nccl_return", [a for n, a in addr.items() if n != "ncclCommInitAll"], True),
                   ("nccl_return_init_all", [a for n, a in addr.items() if n == "ncclCommInitAll"], True)]
-        groups = [g for g in groups if g[1]] + [(f"nccl_enter_{n}", [a], False) for n, a in addr.items()]
+        groups = [g for g in groups if g[1]] + [(f"nccl_enter_{n}", [addr[n]], False) for n in entry_order(addr)]
         try:
             self._attach_uprobes(path, groups)
         except Exception as e:

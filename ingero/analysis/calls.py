@@ -638,7 +638,8 @@ def _group_owners(c: Calls) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     owner = np.where(real | outer_start | outer_end, gid, -1)
     owner[(c.op == _GE) & ~outer_end] = -1
     owner[(c.op == _GS) & ~outer_start] = -1
-    return np.flatnonzero(ev_start), owner, _join(c.inst, owner, int(ev_start.sum()))
+    first = np.flatnonzero(ev_start)
+    return first, owner, _join(c.inst, owner, c.rank[first])
 
 
 def _launch_owners(c: Calls, launch: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -655,29 +656,42 @@ def _launch_owners(c: Calls, launch: np.ndarray) -> tuple[np.ndarray, np.ndarray
     ev_start = first == np.arange(n)
     gid = np.cumsum(ev_start) - 1
     owner = gid[first]
-    return np.flatnonzero(ev_start), owner, _join(c.inst, owner, int(ev_start.sum()))
+    starts = np.flatnonzero(ev_start)
+    return starts, owner, _join(c.inst, owner, c.rank[starts])
 
 
-def _join(inst_of_row: np.ndarray, owner: np.ndarray, n_events: int) -> np.ndarray:
-    """The instance of each of `n_events` events (-1: none), from each row's instance and
-    event (`owner`, -1: none). Instances that share an event on some rank are joined into
-    one, on every rank: each member's event holds them all, so none of them ends before
-    every member of every one of them arrived; the smallest instance id stands for them."""
-    inst = np.full(n_events, -1, np.int64)
+def _join(inst_of_row: np.ndarray, owner: np.ndarray, ev_rank: np.ndarray) -> np.ndarray:
+    """The instance of each event (-1: none), from each row's instance and event (`owner`,
+    -1: none; `ev_rank`: each event's rank). Instances that share an event on some rank are
+    joined into one, on every rank: each member's event holds them all, so none of them ends
+    before every member of every one of them arrived; the smallest instance id stands for
+    them. A join that would hold two events of one rank is no launch of one (instance
+    numbers misaligned across ranks chain every group into one, which waits for itself):
+    its events keep the smallest of their own instances."""
+    inst = np.full(len(ev_rank), -1, np.int64)
     coll = np.flatnonzero((inst_of_row >= 0) & (owner >= 0))
-    if len(coll):
-        ev_of, ins = owner[coll], inst_of_row[coll]
-        rep = np.arange(int(ins.max()) + 1)
-        while True:                                  # join instances that share an event
-            low = np.full(n_events, np.iinfo(np.int64).max, np.int64)
-            np.minimum.at(low, ev_of, rep[ins])
-            new = rep.copy()
-            np.minimum.at(new, ins, low[ev_of])
-            new = new[new]
-            if (new == rep).all():
-                break
-            rep = new
-        inst[ev_of] = rep[ins]
+    if not len(coll):
+        return inst
+    ev_of, ins = owner[coll], inst_of_row[coll]
+    rep = np.arange(int(ins.max()) + 1)
+    while True:                                  # join instances that share an event
+        low = np.full(len(ev_rank), np.iinfo(np.int64).max, np.int64)
+        np.minimum.at(low, ev_of, rep[ins])
+        new = rep.copy()
+        np.minimum.at(new, ins, low[ev_of])
+        new = new[new]
+        if (new == rep).all():
+            break
+        rep = new
+    inst[ev_of] = rep[ins]
+    ev = np.flatnonzero(inst >= 0)
+    pairs = inst[ev] * (int(ev_rank.max()) + 1) + ev_rank[ev]
+    _, first, count = np.unique(pairs, return_index=True, return_counts=True)
+    bad = np.isin(inst, inst[ev[first[count > 1]]])
+    if bad.any():
+        own = np.full(len(ev_rank), np.iinfo(np.int64).max, np.int64)
+        np.minimum.at(own, ev_of, ins)
+        inst[bad] = own[bad]
     return inst
 
 
