@@ -21,7 +21,8 @@ the wall-clock figures are not.
 
 --baseline DIR adds a fourth set-up, "baseline": Ingero's probes built from
 DIR/bpf (e.g. a checkout of main) by this tree's loader, in the same rounds, so
-two versions of the BPF programs are compared side by side under the same load.
+two versions of the BPF programs are compared side by side under the same load
+(the two swap places every other round: neither always runs right after bare).
 --target cgroup|ancestor moves the loop into a pod-like cgroup of its own and
 finds it by that cgroup (as the agent's pod targets: every cgroup of the pod is
 in the filter map) or by the cgroup two levels up (the filter walks the
@@ -162,16 +163,16 @@ def _main(a) -> dict:
     with tempfile.TemporaryDirectory() as d:
         lib = compile_c(Path(d) / "libnccl.so.2", ["nccl_noop.c"], shared=True)
         loop = compile_c(Path(d) / "callloop", ["callloop.c"], libs=("-ldl",))
-        for _ in range(a.rounds):
+        pair = [("ingero", None)] + ([("baseline", base_dir)] if base_dir is not None else [])
+        for i in range(a.rounds):
             res["none"].append(run_loop(loop, lib, a.calls))
             res["bare"].append(_bare(loop, lib, a.calls))
-            ns, ev, lo = _ingero(loop, lib, a.calls, target=a.target)
-            res["ingero"].append(ns)
-            events += ev
-            lost += lo
-            if base_dir is not None:
-                res["baseline"].append(_ingero(loop, lib, a.calls, "baseline", base_dir,
-                                               target=a.target)[0])
+            for name, src in pair if i % 2 == 0 else pair[::-1]:
+                ns, ev, lo = _ingero(loop, lib, a.calls, name, src, target=a.target)
+                res[name].append(ns)
+                if name == "ingero":
+                    events += ev
+                    lost += lo
             if a.agent_drain:
                 ns, ev, lo = _ingero(loop, lib, a.calls, "agentdrain", None, "agent", a.target)
                 res["agentdrain"].append(ns)
