@@ -1,5 +1,8 @@
-"""The images `make images` builds (tests/images/conftest.py): their version, size and user,
-and the chart's optional `check` init container run in the agent image on this node."""
+"""The images `make images` builds (the `images` fixture, tests/conftest.py): their version, size
+and user, and the chart's optional `check` init container run in the agent image on this node.
+The lab group of `make test` begins here (tests/conftest.py, IMAGES_FIRST): these wait for the
+images' build that `make test` started. A lab job with both images: tests/cluster/test_whole_flow.py
+(lossy-link)."""
 
 from __future__ import annotations
 
