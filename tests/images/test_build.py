@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 pytestmark = pytest.mark.bpf
-SIZE_MB = {"agent": 950, "operator": 650}   # bounds; they are ~865 and ~575 MB (bcc and LLVM, pyarrow, DuckDB)
+SIZE_MB = {"agent": 800, "operator": 550}   # bounds; they are ~730 and ~495 MB (bcc and LLVM, pyarrow, DuckDB)
 
 
 def inspect(image: str) -> dict:
