@@ -16,7 +16,7 @@ IMAGE_PACKAGES := docker.io mmdebstrap
 SCENARIO ?= lossy-link
 DEMO_ARGS ?=
 
-.PHONY: setup system venv lint test test-lab-all test-unit test-bpf demo demo-trace readme-demo bench clean chart-lint e2e \
+.PHONY: setup system venv lint test images-started test-lab-all test-unit test-bpf demo demo-trace readme-demo bench clean chart-lint e2e \
 	images test-images release mutation mutation-listed
 
 setup: system venv
@@ -39,19 +39,26 @@ lint: venv
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/mypy
 
-# The images suite is `make test-images`, not part of `make test`: on a machine without docker's
-# layer cache it builds both images from the Debian mirror (~300 MB fetched, ~110 s of CPU: dpkg,
-# pip, layer copies) and runs a lab job in containers (~80 s); started beside this suite, whose CPU
-# it shares, that adds ~2 min to a run already close to its budget.
-test: setup lint
-	$(PY) -m pytest -n $(PYTEST_JOBS) --ignore=tests/images $(PYTEST_ARGS)
+# The suite, with the images (tests/images; the whole flow's lossy-link job runs the agents and
+# the operator from them). Their build starts first, in the background (images-started), beside
+# the venv's install and the lint; the lab group's first tests wait for it to end while the other
+# worker goes on with its files (tests/conftest.py, IMAGES_FIRST), so that no lab job runs beside
+# a build. A first build on a machine costs ~110 s of CPU; later ones reuse docker's layer cache.
+test: system images-started venv lint
+	$(PY) -m pytest -n $(PYTEST_JOBS) $(PYTEST_ARGS)
 
-# The agent and operator images built (`make images`), then checked: what they hold, the chart's
-# check container on this node, and a lab job traced with the agent image and completed with the
-# operator image (tests/images).
+# docker and mmdebstrap, then `make images` in the background (its log: out/images-build.log).
+# The tests' own call of scripts/images.sh waits for it (a lock) and finds everything built.
+images-started: system
+	@bash scripts/setup-system.sh $(IMAGE_PACKAGES)
+	@mkdir -p out && bash scripts/images.sh >out/images-build.log 2>&1 &
+
+# The images alone: built (`make images`), then checked: what they hold, the chart's check
+# container on this node, and the whole flow's lossy-link job traced with the agent image and
+# completed with the operator image (the tests marked `images`).
 test-images: setup
 	@bash scripts/setup-system.sh $(IMAGE_PACKAGES)
-	$(PY) -m pytest tests/images $(PYTEST_ARGS)
+	$(PY) -m pytest -m images tests/images tests/cluster/test_whole_flow.py $(PYTEST_ARGS)
 
 # The suite with the extended lab jobs too: those that repeat a fault CI covers in another
 # shape (tests/conftest.py, LAB_ALL); ~8 min more.

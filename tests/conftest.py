@@ -92,10 +92,15 @@ def pytest_runtest_makereport(item, call):
 # module fixture), they fill the end of the run on both workers, so that neither ends alone
 # in a long file.
 
+# The lab group begins with the images' checks (IMAGES_FIRST): their fixture waits for the images'
+# build, which `make test` starts before pytest (Makefile, images-started), so that no lab job
+# runs beside a build while the other worker goes on with its files.
+
+IMAGES_FIRST = "tests/images/"
 SERIAL = ("tests/cluster/", "tests/lab/", "tests/bpf/test_lab_", "tests/bpf/test_nccl_profiler.py",
           "tests/bpf/test_sched_probes.py", "tests/bpf/test_ring_wakeups.py", "tests/bpf/test_agent_load.py",
           "tests/chart/test_rbac.py",    # its recorded flow runs a traced lab job (ingero demo)
-          "tests/images/test_lab.py")    # a traced lab job with the agent and operator images
+          IMAGES_FIRST)
 SPREAD = ("tests/unit/test_verdict_matrix.py",)
 
 
@@ -110,9 +115,13 @@ LAB_ALL = os.environ.get("INGERO_TEST_LAB_ALL") == "1"
 
 
 def pytest_collection_modifyitems(config, items):
-    """The lab group first, in its files' order, then the other files, those of most tests
-    first, and the SPREAD files last (a serial run sees the same order, which is also the
-    order of the work units of `-n N`); the extended lab jobs only with INGERO_TEST_LAB_ALL=1."""
+    """The lab group first (the images' checks at its head), in its files' order, then the other
+    files, those of most tests first, and the SPREAD files last (a serial run sees the same
+    order, which is also the order of the work units of `-n N`); the extended lab jobs only with
+    INGERO_TEST_LAB_ALL=1. A test that uses the images is marked `images` (`make test-images`)."""
+    for it in items:
+        if "images" in getattr(it, "fixturenames", ()):
+            it.add_marker(pytest.mark.images)
     if not LAB_ALL:
         out = [it for it in items if it.get_closest_marker("extended")]
         if out:
@@ -125,7 +134,9 @@ def pytest_collection_modifyitems(config, items):
 
     def rank(it) -> tuple:
         w = where[id(it)]
-        return (0, 0) if w.startswith(SERIAL) else (2, 0) if w.startswith(SPREAD) else (1, -count[w])
+        if w.startswith(SERIAL):
+            return (0, 0 if w.startswith(IMAGES_FIRST) else 1)
+        return (2, 0) if w.startswith(SPREAD) else (1, -count[w])
 
     items.sort(key=rank)      # stable: each file's tests keep their order
 
@@ -185,6 +196,46 @@ def own_data_limit():
     yield
     if resource.getrlimit(resource.RLIMIT_DATA) != before:
         resource.setrlimit(resource.RLIMIT_DATA, before)
+
+
+# ---- the agent and operator images -------------------------------------------------------
+# Built as `make images` builds them (scripts/images.sh: a Debian base made from the mirror, no
+# image registry pull; a docker daemon started when none runs). A first build on a machine costs
+# ~110 s of CPU (dpkg, pip, layer copies; ~300 MB fetched); docker's layer cache keeps the base,
+# the Debian packages and the dependencies (rebuilt when pyproject.toml changes), so a later
+# build redoes only the project's own layers. `make test` starts the build before pytest, and
+# the lab group's first tests wait for it (IMAGES_FIRST). tests/images checks what was built; the
+# whole flow's lossy-link job runs every component from its image (tests/cluster).
+
+
+def images_reason() -> str | None:
+    """Why the images cannot be built and run here, or None when they can."""
+    import shutil
+
+    reason = bpf_reason()
+    if reason:
+        return reason
+    for tool in ("docker", "kubectl"):
+        if not shutil.which(tool):
+            return f"{tool} is not installed: `make test` installs it"
+    return None
+
+
+@pytest.fixture(scope="session")
+def images() -> dict[str, str]:
+    """component -> the image `make images` built (waits for a build already under way)."""
+    import subprocess
+
+    reason = images_reason()
+    if reason:
+        pytest.skip(reason)
+    daemon = subprocess.run(["bash", "scripts/docker-daemon.sh"], cwd=ROOT, capture_output=True, text=True)
+    if daemon.returncode:
+        pytest.skip(daemon.stderr.strip())
+    proc = subprocess.run(["bash", "scripts/images.sh"], cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    names = proc.stdout.split()
+    return {"agent": names[0], "operator": names[1]}
 
 
 CI_BACKGROUND_LOAD = 2

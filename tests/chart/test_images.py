@@ -89,27 +89,30 @@ def test_pip_install_finds_every_package_and_data_file_in_the_context():
     assert not [f for f in files if f.startswith(("out/", "tests/", "bench/", ".venv/")) or f.endswith(".pyc")]
 
 
-def test_both_images_are_two_stage_builds_on_one_debian_bookworm_base():
+def test_both_images_are_built_on_one_debian_bookworm_base_with_its_python():
     for name in DOCKERFILES:
         ins = instructions(name)
         assert ins[0] == ("ARG", "BASE_IMAGE=debian:bookworm-slim"), (name, ins[0])    # scripts/images.sh sets it
         froms = [a for w, a in ins if w == "FROM"]
-        assert froms == ["${BASE_IMAGE} AS build", "${BASE_IMAGE}"], (name, froms)
+        assert froms == ["${BASE_IMAGE} AS deps", "deps AS build", "deps"], (name, froms)
         assert any(w == "COPY" and "--from=build" in a for w, a in ins)
+        assert not any(w == "COPY" and "/opt/ingero/venv" in a for w, a in ins)    # the final stage's own
 
 
-def test_the_operators_build_stage_is_the_agents_up_to_the_wheel_so_docker_builds_it_once():
-    """Docker's layer cache shares a stage only while every instruction is the same: one
-    differing line and a cold `make images` downloads the Debian packages and the Python
-    dependencies twice."""
-    def build_stage(name: str) -> list[tuple[str, str]]:
+def test_the_operators_stages_are_the_agents_up_to_the_wheel_so_docker_builds_them_once():
+    """Docker's layer cache shares a layer only while every instruction before it is the same:
+    one differing line and a cold `make images` installs Python and downloads the Debian
+    packages and the Python dependencies twice."""
+    def stages(name: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
         ins = instructions(name)
-        return ins[:[i for i, (w, _) in enumerate(ins) if w == "FROM"][1]]
+        last = [i for i, (w, _) in enumerate(ins) if w == "FROM"][-1]
+        return ins[:last], ins[last:]
 
-    agent, operator = build_stage("Dockerfile.agent"), build_stage("Dockerfile.operator")
+    (agent, agent_final), (operator, operator_final) = stages("Dockerfile.agent"), stages("Dockerfile.operator")
     wheel = next(i for i, (w, a) in enumerate(operator) if w == "RUN" and "pip wheel" in a)
     assert operator[:wheel + 1] == agent[:wheel + 1]
     assert operator[wheel + 1:] == []     # the agent's plugin build is its own
+    assert agent_final[0] == operator_final[0] == ("FROM", "deps")
 
 
 def test_agent_image_has_debian_bcc_and_a_venv_with_system_site_packages():

@@ -3,12 +3,16 @@
 Each test runs the embedded API server, the kopf operator (a process with only
 a kubeconfig), one agent per lab node and a 2 nodes x 2 ranks lab job with a
 fault, applies the TraceSession with kubectl and reads the verdict from the
-resource's status. Needs root and eBPF; about 30 s per flow.
+resource's status. Needs root and eBPF; about 30 s per flow. The lossy-link
+flow runs the agents and the operator from their images (`make images`), as
+the chart does; the same job without containers: tests/bpf/test_lab_trace.py
+and tests/cluster/test_fleet_flow.py.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -196,8 +200,11 @@ LOSSY_MAX_S = 90.0
 
 
 @pytest.fixture(scope="module")
-def lossy(tmp_path_factory):
-    """The lossy-link flow, scraped by a real Prometheus with the chart's rules."""
+def lossy(tmp_path_factory, images):
+    """The lossy-link flow, scraped by a real Prometheus with the chart's rules, with every agent
+    in the agent image as the chart's DaemonSet runs it (its capabilities as far as docker names
+    them, its host mounts, a read-only root: ingero_operator.demo.container_argv) and the
+    operator in the operator image as its non-root user."""
     started = []
     out = tmp_path_factory.mktemp("lossy")
     stop = out / "stop-the-job"
@@ -214,9 +221,15 @@ def lossy(tmp_path_factory):
                                                  sorted(demo.agent_metrics_ports.values())))
         end(demo)
 
+    def after(demo, _) -> dict:
+        running = subprocess.run(["docker", "ps", "--format", "{{.Names}} {{.Image}}"], capture_output=True,
+                                 text=True, check=True).stdout.splitlines()
+        return {"containers": sorted(ln for ln in running if ln.startswith(demo.container(""))),
+                "prometheus": started and prometheus_after(started[0])}
+
     try:
         return run_flow(out, "lossy-link", before=before, seconds=LOSSY_MAX_S, shape={"stop_file": stop},
-                        after=lambda demo, _: started and prometheus_after(started[0]))
+                        images=images, after=after)
     finally:
         for prom in started:
             prom.close()
@@ -239,6 +252,13 @@ def test_lossy_link_names_the_victim_node_with_network_cause_and_retransmit_evid
     assert "retransmits" in s["evidence"] and lossy["status"]["retransmits"] > 0
     victim = next(r for r in lossy["status"]["ranksTable"] if r["rank"] == s["rank"])
     assert victim["retransmitsInWindow"] == max(r["retransmitsInWindow"] for r in lossy["status"]["ranksTable"])
+
+
+def test_lossy_link_ran_the_agents_and_the_operator_from_their_images(lossy, images):
+    ours = lossy["after"]["containers"]
+    assert [ln.split()[1] for ln in ours] == [images["agent"]] * 2 + [images["operator"]], ours
+    # the merged trace written by the operator's user in its container
+    assert os.stat(lossy["status"]["artifact"]["path"]).st_uid == 65532
 
 
 def test_lossy_link_straggler_shows_up_in_status_while_the_job_runs(lossy):
@@ -343,7 +363,7 @@ def test_a_real_prometheus_fires_straggler_detected_during_the_fault_and_resolve
         pytest.skip(prometheus.reason())
     from ingero_operator.status import parse_iso
 
-    got, s = lossy["after"], lossy["status"]["straggler"]
+    got, s = lossy["after"]["prometheus"], lossy["status"]["straggler"]
     assert got["firing_samples"] > 0, "StragglerDetected never fired"
     resolved_s = got["last_firing"] - parse_iso(lossy["status"]["endTime"]).timestamp()
     print(f"prometheus: StragglerDetected firing in {got['firing_samples']} evaluations, the last "
