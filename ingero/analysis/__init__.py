@@ -182,20 +182,13 @@ def host_synchronous(ev, min_spread_ns: int = 100_000, min_instances: int = 10) 
     before. Judged on instances whose arrivals spread over `min_spread_ns` (loss or a slow
     peer only make a blocking call end later, never earlier); too few of them to tell:
     synchronous (nothing to correct)."""
-    has = np.flatnonzero(ev.inst >= 0)
-    if not len(has):
+    idx, at, _ = ev.by_inst()
+    if not len(idx):
         return True
-    inst, a = ev.inst[has], ev.a[has]
-    ni = int(inst.max()) + 1
-    a_first = np.full(ni, np.iinfo(np.int64).max, np.int64)
-    np.minimum.at(a_first, inst, a)
-    a_last = np.full(ni, np.iinfo(np.int64).min, np.int64)
-    np.maximum.at(a_last, inst, a)
-    eq = a == a_first[inst]                       # the earliest arriver (of equal ones the first)
-    first = np.full(ni, len(has), np.int64)
-    np.minimum.at(first, inst[eq], np.flatnonzero(eq))
-    seen = first < len(has)
-    a_first, a_last, e_first = a_first[seen], a_last[seen], ev.e[has[first[seen]]]
+    a = ev.a[idx]
+    a_first, a_last = np.minimum.reduceat(a, at), np.maximum.reduceat(a, at)
+    eq = a == np.repeat(a_first, np.diff(np.r_[at, len(idx)]))   # the earliest arriver (of equal ones the first)
+    e_first = ev.e[np.minimum.reduceat(np.where(eq, idx, len(ev.a)), at)]
     sel = (a_last - a_first) >= min_spread_ns
     if sel.sum() < min_instances:
         return True

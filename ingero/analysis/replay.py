@@ -47,19 +47,14 @@ def measure(ev: Events) -> Measured:
     crit = ev.rank.copy()
     # collectives: the latest member arrival of the instance, and who arrived last (of equal
     # arrivals the latest in event order)
-    has = ev.inst >= 0
-    if has.any():
-        ni = int(ev.inst.max()) + 1
-        idx = np.flatnonzero(has)
-        inst, a = ev.inst[idx], ev.a[idx]
-        mx = np.full(ni, _NEG, np.int64)
-        np.maximum.at(mx, inst, a)
-        ready[idx] = np.maximum(ready[idx], mx[inst])
-        eq = a == mx[inst]
-        last = np.full(ni, -1, np.int64)
-        np.maximum.at(last, inst[eq], idx[eq])
-        late = idx[ready[idx] > a]
-        crit[late] = ev.rank[last[ev.inst[late]]]
+    idx, first, _ = ev.by_inst()
+    if len(idx):
+        a = ev.a[idx]
+        mx = np.repeat(np.maximum.reduceat(a, first), np.diff(np.r_[first, len(idx)]))
+        ready[idx] = mx                          # (never below its own arrival)
+        last = np.maximum.reduceat(np.where(a == mx, idx, -1), first)
+        late = ready[idx] > a
+        crit[idx[late]] = ev.rank[np.repeat(last, np.diff(np.r_[first, len(idx)]))[late]]
     # p2p: the latest dependency (of equal arrivals the last listed)
     if len(ev.dep_idx):
         src = np.repeat(np.arange(n), np.diff(ev.dep_ptr))
@@ -95,28 +90,29 @@ class Schedule:
 
     Round 0's arrivals are the events that follow none (every rank's first); round k + 1's
     those whose previous events (one, or on streams the ones of ``Events.prev_ptr``) have
-    all completed, the last of them in round k; ``arr_prev_pos`` from ``arr_prev_ptr``:
-    their completion positions, per arrival. ``arr``/``go``:
-    the event ids in arrival/completion order, round k's at ``arr_ptr[k]:arr_ptr[k + 1]``
-    and ``go_ptr[k]:go_ptr[k + 1]``. A completing event is ready at the latest arrival
-    among itself and its p2p dependencies (arrival positions ``own_pos``, per completion
-    from ``own_ptr``) and among its instance's members (``grp_pos`` from ``grp_ptr``, one
-    group per instance and round, ``grp_of`` per completion or -1; ``grp_rptr``: each
-    round's first group), counting those arrived by its round: all of them, unless the
-    round released a cycle."""
+    all completed, the last of them in round k; ``arr_prev_pos``: their completion
+    positions, per arrival, ``arr_prev_rel`` where each arrival's begin (relative to its
+    round's first). ``arr``/``go``: the event ids in arrival/completion order.
+
+    A completing event is ready at the latest arrival among itself and its p2p dependencies
+    and among its instance's members (one group per instance and round), counting those
+    arrived by its round: all of them, unless the round released a cycle. Per round,
+    ``cat_pos`` holds the arrival positions of its completing events' segments (each
+    itself, then its p2p dependencies) followed by its groups' (their members), and
+    ``cat_rel`` where each segment begins (relative to the round's first); ``pick``: per
+    completing event, the segment of its round whose latest arrival joins its own (its
+    group's, else its own). ``plan``: per round, its slices of these, as Python ints (q0,
+    q1: completions; c0, c1: cat_pos; s0, s1: segments; a0, a1: next round's arrivals; p0,
+    p1: their previous events; single: one previous event each)."""
 
     arr: np.ndarray
-    arr_ptr: np.ndarray
     go: np.ndarray
-    go_ptr: np.ndarray
     arr_prev_pos: np.ndarray
-    arr_prev_ptr: np.ndarray
-    own_pos: np.ndarray
-    own_ptr: np.ndarray
-    grp_pos: np.ndarray
-    grp_ptr: np.ndarray
-    grp_of: np.ndarray
-    grp_rptr: np.ndarray
+    arr_prev_rel: np.ndarray
+    cat_pos: np.ndarray
+    cat_rel: np.ndarray
+    pick: np.ndarray
+    plan: list
     stuck_rounds: int
 
 
@@ -167,6 +163,9 @@ class _Rounds:
     stuck: int                # rounds that released a cycle
 
 
+WIDE = 4      # events with at most this many p2p dependencies look them up in a table, the others in a list
+
+
 def _rounds(ev: Events) -> _Rounds:
     """Round by round, the events that arrive and those that complete: an event completes in
     the first round by which its p2p dependencies and its instance's members have all
@@ -175,41 +174,48 @@ def _rounds(ev: Events) -> _Rounds:
     new, release = _releases(ev)
     has = ev.inst >= 0
     ni = int(ev.inst.max()) + 1 if has.any() else 0
-    inst_size = np.bincount(ev.inst[has], minlength=ni)
-    inst_cnt = np.zeros(ni, np.int64)
+    inst = np.where(has, ev.inst, ni)               # no instance: one more, that never waits
+    inst_left = np.bincount(inst, minlength=ni + 1)  # members not arrived yet
+    inst_left[ni] = -n
+    out = _Rounds([], [], np.full(n + 1, np.iinfo(np.int64).max, np.int64), np.empty(n, np.int64), 0)
+    out.arr_round[n] = -1                           # (arrived before any round: an event's missing dependency)
     ndeps = np.diff(ev.dep_ptr)
-    src = np.repeat(np.arange(n), ndeps)
-    o = np.argsort(ev.dep_idx, kind="stable")       # for each event, the events that depend on it
-    rev_src = src[o]
-    rev_ptr = np.r_[0, np.cumsum(np.bincount(ev.dep_idx, minlength=n))]
-    has_rev = np.diff(rev_ptr) > 0
-    dep_cnt = np.zeros(n, np.int64)
-    out = _Rounds([], [], np.empty(n, np.int64), np.empty(n, np.int64), 0)
+    wide = np.flatnonzero(ndeps > WIDE)             # their dependencies in the CSR list, the others' in `deps`
+    k_max = min(int(ndeps.max(initial=0)), WIDE)
+    deps = np.full((n, max(k_max, 1)), n, np.int64)
+    narrow = np.repeat(ndeps <= WIDE, ndeps)
+    at = np.repeat(np.arange(n), ndeps)[narrow]
+    deps[at, _nth(at)] = ev.dep_idx[narrow]
+    is_wide = np.zeros(n, bool)
+    is_wide[wide] = True
     waiting = np.zeros(0, np.int64)
     k = 0
     while len(new) or len(waiting):
         out.arrs.append(new)
         out.arr_round[new] = k
-        ci = ev.inst[new]
-        np.add.at(inst_cnt, ci[ci >= 0], 1)
-        r = new[has_rev[new]]
-        if len(r):
-            np.add.at(dep_cnt, rev_src[_expand(rev_ptr, r)], 1)
-        cur = np.concatenate([waiting, new])
-        ok = dep_cnt[cur] == ndeps[cur]
-        ci = ev.inst[cur]
-        m = ci >= 0
-        ok[m] &= inst_cnt[ci[m]] == inst_size[ci[m]]
-        if not ok.any():                        # a cycle in bad data: release everyone waiting
+        np.subtract.at(inst_left, inst[new], 1)
+        cur = np.concatenate([waiting, new]) if len(waiting) else new
+        got = out.arr_round[deps[cur]]
+        ok = (got[:, 0] if k_max <= 1 else got.max(axis=1)) <= k
+        ok &= inst_left[inst[cur]] <= 0
+        if len(wide):
+            cw = np.flatnonzero(is_wide[cur])
+            if len(cw):
+                ok[cw] &= np.maximum.reduceat(out.arr_round[ev.dep_idx[_expand(ev.dep_ptr, cur[cw])]],
+                                              np.r_[0, np.cumsum(ndeps[cur[cw]])[:-1]]) <= k
+        if ok.all():
+            go, waiting = cur, waiting[:0]
+        elif ok.any():
+            go, waiting = cur[ok], cur[~ok]
+        else:                                   # a cycle in bad data: release everyone waiting
             out.stuck += 1
-            ok[:] = True
-        go = cur[ok]
-        go = go[np.argsort(ev.inst[go], kind="stable")]      # an instance's members side by side
-        waiting = cur[~ok]
+            go, waiting = cur, waiting[:0]
+        go = go[np.argsort(inst[go])]           # an instance's members side by side
         out.gos.append(go)
         out.go_round[go] = k
         new = release(go)
         k += 1
+    out.arr_round = out.arr_round[:n]
     return out
 
 
@@ -300,6 +306,7 @@ def schedule(ev: Events) -> Schedule:
         return ev.schedule
     n = len(ev.a)
     rs = _rounds(ev)
+    nr = len(rs.gos)
     arr, go = np.concatenate(rs.arrs), np.concatenate(rs.gos)
     arr_ptr = np.r_[0, np.cumsum([len(a) for a in rs.arrs]), n]     # round k + 1 may have none
     go_ptr = np.r_[0, np.cumsum([len(g) for g in rs.gos])]
@@ -316,13 +323,35 @@ def schedule(ev: Events) -> Schedule:
         arr_prev_pos = gpos[ev.prev_idx[_expand(ev.prev_ptr, arr)]]
     own_pos, own_ptr = _own_segments(ev, go, apos, rs)
     grp_pos, grp_ptr, grp_of, grp_rptr = _groups(ev, go, apos, rs)
-    big = max(int(own_ptr[-1]), int(grp_ptr[-1]), n)
+    grp_rptr = grp_rptr[:nr + 1]
+    # per round: its completions' own segments, then its groups'
+    own_at, grp_at = own_ptr[go_ptr], grp_ptr[grp_rptr]        # each round's first item of each
+    o_cnt, g_cnt = np.diff(own_at), np.diff(grp_at)
+    cat_at = np.r_[0, np.cumsum(o_cnt + g_cnt)]
+    cat_pos = np.empty(int(cat_at[-1]), np.int64)
+    cat_pos[np.arange(len(own_pos)) + np.repeat(cat_at[:-1] - own_at[:-1], o_cnt)] = own_pos
+    cat_pos[np.arange(len(grp_pos)) + np.repeat(cat_at[:-1] + o_cnt - grp_at[:-1], g_cnt)] = grp_pos
+    q_cnt, n_grp = np.diff(go_ptr), np.diff(grp_rptr)
+    seg_at = go_ptr + grp_rptr                                   # each round's first segment
+    round_q = np.repeat(np.arange(nr), q_cnt)
+    round_g = np.repeat(np.arange(nr), n_grp)
+    cat_rel = np.empty(int(seg_at[-1]), np.int64)
+    cat_rel[np.arange(n) + grp_rptr[round_q]] = own_ptr[:-1] - own_at[round_q]
+    g = np.arange(len(round_g))
+    cat_rel[g + go_ptr[round_g + 1]] = o_cnt[round_g] + grp_ptr[g] - grp_at[round_g]
+    pick = np.where(grp_of >= 0, q_cnt[round_q] + grp_of - grp_rptr[round_q], np.arange(n) - go_ptr[round_q])
+    arr_prev_rel = arr_prev_ptr[:-1] - arr_prev_ptr[arr_ptr[np.repeat(np.arange(nr + 1), np.diff(arr_ptr))]]
+    ap = arr_ptr[1:nr + 2]
+    single = (np.diff(arr_prev_ptr[ap]) == np.diff(ap)).tolist()
+    plan = list(zip(go_ptr[:-1].tolist(), go_ptr[1:].tolist(), cat_at[:-1].tolist(), cat_at[1:].tolist(),
+                    seg_at[:-1].tolist(), seg_at[1:].tolist(), ap[:-1].tolist(), ap[1:].tolist(),
+                    arr_prev_ptr[ap[:-1]].tolist(), arr_prev_ptr[ap[1:]].tolist(), single))
+    big = max(len(cat_pos), n)
     idx = np.int32 if big < np.iinfo(np.int32).max else np.int64   # positions: half the memory
-    ev.schedule = Schedule(arr=arr.astype(idx), arr_ptr=arr_ptr, go=go.astype(idx), go_ptr=go_ptr,
-                           arr_prev_pos=arr_prev_pos.astype(idx), arr_prev_ptr=arr_prev_ptr,
-                           own_pos=own_pos.astype(idx), own_ptr=own_ptr.astype(idx),
-                           grp_pos=grp_pos.astype(idx), grp_ptr=grp_ptr.astype(idx), grp_of=grp_of.astype(idx),
-                           grp_rptr=grp_rptr, stuck_rounds=rs.stuck)
+    ev.schedule = Schedule(arr=arr.astype(idx), go=go.astype(idx), arr_prev_pos=arr_prev_pos.astype(idx),
+                           arr_prev_rel=arr_prev_rel.astype(idx), cat_pos=cat_pos.astype(idx),
+                           cat_rel=cat_rel.astype(idx), pick=pick.astype(idx), plan=plan,
+                           stuck_rounds=rs.stuck)
     return ev.schedule
 
 
@@ -337,33 +366,20 @@ def replay(ev: Events, w: np.ndarray, x: np.ndarray) -> Replayed:
     A = w[s.arr].astype(np.int64)                  # in arrival order
     x_go = x[s.go]
     E = np.empty(n, np.int64)                      # in completion order
-    first = s.arr[:s.arr_ptr[1]]
-    A[:len(first)] += ev.a[first]
-    own_rel = s.own_ptr[:-1]
-    grp_rel = s.grp_ptr[:-1]
-    for k in range(len(s.go_ptr) - 1):
-        q0, q1 = int(s.go_ptr[k]), int(s.go_ptr[k + 1])
-        o0, o1 = int(s.own_ptr[q0]), int(s.own_ptr[q1])
-        ready = np.maximum.reduceat(A[s.own_pos[o0:o1]], own_rel[q0:q1] - o0)
-        g0, g1 = int(s.grp_rptr[k]), int(s.grp_rptr[k + 1])
-        if g1 > g0:
-            m0, m1 = int(s.grp_ptr[g0]), int(s.grp_ptr[g1])
-            G = np.maximum.reduceat(A[s.grp_pos[m0:m1]], grp_rel[g0:g1] - m0)
-            gl = s.grp_of[q0:q1]
-            hit = gl >= 0
-            if hit.all():
-                np.maximum(ready, G[gl - g0], out=ready)
-            else:
-                ready[hit] = np.maximum(ready[hit], G[gl[hit] - g0])
-        e = ready + x_go[q0:q1]
-        E[q0:q1] = e
-        a0, a1 = int(s.arr_ptr[k + 1]), int(s.arr_ptr[k + 2])
+    n0 = s.plan[0][6]
+    A[:n0] += ev.a[s.arr[:n0]]
+    cat_pos, cat_rel, pick, prev_pos, prev_rel = s.cat_pos, s.cat_rel, s.pick, s.arr_prev_pos, s.arr_prev_rel
+    top = np.maximum
+    for q0, q1, c0, c1, s0, s1, a0, a1, p0, p1, single in s.plan:
+        red = top.reduceat(A[cat_pos[c0:c1]], cat_rel[s0:s1])
+        e = E[q0:q1]
+        top(red[:q1 - q0], red[pick[q0:q1]], out=e)
+        e += x_go[q0:q1]
         if a1 > a0:
-            p0, p1 = int(s.arr_prev_ptr[a0]), int(s.arr_prev_ptr[a1])
-            if p1 - p0 == a1 - a0:              # one previous event each
-                A[a0:a1] += E[s.arr_prev_pos[p0:p1]]
+            if single:                          # one previous event each
+                A[a0:a1] += E[prev_pos[p0:p1]]
             else:
-                A[a0:a1] += np.maximum.reduceat(E[s.arr_prev_pos[p0:p1]], s.arr_prev_ptr[a0:a1] - p0)
+                A[a0:a1] += top.reduceat(E[prev_pos[p0:p1]], prev_rel[a0:a1])
     a_out = np.empty(n, np.int64)
     e_out = np.empty(n, np.int64)
     a_out[s.arr] = A

@@ -88,9 +88,7 @@ class Timeline:
     def first_arrivals(self) -> np.ndarray:
         """(markers, steps + 1): each boundary instance's earliest arrival."""
         ev = self.ev
-        first = np.full(int(ev.inst.max()) + 1, np.iinfo(np.int64).max, np.int64)
-        has = ev.inst >= 0
-        np.minimum.at(first, ev.inst[has], ev.a[has])
+        first = ev.per_inst(np.minimum, ev.a, np.iinfo(np.int64).max)
         return first[np.atleast_2d(self.marker_inst)]
 
 
@@ -390,8 +388,7 @@ def timeline(c: Calls, ev: Events, m: Measured) -> Timeline | None:
     if not has.any():
         return None
     # every instance's earliest member event; instances with none are no sync event
-    first = np.full(len(c.inst_size), np.iinfo(np.int64).max, np.int64)
-    np.minimum.at(first, ev.inst[has], ev.a[has])
+    first = ev.per_inst(np.minimum, ev.a, np.iinfo(np.int64).max, len(c.inst_size))
     per, used = _marker_runs(c, ev, first)
     if not per:
         return None

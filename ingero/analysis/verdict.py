@@ -260,7 +260,26 @@ def _job(tl: Timeline, rows: dict, traced_ns: int, tails: RunqTails | None, base
 
 def _role_peers(own: dict, role: dict) -> dict:
     """Rank -> the median of the other ranks' `own` of its role (its own value when it is alone)."""
-    return {r: _peer_median({k: v for k, v in own.items() if role[k] == role[r]}, r, own[r]) for r in own}
+    by_role: dict = {}
+    for r in own:
+        by_role.setdefault(role[r], []).append(r)
+    out: dict = {}
+    for ranks in by_role.values():
+        out.update(zip(ranks, _medians_of_others(np.array([own[r] for r in ranks], np.float64)).tolist()))
+    return {r: out[r] for r in own}
+
+
+def _medians_of_others(v: np.ndarray) -> np.ndarray:
+    """Per value, ``_peer_median`` of the others (itself when it is alone), in one sort."""
+    m = len(v)
+    if m == 1 or np.isnan(v).any():
+        return np.array([_peer_median(dict(enumerate(v.tolist())), i, v[i]) for i in range(m)])
+    o = np.argsort(v, kind="stable")
+    s, at = v[o], np.empty(m, np.int64)
+    at[o] = np.arange(m)
+    h = (m - 1) // 2
+    nth = lambda j: s[j + (j >= at)]        # noqa: E731  the j-th smallest of the others
+    return nth(h) if (m - 1) % 2 else (nth(h - 1) + nth(h)) / 2
 
 
 def _peer_median(vals: dict, r, alone: float = float("nan")) -> float:
