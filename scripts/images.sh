@@ -15,7 +15,7 @@ mkdir -p "${lock%/*}"
 exec 9>"$lock"
 flock 9
 version=$(/usr/bin/python3 scripts/release.py version)
-bash scripts/docker-daemon.sh
+bash scripts/docker-daemon.sh 9>&-     # a dockerd it starts must not hold the lock for its life
 base=${BASE_IMAGE:-$(bash scripts/base-image.sh)}
 prefix=${IMAGE_REGISTRY:+${IMAGE_REGISTRY%/}/}
 for component in agent operator; do

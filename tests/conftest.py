@@ -97,6 +97,7 @@ def pytest_runtest_makereport(item, call):
 # runs beside a build while the other worker goes on with its files.
 
 IMAGES_FIRST = "tests/images/"
+IMAGES_WAIT_S = 1500      # a cold build beside a load of 30 took 14 min
 SERIAL = ("tests/cluster/", "tests/lab/", "tests/bpf/test_lab_", "tests/bpf/test_nccl_profiler.py",
           "tests/bpf/test_sched_probes.py", "tests/bpf/test_ring_wakeups.py", "tests/bpf/test_agent_load.py",
           "tests/chart/test_rbac.py",    # its recorded flow runs a traced lab job (ingero demo)
@@ -122,6 +123,7 @@ def pytest_collection_modifyitems(config, items):
     for it in items:
         if "images" in getattr(it, "fixturenames", ()):
             it.add_marker(pytest.mark.images)
+            it.add_marker(pytest.mark.timeout(IMAGES_WAIT_S + 300))   # the first waits for the build
     if not LAB_ALL:
         out = [it for it in items if it.get_closest_marker("extended")]
         if out:
@@ -232,7 +234,8 @@ def images() -> dict[str, str]:
     daemon = subprocess.run(["bash", "scripts/docker-daemon.sh"], cwd=ROOT, capture_output=True, text=True)
     if daemon.returncode:
         pytest.skip(daemon.stderr.strip())
-    proc = subprocess.run(["bash", "scripts/images.sh"], cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(["bash", "scripts/images.sh"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=IMAGES_WAIT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
     names = proc.stdout.split()
     return {"agent": names[0], "operator": names[1]}
