@@ -46,6 +46,17 @@ class _Gone(Exception):
     """The process's memory reads short: it is exiting."""
 
 
+def _read_all(fd: int, size: int, at: int) -> bytes:
+    """`size` bytes of the process's memory at `at`; _Gone when they cannot all be read."""
+    try:
+        data = os.pread(fd, size, at)
+    except OSError:
+        raise _Gone from None
+    if len(data) != size:
+        raise _Gone
+    return data
+
+
 def _slot_dtype(h) -> np.dtype:
     return np.dtype({"names": ["state", "started", "stopped", "rec"],
                      "formats": ["<u4", "<i4", "<i4", NCCL_PROF_OP],
@@ -78,8 +89,10 @@ class Reader:
         return out
 
     def read(self, pid: int) -> list[dict] | None:
-        """Each table of `pid`: {comm_hash, rank, nranks, ops: open slots' records}; None when the
-        process cannot be read whole (it is gone, or exits while read)."""
+        """Each table of `pid`: {comm_hash, rank, nranks, ops: open slots' records, proxies,
+        partial}; None when the process cannot be read. One that exits while read gives the
+        tables read before, `partial`: their proxy summaries count, their open operations
+        are a part of its own and do not."""
         maps = self.tables(pid)
         if not maps:
             return []
@@ -87,31 +100,25 @@ class Reader:
             fd = os.open(f"{self.proc}/{pid}/mem", os.O_RDONLY)
         except OSError:
             return None
+        out: list[dict] = []
         try:
-            return [t for start, length in maps if (t := self._table(fd, pid, start, length)) is not None]
+            for start, length in maps:
+                if (t := self._table(fd, pid, start, length)) is not None:
+                    out.append(t)
         except _Gone:
-            return None     # it exited between its maps and its memory: a part would drop open operations
+            return [{**t, "partial": True} for t in out]
         finally:
             os.close(fd)
-
-    def _pread(self, fd: int, size: int, at: int) -> bytes:
-        """`size` bytes of the process's memory at `at`; _Gone when they cannot all be read."""
-        try:
-            data = os.pread(fd, size, at)
-        except OSError:
-            raise _Gone from None
-        if len(data) != size:
-            raise _Gone
-        return data
+        return out
 
     def _table(self, fd: int, pid: int, start: int, length: int) -> dict | None:
-        h = np.frombuffer(self._pread(fd, NCCL_PROF_TABLE.itemsize, start), NCCL_PROF_TABLE)[0]
+        h = np.frombuffer(_read_all(fd, NCCL_PROF_TABLE.itemsize, start), NCCL_PROF_TABLE)[0]
         end = int(h["slots"]) + int(h["nslots"]) * int(h["stride"])
         if (int(h["magic"]) != NCCL_PROF_TABLE_MAGIC or int(h["size"]) != NCCL_PROF_TABLE.itemsize
                 or int(h["version"]) != VERSION or int(h["pid"]) != pid or end > length
                 or int(h["stride"]) < int(h["off_rec"]) + NCCL_PROF_OP.itemsize):
             return None     # finalized, another layout, or a forked child's copy of its parent's
-        data = self._pread(fd, end, start)
+        data = _read_all(fd, end, start)
         slots = np.frombuffer(data, _slot_dtype(h), count=int(h["nslots"]), offset=int(h["slots"]))
         rec = slots["rec"]
         live = ((slots["state"] == SLOT_OPEN) & (rec["size"] == NCCL_PROF_OP.itemsize)
@@ -187,12 +194,13 @@ class Reader:
 
 def read_all(reader: Reader, pids, mono_to_wall_ns: int, now_wall_ns: int, rank_of):
     """(pid -> its `nccl_device_inflight` rows now, for each process in `pids` that has a table
-    (one that cannot be read, or whose communicators are all finalized, has none: the caller
+    (one that cannot be read whole, or whose communicators are all finalized, has none: the caller
     keeps its last rows, as a rank that gives up on a stuck collective finalizes, then exits);
     the `nccl_proxy` rows of every summary written since the last read, peer_rank filled where
     the peer's process is among `pids`)."""
     tables = {pid: ts for pid in pids if (ts := reader.read(pid))}
-    open_rows = rows(tables, mono_to_wall_ns, now_wall_ns, rank_of)
+    whole = {pid: ts for pid, ts in tables.items() if not any(t.get("partial") for t in ts)}
+    open_rows = rows(whole, mono_to_wall_ns, now_wall_ns, rank_of)
     where = {(t["comm_hash"], t["rank"]): rank_of(pid) for pid, ts in tables.items() for t in ts}
     proxy = []
     for pid, ts in tables.items():

@@ -24,16 +24,19 @@ def _head(comm_hash: int) -> np.ndarray:
 LENGTH = NCCL_PROF_TABLE.itemsize + 4 * NCCL_PROF_PROXY.itemsize
 
 
-def _process(tmp_path, starts: list[int], written: list[int]):
-    """A process with a table mapped at each of `starts`; only the heads at `written` in its memory."""
+def _process(tmp_path, starts: list[int], written: list[int], ring: bool = False):
+    """A process with a table mapped at each of `starts`; only the heads at `written` in its
+    memory (with `ring`, each followed by its 3 proxy summaries)."""
     d = tmp_path / str(PID)
     d.mkdir()
     (d / "maps").write_text("".join(f"{s:x}-{s + LENGTH:x} rw-s 00000000 00:01 1234 "
                                     f"/memfd:{NCCL_PROF_TABLE_NAME} (deleted)\n" for s in starts))
+    entries = np.zeros(3, NCCL_PROF_PROXY)
+    entries["seq"] = [1, 2, 3]
     with open(d / "mem", "wb") as f:
         for i, s in enumerate(written):
             f.seek(s)
-            f.write(_head(0xabc + i).tobytes())
+            f.write(_head(0xabc + i).tobytes() + (entries.tobytes() if ring else b""))
 
 
 def test_a_proxy_ring_that_reads_empty_ends_the_read(tmp_path):
@@ -44,11 +47,13 @@ def test_a_proxy_ring_that_reads_empty_ends_the_read(tmp_path):
     assert [(t["comm_hash"], t["proxies"]) for t in tables] == [(0xabc, [])]
 
 
-def test_a_process_that_exits_between_its_tables_gives_no_read_rather_than_a_part(tmp_path):
-    """Its maps list two tables and its memory ends before the second: a read of the first alone
-    would drop the operations open in the second (the caller keeps the last whole read)."""
+def test_a_process_that_exits_between_its_tables_keeps_its_last_open_rows_and_gives_its_summaries(tmp_path):
+    """Its maps list two tables and its memory ends before the second: the first alone as its
+    open operations would drop those open in the second (the caller keeps the last whole
+    read); the first's proxy summaries, drained by the read, are still written."""
     second = START + 0x100000
-    _process(tmp_path, [START, second], [START])
-    assert Reader(tmp_path).read(PID) is None
+    _process(tmp_path, [START, second], [START], ring=True)
+    tables = Reader(tmp_path).read(PID)
+    assert [(t["comm_hash"], t["partial"], len(t["proxies"])) for t in tables] == [(0xabc, True, 3)]
     opens, proxy = read_all(Reader(tmp_path), [PID], 0, 1, lambda pid: 0)
-    assert (opens, proxy) == ({}, [])
+    assert opens == {} and len(proxy) == 3
