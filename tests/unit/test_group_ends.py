@@ -1,11 +1,12 @@
 """A group whose end was not traced: the probes attach its end first, and the analysis
 does not let one such group chain every instance of the trace into one.
 
-A 3D lab job probed late on a busy machine had ncclGroupStart probed before
-ncclGroupEnd: on one rank a start was seen without its end, so every later call of that
-thread fell into one group, one event holding 600 collectives. Joining the instances
-launched together (calls._join) then made one instance of them all, with many events of
-each other rank, which waits for itself: the replay met 151 cycles."""
+Probes reach a running job one function after the other. With ncclGroupStart probed
+before ncclGroupEnd, a start can be seen without its end, and every later call of that
+thread falls into one group: in a 3D lab job probed late on a busy machine, one event
+holding 600 collectives. Joining the instances launched together (calls._join) would then
+make one instance of them all, with many events of each other rank, which waits for
+itself: the replay met 151 cycles."""
 
 from __future__ import annotations
 
