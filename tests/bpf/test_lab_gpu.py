@@ -250,12 +250,15 @@ def _proxy_waits_show_the_lossy_link(con, report) -> None:
     assert {"ALL_REDUCE", "SEND", "RECV"} <= ops, ops
     # per operation: a node's ranks may be in twice the operations of the other's (one run: 19
     # against 42), so totals compare unlike counts. The rank sending the other way over the
-    # link waits too: one run 0.65 ms per operation
-    # for the victim, 0.59 for it, 0.31 and 0.39 for the others
+    # link waits too, as long as the victim on a busy machine (one CI run at load ~35: 0.75 ms
+    # per operation for it, 0.74 for the victim, 0.15 and 0.28 for the others; another 0.59
+    # against 0.65, 0.31 and 0.39): the two of the link wait longest, the victim one of them.
     send_ms = {r: (ms, ms / n) for r, n, *_, ms, _ in rows}
-    victim, per_op = send_ms.pop(report["victim_rank"])
-    assert victim >= 30 and per_op > max(o for _, o in send_ms.values()), (victim, per_op, send_ms)
-    assert per_op >= 1.5 * statistics.median(o for _, o in send_ms.values()), (victim, per_op, send_ms)
+    victim, per_op = send_ms[report["victim_rank"]]
+    link = sorted(send_ms, key=lambda r: send_ms[r][1])[-2:]
+    rest = [o for r, (_, o) in send_ms.items() if r not in link]
+    assert victim >= 30 and report["victim_rank"] in link, (report["victim_rank"], send_ms)
+    assert per_op >= 1.5 * max(rest), (report["victim_rank"], send_ms)
 
 
 def _streams_side_by_side(con) -> None:
