@@ -243,6 +243,37 @@ def check_machine(cfg: ProbeConfig) -> None:
         abi.machine()   # raises, naming the fix, on a machine without an argument table
 
 
+# bpf_map_type BPF_MAP_TYPE_ARRAY, bpf_prog_type BPF_PROG_TYPE_KPROBE (linux/bpf.h); a
+# program of two instructions: r0 = 0 (BPF_ALU64 | BPF_MOV | BPF_K), exit (BPF_JMP | BPF_EXIT)
+_MAP_ARRAY, _PROG_KPROBE = 2, 2
+_RETURN_0 = bytes([0xB7, 0, 0, 0, 0, 0, 0, 0, 0x95, 0, 0, 0, 0, 0, 0, 0])
+
+
+def bpf_refusal() -> str | None:
+    """Why the kernel will not let this process trace with BPF, or None: one map and one
+    tracing program made and closed, through bcc's library. A refusal here is a missing
+    capability, and no fallback compile can get past it: said at once, not after several
+    compiles (minutes on a busy node)."""
+    from bcc.libbcc import lib
+    lib.bcc_create_map.restype = ct.c_int
+    lib.bcc_create_map.argtypes = [ct.c_int, ct.c_char_p, ct.c_int, ct.c_int, ct.c_int, ct.c_int]
+    lib.bcc_prog_load.restype = ct.c_int
+    lib.bcc_prog_load.argtypes = [ct.c_int, ct.c_char_p, ct.c_char_p, ct.c_int, ct.c_char_p,
+                                  ct.c_uint, ct.c_int, ct.c_char_p, ct.c_uint]
+    fd = lib.bcc_create_map(_MAP_ARRAY, b"ingero_check", 4, 4, 1, 0)
+    if fd < 0 and ct.get_errno() == errno.EPERM:
+        return "the kernel refused to create a BPF map (Operation not permitted): the tracer needs CAP_BPF"
+    if fd >= 0:
+        os.close(fd)
+    fd = lib.bcc_prog_load(_PROG_KPROBE, b"ingero_check", _RETURN_0, len(_RETURN_0), b"GPL", 0, 0, None, 0)
+    if fd < 0 and ct.get_errno() == errno.EPERM:
+        return ("the kernel refused to load a BPF tracing program (Operation not permitted): the "
+                "tracer needs CAP_PERFMON beside CAP_BPF")
+    if fd >= 0:
+        os.close(fd)
+    return None
+
+
 # Functions that close a group: their entries are attached before the rest, so that a group
 # whose start is seen has its end seen too. Probes reach a running job one function after
 # the other; a start seen without its end (a 3D lab job probed late on a busy machine) put
@@ -268,6 +299,9 @@ class Probes:
             raise IngeroError("the bcc Python module is missing: install python3-bpfcc (Debian) and "
                               "create the venv with --system-site-packages") from e
         self._BPF = BPF
+        refusal = bpf_refusal()
+        if refusal:
+            raise IngeroError(f"{refusal} (docs/install.md lists the agent's capabilities)")
         try:
             try:
                 self._load()
