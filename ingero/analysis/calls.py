@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import warnings as warnings_
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -52,33 +52,43 @@ OPS = list(COLLECTIVE_OPS) + list(P2P_OPS)      # op code = index + 1; GROUP_STA
 _SEND, _RECV = OPS.index("SEND") + 1, OPS.index("RECV") + 1
 _GS, _GE = -1, -2
 
-_QUERY = f"""
-    SELECT COALESCE(r.rank, e.global_rank, e.rank) AS grank, e.node, COALESCE(r.pod, e.pod) AS pod,
-           e.pid, e.op, e.comm_id_hash AS comm, e.seq, e.timestamp_ns AS t, e.duration_ns AS d,
-           e.rank AS crank, e.peer, e.event_id, e.ret, e.comm AS ptr, e.count AS cnt, e.datatype AS dtype
+_GROUP_OPS = ("GROUP_START", "GROUP_END", "GROUP_SIMULATE_END")
+_FROM = """
     FROM nccl_events e
     LEFT JOIN (SELECT node, pid, any_value(rank) AS rank, any_value(pod) AS pod
                FROM ranks GROUP BY node, pid) r
-      ON r.node IS NOT DISTINCT FROM e.node AND r.pid = e.pid
-    WHERE e.ret IN ({', '.join(map(str, NCCL_OK_RETS))}) AND e.timestamp_ns IS NOT NULL
-      AND e.duration_ns IS NOT NULL
+      ON r.node IS NOT DISTINCT FROM e.node AND r.pid = e.pid"""
+_RETURNED = (f"e.ret IN ({', '.join(map(str, NCCL_OK_RETS))}) AND e.timestamp_ns IS NOT NULL "
+             "AND e.duration_ns IS NOT NULL")
+_QUERY = f"""
+    SELECT COALESCE(r.rank, e.global_rank, e.rank) AS grank, e.node, COALESCE(r.pod, e.pod) AS pod,
+           e.pid, e.op, e.comm_id_hash AS comm, e.seq, e.timestamp_ns AS t, e.duration_ns AS d,
+           e.rank AS crank, e.peer, e.event_id, e.ret, e.comm AS ptr, e.count AS cnt, e.datatype AS dtype{_FROM}
+    WHERE {_RETURNED}
       AND ((e.op IN ({', '.join(repr(o) for o in OPS)}) AND (e.comm_id_hash <> 0 OR e.comm <> 0) AND e.seq IS NOT NULL)
-           OR e.op IN ('GROUP_START', 'GROUP_END', 'GROUP_SIMULATE_END'))"""
+           OR e.op IN ({', '.join(repr(o) for o in _GROUP_OPS)}))"""
 _ORDER = " ORDER BY grank, t, e.event_id"
-_GROUP_OPS = ("GROUP_START", "GROUP_END", "GROUP_SIMULATE_END")
-# What ``load`` reads: every call that returned, the ones it cannot place too (coverage.py
-# counts them from this read: no second pass over the calls), with ``how`` saying which:
-# 1 no communicator hash, 2 a communicator handle, 4 no seq. The op as an ENUM (Arrow
-# dictionary codes); none of the columns only the recovery of unknown communicators reads
-# (recover.py: it reads _QUERY again); unsorted: numpy orders the calls (``_call_order``)
-# for a fraction of what ORDER BY costs.
-_QUERY_KNOWN = (_QUERY[:_QUERY.index("AND ((e.op")]
-                .replace(", e.comm AS ptr, e.count AS cnt, e.datatype AS dtype",
-                         ", (COALESCE(e.comm_id_hash, 0) = 0)::UTINYINT + 2 * (COALESCE(e.comm, 0) <> 0)::UTINYINT"
-                         " + 4 * (e.seq IS NULL)::UTINYINT AS how")
-                .replace("e.pid, e.op,", f"e.pid, e.op::ENUM({', '.join(repr(o) for o in OPS + list(_GROUP_OPS))}) AS op,")
-                + f"AND e.op IN ({', '.join(repr(o) for o in OPS + list(_GROUP_OPS))})")
-_NO_HASH, _HANDLE, _NO_SEQ = 1, 2, 4
+# What ``load`` reads of the host calls: every row, unsorted and unfiltered, and numpy orders
+# (``_call_order``) and filters them for a fraction of what ORDER BY and a WHERE cost (over the
+# artifact's view of the segments, a WHERE is planned into every segment's branch). ``how``
+# says what numpy filters by: 1 no communicator hash, 2 a communicator handle, 4 no seq,
+# 8 returned ncclSuccess, 16 returned at all (an ok return, with a time and a duration). The
+# op as an ENUM (NULL: none of the calls read). Every call that returned is read, the ones it
+# cannot place too: coverage.py counts them from this read (``Calls.counted``), with no second
+# pass over the calls. None of the columns only the recovery of unknown communicators reads
+# (recover.py: it reads _QUERY again).
+_HOST_QUERY = f"""
+    SELECT COALESCE(r.rank, e.global_rank, e.rank) AS grank, e.node, COALESCE(r.pod, e.pod) AS pod, e.pid,
+           TRY_CAST(e.op AS ENUM({', '.join(repr(o) for o in OPS + list(_GROUP_OPS))})) AS op,
+           e.comm_id_hash AS comm, e.seq, e.timestamp_ns AS t, e.duration_ns AS d, e.rank AS crank, e.peer,
+           e.event_id, (COALESCE(e.comm_id_hash, 0) = 0)::UTINYINT + 2 * (COALESCE(e.comm, 0) <> 0)::UTINYINT
+           + 4 * (e.seq IS NULL)::UTINYINT + 8 * COALESCE(e.ret = 0, false)::UTINYINT
+           + 16 * COALESCE({_RETURNED}, false)::UTINYINT AS how{_FROM}"""
+_NO_HASH, _HANDLE, _NO_SEQ, _RET_OK, _RET = 1, 2, 4, 8, 16
+# NULLs read as these (else 0), and numpy's type of each column (else the column's own)
+_FILLS = {"grank": -1, "crank": -1, "peer": -1, "ret": -1, "grp": -1}
+_TYPES: dict[str, type] = {name: np.int64 for name in ("grank", "pid", "seq", "t", "d", "crank", "peer", "ret", "grp")}
+_TYPES.update(comm=np.uint64, event_id=np.uint64, strm=np.uint64)
 
 # The same columns from the NCCL profiler plugin's rows: when the GPU ran each operation
 # (device start/end, on the host's clock), NCCL's own communicator hash and seq, and the
@@ -91,7 +101,7 @@ _DEVICE_QUERY = f"""
     SELECT COALESCE(r.rank, e.global_rank) AS grank, e.node, COALESCE(r.pod, e.pod) AS pod,
            e.pid, e.op, e.comm_hash AS comm, e.seq, e.device_start_ns AS t,
            e.device_end_ns - e.device_start_ns AS d, e.rank AS crank, e.peer, e.event_id,
-           e.group_id AS grp, e.stream AS strm
+           e.group_id AS grp, e.stream AS strm, e.stream IS NOT NULL AS strm_known
     FROM nccl_profiler_events e
     LEFT JOIN (SELECT node, pid, any_value(rank) AS rank, any_value(pod) AS pod
                FROM ranks GROUP BY node, pid) r
@@ -207,10 +217,10 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
     """The session's collective, p2p and group calls from `con` (any view of the tables);
     with `device`, the operations as the GPU ran them (nccl_profiler_events)."""
     warnings: list[str] = []
-    tbl, recovering, counted = _rows(con, device, warnings)
-    if tbl.num_rows == 0:
+    cols, rows, counted = _rows(con, device, warnings)
+    if not len(rows):
         return replace(_no_calls(np.zeros(0, np.uint64)), counted=counted), warnings
-    k = _columns(tbl, device, recovering, warnings)
+    k = _columns(cols, rows, device)
     hashes, k["comm"] = _codes(k.pop("comm_h"))
     simulated_by_rank = _leave_out_simulated(k, warnings)
     if not len(k["o"]):
@@ -219,7 +229,7 @@ def load(con, device: bool = False) -> tuple[Calls, list[str]]:
     members, peer = _members_and_peers(rank, op, comm, k["crank"], k["peer_c"])
     inst, inst_comm, inst_op, cnt = _instances(rank, op, comm, k["seq"], warnings)
     return Calls(rank=rank, t=k["t"], d=k["d"], op=op, comm=comm, seq=k["seq"], inst=inst, peer=peer,
-                 pid=k["pid"], node_of=_where_ranks_are(rank, k["t"], k["o"], tbl), comm_hash=hashes,
+                 pid=k["pid"], node_of=_where_ranks_are(rank, k["o"], cols), comm_hash=hashes,
                  inst_comm=np.asarray(inst_comm), inst_op=np.asarray(inst_op), inst_size=np.asarray(cnt),
                  comm_members=members, simulated=simulated_by_rank,
                  launch=_launches(rank, k["pid"], comm, k["grp"]) if device else None,
@@ -232,38 +242,46 @@ def _no_calls(hashes: np.ndarray, simulated_by_rank: dict | None = None) -> Call
                  simulated=simulated_by_rank or {})
 
 
-def _rows(con, device: bool, warnings: list[str]) -> tuple[pa.Table, bool, list | None]:
-    """The calls' rows as Arrow, whether communicators created before tracing were
-    recovered (their identity from the calls, in call order: the rows then come sorted),
-    and the host calls' counts (``Calls.counted``)."""
+def _rows(con, device: bool, warnings: list[str]) -> tuple[dict, np.ndarray, list | None]:
+    """The calls' rows as numpy columns (``_fetch``), the rows that are calls with a rank in
+    call order (by rank, time and event id), and the host calls' counts (``Calls.counted``).
+    Communicators created before tracing are recovered from the calls (recover.py)."""
+    counted: list | None = None if device else []
     with warnings_.catch_warnings():     # (DuckDB notes the Arrow copy of a DB-API result)
         warnings_.simplefilter("ignore", UserWarning)
-        if device:
-            return con.execute(_DEVICE_QUERY).to_arrow_table(), False, None
-        tbl = _fetch(con, _QUERY_KNOWN, {"grank": -1, "crank": -1, "peer": -1, "ret": -1})
-        op, _ = _op_codes(tbl)
-        how = tbl.column("how").to_numpy()
-        counted = _counted(tbl, op, how)
-        keep = (op < 0) | (((how & _NO_HASH) == 0) | ((how & _HANDLE) != 0)) & ((how & _NO_SEQ) == 0)
-        if not keep.all():
-            tbl = tbl.filter(pa.array(keep))
-        recovering = bool(((op[keep] > 0) & ((how[keep] & _NO_HASH) != 0)).any())
-        if recovering:
+        if device:                       # rows in call order
+            cols = _fetch(con.sql(_DEVICE_QUERY).to_arrow_reader(1 << 20))
+        elif cols := _fetch(con.sql(_HOST_QUERY).to_arrow_reader(1 << 20)):
+            op, how = _op_codes(cols["op"]), cols["how"]
+            call = ((how & _RET) != 0) & (op != 0)
+            counted = _counted(cols["node"], cols["grank"], np.flatnonzero(call & (op > 0)), how)
+            keep = call & ((op < 0) | (((how & _NO_HASH) == 0) | ((how & _HANDLE) != 0)) & ((how & _NO_SEQ) == 0))
+            if not ((op > 0) & keep & ((how & _NO_HASH) != 0)).any():
+                return cols, _call_order(_ranked(cols, keep, warnings), cols["t"], cols["event_id"]), counted
             tbl = recover.communicators(con, con.execute(_QUERY + _ORDER).to_arrow_table(), OPS, warnings)
-    return tbl, recovering, counted
+            cols = _fetch(tbl.to_batches())      # rows in call order
+    if not cols:
+        return cols, np.zeros(0, np.int64), counted
+    return cols, np.flatnonzero(_ranked(cols, None, warnings) >= 0), counted
 
 
-def _counted(tbl: pa.Table, op: np.ndarray, how: np.ndarray) -> list:
-    """``Calls.counted`` from the rows `_QUERY_KNOWN` read (op codes `op`, flags `how`)."""
-    call = np.flatnonzero(op > 0)
+def _ranked(cols: dict, keep: np.ndarray | None, warnings: list[str]) -> np.ndarray:
+    """Each row's rank; -1 for the rows not in `keep` (None: every row) and for calls of
+    processes without a rank, which a warning counts."""
+    rank = cols["grank"]
+    lost = int(np.count_nonzero(rank < 0 if keep is None else keep & (rank < 0)))
+    if lost:                             # no ranks row, no torchrun RANK, no rank in the communicator
+        warnings.append(f"{lost} calls of processes without a rank were left out")
+    return rank if keep is None else np.where(keep, rank, -1)
+
+
+def _counted(node: Coded, grank: np.ndarray, call: np.ndarray, how: np.ndarray) -> list:
+    """``Calls.counted`` of the rows `call` (the calls that returned) of `_HOST_QUERY`'s."""
     if not len(call):
         return []
-    node = tbl.column("node").combine_chunks()
-    if not pa.types.is_dictionary(node.type):
-        node = node.dictionary_encode()
-    names = node.dictionary.to_pylist() + [None]
-    nidx = node.indices.fill_null(len(names) - 1).to_numpy()[call].astype(np.int64)
-    grank = np.maximum(tbl.column("grank").to_numpy()[call].astype(np.int64), -1)    # < 0: no rank
+    names = node.names + [None]
+    nidx = np.where(node.codes[call] < 0, len(names) - 1, node.codes[call]).astype(np.int64)
+    grank = np.maximum(grank[call], -1)                                   # < 0: no rank
     h = how[call]
     no_hash, handle = (h & _NO_HASH) != 0, (h & _HANDLE) != 0
     flags = (no_hash & ~handle, ~no_hash & ((h & _NO_SEQ) != 0), no_hash & handle)
@@ -275,34 +293,17 @@ def _counted(tbl: pa.Table, op: np.ndarray, how: np.ndarray) -> list:
             for i, k in enumerate(keys.tolist())]
 
 
-def _columns(tbl: pa.Table, device: bool, recovering: bool, warnings: list[str]) -> dict:
-    """The rows with a rank as numpy columns, by (rank, time, event id); ``o``: each one's
-    row in `tbl`."""
-    def col(name, dtype=None, fill=0):
-        c = tbl.column(name)
-        if c.null_count:
-            c = c.fill_null(fill)
-        a = c.to_numpy()
-        return a.astype(dtype) if dtype is not None else a
-
-    rank = col("grank", np.int64, -1)
-    keep = rank >= 0                   # no ranks row, no torchrun RANK, no rank in the communicator
-    if not keep.all():
-        warnings.append(f"{int((~keep).sum())} calls of processes without a rank were left out")
-    t = col("t", np.int64)
-    op, sim_end = _op_codes(tbl)
-    k = {"rank": rank, "t": t, "d": col("d", np.int64), "op": op, "comm_h": col("comm", np.uint64),
-         "seq": col("seq", np.int64), "crank": col("crank", np.int64, -1), "peer_c": col("peer", np.int64, -1),
-         "pid": col("pid", np.int64), "sim_end": sim_end,
-         "grp": col("grp", np.int64, -1) if device else None,
-         "strm": _stream_codes(tbl.column("strm")) if device else None}
-    if device or recovering:           # rows come sorted by (rank, time, event id); NULL ranks last
-        o = np.flatnonzero(keep)
-    else:
-        o = _call_order(rank, t, col("event_id", np.uint64))
-    if len(o) < len(keep) or not (device or recovering):
-        k = {name: None if a is None else a[o] for name, a in k.items()}
-    k["o"] = o
+def _columns(cols: dict, rows: np.ndarray, device: bool) -> dict:
+    """The calls (`rows` of `cols`, in call order) as numpy columns; ``o``: each one's row."""
+    op = _op_codes(cols["op"])
+    ret_ok = (cols["how"] & _RET_OK) != 0 if "how" in cols else cols["ret"] == 0 if "ret" in cols else None
+    k = {"rank": cols["grank"], "t": cols["t"], "d": cols["d"], "op": op, "comm_h": cols["comm"],
+         "seq": cols["seq"], "crank": cols["crank"], "peer_c": cols["peer"], "pid": cols["pid"],
+         "sim_end": np.zeros(len(op), bool) if ret_ok is None else _simulate_ends(cols["op"], ret_ok),
+         "grp": cols["grp"] if device else None,
+         "strm": _stream_codes(cols["strm"], cols["strm_known"]) if device else None}
+    k = {name: None if a is None else a[rows] for name, a in k.items()}
+    k["o"] = rows
     if device:
         k["t"], k["d"] = _monotonic(k["rank"], k["t"], k["d"])
     return k
@@ -378,28 +379,41 @@ def _instances(rank, op, comm, seq, warnings: list[str]):
     return inst, inst_comm, inst_op, cnt
 
 
-def _fetch(con, sql: str, fills: dict):
-    """The rows of `sql` as an Arrow table, streamed batch by batch: text columns
-    dictionary-encoded (a handful of node, pod and op names), the others copied into numpy
-    memory with NULLs filled (`fills`, else 0), so DuckDB holds one batch at a time (memory
-    its allocator frees is only reused by DuckDB, and returned to the system ~10 s later)."""
-    batches = []
-    for b in con.sql(sql).to_arrow_reader(1 << 20):
-        cols = []
+class Coded(NamedTuple):
+    """A text column: a code per row (-1: NULL) and the names the codes stand for."""
+
+    codes: np.ndarray
+    names: list
+
+    def name(self, i: int):
+        return self.names[self.codes[i]] if self.codes[i] >= 0 else None
+
+
+def _fetch(batches, fills: dict = _FILLS, types: dict = _TYPES) -> dict:
+    """The columns of the record `batches` as numpy arrays, each batch copied out as it comes,
+    so that DuckDB holds one at a time (memory its allocator frees is only reused by DuckDB,
+    and returned to the system ~10 s later): text and ENUM columns ``Coded`` (a handful of
+    node, pod and op names), the others with NULLs filled (`fills`, else 0), as numpy's
+    `types` (else their own). {} when there are no rows."""
+    parts: dict = {}
+    names: dict = {}
+    for b in batches:
         for name, c in zip(b.schema.names, b.columns):
             if pa.types.is_string(c.type) or pa.types.is_large_string(c.type):
-                cols.append(pc.dictionary_encode(c))
-            elif pa.types.is_dictionary(c.type):          # an ENUM
-                cols.append(pa.DictionaryArray.from_arrays(np.array(c.indices.to_numpy(zero_copy_only=False)),
-                                                           c.dictionary))
+                c = pc.dictionary_encode(c)
+            if pa.types.is_dictionary(c.type):
+                seen = names.setdefault(name, {})
+                code = np.array([seen.setdefault(v, len(seen)) for v in c.dictionary.to_pylist()] + [-1], np.int32)
+                a = code[c.indices.fill_null(len(code) - 1).to_numpy()]
             else:
                 c = c.fill_null(pa.scalar(fills.get(name, 0), c.type)) if c.null_count else c
-                cols.append(pa.array(np.array(c.to_numpy(), copy=True), type=c.type))
-        batches.append(pa.RecordBatch.from_arrays(cols, names=b.schema.names))
+                a = c.to_numpy(zero_copy_only=False).astype(types.get(name, c.type.to_pandas_dtype()), copy=True)
+            parts.setdefault(name, []).append(a)
         del b
-    if not batches:
-        return con.execute(f"SELECT * FROM ({sql}) LIMIT 0").to_arrow_table()
-    return pa.Table.from_batches(batches).unify_dictionaries()
+    out = {name: np.concatenate(p) for name, p in parts.items()}
+    if not out or not len(next(iter(out.values()))):
+        return {}
+    return {name: Coded(a, list(names[name])) if name in names else a for name, a in out.items()}
 
 
 def _call_order(rank: np.ndarray, t: np.ndarray, event_id: np.ndarray) -> np.ndarray:
@@ -434,12 +448,11 @@ def _monotonic(rank, t, d) -> tuple[np.ndarray, np.ndarray]:
     return up, np.maximum(d - (up - t), 0)
 
 
-def _stream_codes(col) -> np.ndarray:
+def _stream_codes(strm: np.ndarray, known: np.ndarray) -> np.ndarray:
     """Per device row, its stream as a code (-1: not recorded, a plugin on profiler API v4)."""
-    known = np.asarray(col.is_valid())
     out = np.full(len(known), -1, np.int64)
     if known.any():
-        _, out[known] = _codes(col.drop_null().to_numpy().astype(np.uint64))
+        _, out[known] = _codes(strm[known])
     return out
 
 
@@ -469,11 +482,12 @@ def simulated_calls(con):
         tbl = con.execute(f"SELECT * FROM ({_QUERY}) q WHERE grank IS NOT NULL "
                           "ORDER BY grank, t, event_id").to_arrow_table()
     tbl = recover.communicators(con, tbl, OPS, [])
-    op, sim_end = _op_codes(tbl)
-    rank = tbl.column("grank").to_numpy().astype(np.int64)
-    seq = tbl.column("seq").fill_null(0).to_numpy().astype(np.int64)
-    _, comm = _codes(tbl.column("comm").fill_null(0).to_numpy().astype(np.uint64))
-    sim = simulated(rank, op, sim_end)
+    cols = _fetch(tbl.to_batches())
+    if not cols:
+        return None
+    rank, seq, op = cols["grank"], cols["seq"], _op_codes(cols["op"])
+    _, comm = _codes(cols["comm"])
+    sim = simulated(rank, op, _simulate_ends(cols["op"], cols["ret"] == 0))
     new = launched_seq(rank, op, comm, seq, sim)
     pick = sim | (new != seq)
     if not pick.any():
@@ -483,28 +497,27 @@ def simulated_calls(con):
                      "simulated": pa.array(sim[pick]), "seq": pa.array(new[pick])})
 
 
-def _op_codes(tbl) -> tuple[np.ndarray, np.ndarray]:
-    """(op code of each row, is it an ncclGroupSimulateEnd that returned ncclSuccess?).
+_OP_CODE = {o: i + 1 for i, o in enumerate(OPS)} | {"GROUP_START": _GS, "GROUP_END": _GE, "GROUP_SIMULATE_END": _GE}
+
+
+def _op_codes(op: Coded) -> np.ndarray:
+    """The op code of each row (0: none of the calls read, or NULL).
 
     ncclGroupSimulateEnd closes a group as ncclGroupEnd does (code -2): without it the rank's
     later calls would all seem to sit in one open group. Whether it launched what the group
-    holds is ``simulated``'s question: at the outermost level NCCL's ncclGroupEndInternal hands
-    simInfo to groupLaunch, which then skips doLaunches, and returns ncclSuccess (0); a
-    non-blocking group instead goes to groupLaunchNonBlocking, which launches without simInfo,
-    and the call returns ncclInProgress (7) (src/group.cc, 2.22.3 to master)."""
-    code = {o: i + 1 for i, o in enumerate(OPS)}
-    code.update(GROUP_START=_GS, GROUP_END=_GE, GROUP_SIMULATE_END=_GE)
-    enc = tbl.column("op").combine_chunks()                         # a few distinct names
-    if not pa.types.is_dictionary(enc.type):
-        enc = enc.dictionary_encode()
-    names = enc.dictionary.to_pylist()
-    idx = enc.indices.to_numpy(zero_copy_only=False)
-    op = np.array([code[o] for o in names], np.int8)[idx]
-    sim_end = np.zeros(len(op), bool)
-    if "GROUP_SIMULATE_END" in names and "ret" in tbl.column_names:
-        ret = tbl.column("ret").fill_null(-1).to_numpy()
-        sim_end = (idx == names.index("GROUP_SIMULATE_END")) & (ret == 0)
-    return op, sim_end
+    holds is ``simulated``'s question (``_simulate_ends``)."""
+    return np.array([_OP_CODE.get(o, 0) for o in op.names] + [0], np.int8)[op.codes]
+
+
+def _simulate_ends(op: Coded, ret_ok: np.ndarray) -> np.ndarray:
+    """Per row: an ncclGroupSimulateEnd that returned ncclSuccess (`ret_ok`)? At the outermost
+    level NCCL's ncclGroupEndInternal hands simInfo to groupLaunch, which then skips
+    doLaunches, and returns ncclSuccess (0); a non-blocking group instead goes to
+    groupLaunchNonBlocking, which launches without simInfo, and the call returns
+    ncclInProgress (7) (src/group.cc, 2.22.3 to master)."""
+    if "GROUP_SIMULATE_END" not in op.names:
+        return np.zeros(len(op.codes), bool)
+    return (op.codes == op.names.index("GROUP_SIMULATE_END")) & ret_ok
 
 
 def _depth(op: np.ndarray, newrank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -586,13 +599,12 @@ def _dups(inst: np.ndarray, rank: np.ndarray) -> np.ndarray:
     return out
 
 
-def _where_ranks_are(rank, t, order, tbl) -> dict:
+def _where_ranks_are(rank: np.ndarray, order: np.ndarray, cols: dict) -> dict:
     """rank -> (node, pod, pid) of its latest call (a restarted rank shows where it called last)."""
     last = np.flatnonzero(np.r_[rank[1:] != rank[:-1], True])
     rows = order[last].tolist()
-    nodes, pods, pids = (tbl.column(c).take(rows).to_pylist() for c in ("node", "pod", "pid"))
-    return {int(r): (n, p, int(q) if q is not None else 0)
-            for r, n, p, q in zip(rank[last].tolist(), nodes, pods, pids)}
+    return {r: (cols["node"].name(i), cols["pod"].name(i), int(cols["pid"][i]))
+            for r, i in zip(rank[last].tolist(), rows)}
 
 
 @dataclass
