@@ -706,6 +706,9 @@ def _join(inst_of_row: np.ndarray, owner: np.ndarray, ev_rank: np.ndarray) -> np
     if not len(coll):
         return inst
     ev_of, ins = owner[coll], inst_of_row[coll]
+    if (ev_of[1:] > ev_of[:-1]).all():           # one instance per event: none to join
+        inst[ev_of] = ins
+        return inst
     rep = np.arange(int(ins.max()) + 1)
     while True:                                  # join instances that share an event
         low = np.full(len(ev_rank), np.iinfo(np.int64).max, np.int64)
@@ -907,24 +910,15 @@ def _pair_names(c: Calls, keys: np.ndarray) -> list:
 
 def _clamped_cumsum(step: np.ndarray, newrank: np.ndarray) -> np.ndarray:
     """Running sum of `step` restarting at each new rank, never below zero."""
-    out = np.empty(len(step), np.int64)
-    if not (step < 0).any() or _simple(step, newrank):
-        seg = np.cumsum(newrank) - 1
-        cs = np.cumsum(step)
-        base = np.r_[0, cs][np.flatnonzero(newrank)]
-        return cs - base[seg]
+    cs = np.cumsum(step)
+    run = cs - np.r_[0, cs][np.flatnonzero(newrank)][np.cumsum(newrank) - 1]
+    if (run >= 0).all():                 # nothing to clamp: every end closes a start
+        return run
     acc = 0
     for i, (s, nr) in enumerate(zip(step.tolist(), newrank.tolist())):
         acc = max((0 if nr else acc) + s, 0)
-        out[i] = acc
-    return out
-
-
-def _simple(step: np.ndarray, newrank: np.ndarray) -> bool:
-    seg = np.cumsum(newrank) - 1
-    cs = np.cumsum(step)
-    base = np.r_[0, cs][np.flatnonzero(newrank)]
-    return bool(((cs - base[seg]) >= 0).all())
+        run[i] = acc
+    return run
 
 
 def _nth(keys: np.ndarray) -> np.ndarray:

@@ -229,6 +229,8 @@ def _own_segments(ev: Events, go: np.ndarray, apos: np.ndarray, rs: _Rounds) -> 
     """Per completing event (in `go` order), the arrival positions of itself, then its p2p
     dependencies arrived by its round: (own_pos, own_ptr)."""
     n = len(go)
+    if not len(ev.dep_idx):                        # no p2p dependencies: each event alone
+        return apos[go], np.arange(n + 1)
     ndeps = np.diff(ev.dep_ptr)
     q = np.repeat(np.arange(n), ndeps[go])         # completion index of each dependency, in order
     d = ev.dep_idx[_expand(ev.dep_ptr, go)]

@@ -162,7 +162,7 @@ def markers(c: Calls, visible: np.ndarray, ev: Events | None = None) -> list[tup
         return (count(fam), -len(members(fam) & want), -fam[1], fam[0],
                 min(int(c.comm_hash[comm]) for _, comm in fam[2]))
 
-    left = set(c.rank.tolist())
+    left = set(np.unique(c.rank).tolist())
     # a collective seen only twice may be a one-off pair (set-up, checkpoint): a step needs 3
     steady = [f for f in families if count(f) >= MIN_INSTANCES] or families
     if ev is not None:
