@@ -200,7 +200,8 @@ def window_reads(root: Path, ranks: int, collectives: int, nodes: int, fault: st
                  repeat: int) -> dict:
     """CPU seconds (all threads) of one window's DuckDB reads (the calls, coverage, runqueue
     tails) of the middle 1/`windows` of the session: through the merged views with a time
-    predicate, and from only the segments in range (the operator's windows), alternating."""
+    predicate, and from only the segments in range (the operator's windows), alternating;
+    and of binding nccl_events (a query's fixed cost): the whole view, a window's."""
     import warnings
 
     sys.path.insert(0, str(REPO / "operator"))
@@ -224,14 +225,22 @@ def window_reads(root: Path, ranks: int, collectives: int, nodes: int, fault: st
     schema.create_all(con)
     gather._load_state(con, local, offsets)
     resolve_split_ranks(con)
-    views = {t: gather._event_view(con, t, local, offsets)
-             for t in ("nccl_events", "nccl_profiler_events", "sched_events")}
+    views = gather.segment_views(local, offsets)
+    views.create(con)
     lo, hi = con.execute("SELECT min(timestamp_ns), max(timestamp_ns) FROM nccl_events").fetchone()
     w = (hi - lo) // windows
     a, b = lo + (windows // 2) * w, lo + (windows // 2 + 1) * w
     cpu: dict = {"merged views": [], "segments in range": []}
+    bind: dict = {"the whole view": [], "a window's views, made and bound": []}
     for _ in range(repeat):
-        for name, between in (("merged views", events_between), ("segments in range", gather._segments_between(views))):
+        t = _cpu_s()
+        con.execute("SELECT * FROM nccl_events WHERE false").fetchall()
+        bind["the whole view"].append(_cpu_s() - t)
+        t = _cpu_s()
+        with views.between(con, a, b):
+            con.execute("SELECT * FROM nccl_events WHERE false").fetchall()
+        bind["a window's views, made and bound"].append(_cpu_s() - t)
+        for name, between in (("merged views", events_between), ("segments in range", views.between)):
             t = _cpu_s()
             with between(con, a, b):
                 c, _ = load(con)
@@ -241,6 +250,8 @@ def window_reads(root: Path, ranks: int, collectives: int, nodes: int, fault: st
     out = {k: statistics.median(v) for k, v in cpu.items()}
     print(f"  one 1/{windows} window's reads ({c.n:,} calls), median of {repeat}: "
           + ", ".join(f"{k} {v:.2f} CPU-s" for k, v in out.items()) + f"; load {os.getloadavg()[0]:.1f}")
+    out["bind"] = {k: statistics.median(v) for k, v in bind.items()}
+    print("  binding nccl_events: " + ", ".join(f"{k} {v * 1e3:.0f} CPU-ms" for k, v in out["bind"].items()))
     return out
 
 

@@ -118,15 +118,15 @@ class Traces:
     def report(self, session: str):
         """(Report, open connection) of a session, judged in windows as `ingero report` judges it
         (memory bounded by a window, whatever the session's length)."""
-        from ingero.analysis.windows import analyse_windows
         from ingero.readonly_sql import open_source
+        from ingero.segment_views import analyse_trace
 
         path = self.resolve(session)
         with tool_errors():
             con = open_source(path)
         try:
             with tool_errors():
-                return analyse_windows(con), con
+                return analyse_trace(con), con
         except BaseException:
             con.close()
             raise

@@ -1,7 +1,8 @@
 """`ingero report SOURCE`: the per-rank table and the straggler verdict of a trace.
 
 A trace holding more NCCL calls than a window (``ingero.analysis.windows``) is judged window
-after window, so memory stays bounded by a window whatever the session's length."""
+after window, so memory stays bounded by a window whatever the session's length; each window
+of an operator's artifact reads only the segment files in its range."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import json
 import sys
 from pathlib import Path
 
-from ingero.analysis.windows import analyse_windows
-from ingero.report_text import render
 from ingero.readonly_sql import open_source
+from ingero.report_text import render
+from ingero.segment_views import analyse_trace
 
 
 def add_parser(sub):
@@ -31,7 +32,7 @@ def add_parser(sub):
 def run(args) -> int:
     con = open_source(args.source, session=args.session)
     try:
-        rep = analyse_windows(con)
+        rep = analyse_trace(con)
     finally:
         con.close()
     if args.json:

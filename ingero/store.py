@@ -305,7 +305,8 @@ def sessions_in(sources: list[Path]) -> list[str]:
     return sorted({segment_session(f) or "?" for t in schema.TABLES for f in segment_files(sources, t)})
 
 
-def _sql_list(paths: list[Path]) -> str:
+def sql_list(paths) -> str:
+    """A SQL list literal of file names (for read_parquet)."""
     return "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths) + "]"
 
 
@@ -342,7 +343,7 @@ def attach_segments(con, sources: list[Path], materialize: bool = False,
         cols = ", ".join(f'"{c}"::{ty} AS "{c}"' for c, ty in t.columns)
         try:
             con.execute(
-                f"CREATE {kind} {name} AS SELECT {cols} FROM read_parquet({_sql_list(files)}, "
+                f"CREATE {kind} {name} AS SELECT {cols} FROM read_parquet({sql_list(files)}, "
                 "union_by_name = true)"
             )
         except duckdb.Error as e:

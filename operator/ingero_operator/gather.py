@@ -15,7 +15,6 @@ artifact is rebuilt from all segments with the offsets measured at the end.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
@@ -23,13 +22,14 @@ import re
 from pathlib import Path
 
 import duckdb
-import pyarrow.parquet as pq
 
 from ingero import schema
-from ingero.comms import grow_links, resolve_split_ranks, with_grow_ids, with_split_ranks
+from ingero.comms import resolve_split_ranks
 from ingero.analysis import Report, analyse_part
 from ingero.analysis.hang import SAME_ENTRY_NS, find_hang
-from ingero.analysis.windows import WINDOW_CALLS, analyse_windows, events_where
+from ingero.analysis.windows import WINDOW_CALLS, events_where
+from ingero.segment_views import VIEWS, SegmentViews, analyse_trace, describe
+from ingero.store import sql_list
 from ingero_operator.agents import AgentBroke, AgentClient, AgentUnreachable
 from ingero_operator.settings import GatherSettings
 
@@ -187,10 +187,6 @@ async def fetch_new(client: AgentClient, sid: str, local: LocalSession, since_ns
     return (cursor if isinstance(cursor, int) and cursor >= 0 else since_ns), len(todo), refused
 
 
-def _sql_list(paths) -> str:
-    return "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths) + "]"
-
-
 def _rows(table: str, sources: list[tuple[list[Path], int]]) -> str | None:
     """SQL for the rows of (files, clock offset) sources, every node in one statement (None:
     no file)."""
@@ -203,7 +199,7 @@ def _rows(table: str, sources: list[tuple[list[Path], int]]) -> str | None:
             continue
         repl = ", ".join(f'"{c}" - ({int(offset_ns)})::BIGINT AS "{c}"' for c in shift)
         star = f"* REPLACE ({repl})" if repl else "*"
-        parts.append(f"SELECT {star} FROM read_parquet({_sql_list(files)}, union_by_name = true)")
+        parts.append(f"SELECT {star} FROM read_parquet({sql_list(files)}, union_by_name = true)")
     return f"SELECT * FROM ({' UNION ALL BY NAME '.join(parts)})" if parts else None
 
 
@@ -501,98 +497,12 @@ def _analyse_recent(con, slow_collective_ms: float | None, recent_s: float, span
         return analyse_part(con, slow_collective_ms, hang=False).report
 
 
-@dataclasses.dataclass
-class _Segments:
-    """One node's segments of one event table, as the artifact's view reads them."""
-
-    select: str                    # the select list: columns cast, clocks shifted, absent ones NULL
-    files: list[Path]              # relative to the session folder (resolved against file_search_path)
-    first: list[int | None]        # each file's earliest and latest timestamp_ns on the session's
-    last: list[int | None]         # clock, from its row groups' statistics (None: unknown)
-    rows: list[int]                # each file's rows
-
-    def sql(self, keep: list[bool] | None = None) -> str | None:
-        files = [f for f, k in zip(self.files, keep or [True] * len(self.files)) if k]
-        return f"SELECT {self.select} FROM read_parquet({_sql_list(files)}, union_by_name = true)" if files else None
-
-
-def _time_range(f: Path, off: int) -> tuple[int | None, int | None, int]:
-    """The earliest and latest timestamp_ns of a segment, shifted by its node's offset
-    (None: unknown), and its rows."""
-    md = pq.read_metadata(f)
-    at = md.schema.names.index("timestamp_ns") if "timestamp_ns" in md.schema.names else -1
-    stats = [md.row_group(i).column(at).statistics for i in range(md.num_row_groups)] if at >= 0 else [None]
-    if not md.num_rows or not stats or any(s is None or not s.has_min_max for s in stats):
-        return None, None, md.num_rows
-    return min(s.min for s in stats) - off, max(s.max for s in stats) - off, md.num_rows
-
-
-def _event_view(con, table: str, local: LocalSession, offsets: dict[str, int]) -> list[_Segments]:
-    """Replace an event table by a view over every node's segments, with clock offsets
-    (and, for nccl_events, grown communicators' identities and resolved split ranks) applied.
-    Returns each node's segments."""
-    segs = []
-    cols = schema.TABLES[table].columns
-    shift = SHIFTED.get(table, ())
+def segment_views(local: LocalSession, offsets: dict[str, int]) -> SegmentViews:
+    """Every node's event segments (footers read), with its clock offset, for the artifact's views."""
     root = local.root.resolve()
-    for node in local.nodes():
-        files = [f.resolve() for f in local.files(node, table)]
-        if not files:
-            continue
-        off = int(offsets.get(node, 0))
-        present = set(pq.read_schema(files[0]).names)
-        sel = ", ".join((f'"{c}"::{ty} - ({off}) AS "{c}"' if c in shift else f'"{c}"::{ty} AS "{c}"')
-                        if c in present else f'NULL::{ty} AS "{c}"' for c, ty in cols)
-        ranges = [_time_range(f, off) for f in files]
-        segs.append(_Segments(sel, [f.relative_to(root) for f in files], [r[0] for r in ranges],
-                              [r[1] for r in ranges], [r[2] for r in ranges]))
-    con.execute(f"DROP TABLE {table}")
-    body = _view_body(con, table, [s.sql() for s in segs])
-    con.execute(f"CREATE VIEW {table} AS {body}" if body else schema.TABLES[table].ddl())
-    return segs
-
-
-def _view_body(con, table: str, parts: list[str | None]) -> str | None:
-    """The rows of the segments' `parts` (None: no file) as one table's."""
-    parts = [p for p in parts if p]
-    if not parts:
-        return None
-    body = "\nUNION ALL ".join(parts)
-    if table == "nccl_events":   # what resolve_grow_ids would UPDATE in a table
-        body = with_grow_ids(body, grow_links(con))
-    split = table == "nccl_events" and con.execute(
-        "SELECT count(*) FROM comms WHERE op = 'COMM_SPLIT' AND rank >= 0").fetchone()[0]
-    if split:   # what resolve_split_ranks would UPDATE in a table
-        body = with_split_ranks(body)
-    return body
-
-
-def _segments_between(views: dict[str, list[_Segments]]):
-    """For ``analyse_windows``: shadow the event tables with their rows from `lo` to `hi`
-    (None: to the end), read from only the segments whose time range meets that one (each
-    query over the whole view opens every segment: ~0.2 ms per file and query)."""
-    @contextlib.contextmanager
-    def between(con, lo: int, hi: int | None):
-        where = f"timestamp_ns >= {int(lo)}" + ("" if hi is None else f" AND timestamp_ns < {int(hi)}")
-        rows = {}
-        for table, segs in views.items():
-            parts = [s.sql([(b is None or b >= lo) and (a is None or hi is None or a < hi)
-                            for a, b in zip(s.first, s.last)]) for s in segs]
-            body = _view_body(con, table, parts)
-            rows[table] = f"SELECT * FROM ({body}) WHERE {where}" if body else None
-        with events_where(con, where, rows) as (db, shadowed):
-            yield db, shadowed
-    return between
-
-
-def _extent(segs: list[_Segments]) -> tuple[int, int | None, int | None] | None:
-    """nccl_events' (rows, first and last timestamp_ns) from its segments' footers; None
-    when a footer has no statistics of timestamp_ns."""
-    ranges = [(a, b) for s in segs for a, b, n in zip(s.first, s.last, s.rows) if n]
-    if any(a is None or b is None for a, b in ranges):
-        return None
-    return (sum(n for s in segs for n in s.rows), min((a for a, _ in ranges), default=None),
-            max((b for _, b in ranges), default=None))
+    return SegmentViews(root, {table: [describe(f, str(f.relative_to(root)), offsets.get(node, 0))
+                                       for node in local.nodes() for f in map(Path.resolve, local.files(node, table))]
+                               for table in VIEWS})
 
 
 def build_artifact(local: LocalSession, offsets: dict[str, int],
@@ -602,15 +512,14 @@ def build_artifact(local: LocalSession, offsets: dict[str, int],
 
     NCCL calls and operations and scheduler events (nearly all rows) are not copied: in
     trace.duckdb ``nccl_events``, ``nccl_profiler_events`` and ``sched_events`` are views
-    over the node segments kept beside it
-    in ``work/nodes/``, by paths relative to the session folder, so the folder is the
-    artifact and can be moved or copied whole. Readers resolve them against the folder
-    (``ingero.readonly_sql.open_source`` does, by absolute path; the duckdb shell does when
-    started inside it). The analysis reads the calls through the view
-    as Arrow columns (``ingero.analysis.calls``), in windows of whole steps holding about
-    `window_calls` NCCL calls each (``ingero.analysis.windows``). Copying 100 M rows into a DuckDB file took 137 s on 2
-    cores; the other tables are small and are copied. See docs/benchmarks.md, "Gather,
-    merge and analysis at scale".
+    over the node segments kept beside it in ``work/nodes/``, by paths relative to the
+    session folder, so the folder is the artifact and can be moved or copied whole
+    (``ingero.segment_views``; ``ingero.readonly_sql.open_source`` resolves them against the
+    folder, the duckdb shell does when started inside it). The analysis reads the calls in
+    windows of whole steps holding about `window_calls` NCCL calls each
+    (``ingero.analysis.windows``), each from the segments in its range. Copying 100 M rows
+    into a DuckDB file took 137 s on 2 cores; the other tables are small and are copied.
+    See docs/benchmarks.md, "Gather, merge and analysis at scale".
     """
     local.root.mkdir(parents=True, exist_ok=True)    # no node gave a segment: an empty artifact, not an error
     tmp = local.artifact.with_name(f".{local.artifact.name}.tmp-{os.getpid()}")
@@ -625,11 +534,9 @@ def build_artifact(local: LocalSession, offsets: dict[str, int],
             _insert(con, table, _sources(local, table, offsets))
         _load_state(con, local, offsets)
         resolve_split_ranks(con)           # comms (nccl_events is still an empty table here)
-        views = {table: _event_view(con, table, local, offsets)
-                 for table in ("nccl_events", "nccl_profiler_events", "sched_events")}
-        result = (analyse_windows(con, slow_collective_ms, window_calls, between=_segments_between(views),
-                                  extent=_extent(views["nccl_events"])),
-                  world_size(con))
+        views = segment_views(local, offsets)
+        views.create(con)
+        result = analyse_trace(con, slow_collective_ms, window_calls, views), world_size(con)
     finally:
         con.close()
     os.replace(tmp, local.artifact)

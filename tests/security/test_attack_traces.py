@@ -54,6 +54,26 @@ def test_a_crafted_trace_cannot_read_a_file_outside_it_through_query_report_or_e
         assert "not-for-you" not in err and "Permission" in err, err
 
 
+def test_an_artifact_listing_a_segment_outside_its_folder_is_refused_by_report(tmp_path, capsys):
+    """The artifact's `segments` table names the files each window reads: a name leading
+    out of the folder is refused in one line, whatever file it reaches."""
+    import shutil
+
+    from ingero_operator.gather import LocalSession, build_artifact
+
+    write_job(tmp_path / "seg")
+    local = LocalSession(tmp_path / "art")
+    for node in ("node-a", "node-b"):
+        shutil.copytree(tmp_path / "seg" / node, local.node_dir(node))
+    build_artifact(local, {"node-a": 0, "node-b": 0})
+    outside = tmp_path / "outside.parquet"
+    shutil.copy(local.files("node-a", "nccl_events")[0], outside)
+    with duckdb.connect(str(local.artifact)) as con:
+        con.execute("UPDATE segments SET file = '../outside.parquet' WHERE rowid = 0")
+    err = _one_line_error(capsys, ["report", str(local.root)])
+    assert "names '../outside.parquet', outside the trace's folder" in err, err
+
+
 def test_query_cannot_write_files_attach_databases_or_change_settings(tmp_path, capsys):
     session(tmp_path / "segs", steps=5)
     out = tmp_path / "written.csv"

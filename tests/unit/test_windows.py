@@ -67,11 +67,14 @@ def test_a_session_judged_in_windows_names_what_the_whole_session_names(tmp_path
 
 def test_an_artifact_judged_in_windows_reads_each_call_once_from_the_segments_in_range(tmp_path):
     """The operator's windows read only the segments whose time range meets theirs; `ingero
-    report` judges the artifact in the same windows through its read-only views: both give
-    the same report, every call counted once."""
+    report` judges the artifact in the same windows through its read-only views, from the
+    segments it lists, or through the whole views where it lists none (an older artifact):
+    each gives the same report, every call counted once."""
+    import duckdb
+
     from bench.synthetic import scale_layout, scale_session
-    from ingero.analysis.windows import analyse_windows
     from ingero.readonly_sql import open_source
+    from ingero.segment_views import SegmentViews, analyse_trace
     from ingero_operator import gather
 
     ranks, collectives, nodes = 16, 600, 4
@@ -84,10 +87,15 @@ def test_an_artifact_judged_in_windows_reads_each_call_once_from_the_segments_in
     assert rep.warnings[0].startswith("judged in "), rep.warnings
     assert sum(r.collectives for r in rep.ranks) == ranks * collectives
     assert rep.straggler is not None and rep.straggler.rank == lay["victim"], rep.straggler
-    con = open_source(tmp_path)
-    try:
-        again = analyse_windows(con, window_calls=window)
-        assert con.execute("SELECT count(*) FROM nccl_events").fetchone()[0] == ranks * collectives
-    finally:
-        con.close()
-    assert again.to_dict() == rep.to_dict()
+    for listed in (True, False):
+        if not listed:
+            with duckdb.connect(str(local.artifact)) as rw:
+                rw.execute("DROP TABLE segments")
+        con = open_source(tmp_path)
+        try:
+            assert (SegmentViews.stored(con) is not None) == listed
+            again = analyse_trace(con, window_calls=window)
+            assert con.execute("SELECT count(*) FROM nccl_events").fetchone()[0] == ranks * collectives
+        finally:
+            con.close()
+        assert again.to_dict() == rep.to_dict()
