@@ -47,10 +47,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET_S, TARGET_GIB = 10.0, 2.0
-# Bump when the writer's Parquet format changes (ingero/store.py), so that kept sessions are rewritten.
-# 2: duration_ns byte-stream-split instead of dictionary-encoded; 3: delta-packed instead
-# (BYTE_STREAM_SPLIT integers need DuckDB >= 2.0 to read).
-FORMAT = 3
+# Bump when the writer's Parquet format (ingero/store.py) or bench/synthetic.py's sessions change,
+# so that kept sessions are rewritten. 2: duration_ns byte-stream-split instead of
+# dictionary-encoded; 3: delta-packed instead (BYTE_STREAM_SPLIT integers need DuckDB >= 2.0
+# to read); 4: a rank's calls in program order, each after its previous one returned.
+FORMAT = 4
 
 
 def parse_layout(text: str) -> tuple[int, int, int]:

@@ -183,6 +183,7 @@ SCALE_T0 = 1_750_000_000_000_000_000
 # One step of the scale session: (op, communicator index, start within the step as a share).
 SCALE_STEP = (("ALL_GATHER", 0, 0.05), ("REDUCE_SCATTER", 0, 0.45), ("BROADCAST", 1, 0.55),
               ("ALL_REDUCE", 1, 0.80))
+JITTER_CAP = 600_000   # ns: a rank's arrival within 3 sd of the instance's start
 SCALE_HASHES = np.array([0x5CA1_AB1E_0000_0001, 0x5CA1_AB1E_0000_0002], dtype=np.uint64)
 
 
@@ -217,8 +218,12 @@ def scale_session(seg_root, ranks: int = 1024, collectives: int = 100_000, nodes
     Each node's clock is off by a few ms (``layout["offsets"]``; the reader
     must subtract it), so a verdict is right only when offsets are applied.
 
+    A rank issues its calls in program order, each after its previous one
+    returned: an instance starts at its place in the step, or later when the
+    previous one ended too late for that.
+
     Faults: ``slow-rank``: the victim arrives `late_ms` late at every
-    ALL_REDUCE (everyone waits for it), while another node (``noisy``)
+    ALL_REDUCE (everyone waits for it, and the next ALL_GATHER starts late), while another node (``noisy``)
     retransmits in 2% of instances (waiting peers' tail-loss probes): the
     verdict must be the victim, compute/unknown. ``lossy-link``: the victim's
     node retransmits on its own sockets in 30% of instances and every rank's
@@ -254,7 +259,6 @@ def scale_session(seg_root, ranks: int = 1024, collectives: int = 100_000, nodes
     is_ar = ops[slot] == "ALL_REDUCE"
     late_ns = int(late_ms * 1e6)
     victim_late = np.where(is_ar & (fault == "slow-rank"), late_ns, 0)
-    last = base + 800_000 + victim_late          # the last arrival (max of ~1024 jitters ~ 0.65 ms)
     wire = g.lognormal(np.log(1_500_000), 0.25, collectives).astype(np.int64)
     if fault == "lossy-link":
         hit = g.random(collectives) < 0.30       # instances with a retransmit on the victim node
@@ -266,6 +270,15 @@ def scale_session(seg_root, ranks: int = 1024, collectives: int = 100_000, nodes
     bg = (g.random(collectives) < 0.003) & ~hit  # background: a retransmit now and then anywhere
     retx_node = np.where(bg, g.integers(0, nodes, collectives), retx_node)
     retx_lrank = g.integers(0, rpn, collectives)
+    # Program order: each rank issues a call only after its previous one returned (its
+    # arrival jitter is within +-JITTER_CAP of the instance's start), so an instance starts
+    # at its place in the step or, when the previous one ended too late for that (a late
+    # victim keeps everyone waiting), that long after the previous instance's last return.
+    last_after = 800_000 + victim_late           # the last arrival after the start (>= any jitter)
+    busy = last_after + wire + 50_000 + JITTER_CAP + 100_000
+    before_i = np.concatenate(([0], np.cumsum(busy[:-1])))
+    base = before_i + np.maximum.accumulate(base - before_i)
+    last = base + last_after
     retx_at = last + (g.uniform(0.1, 0.9, collectives) * wire).astype(np.int64)
     count = np.where(is_ar, 1 << 22, 1 << 24).astype(np.int64)
     bounds = np.linspace(0, collectives, segments_per_node + 1).astype(np.int64)
@@ -284,7 +297,7 @@ def scale_session(seg_root, ranks: int = 1024, collectives: int = 100_000, nodes
         for a, b in zip(bounds[:-1], bounds[1:]):
             n = int(b - a)
             # rows in drain order: instance-major, the node's ranks within an instance
-            jit = rng.normal(0, 200_000, (n, rpn)).astype(np.int64)
+            jit = np.clip(rng.normal(0, 200_000, (n, rpn)), -JITTER_CAP, JITTER_CAP).astype(np.int64)
             arrive = base[a:b, None] + jit
             arrive[:, granks == victim] += victim_late[a:b, None]
             extra = rng.integers(0, 50_000, (n, rpn))
