@@ -96,13 +96,12 @@ def stages(c: Calls) -> dict:
     """rank -> pipeline stage, from communicators used only for send/recv between neighbours
     (PyTorch/Megatron: one p2p group per pipeline, ordered by stage; an interleaved schedule
     also sends from the last stage to the first)."""
-    p2p = (c.op == _SEND) | (c.op == _RECV)
-    if not p2p.any():
+    sel = ((c.op == _SEND) | (c.op == _RECV)) & (c.peer >= 0)   # p2p calls whose peer is known
+    if not sel.any():
         return {}
     has_coll = np.zeros(len(c.comm_hash), bool)
     has_coll[c.comm[c.inst >= 0]] = True
     out: dict = {}
-    sel = p2p & (c.peer >= 0)
     comm, rank, peer = c.comm[sel], c.rank[sel], c.peer[sel]
     o = np.argsort(comm, kind="stable")
     comm, rank, peer = comm[o], rank[o], peer[o]
