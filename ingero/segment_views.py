@@ -61,10 +61,11 @@ def describe(path: Path, file: str, offset_ns: int) -> Segment:
     names = md.schema.names
     cols = tuple((f.name, str(f.type)) for f in md.schema.to_arrow_schema())
     at = names.index("timestamp_ns") if "timestamp_ns" in names else -1
-    stats = [md.row_group(i).column(at).statistics for i in range(md.num_row_groups)] if at >= 0 else [None]
-    if not md.num_rows or not stats or any(s is None or not s.has_min_max for s in stats):
+    stats = [md.row_group(i).column(at).statistics for i in range(md.num_row_groups)] if at >= 0 else []
+    known = [s for s in stats if s is not None and s.has_min_max]
+    if not md.num_rows or not known or len(known) < len(stats):
         return Segment(file, int(offset_ns), None, None, md.num_rows, cols)
-    return Segment(file, int(offset_ns), min(s.min for s in stats) - offset_ns, max(s.max for s in stats) - offset_ns,
+    return Segment(file, int(offset_ns), min(s.min for s in known) - offset_ns, max(s.max for s in known) - offset_ns,
                    md.num_rows, cols)
 
 
