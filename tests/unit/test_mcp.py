@@ -120,7 +120,11 @@ def http_server(root, tmp_path_factory):
 
 def test_http_client_with_the_token_lists_the_tools_and_calls_each_one(http_server):
     async def go():
-        async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        # the timeouts of the SDK's own client (30 s, 300 s to read a response stream): httpx's
+        # default 5 s read ended a tool call's stream at load ~30 ("SSE stream ended without a
+        # response") while the server was still judging the trace
+        timeout = httpx2.Timeout(30, read=300)
+        async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}, timeout=timeout) as http:
             async with streamable_http_client(http_server, http_client=http) as (r, w):
                 async with ClientSession(r, w) as session:
                     return await exercise(session)
