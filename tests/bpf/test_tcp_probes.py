@@ -37,17 +37,28 @@ while True:
     c.close()
 """
 
+# On the lossy port (argv[3] "lossy") the client sends until its own socket has retransmitted
+# (tcp_info's tcpi_total_retrans, at byte 100 of linux/tcp.h's struct tcp_info): veth segments
+# are up to 64 KiB, so a fixed amount can cross the 15% loss untouched. Exit 3 when 64 MiB went
+# through without one.
 CLIENT = """
-import socket, sys
+import socket, struct, sys
 fam = socket.AF_INET6 if ":" in sys.argv[1] else socket.AF_INET
 c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
 print(c.getsockname()[1], flush=True)
 data = b"x" * 8192
-for _ in range(48):
+def retransmitted():
+    return struct.unpack_from("I", c.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104), 100)[0]
+sent = 0
+lossy = sys.argv[3:] == ["lossy"]
+while sent < 48 or (lossy and not retransmitted() and sent < 8192):
     c.sendall(data)
+    sent += 1
 c.shutdown(socket.SHUT_WR)
 c.recv(1)
+ok = retransmitted() or not lossy
 c.close()
+sys.exit(0 if ok else 3)
 """
 
 
@@ -95,7 +106,8 @@ def lossy_link(tmp_path):
 
 
 def client(ns: str, fam: int, cgroup: Path | None = None, to: str | None = None) -> tuple[subprocess.Popen, int]:
-    p = spawn(["ip", "netns", "exec", ns, sys.executable, "-c", CLIENT, to or ADDRS[fam][1], str(PORT)], cgroup)
+    p = spawn(["ip", "netns", "exec", ns, sys.executable, "-c", CLIENT, to or ADDRS[fam][1], str(PORT), "lossy"],
+              cgroup)
     sport = int(p.stdout.readline())
     return p, sport
 
