@@ -49,9 +49,12 @@ test: system images-started venv lint
 
 # docker and mmdebstrap, then `make images` in the background (its log: out/images-build.log).
 # The tests' own call of scripts/images.sh waits for it (a lock) and finds everything built.
+# A run of chosen test paths (PYTEST_ARGS=tests/...) starts no build: the tests that use the
+# images build them when they need them.
 images-started: system
 	@bash scripts/setup-system.sh $(IMAGE_PACKAGES)
-	@mkdir -p out && bash scripts/images.sh >out/images-build.log 2>&1 &
+	@if [ -z "$(filter tests%,$(PYTEST_ARGS))" ]; then \
+		mkdir -p out && bash scripts/images.sh >out/images-build.log 2>&1 & fi
 
 # The images alone: built (`make images`), then checked: what they hold, the chart's check
 # container on this node, and the whole flow's lossy-link job traced with the agent image and

@@ -66,9 +66,6 @@ def bound_memory(max_memory_mb: int) -> int | None:
     return duck
 
 
-# C0 and C1 controls (ESC, BEL, CR, LF, ...), DEL, and the bidi and line separators
-
-
 def run(args) -> int:
     import duckdb
 
