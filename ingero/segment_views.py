@@ -14,7 +14,8 @@ differ: with it, DuckDB reads every file's schema each time it binds the view (~
 file, 10x the plain list). A window of the analysis (``analyse_trace``) reads only the
 files whose time range meets it, through views made for that window, whose scan also
 skips the rows outside the window by their unshifted time (a bound pushed into the
-Parquet reader).
+Parquet reader). The operator copies the tables it does not view (and the live status's
+rows) through the same ``scan``.
 """
 
 from __future__ import annotations
@@ -71,10 +72,10 @@ def describe(path: Path, file: str, offset_ns: int) -> Segment:
 
 def scan(table: str, segs: list[Segment], folder: Path | None = None,
          lo: int | None = None, hi: int | None = None) -> str | None:
-    """SQL of the rows of `segs` as `table`'s columns, clocks shifted (None: no file). Files
-    are named relative to the session folder, or under `folder`. `lo`, `hi`: skip rows whose
-    unshifted time is outside every file's [lo, hi) (a bound the Parquet reader applies;
-    the caller still filters on the shifted time)."""
+    """SQL of the rows of `segs` as `table`'s columns (any table of the schema), clocks
+    shifted (None: no file). Files are named relative to the session folder, or under
+    `folder`. `lo`, `hi`: skip rows whose unshifted time is outside every file's [lo, hi)
+    (a bound the Parquet reader applies; the caller still filters on the shifted time)."""
     if not segs:
         return None
     offs = [s.offset_ns for s in segs]
@@ -82,13 +83,12 @@ def scan(table: str, segs: list[Segment], folder: Path | None = None,
     if len({s.columns for s in segs}) > 1:
         files += ", union_by_name = true"
     src = f"read_parquet({files})"
-    if len(set(offs)) == 1:
-        off = f"({offs[0]})"
-    else:   # each row's file's (file_index numbers the files of the list from 0)
+    shift = schema.CLOCK_COLUMNS.get(table, ())
+    off = f"({offs[0]})"
+    if shift and len(set(offs)) > 1:   # each row's file's (file_index numbers the files of the list from 0)
         off = "r._offset_ns"
         src = f"(SELECT *, ([{', '.join(map(str, offs))}]::BIGINT[])[file_index::BIGINT + 1] AS _offset_ns FROM {src})"
     have = {c for s in segs for c, _ in s.columns}
-    shift = schema.CLOCK_COLUMNS.get(table, ())
     sel = ", ".join((f'r."{c}"::{ty} - {off} AS "{c}"' if c in shift else f'r."{c}"::{ty} AS "{c}"')
                     if c in have else f'NULL::{ty} AS "{c}"' for c, ty in schema.TABLES[table].columns)
     bounds = []
