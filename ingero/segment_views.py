@@ -15,7 +15,8 @@ file, 10x the plain list). A window of the analysis (``analyse_trace``) reads on
 files whose time range meets it, through views made for that window, whose scan also
 skips the rows outside the window by their unshifted time (a bound pushed into the
 Parquet reader). The operator copies the tables it does not view (and the live status's
-rows) through the same ``scan``.
+rows) through the same ``scan``. ``nccl_events`` takes grown communicators' identities and
+resolved split ranks from ``comms``, read once per ``SegmentViews``.
 """
 
 from __future__ import annotations
@@ -100,23 +101,28 @@ def scan(table: str, segs: list[Segment], folder: Path | None = None,
     return f"SELECT {sel} FROM {src} r" + (f" WHERE {' AND '.join(bounds)}" if bounds else "")
 
 
-def body(con, table: str, rows: str | None) -> str | None:
-    """`table`'s rows `rows` (SQL; None: none) as the view shows them: for nccl_events,
-    with grown communicators' identities and resolved split ranks (what resolve_grow_ids and
-    resolve_split_ranks UPDATE in a table) from `con`'s comms."""
-    if rows is None or table != "nccl_events":
-        return rows
-    rows = with_grow_ids(rows, grow_links(con))
-    split = con.execute("SELECT count(*) FROM comms WHERE op = 'COMM_SPLIT' AND rank >= 0").fetchone()[0]
-    return with_split_ranks(rows) if split else rows
-
-
 @dataclasses.dataclass
 class SegmentViews:
     """The segments of each event table a view reads, and the folder they are relative to."""
 
     folder: Path                          # absolute
     tables: dict[str, list[Segment]]      # every table of VIEWS
+    # what nccl_events' rows take from the communicators (final once the views exist): the
+    # grow links, and whether a split child's rank is known; read once, by `_body`
+    _comms: tuple[list[tuple[int, int, int]], bool] | None = dataclasses.field(default=None, init=False, repr=False)
+
+    def _body(self, con, table: str, rows: str | None) -> str | None:
+        """`table`'s rows `rows` (SQL; None: none) as the view shows them: for nccl_events,
+        with grown communicators' identities and resolved split ranks (what resolve_grow_ids and
+        resolve_split_ranks UPDATE in a table) from `con`'s comms."""
+        if rows is None or table != "nccl_events":
+            return rows
+        if self._comms is None:
+            split = con.execute("SELECT count(*) FROM comms WHERE op = 'COMM_SPLIT' AND rank >= 0").fetchone()[0]
+            self._comms = grow_links(con), bool(split)
+        links, split = self._comms
+        rows = with_grow_ids(rows, links)
+        return with_split_ranks(rows) if split else rows
 
     def create(self, con) -> None:
         """Replace the event tables of `con` by views over the segments, named relative to
@@ -137,7 +143,7 @@ class SegmentViews:
         con.unregister("_segments_rows")
         for table in VIEWS:
             con.execute(f"DROP TABLE {table}")
-            rows_sql = body(con, table, scan(table, self.tables[table]))
+            rows_sql = self._body(con, table, scan(table, self.tables[table]))
             con.execute(f"CREATE VIEW {table} AS {rows_sql}" if rows_sql else schema.TABLES[table].ddl())
 
     @classmethod
@@ -181,7 +187,7 @@ class SegmentViews:
         where = f"timestamp_ns >= {int(lo)}" + ("" if hi is None else f" AND timestamp_ns < {int(hi)}")
         rows = {}
         for table, segs in self.tables.items():
-            rows_sql = body(con, table, scan(table, [s for s in segs if s.meets(lo, hi)], self.folder, lo, hi))
+            rows_sql = self._body(con, table, scan(table, [s for s in segs if s.meets(lo, hi)], self.folder, lo, hi))
             rows[table] = f"SELECT * FROM ({rows_sql}) WHERE {where}" if rows_sql else None
         with events_where(con, where, rows) as (db, shadowed):
             yield db, shadowed
