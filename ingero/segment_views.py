@@ -14,7 +14,9 @@ differ: with it, DuckDB reads every file's schema each time it binds the view (~
 file, 10x the plain list). A window of the analysis (``analyse_trace``) reads only the
 files whose time range meets it, through views made for that window, whose scan also
 skips the rows outside the window by their unshifted time (a bound pushed into the
-Parquet reader).
+Parquet reader). The operator copies the tables it does not view (and the live status's
+rows) through the same ``scan``. ``nccl_events`` takes grown communicators' identities and
+resolved split ranks from ``comms``, read once per ``SegmentViews``.
 """
 
 from __future__ import annotations
@@ -71,10 +73,10 @@ def describe(path: Path, file: str, offset_ns: int) -> Segment:
 
 def scan(table: str, segs: list[Segment], folder: Path | None = None,
          lo: int | None = None, hi: int | None = None) -> str | None:
-    """SQL of the rows of `segs` as `table`'s columns, clocks shifted (None: no file). Files
-    are named relative to the session folder, or under `folder`. `lo`, `hi`: skip rows whose
-    unshifted time is outside every file's [lo, hi) (a bound the Parquet reader applies;
-    the caller still filters on the shifted time)."""
+    """SQL of the rows of `segs` as `table`'s columns (any table of the schema), clocks
+    shifted (None: no file). Files are named relative to the session folder, or under
+    `folder`. `lo`, `hi`: skip rows whose unshifted time is outside every file's [lo, hi)
+    (a bound the Parquet reader applies; the caller still filters on the shifted time)."""
     if not segs:
         return None
     offs = [s.offset_ns for s in segs]
@@ -82,13 +84,12 @@ def scan(table: str, segs: list[Segment], folder: Path | None = None,
     if len({s.columns for s in segs}) > 1:
         files += ", union_by_name = true"
     src = f"read_parquet({files})"
-    if len(set(offs)) == 1:
-        off = f"({offs[0]})"
-    else:   # each row's file's (file_index numbers the files of the list from 0)
+    shift = schema.CLOCK_COLUMNS.get(table, ())
+    off = f"({offs[0]})"
+    if shift and len(set(offs)) > 1:   # each row's file's (file_index numbers the files of the list from 0)
         off = "r._offset_ns"
         src = f"(SELECT *, ([{', '.join(map(str, offs))}]::BIGINT[])[file_index::BIGINT + 1] AS _offset_ns FROM {src})"
     have = {c for s in segs for c, _ in s.columns}
-    shift = schema.CLOCK_COLUMNS.get(table, ())
     sel = ", ".join((f'r."{c}"::{ty} - {off} AS "{c}"' if c in shift else f'r."{c}"::{ty} AS "{c}"')
                     if c in have else f'NULL::{ty} AS "{c}"' for c, ty in schema.TABLES[table].columns)
     bounds = []
@@ -100,23 +101,28 @@ def scan(table: str, segs: list[Segment], folder: Path | None = None,
     return f"SELECT {sel} FROM {src} r" + (f" WHERE {' AND '.join(bounds)}" if bounds else "")
 
 
-def body(con, table: str, rows: str | None) -> str | None:
-    """`table`'s rows `rows` (SQL; None: none) as the view shows them: for nccl_events,
-    with grown communicators' identities and resolved split ranks (what resolve_grow_ids and
-    resolve_split_ranks UPDATE in a table) from `con`'s comms."""
-    if rows is None or table != "nccl_events":
-        return rows
-    rows = with_grow_ids(rows, grow_links(con))
-    split = con.execute("SELECT count(*) FROM comms WHERE op = 'COMM_SPLIT' AND rank >= 0").fetchone()[0]
-    return with_split_ranks(rows) if split else rows
-
-
 @dataclasses.dataclass
 class SegmentViews:
     """The segments of each event table a view reads, and the folder they are relative to."""
 
     folder: Path                          # absolute
     tables: dict[str, list[Segment]]      # every table of VIEWS
+    # what nccl_events' rows take from the communicators (final once the views exist): the
+    # grow links, and whether a split child's rank is known; read once, by `_body`
+    _comms: tuple[list[tuple[int, int, int]], bool] | None = dataclasses.field(default=None, init=False, repr=False)
+
+    def _body(self, con, table: str, rows: str | None) -> str | None:
+        """`table`'s rows `rows` (SQL; None: none) as the view shows them: for nccl_events,
+        with grown communicators' identities and resolved split ranks (what resolve_grow_ids and
+        resolve_split_ranks UPDATE in a table) from `con`'s comms."""
+        if rows is None or table != "nccl_events":
+            return rows
+        if self._comms is None:
+            split = con.execute("SELECT count(*) FROM comms WHERE op = 'COMM_SPLIT' AND rank >= 0").fetchone()[0]
+            self._comms = grow_links(con), bool(split)
+        links, split = self._comms
+        rows = with_grow_ids(rows, links)
+        return with_split_ranks(rows) if split else rows
 
     def create(self, con) -> None:
         """Replace the event tables of `con` by views over the segments, named relative to
@@ -137,7 +143,7 @@ class SegmentViews:
         con.unregister("_segments_rows")
         for table in VIEWS:
             con.execute(f"DROP TABLE {table}")
-            rows_sql = body(con, table, scan(table, self.tables[table]))
+            rows_sql = self._body(con, table, scan(table, self.tables[table]))
             con.execute(f"CREATE VIEW {table} AS {rows_sql}" if rows_sql else schema.TABLES[table].ddl())
 
     @classmethod
@@ -181,7 +187,7 @@ class SegmentViews:
         where = f"timestamp_ns >= {int(lo)}" + ("" if hi is None else f" AND timestamp_ns < {int(hi)}")
         rows = {}
         for table, segs in self.tables.items():
-            rows_sql = body(con, table, scan(table, [s for s in segs if s.meets(lo, hi)], self.folder, lo, hi))
+            rows_sql = self._body(con, table, scan(table, [s for s in segs if s.meets(lo, hi)], self.folder, lo, hi))
             rows[table] = f"SELECT * FROM ({rows_sql}) WHERE {where}" if rows_sql else None
         with events_where(con, where, rows) as (db, shadowed):
             yield db, shadowed

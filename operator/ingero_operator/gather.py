@@ -6,9 +6,11 @@ Per session (``<artifacts>/<namespace>/<name>/``)::
     work/live.duckdb                event rows ingested so far (each segment once) for the live status
     trace.duckdb, report.json       the artifact, written when the session completes
 
-Clock offsets are applied on the way in: a node's ``timestamp_ns`` columns
-are shifted by ``-offset`` so that every node's events share the operator's
-clock. The live database uses the offset measured when tracing started; the
+Clock offsets are applied on the way in: a node's clock columns
+(``schema.CLOCK_COLUMNS``) are shifted by ``-offset`` so that every node's events
+share the operator's clock, by the read the artifact's views make
+(``ingero.segment_views.scan``: one ``read_parquet`` of a table over every node's
+files). The live database uses the offset measured when tracing started; the
 artifact is rebuilt from all segments with the offsets measured at the end.
 """
 
@@ -28,14 +30,12 @@ from ingero.comms import resolve_split_ranks
 from ingero.analysis import Report, analyse_part
 from ingero.analysis.hang import SAME_ENTRY_NS, find_hang
 from ingero.analysis.windows import WINDOW_CALLS, events_where
-from ingero.segment_views import VIEWS, SegmentViews, analyse_trace, describe
-from ingero.store import sql_list
+from ingero.segment_views import VIEWS, Segment, SegmentViews, analyse_trace, describe, scan
 from ingero_operator.agents import AgentBroke, AgentClient, AgentUnreachable
 from ingero_operator.settings import GatherSettings
 
 log = logging.getLogger("ingero.operator.gather")
 
-SHIFTED = schema.CLOCK_COLUMNS
 LIST_OVERLAP_NS = 2_000_000_000   # file mtimes tick coarsely: re-list this far back, skip known files
 
 
@@ -187,27 +187,12 @@ async def fetch_new(client: AgentClient, sid: str, local: LocalSession, since_ns
     return (cursor if isinstance(cursor, int) and cursor >= 0 else since_ns), len(todo), refused
 
 
-def _rows(table: str, sources: list[tuple[list[Path], int]]) -> str | None:
-    """SQL for the rows of (files, clock offset) sources, every node in one statement (None:
-    no file)."""
-    shift = SHIFTED.get(table, ())
-    if not shift:     # no clock column: one scan of every node's files
-        sources = [([f for files, _ in sources for f in files], 0)]
-    parts = []
-    for files, offset_ns in sources:
-        if not files:
-            continue
-        repl = ", ".join(f'"{c}" - ({int(offset_ns)})::BIGINT AS "{c}"' for c in shift)
-        star = f"* REPLACE ({repl})" if repl else "*"
-        parts.append(f"SELECT {star} FROM read_parquet({sql_list(files)}, union_by_name = true)")
-    return f"SELECT * FROM ({' UNION ALL BY NAME '.join(parts)})" if parts else None
-
-
-def _insert(con, table: str, sources: list[tuple[list[Path], int]], since: int | None = None) -> None:
-    """Insert the rows of (files, clock offset) sources (`since`: those from then on, ns)."""
-    rows = _rows(table, sources)
+def _insert(con, table: str, segs: list[Segment], since: int | None = None) -> None:
+    """Insert the rows of segments `segs` (`since`: those from then on, ns)."""
+    rows = scan(table, segs, lo=since)
     if rows is not None:
-        con.execute(f"INSERT INTO {table} BY NAME {rows}" + ("" if since is None else f" WHERE timestamp_ns >= {int(since)}"))
+        con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM ({rows})"
+                    + ("" if since is None else f" WHERE timestamp_ns >= {int(since)}"))
 
 
 def _new_segments(local: LocalSession) -> list[tuple[str, str, str]]:
@@ -231,7 +216,7 @@ def _ingest_new(con, local: LocalSession, offsets: dict[str, int], recent_s: flo
     ones, in the database already, are deleted). The announcements are dropped once they are
     in (a failed refresh leaves them for the next)."""
     cand = _new_segments(local)
-    todo: dict[str, dict[str, list[Path]]] = {}
+    todo: dict[str, list[tuple[str, Path]]] = {}      # table -> (node, file)
     if cand:
         con.execute("CREATE OR REPLACE TEMP TABLE _cand (node VARCHAR, tbl VARCHAR, name VARCHAR)")
         con.executemany("INSERT INTO _cand VALUES (?, ?, ?)", [list(r) for r in cand])
@@ -239,20 +224,20 @@ def _ingest_new(con, local: LocalSession, offsets: dict[str, int], recent_s: flo
                           "ORDER BY node, tbl, name").fetchall()
         con.execute("DROP TABLE _cand")
         for node, tbl, name in new:
-            f = local.node_dir(node) / tbl / name
+            f = (local.node_dir(node) / tbl / name).resolve()
             if f.exists():
-                todo.setdefault(tbl, {}).setdefault(node, []).append(f)
-    calls = _rows("nccl_events", [(files, offsets.get(node, 0)) for node, files in todo.get("nccl_events", {}).items()])
+                todo.setdefault(tbl, []).append((node, f))
+    segs = {table: [describe(f, str(f), offsets.get(node, 0)) for node, f in files] for table, files in todo.items()}
+    calls = scan("nccl_events", segs.get("nccl_events", []))
     if calls is not None:
         _add_extent(con, f"({calls})")
     since = _keep_since(con, recent_s)
     if since is not None:
         for table in schema.EVENT_TABLES:
             con.execute(f"DELETE FROM {table} WHERE timestamp_ns < ?", [since])
-    for table, by_node in todo.items():
-        _insert(con, table, [(files, offsets.get(node, 0)) for node, files in by_node.items()], since)
-        con.executemany("INSERT INTO _ingested VALUES (?, ?, ?)",
-                        [[node, table, f.name] for node, files in by_node.items() for f in files])
+    for table, files in todo.items():
+        _insert(con, table, segs[table], since)
+        con.executemany("INSERT INTO _ingested VALUES (?, ?, ?)", [[node, table, f.name] for node, f in files])
     local.announced.unlink(missing_ok=True)
 
 
@@ -284,8 +269,11 @@ def _add_extent(con, rows: str) -> None:
         GROUP BY node""")
 
 
-def _sources(local: LocalSession, table: str, offsets: dict[str, int]) -> list:
-    return [(local.files(n, table), offsets.get(n, 0)) for n in local.nodes()]
+def _sources(local: LocalSession, table: str, offsets: dict[str, int], root: Path | None = None) -> list[Segment]:
+    """Every node's segments of `table` (footers read), each with its node's clock offset,
+    named by absolute path, or relative to `root`."""
+    return [describe(f, str(f.relative_to(root) if root else f), offsets.get(node, 0))
+            for node in local.nodes() for f in map(Path.resolve, local.files(node, table))]
 
 
 def _load_state(con, local: LocalSession, offsets: dict[str, int]) -> None:
@@ -498,11 +486,9 @@ def _analyse_recent(con, slow_collective_ms: float | None, recent_s: float, span
 
 
 def segment_views(local: LocalSession, offsets: dict[str, int]) -> SegmentViews:
-    """Every node's event segments (footers read), with its clock offset, for the artifact's views."""
+    """Every node's event segments, with its clock offset, for the artifact's views."""
     root = local.root.resolve()
-    return SegmentViews(root, {table: [describe(f, str(f.relative_to(root)), offsets.get(node, 0))
-                                       for node in local.nodes() for f in map(Path.resolve, local.files(node, table))]
-                               for table in VIEWS})
+    return SegmentViews(root, {table: _sources(local, table, offsets, root) for table in VIEWS})
 
 
 def build_artifact(local: LocalSession, offsets: dict[str, int],

@@ -7,6 +7,7 @@ import re
 import duckdb
 import pytest
 
+from ingero import schema
 from ingero.store import SegmentWriter
 from ingero.readonly_sql import open_source
 from ingero_operator.agents import ClockSample, estimate_offset
@@ -63,6 +64,45 @@ def test_merge_shifts_each_nodes_timestamps_by_its_offset(tmp_path):
     con.close()
     rep, _ = build_artifact(local, {"a": 0, "b": 3_000_000_000})
     assert max(r.late_ms for r in rep.ranks) < 1e-6   # aligned: nobody is late
+
+
+def test_live_ingest_shifts_each_nodes_clock_columns_whatever_columns_its_files_hold(tmp_path, monkeypatch):
+    """Node b's clock runs 3 s ahead and its agent writes no `pod` nor `stream` (an older agent):
+    the live database holds every row on the operator's clock, in event and state tables."""
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(gather, "_SCANNED", set())
+    local = LocalSession(tmp_path / "ns" / "job")
+    offsets = {"a": 0, "b": 3_000_000_000}
+    for node, t in (("a", 10_000_000_000), ("b", 13_000_000_000)):
+        _node(local, node, [t, t + 100_000_000])
+        w = SegmentWriter(local.node_dir(node), node, "s")
+        w.append("nccl_events", {"timestamp_ns": [t + 200_000_000], "pod": [f"{node}-0"], "seq": [2], "pid": [1]})
+        w.put_rows("nccl_inflight", [{"pid": 1, "tid": 1, "seen_ns": t + 300_000_000, "since_ns": t,
+                                      "state": "S", "op": "ALL_REDUCE"}])
+        w.flush()
+    for f in local.files("b", "nccl_events"):
+        pq.write_table(pq.read_table(f).drop_columns(["pod", "stream"]), f)
+    ingest_and_analyse(local, offsets)
+    con = duckdb.connect(str(local.live_db), read_only=True)
+    try:
+        calls = con.execute("SELECT node, seq, timestamp_ns, pod FROM nccl_events ORDER BY node, seq").fetchall()
+        tcp = con.execute("SELECT node, timestamp_ns FROM tcp_events ORDER BY node").fetchall()
+        inflight = con.execute("SELECT node, seen_ns, since_ns FROM nccl_inflight ORDER BY node").fetchall()
+        extent = con.execute("SELECT node, calls, first_ns, last_ns FROM _extent ORDER BY node").fetchall()
+    finally:
+        con.close()
+    assert calls == [("a", 0, 10_000_000_000, None), ("a", 1, 10_100_000_000, None), ("a", 2, 10_200_000_000, "a-0"),
+                     ("b", 0, 10_000_000_000, None), ("b", 1, 10_100_000_000, None), ("b", 2, 10_200_000_000, None)]
+    assert tcp == [("a", 10_000_000_000), ("b", 10_000_000_000)]
+    assert inflight == [("a", 10_300_000_000, 10_000_000_000), ("b", 10_300_000_000, 10_000_000_000)]
+    assert extent == [("a", 3, 10_000_000_000, 10_200_000_000), ("b", 3, 10_000_000_000, 10_200_000_000)]
+    # the rows from a time on are those from then on on the operator's clock, whatever the node's
+    con = duckdb.connect()
+    schema.create_all(con)
+    gather._insert(con, "nccl_events", gather._sources(local, "nccl_events", offsets), since=10_100_000_000)
+    assert con.execute("SELECT node, timestamp_ns FROM nccl_events ORDER BY ALL").fetchall() == \
+        [(n, t) for n in "ab" for t in (10_100_000_000, 10_200_000_000)]
 
 
 def _calls(local: LocalSession) -> tuple[int, int]:

@@ -73,3 +73,50 @@ def test_a_window_reads_only_the_segments_whose_time_range_meets_it(tmp_path):
         assert con.execute("SELECT count(*) FROM nccl_events").fetchone()[0] == 12     # the whole view is back
     finally:
         con.close()
+
+
+class _Counting:
+    """A connection that counts the queries of `comms` made through it."""
+
+    def __init__(self, con):
+        self.con, self.comms = con, 0
+
+    def execute(self, sql, *args):
+        self.comms += sql.lstrip().startswith("SELECT") and " comms" in sql
+        return self.con.execute(sql, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.con, name)
+
+
+def test_split_ranks_show_in_the_whole_view_and_in_each_window_from_comms_read_once(tmp_path):
+    """Two ranks split one communicator (keys reversed): their calls, recorded with rank -1,
+    show the child's ranks; the views read `comms` once, not once per window."""
+    local = LocalSession(tmp_path / "job")
+    for g, node in enumerate("ab"):
+        w = SegmentWriter(local.node_dir(node), node, "s")
+        for t in (10 * S, 20 * S):
+            w.append("nccl_events", {"timestamp_ns": [t], "duration_ns": [1], "op": ["ALL_REDUCE"], "pid": [1],
+                                     "comm_id_hash": [0xB], "rank": [-1], "nranks": [-1], "seq": [t // S]})
+            w.flush()
+        w.put_rows("comms", [{"pid": 1, "comm_id_hash": 0xA, "rank": g, "nranks": 2, "op": "COMM_INIT_RANK"},
+                             {"pid": 1, "comm_id_hash": 0xB, "rank": -1, "nranks": -1, "parent_hash": 0xA,
+                              "color": 0, "split_key": 1 - g, "op": "COMM_SPLIT"}])
+        w.put_rows("nodes", [{"lost_nccl": 0}])
+        w.flush()
+    build_artifact(local, {})
+    con = open_source(local.artifact)
+    try:
+        views = SegmentViews.stored(con)
+        assert views is not None
+        whole = con.execute("SELECT node, seq, rank, nranks FROM nccl_events ORDER BY ALL").fetchall()
+        assert whole == [("a", 10, 1, 2), ("a", 20, 1, 2), ("b", 10, 0, 2), ("b", 20, 0, 2)]
+        counting, reads = _Counting(con), []
+        for lo, hi in ((5 * S, 15 * S), (15 * S, None)):
+            with views.between(counting, lo, hi):
+                got = con.execute("SELECT node, seq, rank, nranks FROM nccl_events ORDER BY ALL").fetchall()
+            assert got == [r for r in whole if lo <= r[1] * S < (hi or 1 << 62)]
+            reads.append(counting.comms)
+        assert reads[0] > 0 and reads[1] == reads[0]
+    finally:
+        con.close()
