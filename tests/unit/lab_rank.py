@@ -63,10 +63,14 @@ def state(lib, comm) -> int:
     return s.value
 
 
-def settle(lib, comm, timeout: float = 20.0) -> int:
-    """Polls ncclCommGetAsyncError until it is not ncclInProgress; returns it."""
+def settle(lib, comm, timeout: float = 60.0) -> int:
+    """Polls ncclCommGetAsyncError until it is not ncclInProgress; returns it. Still in
+    progress after `timeout` (a machine at load 30 gives each process ~1/15 of a core): an
+    exit that says so, not a misuse error from the call after it."""
     end = time.monotonic() + timeout
-    while (s := state(lib, comm)) == IN_PROGRESS and time.monotonic() < end:
+    while (s := state(lib, comm)) == IN_PROGRESS:
+        if time.monotonic() > end:
+            raise SystemExit(f"the communicator is still in progress after {timeout:g} s")
         time.sleep(0.001)
     return s
 
