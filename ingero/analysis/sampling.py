@@ -15,7 +15,9 @@ numpy:
   peer's global rank is the one the sends and receives of that communicator rank show;
 * each rank's time inside collectives per bucket: where the ranks are most uneven (the rank
   with the least time inside collectives, relative to the median rank: the late arriver
-  waits least), which ``Prepass.choose`` samples beside the windows spread evenly.
+  waits least), which ``Prepass.choose`` samples beside the windows spread evenly;
+* about how long a step is, from the collective made least often (``_least_recurring``), so
+  that a window spans whole steps.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ingero.analysis.calls import _FROM, _RETURNED, OPS, P2pCounts
 from ingero.schema import COLLECTIVE_OPS
 
 BUCKETS = 64            # time buckets of the pre-pass over the session: where a window may start
+MIN_MARKER = 3          # a collective marks steps when made this many times at least (steps.MIN_INSTANCES)
 
 
 @dataclass
@@ -42,7 +45,8 @@ class Prepass:
     slow: dict | None           # rank -> collectives over the threshold (None: no threshold)
     coll_ns: np.ndarray         # (bucket, rank index): time inside collectives of the calls starting in it
     calls: np.ndarray           # (bucket, rank index): calls starting in it
-    p2p: dict                   # "b", "comm", "src", "dst", "send" (bool), "n": sends and receives by bucket
+    p2p: dict                   # "b", "key", "keys", "n": sends and receives by bucket (``_pairs``)
+    step_ns: float = 0.0        # about a step (``_least_recurring``); 0: not known
 
     def p2p_before(self, bucket: int) -> P2pCounts:
         """The sends and receives before `bucket`, per (communicator hash, sender, receiver)."""
@@ -112,7 +116,7 @@ def prepass(con, first: int, last: int, slow_collective_ms: float | None = None,
     p2p = "e.peer >= 0 AND e.op IN ('SEND', 'RECV')"     # (a collective's peer: -1 or none)
     rows = con.execute(f"""
         SELECT (e.timestamp_ns - {int(first)}) // {width} AS b, COALESCE(r.rank, e.global_rank, e.rank) AS grank,
-               e.op::VARCHAR AS op, CASE WHEN {p2p} THEN e.comm_id_hash END AS comm,
+               e.op::VARCHAR AS op, e.comm_id_hash AS comm,
                CASE WHEN {p2p} THEN e.rank END AS crank, CASE WHEN {p2p} THEN e.peer END AS peer,
                count(*) AS n, sum(e.duration_ns)::DOUBLE AS ns{slow}{_FROM}
         WHERE {_RETURNED} AND e.op IN ({', '.join(repr(o) for o in OPS)})
@@ -137,8 +141,29 @@ def prepass(con, first: int, last: int, slow_collective_ms: float | None = None,
         d[o] = d.get(o, 0) + k
         if slow_by is not None:
             slow_by[r] += int(s)
+    least = _least_recurring(col["comm"][coll], op[coll], grank[coll], n[coll])
     return Prepass(int(first), width, buckets, ranks, per_op, slow_by, coll_ns, calls,
-                   _pairs(b[~coll], grank[~coll], op[~coll], col, ~coll, n[~coll]))
+                   _pairs(b[~coll], grank[~coll], op[~coll], col, ~coll, n[~coll]),
+                   (int(last) - int(first)) / least if least else 0.0)
+
+
+def _least_recurring(comm: np.ndarray, op: np.ndarray, grank: np.ndarray, n: np.ndarray) -> int:
+    """Calls per member rank of the collective (one communicator's one op) made least often,
+    of those made MIN_MARKER times at least: ``steps`` marks the steps by such a collective,
+    so a step is about the session's length over it (longer, where it is made only every few
+    steps: the windows are then wider than they need be). 0: none."""
+    if not len(n):
+        return 0
+    _, ci = np.unique(comm.astype(np.uint64), return_inverse=True)
+    ops, oi = np.unique(op.astype(str), return_inverse=True)
+    u, key = np.unique(ci.ravel().astype(np.int64) * len(ops) + oi.ravel(), return_inverse=True)
+    key = key.ravel()
+    calls = np.bincount(key, weights=n, minlength=len(u))
+    pairs = np.unique(key * (int(grank.max()) + 2) + grank + 1)         # (collective, rank) pairs
+    members = np.bincount(pairs // (int(grank.max()) + 2), minlength=len(u))
+    per = calls / np.maximum(members, 1)
+    per = per[per >= MIN_MARKER]
+    return int(per.min()) if len(per) else 0
 
 
 def _pairs(b, grank, op, col: dict, sel: np.ndarray, n: np.ndarray) -> dict:

@@ -29,9 +29,15 @@ all its calls (``sampling.prepass``) gives the rest:
 * Which windows: SAMPLED_SPREAD spread evenly over the session, and SAMPLED_UNEVEN where the
   ranks are most uneven (the rank with the least time inside collectives against the median
   rank: the late arriver waits least), so that a rank slow for part of the session only is
-  judged where it is slow. Each window starts at a bucket of the pre-pass and holds
-  MIN_STEPS whole steps at least (when the first one judged holds fewer, every window is
-  widened to hold them, up to `window_calls` calls).
+  judged where it is slow. Each window starts at a bucket of the pre-pass and spans
+  MIN_STEPS whole steps at least, a step being about the session's length over the calls
+  per rank of its least made collective (``sampling._least_recurring``; when the first
+  window judged holds fewer all are widened), up to `window_calls` calls.
+* A saving near its floor: when the saving over the judged steps of a candidate a window
+  named (none named: of the best) is within SETTLE_PCT of its floor, the sample does not
+  settle the verdict, and a saving that propagates over steps (a pipeline's) looks smaller
+  on a few steps replayed: the sample is judged again, once, on windows SETTLE_WIDER
+  times as long.
 * What each stands for: each bucket of the session goes to the judged window whose
   unevenness is nearest its own (``Prepass.stand_for``); a window stands for as many steps as
   its step takes in those buckets' time, and the verdict weighs the windows by those steps
@@ -64,6 +70,8 @@ WINDOW_CALLS = 1_250_000     # NCCL calls per window (the last up to 1.5x): 2.5 
 REPLAY_BUDGET = 400_000     # NCCL calls judged at most (replayed): a session holding more is judged on a sample
 SAMPLED_SPREAD, SAMPLED_UNEVEN = 2, 2   # sampled windows spread evenly / where the ranks are most uneven
 MIN_STEPS = 3                # whole steps a sampled window holds at least (wider windows where steps are long)
+SETTLE_PCT = 1.5             # a candidate's saving this near its floor (% of the step) is not settled by the sample:
+SETTLE_WIDER = 4             # ... it is judged again on windows this many times as long (up to `window_calls`)
 BOUNDARY_LEAD = 0.25         # a window starts this share of a step before the boundary it opens with
 SPREAD = "spread: no single rank"
 
@@ -175,28 +183,54 @@ def sampled(con, slow_collective_ms: float | None, window_calls: int, between, e
     pre = prepass(con, first, last, slow_collective_ms)
     k = SAMPLED_SPREAD + SAMPLED_UNEVEN
     cap = max(int((last - first) * window_calls / calls), 1)
-    width = min(max(int((last - first) * budget / k / calls), 1), cap)
+    lead = MIN_STEPS + 1 + 2 * BOUNDARY_LEAD     # steps a window spans to hold MIN_STEPS whole ones
+    width = min(max(int((last - first) * budget / k / calls), int(lead * pre.step_ns), 1), cap)
     plan = pre.choose(-(-width // pre.width), SAMPLED_SPREAD, SAMPLED_UNEVEN)
     wins: list[_Window] = []
-    while len(wins) < len(plan):
-        s, _ = plan[len(wins)]
-        lo = pre.first + s * pre.width
-        _, win = _judge(con, slow_collective_ms, between, lo, min(lo + width, last + 1), first, last,
-                        count_from=None, pairs=pre.p2p_before(s))
-        if not wins and win.steps < MIN_STEPS and width < cap:    # steps longer than the window: widen it
-            step = win.report.step_ms * 1e6
-            width = min(cap, max(2 * width, int((MIN_STEPS + 1 + 2 * BOUNDARY_LEAD) * step)))
-            plan = pre.choose(-(-width // pre.width), SAMPLED_SPREAD, SAMPLED_UNEVEN)
-            continue
-        wins.append(win)
+    rounds = 0
+    while True:
+        while len(wins) < len(plan):
+            s, _ = plan[len(wins)]
+            lo = pre.first + s * pre.width
+            _, win = _judge(con, slow_collective_ms, between, lo, min(lo + width, last + 1), first, last,
+                            count_from=None, pairs=pre.p2p_before(s))
+            if not wins and win.steps < MIN_STEPS and width < cap:    # steps longer than the window: widen it
+                step = win.report.step_ms * 1e6
+                width = min(cap, max(2 * width, int(lead * step)))
+                plan = pre.choose(-(-width // pre.width), SAMPLED_SPREAD, SAMPLED_UNEVEN)
+                continue
+            wins.append(win)
+        if rounds or width >= cap or not _unsettled(wins):
+            break
+        # a few steps replayed make a saving that propagates over steps (a pipeline's) look smaller
+        width, rounds, wins = min(cap, SETTLE_WIDER * width), 1, []
+        plan = pre.choose(-(-width // pre.width), SAMPLED_SPREAD, SAMPLED_UNEVEN)
     span = -(-width // pre.width)
     stood = pre.stand_for([(w.lo - pre.first) // pre.width for w in wins], span, [w.steps > 0 for w in wins])
     for w, n in zip(wins, stood):     # the steps it stands for: as many as its step takes in that time
         step = w.steps * w.report.step_ms * 1e6
         w.stands = n * pre.width / step if step > 0 else 0.0
-    out = combine(wins, con, whole=pre)
+    out = combine(wins, con, whole=pre, settled=bool(rounds))
     out.hang = find_hang(con)
     return out
+
+
+def _unsettled(wins: list[_Window]) -> bool:
+    """Is the saving over the judged steps (each alike) of a candidate some window named (none
+    named: of the one that saves most) within SETTLE_PCT of its floor? Then the sample does
+    not settle whether the session names it."""
+    judged = [w for w in wins if w.steps]
+    steps = sum(w.steps for w in judged)
+    base = sum((w.report.mean_step_ms or 0.0) * 1e6 * w.steps for w in judged) / steps if steps else 0.0
+    if base <= 0:
+        return False
+    saving: dict = {}
+    for w in judged:
+        for label, ns in w.candidates.items():
+            saving[label] = saving.get(label, 0.0) + ns * w.steps / steps
+    named = {w.named for w in judged if w.named is not None} or set(sorted(saving, key=saving.__getitem__)[-1:])
+    return any(abs(100.0 * saving.get(label, 0.0) / base - (SPREAD_FLOOR_PCT if label == SPREAD else SAVING_FLOOR_PCT))
+               < SETTLE_PCT for label in named)
 
 
 def _judge(con, slow_collective_ms, between, lo: int, hi: int | None, first: int, last: int,
@@ -219,10 +253,11 @@ def _judge(con, slow_collective_ms, between, lo: int, hi: int | None, first: int
                          d.work_step_ns if d is not None else 0.0, lo, last if hi is None else hi)
 
 
-def combine(wins: list[_Window], con=None, whole: Prepass | None = None) -> Report:
+def combine(wins: list[_Window], con=None, whole: Prepass | None = None, settled: bool = False) -> Report:
     """The session's report from its windows' (see the module's docstring). With `con`, the
     off-CPU times and NCCL's proxy waits of the table are the whole session's; with `whole`
-    (the windows are a sample of it, on `con`), its counts too."""
+    (the windows are a sample of it, on `con`), its counts too; `settled`: the sample was
+    judged again on windows SETTLE_WIDER times as long, a saving being near its floor."""
     judged = [w for w in wins if w.steps]
     first = wins[0].report
     out = Report(ranks=_ranks(wins), straggler=None, step_ms=0.0,
@@ -260,7 +295,10 @@ def combine(wins: list[_Window], con=None, whole: Prepass | None = None) -> Repo
     else:
         out.warnings.insert(0, f"judged {len(wins)} sampled windows of whole steps "
                                f"({sum(w.steps for w in judged):,} of ~{round(steps):,} steps) spread over the "
-                               "session and where the ranks were most uneven; counts are the whole session's")
+                               "session and where the ranks were most uneven"
+                               + (f", on windows {SETTLE_WIDER}x as long as at first (a saving was within "
+                                  f"{SETTLE_PCT:g} points of its floor)" if settled else "")
+                               + "; counts are the whole session's")
     # each candidate's saving over the session, ns per step
     saving: dict = {}
     for w in judged:

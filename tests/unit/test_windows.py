@@ -192,3 +192,24 @@ def test_the_sends_and_receives_before_a_sampled_window_are_counted_as_the_calls
         assert (got.sends, got.recvs) == (want.sends, want.recvs), b
         counted += sum(want.sends.values())
     assert counted > 0
+
+
+def test_a_saving_near_its_floor_is_not_settled_by_the_sample():
+    """The sample is judged again on longer windows when the saving over its judged steps of
+    a candidate a window named is within SETTLE_PCT of its floor; a saving well clear of it,
+    or a near one no window named while another was, is settled."""
+    from ingero.analysis.model import Report
+    from ingero.analysis.windows import SAVING_FLOOR_PCT, SETTLE_PCT, SPREAD, _unsettled, _Window
+
+    def win(steps: int, named: str | None, **pct) -> _Window:
+        rep = Report(ranks=[], straggler=None, step_ms=100.0, collectives=0, retransmits=0, warnings=[])
+        rep.mean_step_ms = 100.0
+        cands = {k.replace("_", " "): v * 1e6 for k, v in pct.items()}     # % of a 100 ms step: ms = %
+        return _Window(rep, steps, cands, named, 100e6, 0, 1)
+
+    near, clear = SAVING_FLOOR_PCT + SETTLE_PCT / 2, SAVING_FLOOR_PCT + 2 * SETTLE_PCT
+    assert _unsettled([win(3, "rank 7", rank_7=near + 0.5), win(3, None, rank_7=near - 0.5)])
+    assert not _unsettled([win(3, "rank 7", rank_7=clear), win(3, "rank 7", rank_7=clear)])
+    assert not _unsettled([win(3, "rank 7", rank_7=clear, rank_2=near), win(3, "rank 7", rank_7=clear)])
+    assert _unsettled([win(4, None, rank_2=near, **{SPREAD.replace(" ", "_"): 1.0})])   # none named: the best
+    assert not _unsettled([win(0, "rank 7", rank_7=near)])                                # no judged step
