@@ -69,7 +69,8 @@ WINDOW_CALLS = 1_250_000     # NCCL calls per window (the last up to 1.5x): 2.5 
                              # with DuckDB (docs/benchmarks.md), and the chart's operator limit is 2 GiB
 REPLAY_BUDGET = 400_000     # NCCL calls judged at most (replayed): a session holding more is judged on a sample
 SAMPLED_SPREAD, SAMPLED_UNEVEN = 2, 2   # sampled windows spread evenly / where the ranks are most uneven
-MIN_STEPS = 3                # whole steps a sampled window holds at least (wider windows where steps are long)
+MIN_STEPS = 10               # whole steps a sampled window holds at least: a pipeline's saving spreads over steps,
+                             # and 3-step windows replayed 14.6 of tp=8,pp=8,dp=16's 19.0 ms/step (10: 17.6)
 SETTLE_PCT = 1.5             # a candidate's saving this near its floor (% of the step) is not settled by the sample:
 SETTLE_WIDER = 4             # ... it is judged again on windows this many times as long (up to `window_calls`)
 BOUNDARY_LEAD = 0.25         # a window starts this share of a step before the boundary it opens with
