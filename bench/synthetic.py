@@ -208,7 +208,8 @@ def _scale_node(i: int) -> str:
 
 def scale_session(seg_root, ranks: int = 1024, collectives: int = 100_000, nodes: int = 128,
                   fault: str = "slow-rank", step_ms: float = 40.0, segments_per_node: int = 8,
-                  late_ms: float = 10.0, seed: int = 11, progress=None) -> dict:
+                  late_ms: float = 10.0, seed: int = 11, progress=None,
+                  slow_span: tuple[float, float] = (0.0, 1.0)) -> dict:
     """Write a large synthetic session below `seg_root/<node>/` through the real SegmentWriter.
 
     Every rank calls every collective: `collectives` instances in steps of
@@ -225,7 +226,8 @@ def scale_session(seg_root, ranks: int = 1024, collectives: int = 100_000, nodes
     Faults: ``slow-rank``: the victim arrives `late_ms` late at every
     ALL_REDUCE (everyone waits for it, and the next ALL_GATHER starts late), while another node (``noisy``)
     retransmits in 2% of instances (waiting peers' tail-loss probes): the
-    verdict must be the victim, compute/unknown. ``lossy-link``: the victim's
+    verdict must be the victim, compute/unknown; `slow_span`: the shares of the session
+    (of its collectives) between which it is late, e.g. (1/3, 2/3). ``lossy-link``: the victim's
     node retransmits on its own sockets in 30% of instances and every rank's
     collective then takes 4x longer on the wire, plus 0.3% background
     retransmits elsewhere: the verdict must be network on the victim's node.
@@ -258,7 +260,8 @@ def scale_session(seg_root, ranks: int = 1024, collectives: int = 100_000, nodes
     seq = step * per_comm_calls[comm] + before[slot]
     is_ar = ops[slot] == "ALL_REDUCE"
     late_ns = int(late_ms * 1e6)
-    victim_late = np.where(is_ar & (fault == "slow-rank"), late_ns, 0)
+    in_span = (inst >= slow_span[0] * collectives) & (inst < slow_span[1] * collectives)
+    victim_late = np.where(is_ar & (fault == "slow-rank") & in_span, late_ns, 0)
     wire = g.lognormal(np.log(1_500_000), 0.25, collectives).astype(np.int64)
     if fault == "lossy-link":
         hit = g.random(collectives) < 0.30       # instances with a retransmit on the victim node

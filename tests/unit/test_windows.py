@@ -99,3 +99,117 @@ def test_an_artifact_judged_in_windows_reads_each_call_once_from_the_segments_in
         finally:
             con.close()
         assert again.to_dict() == rep.to_dict()
+
+
+def _scale(tmp_path, **kw):
+    """A 16-rank data-parallel session (48,000 calls, ~750 steps), rank `victim` late at
+    every ALL_REDUCE where `kw` says; its artifact, clock offsets applied."""
+    from bench.synthetic import scale_layout, scale_session
+    from ingero_operator import gather
+
+    scale_session(tmp_path / "work" / "nodes", ranks=16, collectives=3000, nodes=4, fault="slow-rank",
+                  segments_per_node=6, **kw)
+    return gather.LocalSession(tmp_path), scale_layout(16, 3000, 4, "slow-rank")
+
+
+def test_a_rank_slow_only_in_the_middle_third_is_named_on_a_sample_of_windows(tmp_path, monkeypatch):
+    """With a replay budget of a sixth of the session, the sample judges two windows spread
+    evenly (centred at a quarter and three quarters of the session: outside the slow third)
+    and two where the ranks are most uneven: those find the rank. The session's saving is
+    the whole session's within 10%; without the uneven windows nothing is named."""
+    from ingero.analysis import windows
+    from ingero_operator import gather
+
+    local, lay = _scale(tmp_path, slow_span=(1 / 3, 2 / 3))
+    whole, _ = gather.build_artifact(local, lay["offsets"])
+    assert whole.straggler is not None and whole.straggler.rank == lay["victim"], whole.straggler
+    monkeypatch.setattr(windows, "REPLAY_BUDGET", 8_000)
+    monkeypatch.setattr(windows, "SAMPLED_SPREAD", 2)
+    runs = {}
+    for uneven in (2, 0):
+        monkeypatch.setattr(windows, "SAMPLED_UNEVEN", uneven)
+        runs[uneven], _ = gather.build_artifact(local, lay["offsets"])
+    rep = runs[2]
+    assert rep.warnings[0].startswith("judged 4 sampled windows of whole steps"), rep.warnings
+    assert "counts are the whole session's" in rep.warnings[0]
+    s = rep.straggler
+    assert s is not None and (s.rank, s.cause) == (lay["victim"], "compute/unknown"), s
+    assert s.evidence.startswith("named in 2 of 4 windows"), s.evidence
+    assert s.saving_ms_per_step == pytest.approx(whole.straggler.saving_ms_per_step, rel=0.10)
+    assert runs[0].warnings[0].startswith("judged 2 sampled windows"), runs[0].warnings
+    assert runs[0].straggler is None or runs[0].straggler.rank != lay["victim"], runs[0].straggler
+
+
+def test_a_sampled_sessions_counts_are_the_whole_sessions(tmp_path, monkeypatch):
+    """Calls per rank and op, collectives over the threshold and retransmits in the table of
+    a session judged on a sample of its windows: those of the whole session judged at once."""
+    from ingero.analysis import windows
+    from ingero_operator import gather
+
+    local, lay = _scale(tmp_path)
+    whole, _ = gather.build_artifact(local, lay["offsets"], slow_collective_ms=5.0)
+    monkeypatch.setattr(windows, "REPLAY_BUDGET", 8_000)
+    rep, _ = gather.build_artifact(local, lay["offsets"], slow_collective_ms=5.0)
+    k = windows.SAMPLED_SPREAD + windows.SAMPLED_UNEVEN
+    assert rep.warnings[0].startswith(f"judged {k} sampled windows of whole steps ("), rep.warnings
+    assert rep.collectives == whole.collectives == 48_000
+    assert rep.retransmits == whole.retransmits > 0
+    got = [(r.rank, r.collectives, {k: v["calls"] for k, v in r.per_op.items()}, r.slow_collectives, r.retransmits)
+           for r in rep.ranks]
+    want = [(r.rank, r.collectives, {k: v["calls"] for k, v in r.per_op.items()}, r.slow_collectives, r.retransmits)
+            for r in whole.ranks]
+    assert got == want
+    assert {r.rank: r.slow_collectives for r in rep.ranks}[lay["victim"]] == 0   # it arrives last: waits least
+    assert sum(r.slow_collectives for r in rep.ranks) > 10_000                    # its peers wait 10 ms for it
+    assert rep.straggler is not None and rep.straggler.rank == lay["victim"], rep.straggler
+
+
+def test_the_sends_and_receives_before_a_sampled_window_are_counted_as_the_calls_count_them(tmp_path):
+    """The pre-pass's sends and receives per (communicator, sender, receiver) before each
+    bucket: those ``P2pCounts.add`` counts of the session's calls before its start."""
+    from ingero.analysis import analyse_part
+    from ingero.analysis.calls import P2pCounts
+    from ingero.analysis.sampling import prepass
+    from ingero_operator import gather
+
+    tp, pp, dp, nodes = 2, 4, 2, 4
+    gt = pipeline_session(tmp_path / "work" / "nodes", tp, pp, dp, nodes=nodes, steps=12, seed=7,
+                          fault="slow-rank", victim=2, **SHAPES["1f1b"])
+    local = gather.LocalSession(tmp_path)
+    gather.build_artifact(local, gt["offsets"])
+    con = duckdb.connect(str(local.artifact), read_only=True)
+    con.execute(f"SET file_search_path = '{local.root.resolve()}'")
+    first, last = con.execute("SELECT min(timestamp_ns), max(timestamp_ns) FROM nccl_events").fetchone()
+    pre = prepass(con, first, last, buckets=16)
+    calls = analyse_part(con, p2p_before=P2pCounts()).calls
+    con.close()
+    assert calls is not None
+    counted = 0
+    for b in (0, 3, 8, 15):
+        want = P2pCounts()
+        want.add(calls, pre.first + b * pre.width)
+        got = pre.p2p_before(b)
+        assert (got.sends, got.recvs) == (want.sends, want.recvs), b
+        counted += sum(want.sends.values())
+    assert counted > 0
+
+
+def test_a_saving_near_its_floor_is_not_settled_by_the_sample():
+    """The sample is judged again on longer windows when the saving over its judged steps of
+    a candidate a window named is within SETTLE_PCT of its floor; a saving well clear of it,
+    or a near one no window named while another was, is settled."""
+    from ingero.analysis.model import Report
+    from ingero.analysis.windows import SAVING_FLOOR_PCT, SETTLE_PCT, SPREAD, _unsettled, _Window
+
+    def win(steps: int, named: str | None, **pct) -> _Window:
+        rep = Report(ranks=[], straggler=None, step_ms=100.0, collectives=0, retransmits=0, warnings=[])
+        rep.mean_step_ms = 100.0
+        cands = {k.replace("_", " "): v * 1e6 for k, v in pct.items()}     # % of a 100 ms step: ms = %
+        return _Window(rep, steps, cands, named, 100e6, 0, 1)
+
+    near, clear = SAVING_FLOOR_PCT + SETTLE_PCT / 2, SAVING_FLOOR_PCT + 2 * SETTLE_PCT
+    assert _unsettled([win(3, "rank 7", rank_7=near + 0.5), win(3, None, rank_7=near - 0.5)])
+    assert not _unsettled([win(3, "rank 7", rank_7=clear), win(3, "rank 7", rank_7=clear)])
+    assert not _unsettled([win(3, "rank 7", rank_7=clear, rank_2=near), win(3, "rank 7", rank_7=clear)])
+    assert _unsettled([win(4, None, rank_2=near, **{SPREAD.replace(" ", "_"): 1.0})])   # none named: the best
+    assert not _unsettled([win(0, "rank 7", rank_7=near)])                                # no judged step
