@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ingero.analysis.calls import _FROM, _RETURNED, OPS, P2pCounts
+from ingero.analysis.steps import MIN_INSTANCES
 from ingero.schema import COLLECTIVE_OPS
 
 BUCKETS = 64            # time buckets of the pre-pass over the session: where a window may start
-MIN_MARKER = 3          # a collective marks steps when made this many times at least (steps.MIN_INSTANCES)
 
 
 @dataclass
@@ -47,6 +47,13 @@ class Prepass:
     calls: np.ndarray           # (bucket, rank index): calls starting in it
     p2p: dict                   # "b", "key", "keys", "n": sends and receives by bucket (``_pairs``)
     step_ns: float = 0.0        # about a step (``_least_recurring``); 0: not known
+
+    @property
+    def unkeyed(self) -> int:
+        """Sends and receives whose communicator or peer the pre-pass cannot name (a
+        communicator the trace began after, recovered from call sequences by the engine):
+        the counts before a window would miss them."""
+        return self.p2p["unkeyed"]
 
     def p2p_before(self, bucket: int) -> P2pCounts:
         """The sends and receives before `bucket`, per (communicator hash, sender, receiver)."""
@@ -149,7 +156,7 @@ def prepass(con, first: int, last: int, slow_collective_ms: float | None = None,
 
 def _least_recurring(comm: np.ndarray, op: np.ndarray, grank: np.ndarray, n: np.ndarray) -> int:
     """Calls per member rank of the collective (one communicator's one op) made least often,
-    of those made MIN_MARKER times at least: ``steps`` marks the steps by such a collective,
+    of those made MIN_INSTANCES times at least: ``steps`` marks the steps by such a collective,
     so a step is about the session's length over it (longer, where it is made only every few
     steps: the windows are then wider than they need be). 0: none."""
     if not len(n):
@@ -162,14 +169,15 @@ def _least_recurring(comm: np.ndarray, op: np.ndarray, grank: np.ndarray, n: np.
     pairs = np.unique(key * (int(grank.max()) + 2) + grank + 1)         # (collective, rank) pairs
     members = np.bincount(pairs // (int(grank.max()) + 2), minlength=len(u))
     per = calls / np.maximum(members, 1)
-    per = per[per >= MIN_MARKER]
+    per = per[per >= MIN_INSTANCES]
     return int(per.min()) if len(per) else 0
 
 
 def _pairs(b, grank, op, col: dict, sel: np.ndarray, n: np.ndarray) -> dict:
     """The sends and receives by bucket (``b``), each of ``keys[key]``: (is a send,
     communicator hash, sender, receiver), with ``n`` calls; the peer's global rank is the
-    one the calls of that communicator rank show."""
+    one the calls of that communicator rank show; ``unkeyed``: the calls left out, whose
+    peer's global rank is not known."""
     comm = col["comm"][sel].astype(np.uint64)
     crank, peer = col["crank"][sel].astype(np.int64), col["peer"][sel].astype(np.int64)
     ch, ci = np.unique(comm, return_inverse=True)            # communicators as codes
@@ -191,4 +199,4 @@ def _pairs(b, grank, op, col: dict, sel: np.ndarray, n: np.ndarray) -> dict:
     full = ((ci[ok] * w + src) * w + dst) * 2 + send[ok]
     u, key = np.unique(full, return_inverse=True)
     keys = [(bool(k & 1), int(ch[k // 2 // w // w]), int(k // 2 // w % w), int(k // 2 % w)) for k in u.tolist()]
-    return {"b": b[ok], "key": key.ravel(), "keys": keys, "n": n[ok]}
+    return {"b": b[ok], "key": key.ravel(), "keys": keys, "n": n[ok], "unkeyed": int(n[~ok].sum())}

@@ -44,6 +44,9 @@ all its calls (``sampling.prepass``) gives the rest:
   as above. The report says so in its first warning.
 * Sends and receives before a window, to pair its own with: the pre-pass's counts per
   (communicator, sender, receiver) before its bucket; the skipped calls are never read.
+  Where the pre-pass cannot name a send's or receive's pair (a communicator the trace began
+  after, which the engine recovers from the call sequences), every step is judged, window
+  after window, and the report says why.
 * The counts of the table (calls per rank and op, over the threshold, retransmits) are the
   whole session's, not extrapolated; retransmits inside a rank's calls are its retransmits
   times the share inside its calls in the judged windows.
@@ -146,8 +149,23 @@ def analyse_windows(con, slow_collective_ms: float | None = None, window_calls: 
         "SELECT count(*), min(timestamp_ns), max(timestamp_ns) FROM nccl_events").fetchall()[0]
     budget = REPLAY_BUDGET if budget is None else budget
     if calls > budget and first is not None and last > first:
-        return sampled(con, slow_collective_ms, window_calls, between, (calls, int(first), int(last)), budget)
+        pre = prepass(con, int(first), int(last), slow_collective_ms)
+        if not pre.unkeyed:
+            return sampled(con, slow_collective_ms, window_calls, between, (calls, int(first), int(last)), budget, pre)
+        out = _every_window(con, slow_collective_ms, window_calls, between, (calls, int(first), int(last)))
+        out.warnings.insert(0, f"every step judged, not a sample: {pre.unkeyed:,} sends and receives are on "
+                               "communicators the trace began after, which only the calls around them pair")
+        return out
     if calls <= window_calls or first is None or last <= first:
+        return analyse(con, slow_collective_ms)
+    return _every_window(con, slow_collective_ms, window_calls, between, (calls, int(first), int(last)))
+
+
+def _every_window(con, slow_collective_ms: float | None, window_calls: int, between, extent: tuple) -> Report:
+    """The session judged in windows of whole steps, one after the other (see the module's
+    docstring); `analyse` itself when it holds no more than `window_calls` calls."""
+    calls, first, last = extent
+    if calls <= window_calls:
         return analyse(con, slow_collective_ms)
     width = max(int((last - first) * window_calls / calls), 1)
     wins: list[_Window] = []
@@ -176,12 +194,11 @@ def analyse_windows(con, slow_collective_ms: float | None = None, window_calls: 
 
 
 def sampled(con, slow_collective_ms: float | None, window_calls: int, between, extent: tuple,
-            budget: int) -> Report:
+            budget: int, pre: Prepass) -> Report:
     """The session judged on SAMPLED_SPREAD + SAMPLED_UNEVEN windows of about `budget` calls
     in all (``sampling.Prepass.choose``), each a `window_calls` at most and MIN_STEPS whole
     steps at least; the table's counts are the whole session's (``sampling.prepass``)."""
     calls, first, last = extent
-    pre = prepass(con, first, last, slow_collective_ms)
     k = SAMPLED_SPREAD + SAMPLED_UNEVEN
     cap = max(int((last - first) * window_calls / calls), 1)
     lead = MIN_STEPS + 1 + 2 * BOUNDARY_LEAD     # steps a window spans to hold MIN_STEPS whole ones
@@ -294,7 +311,7 @@ def combine(wins: list[_Window], con=None, whole: Prepass | None = None, settled
     if whole is None:
         out.warnings.insert(0, f"judged in {len(wins)} windows of whole steps ({steps:,} steps in all)")
     else:
-        out.warnings.insert(0, f"judged {len(wins)} sampled windows of whole steps "
+        out.warnings.insert(0, f"judged {len(wins)} sampled window{'s' if len(wins) != 1 else ''} of whole steps "
                                f"({sum(w.steps for w in judged):,} of ~{round(steps):,} steps) spread over the "
                                "session and where the ranks were most uneven"
                                + (f", on windows {SETTLE_WIDER}x as long as at first (a saving was within "

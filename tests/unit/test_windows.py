@@ -213,3 +213,36 @@ def test_a_saving_near_its_floor_is_not_settled_by_the_sample():
     assert not _unsettled([win(3, "rank 7", rank_7=clear, rank_2=near), win(3, "rank 7", rank_7=clear)])
     assert _unsettled([win(4, None, rank_2=near, **{SPREAD.replace(" ", "_"): 1.0})])   # none named: the best
     assert not _unsettled([win(0, "rank 7", rank_7=near)])                                # no judged step
+
+
+def test_sends_and_receives_the_pre_pass_cannot_pair_have_every_step_judged(tmp_path):
+    """A trace begun after its communicators were made names no communicator rank for its
+    sends and receives (the engine recovers them from the call sequences): the pre-pass
+    cannot count those before a window, so the session is judged window after window, as
+    one within the budget is, and the report says why there is no sample."""
+    from ingero import schema
+    from ingero.analysis.sampling import prepass
+    from ingero.analysis.windows import analyse_windows
+    from ingero_operator import gather
+
+    gt = pipeline_session(tmp_path / "work" / "nodes", 2, 4, 2, nodes=4, steps=12, seed=7, fault="slow-rank",
+                          victim=2, **SHAPES["1f1b"])
+    local = gather.LocalSession(tmp_path)
+    gather.build_artifact(local, gt["offsets"])
+    con = duckdb.connect(str(tmp_path / "late.duckdb"))
+    con.execute(f"SET file_search_path = '{local.root.resolve()}'")
+    con.execute(f"ATTACH '{local.artifact}' AS a (READ_ONLY)")
+    for table in schema.TABLES:
+        con.execute(f"CREATE TABLE {table} AS SELECT * FROM a.{table}")
+    con.execute("DETACH a")
+    first, last = con.execute("SELECT min(timestamp_ns), max(timestamp_ns) FROM nccl_events").fetchone()
+    p2p = con.execute("SELECT count(*) FROM nccl_events WHERE op IN ('SEND', 'RECV')").fetchone()[0]
+    assert prepass(con, first, last).unkeyed == 0
+    assert "sampled windows of whole steps" in analyse_windows(con, budget=1_000).warnings[0]
+    con.execute("UPDATE nccl_events SET rank = -1 WHERE op IN ('SEND', 'RECV')")
+    assert prepass(con, first, last).unkeyed == p2p > 0
+    rep = analyse_windows(con, budget=1_000).to_dict()
+    assert rep["warnings"][0] == (f"every step judged, not a sample: {p2p:,} sends and receives are on "
+                                  "communicators the trace began after, which only the calls around them pair")
+    whole = analyse_windows(con, budget=10**9).to_dict()
+    assert {**rep, "warnings": rep["warnings"][1:]} == whole
