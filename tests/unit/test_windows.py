@@ -238,7 +238,7 @@ def test_sends_and_receives_the_pre_pass_cannot_pair_have_every_step_judged(tmp_
     first, last = con.execute("SELECT min(timestamp_ns), max(timestamp_ns) FROM nccl_events").fetchone()
     p2p = con.execute("SELECT count(*) FROM nccl_events WHERE op IN ('SEND', 'RECV')").fetchone()[0]
     assert prepass(con, first, last).unkeyed == 0
-    assert "sampled windows of whole steps" in analyse_windows(con, budget=1_000).warnings[0]
+    assert "judged 1 sampled window of whole steps" in analyse_windows(con, budget=1_000).warnings[0]
     con.execute("UPDATE nccl_events SET rank = -1 WHERE op IN ('SEND', 'RECV')")
     assert prepass(con, first, last).unkeyed == p2p > 0
     rep = analyse_windows(con, budget=1_000).to_dict()
