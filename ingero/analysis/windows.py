@@ -156,7 +156,7 @@ def analyse_windows(con, slow_collective_ms: float | None = None, window_calls: 
         out.warnings.insert(0, f"every step judged, not a sample: {pre.unkeyed:,} sends and receives are on "
                                "communicators the trace began after, which only the calls around them pair")
         return out
-    if calls <= window_calls or first is None or last <= first:
+    if first is None or last <= first:
         return analyse(con, slow_collective_ms)
     return _every_window(con, slow_collective_ms, window_calls, between, (calls, int(first), int(last)))
 
