@@ -32,7 +32,9 @@ all its calls (``sampling.prepass``) gives the rest:
   judged where it is slow. Each window starts at a bucket of the pre-pass and spans
   MIN_STEPS whole steps at least, a step being about the session's length over the calls
   per rank of its least made collective (``sampling._least_recurring``; when the first
-  window judged holds fewer all are widened), up to `window_calls` calls.
+  window judged holds fewer all are widened), up to `window_calls` calls. Where steps are
+  so long that those windows would hold more than the budget, fewer are judged: as many
+  as it holds, and two at least (one spread, one uneven).
 * A saving near its floor: when the saving over the judged steps of a candidate a window
   named (none named: of the best) is within SETTLE_PCT of its floor, the sample does not
   settle the verdict, and a saving that propagates over steps (a pipeline's) looks smaller
@@ -196,14 +198,23 @@ def _every_window(con, slow_collective_ms: float | None, window_calls: int, betw
 def sampled(con, slow_collective_ms: float | None, window_calls: int, between, extent: tuple,
             budget: int, pre: Prepass) -> Report:
     """The session judged on SAMPLED_SPREAD + SAMPLED_UNEVEN windows of about `budget` calls
-    in all (``sampling.Prepass.choose``), each a `window_calls` at most and MIN_STEPS whole
-    steps at least; the table's counts are the whole session's (``sampling.prepass``)."""
+    in all (``sampling.Prepass.choose``; fewer, two at least, where windows of MIN_STEPS
+    whole steps hold more), each a `window_calls` at most; the table's counts are the whole
+    session's (``sampling.prepass``)."""
     calls, first, last = extent
-    k = SAMPLED_SPREAD + SAMPLED_UNEVEN
     cap = max(int((last - first) * window_calls / calls), 1)
     lead = MIN_STEPS + 1 + 2 * BOUNDARY_LEAD     # steps a window spans to hold MIN_STEPS whole ones
-    width = min(max(int((last - first) * budget / k / calls), int(lead * pre.step_ns), 1), cap)
-    plan = pre.choose(-(-width // pre.width), SAMPLED_SPREAD, SAMPLED_UNEVEN)
+    width = min(max(int((last - first) * budget / (SAMPLED_SPREAD + SAMPLED_UNEVEN) / calls),
+                    int(lead * pre.step_ns), 1), cap)
+
+    def choose(width: int) -> list[tuple[int, str]]:
+        """The windows `width` ns long to judge: as many as the budget holds, two at least."""
+        k = SAMPLED_SPREAD + SAMPLED_UNEVEN
+        n = min(k, max(2, int(budget * (last - first) / (width * calls))))
+        spread = max(1, n * SAMPLED_SPREAD // k) if SAMPLED_SPREAD else 0
+        return pre.choose(-(-width // pre.width), spread, n - spread)
+
+    plan = choose(width)
     wins: list[_Window] = []
     rounds = 0
     while True:
@@ -215,14 +226,14 @@ def sampled(con, slow_collective_ms: float | None, window_calls: int, between, e
             if not wins and win.steps < MIN_STEPS and width < cap:    # steps longer than the window: widen it
                 step = win.report.step_ms * 1e6
                 width = min(cap, max(2 * width, int(lead * step)))
-                plan = pre.choose(-(-width // pre.width), SAMPLED_SPREAD, SAMPLED_UNEVEN)
+                plan = choose(width)
                 continue
             wins.append(win)
         if rounds or width >= cap or not _unsettled(wins):
             break
         # a few steps replayed make a saving that propagates over steps (a pipeline's) look smaller
         width, rounds, wins = min(cap, SETTLE_WIDER * width), 1, []
-        plan = pre.choose(-(-width // pre.width), SAMPLED_SPREAD, SAMPLED_UNEVEN)
+        plan = choose(width)
     span = -(-width // pre.width)
     stood = pre.stand_for([(w.lo - pre.first) // pre.width for w in wins], span, [w.steps > 0 for w in wins])
     for w, n in zip(wins, stood):     # the steps it stands for: as many as its step takes in that time

@@ -164,6 +164,23 @@ def test_a_sampled_sessions_counts_are_the_whole_sessions(tmp_path, monkeypatch)
     assert rep.straggler is not None and rep.straggler.rank == lay["victim"], rep.straggler
 
 
+def test_windows_of_long_steps_are_fewer_so_that_the_sample_keeps_to_its_budget(tmp_path, monkeypatch):
+    """Where MIN_STEPS whole steps hold more than a share of the budget (here ~740 calls of a
+    2,000 or 2,600 budget), the sample judges as many windows as the budget holds, two at
+    least: one spread, the rest where the ranks are most uneven; the rank is named on each."""
+    from ingero.analysis import windows
+    from ingero_operator import gather
+
+    local, lay = _scale(tmp_path)
+    for budget, judged in ((2_000, 2), (2_600, 3), (8_000, 4)):
+        monkeypatch.setattr(windows, "REPLAY_BUDGET", budget)
+        rep, _ = gather.build_artifact(local, lay["offsets"])
+        assert rep.warnings[0].startswith(f"judged {judged} sampled windows of whole steps"), (budget, rep.warnings)
+        s = rep.straggler
+        assert s is not None and s.rank == lay["victim"], (budget, s)
+        assert s.evidence.startswith(f"named in {judged} of {judged} windows"), (budget, s.evidence)
+
+
 def test_the_sends_and_receives_before_a_sampled_window_are_counted_as_the_calls_count_them(tmp_path):
     """The pre-pass's sends and receives per (communicator, sender, receiver) before each
     bucket: those ``P2pCounts.add`` counts of the session's calls before its start."""
