@@ -34,8 +34,6 @@ from ingero.errors import IngeroError
 from ingero.families import EVENT_KEY, RINGS
 from ingero.store import separate_recordings
 
-# Shifted by a node's clock offset, as in the operator's gather.
-SHIFTED = schema.CLOCK_COLUMNS
 # table -> (key columns, preference among copies of one key: the first row wins)
 KEYS = {
     **{r.table: (EVENT_KEY, r.prefer) for r in RINGS.values()},
@@ -74,7 +72,7 @@ def _select(table: str, have: set[str], shift_by: str | None = None) -> str:
     out = []
     for c, ty in schema.TABLES[table].columns:
         expr = f"t.{_qi(c)}::{ty}" if c in have else f"NULL::{ty}"
-        if shift_by and c in SHIFTED.get(table, ()) and c in have:
+        if shift_by and c in schema.CLOCK_COLUMNS.get(table, ()) and c in have:
             expr = f"({expr} + {shift_by})"
         out.append(f"{expr} AS {_qi(c)}")
     return ", ".join(out)
@@ -163,7 +161,7 @@ class Merger:
                     applied[(node, sid)] = int(off)
             total, ok = 0, 0
             for table, have in usable.items():
-                if applied and table in SHIFTED:
+                if applied and table in schema.CLOCK_COLUMNS:
                     sel = _select(table, have, "coalesce(o.off, 0)")
                     sql = (f"SELECT {sel}, {self.src} FROM {table} t "
                            "LEFT JOIN (SELECT node AS o_node, session_id AS o_sid, any_value(clock_offset_ns) AS off "
@@ -243,7 +241,7 @@ class Merger:
         schema.create_all(self.con)
         for table, (keys, pref) in KEYS.items():
             cols = schema.TABLES[table].column_names
-            shift = SHIFTED.get(table, ())
+            shift = schema.CLOCK_COLUMNS.get(table, ())
             sel = ", ".join(f"s.{_qi(c)} - coalesce(o.off, 0)" if c in shift else f"s.{_qi(c)}" for c in cols)
             part = ", ".join(f"s.{_qi(k)}" for k in keys)
             self.con.execute(f"""
