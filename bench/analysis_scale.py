@@ -1,9 +1,10 @@
 """Gather + merge + analysis at scale: 1,024 ranks along the operator's path.
 
     python -m bench.analysis_scale [--layout tp=8,pp=8,dp=16] [--collectives 100000] [--nodes 128]
-                                   [--faults slow-rank,lossy-link] [--repeat 3] [--quick] [--baseline DIR]
+                                   [--faults slow-rank,lossy-link] [--repeat 3] [--quick]
+                                   [--baseline DIR | --every-step]
 
-With ``--layout`` (the issue's target): a tensor x pipeline x data parallel job
+With ``--layout`` (tp=8,pp=8,dp=16 has a target: < 3 s, < 1 GiB): a tensor x pipeline x data parallel job
 (``bench.synthetic.pipeline_session``, GPipe, Megatron rank order) with as many
 steps as make ``--collectives`` collective instances (tp all-reduces of 8
 ranks, dp all-reduces of 16, a world all-reduce per step) plus the pipeline's
@@ -31,6 +32,7 @@ With ``--baseline DIR`` (another checkout, e.g. ``git worktree add /tmp/base mai
 measured run is followed by the same run of DIR's code on the same segments; the two
 reports are compared: equal, or (where one judged a sample of the session's windows and
 the other every step) their counts per rank and op, straggler and cause, and savings.
+``--every-step`` does the same with this checkout judging every step (no sampled windows).
 """
 
 from __future__ import annotations
@@ -118,13 +120,13 @@ def _cpu_s() -> float:
 
 
 def child(root: Path, ranks: int, collectives: int, nodes: int, fault: str, path: str, layout: str = "",
-          window_calls: int = 0) -> dict:
+          window_calls: int = 0, every_step: bool = False) -> dict:
     sys.path.insert(0, str(REPO / "operator"))
     import duckdb
 
     from bench.synthetic import scale_layout
     from ingero import schema
-    from ingero.analysis import analyse
+    from ingero.analysis import analyse, windows
     from ingero.comms import resolve_split_ranks
     from ingero_operator import gather
 
@@ -133,6 +135,8 @@ def child(root: Path, ranks: int, collectives: int, nodes: int, fault: str, path
         lay = {"offsets": {}, "victim": truth["victim"], "victim_node": None}
     else:
         lay = scale_layout(ranks, collectives, nodes, fault)
+    if every_step:     # no sampled windows, whatever the session holds
+        windows.REPLAY_BUDGET = 2**62
     local = gather.LocalSession(root)
     local.artifact.unlink(missing_ok=True)
     peak = [0]
@@ -199,9 +203,9 @@ def _verdict(report: dict) -> tuple | None:
 
 
 def run_child(root: Path, ranks: int, collectives: int, nodes: int, fault: str, path: str,
-              layout: str = "", repo: Path = REPO, window_calls: int = 0) -> dict:
+              layout: str = "", repo: Path = REPO, window_calls: int = 0, every_step: bool = False) -> dict:
     """One measured run in a fresh process, of the code in `repo` (this checkout, or --baseline's)."""
-    more = ["--window-calls", str(window_calls)] if window_calls else []
+    more = (["--window-calls", str(window_calls)] if window_calls else []) + (["--every-step"] if every_step else [])
     out = subprocess.run([sys.executable, "-m", "bench.analysis_scale", "--child", str(root.resolve()), "--ranks",
                           str(ranks), "--collectives", str(collectives), "--nodes", str(nodes),
                           "--faults", fault, "--path", path, "--layout", layout, *more],
@@ -289,6 +293,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="64 ranks x 2,000 collectives on 8 nodes, one run")
     ap.add_argument("--baseline", type=Path, help="another checkout (e.g. `git worktree add /tmp/base main`): "
                     "each run is followed by the same run of its code on the same segments; reports must be equal")
+    ap.add_argument("--every-step", action="store_true", help="each run is followed by one of this checkout "
+                    "judging every step (no sampled windows), compared as --baseline's are")
     ap.add_argument("--lengths", default="", help="e.g. 1,4,16: the same job with that many times --collectives "
                     "(steps), one run each (--repeat), to show memory flat and time linear in session length")
     ap.add_argument("--window-calls", type=int, default=0, help="NCCL calls per analysis window "
@@ -299,8 +305,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--path", default="operator", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
-        print(json.dumps(child(a.child, a.ranks, a.collectives, a.nodes, a.faults, a.path, a.layout, a.window_calls),
-                         default=str))
+        print(json.dumps(child(a.child, a.ranks, a.collectives, a.nodes, a.faults, a.path, a.layout, a.window_calls,
+                               a.every_step), default=str))
         return {}
     if a.quick:
         a.ranks, a.collectives, a.nodes, a.repeat, a.compare_collectives = 64, 2_000, 8, 1, 2_000
@@ -330,9 +336,10 @@ def main(argv=None) -> dict:
         runs, base = [], []
         for _ in range(a.repeat):     # alternating with the baseline's runs: the same load on both
             runs.append(run_child(root, a.ranks, a.collectives, a.nodes, fault, "operator", a.layout))
-            if a.baseline:
+            if a.baseline or a.every_step:
                 base.append(run_child(root, a.ranks, a.collectives, a.nodes, fault, "operator", a.layout,
-                                      repo=a.baseline.resolve()))
+                                      repo=a.baseline.resolve() if a.baseline else REPO,
+                                      every_step=a.every_step and not a.baseline))
         if a.layout:
             results["rows"] = runs[0]["rows"]
         secs = [r["seconds"] for r in runs]
@@ -355,7 +362,7 @@ def main(argv=None) -> dict:
                  "same_verdict": all(_verdict(x["report"]) == _verdict(y["report"]) for x, y in zip(runs, base)),
                  "saving_ms": [round((r["report"]["straggler"] or {}).get("saving_ms_per_step", 0.0), 2)
                                for r in base]}
-            res["baseline"] = {**b, "repo": str(a.baseline)}
+            res["baseline"] = {**b, "repo": str(a.baseline) if a.baseline else "every step judged"}
         print(f"  {fault}: {runs[0]['rows']:,} NCCL rows; gather+merge+analysis {res['seconds_median']:.2f} s median "
               f"(min {res['seconds_min']:.2f}, max {res['seconds_max']:.2f}, {len(runs)} runs; "
               f"{res['cpu_seconds_median']:.1f} CPU-s median), "
@@ -363,7 +370,7 @@ def main(argv=None) -> dict:
               f"{r0['straggler']}")
         if base:
             b = res["baseline"]
-            print(f"    baseline {a.baseline}: {b['seconds_median']:.2f} s median, {b['cpu_seconds_median']:.1f} CPU-s, "
+            print(f"    baseline {b['repo']}: {b['seconds_median']:.2f} s median, {b['cpu_seconds_median']:.1f} CPU-s, "
                   f"peak RSS {b['peak_rss_mib']:,.0f} MiB: this checkout "
                   f"{b['seconds_median'] / res['seconds_median']:.2f}x faster, "
                   f"{b['cpu_seconds_median'] / res['cpu_seconds_median']:.2f}x less CPU, "

@@ -91,11 +91,12 @@ def _rss_mib() -> float:
 
 
 def _grow_source(data: Path, ranks: int, nodes: int, minutes: int, per_minute: int, step_ms: float):
-    """The whole session's segments (written once, then reused) and its layout."""
+    """The whole session's segments (written once, then reused) and its layout: the slow
+    rank is late by a quarter of the step, well above the verdict's floor at any step."""
     from bench.synthetic import SCALE_STEP, scale_layout, scale_session
 
     collectives = int(minutes * 60 * 1000 / step_ms) * len(SCALE_STEP)
-    src = data / f"grow-r{ranks}-n{nodes}-m{minutes}-s{per_minute}-t{step_ms:g}"
+    src = data / f"grow-r{ranks}-n{nodes}-m{minutes}-s{per_minute}-t{step_ms:g}-late"
     lay = scale_layout(ranks, collectives, nodes, "slow-rank")
     if not src.is_dir():
         t = time.perf_counter()
@@ -104,7 +105,7 @@ def _grow_source(data: Path, ranks: int, nodes: int, minutes: int, per_minute: i
             import shutil
             shutil.rmtree(tmp)
         scale_session(tmp, ranks=ranks, collectives=collectives, nodes=nodes, fault="slow-rank",
-                      segments_per_node=minutes * per_minute, step_ms=step_ms)
+                      segments_per_node=minutes * per_minute, step_ms=step_ms, late_ms=step_ms / 4)
         tmp.rename(src)
         print(f"  wrote {ranks * collectives:,} calls in {time.perf_counter() - t:.1f} s", flush=True)
     return src, lay, collectives
