@@ -415,7 +415,8 @@ def _ranks(wins: list[_Window]) -> list[RankRow]:
 def _whole_counts(out: Report, pre: Prepass, con) -> None:
     """The table's counts of a sampled session: the whole session's collectives per rank and
     op (and over the threshold) and retransmits. Retransmits inside a rank's calls: its
-    retransmits times the share of them inside its calls in the judged windows."""
+    retransmits times the share of them inside its calls in the judged windows. An op no
+    judged window held has no p50/p99 (None: not measured)."""
     rows = {r.rank: r for r in out.ranks}
     for rank in pre.ranks.tolist():
         if rank not in rows:
@@ -425,7 +426,7 @@ def _whole_counts(out: Report, pre: Prepass, con) -> None:
         ops = pre.per_op.get(r.rank, {})
         for op in dict.fromkeys([*r.per_op, *ops]):
             q = r.per_op.get(op, {})
-            r.per_op[op] = {"calls": ops.get(op, 0), "p50_ms": q.get("p50_ms", 0.0), "p99_ms": q.get("p99_ms", 0.0)}
+            r.per_op[op] = {"calls": ops.get(op, 0), "p50_ms": q.get("p50_ms"), "p99_ms": q.get("p99_ms")}
         r.collectives = sum(ops.values())
         if pre.slow is not None:
             r.slow_collectives = pre.slow.get(r.rank, 0)

@@ -289,3 +289,38 @@ def test_a_session_with_simulated_groups_has_every_step_judged_and_counts_as_the
                                "ncclSuccess) hold calls NCCL never ran, which the counts leave out and only the calls "
                                "around them tell apart")
     assert {**rep.to_dict(), "warnings": rep.warnings[1:]} == whole.to_dict()
+
+
+def test_an_op_no_sampled_window_held_is_counted_with_no_durations(tmp_path):
+    """Broadcasts made only before the first step are in no window the sample judged: the
+    table counts their calls as the engine does, and has no p50/p99 for them (None; null in
+    JSON), not 0 ms."""
+    import io
+    import json
+
+    from ingero.analysis import analyse
+    from ingero.analysis.model import Report
+    from ingero.analysis.windows import analyse_windows
+    from ingero.report_text import render
+    from tests.unit.test_simulated_group import _merged
+
+    con, _ = _merged(tmp_path)
+    eid = con.execute("SELECT max(event_id) FROM nccl_events").fetchone()[0]
+    firsts = con.execute("SELECT global_rank, any_value(node), any_value(pid), any_value(nranks), min(timestamp_ns) "
+                         "FROM nccl_events GROUP BY ALL ORDER BY 1").fetchall()
+    con.executemany("""INSERT INTO nccl_events (event_id, node, pid, tid, global_rank, rank, nranks, timestamp_ns,
+                       duration_ns, op, comm_id_hash, seq, ret, count, bytes)
+                       VALUES (?, ?, ?, ?, ?, ?, ?, ?, 50000, 'BROADCAST', 2989, ?, 0, 262144, 1048576)""",
+                    [(eid + 2 * g + i + 1, node, pid, pid, g, g, world, t - (2 - i) * 1_000_000, i)
+                     for g, node, pid, world, t in firsts for i in range(2)])
+    whole, rep = analyse(con), analyse_windows(con, budget=200)
+    assert "sampled window" in rep.warnings[0], rep.warnings
+    assert _table(rep) == _table(whole)
+    for r, w in zip(rep.ranks, whole.ranks):
+        assert r.per_op["BROADCAST"] == {"calls": 2, "p50_ms": None, "p99_ms": None}
+        assert w.per_op["BROADCAST"]["p50_ms"] == pytest.approx(0.05)
+        assert all(v["p50_ms"] > 0 and v["p99_ms"] > 0 for op, v in r.per_op.items() if op != "BROADCAST")
+    d = json.loads(json.dumps(rep.to_dict()))
+    assert d["ranks"][0]["per_op"]["BROADCAST"] == {"calls": 2, "p50_ms": None, "p99_ms": None}
+    assert Report.from_dict(d).to_dict() == rep.to_dict()
+    render(rep, io.StringIO())
