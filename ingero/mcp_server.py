@@ -181,12 +181,12 @@ def make_server(root: Path, name: str = "ingero", limits: readonly_sql.Limits = 
                 "ranks": [_rank_brief(r) for r in rep.ranks]}
 
     @server.tool(annotations=ro, description=(
-        "Everything about one rank of a trace: per-op call counts and p50/p99 ms, arrival lateness against "
-        "its peers, retransmits on its own connections (and inside its collectives), off-CPU ms by reason "
-        "(runqueue = CPU contention, io = blocked on disk, sleep = waiting), and its `latest` collectives: "
-        "the ones where it arrived latest after the median of its peers (op, comm, seq, late_ms, ms). Args: "
-        "session (from list_sessions), rank (global rank, as in straggler_report), latest (how many, "
-        "default 5, at most 50)."))
+        "Everything about one rank of a trace: per-op call counts and p50/p99 ms (null: not measured, in no "
+        "judged window of a sampled session), arrival lateness against its peers, retransmits on its own "
+        "connections (and inside its collectives), off-CPU ms by reason (runqueue = CPU contention, io = "
+        "blocked on disk, sleep = waiting), and its `latest` collectives: the ones where it arrived latest after "
+        "the median of its peers (op, comm, seq, late_ms, ms). Args: session (from list_sessions), rank (global "
+        "rank, as in straggler_report), latest (how many, default 5, at most 50)."))
     def rank_detail(session: str, rank: int, latest: int = 5) -> dict:
         rep, con = traces.report(session)
         try:

@@ -22,7 +22,7 @@ class RankRow:
     slow_collectives: int | None = None   # collectives over the session's threshold, when one is set
     offcpu_ms: dict = field(default_factory=dict)  # reason -> ms
     offcpu_waits: dict = field(default_factory=dict)  # reason -> number of waits (from kernel totals only)
-    per_op: dict = field(default_factory=dict)     # op -> {"calls", "p50_ms", "p99_ms"}
+    per_op: dict = field(default_factory=dict)     # op -> {"calls", "p50_ms", "p99_ms"}; ms None: not measured
     stage: int | None = None      # pipeline stage, when the job has a pipeline
     own_ms: float = 0.0           # own work per step: time between its blocking calls
     wait_ms: float = 0.0          # per step: time blocked on other ranks at its calls

@@ -8,8 +8,9 @@ numpy:
 
 * the per-rank counts of the table: collective calls per op (and over the session's
   threshold), counted as the engine counts them (calls that returned, of a rank, on a
-  communicator with a seq; the calls of groups closed by ncclGroupSimulateEnd, which the
-  engine leaves out, are counted here);
+  communicator with a seq), but for the calls of groups closed by ncclGroupSimulateEnd,
+  which the engine leaves out: the ncclGroupSimulateEnd calls are counted
+  (``Prepass.simulate_ends``), and a session with some is not sampled;
 * the sends and receives per (communicator, sender, receiver) before each bucket, so that a
   judged window pairs its own in order from the session's start (``calls.P2pCounts``): a
   peer's global rank is the one the sends and receives of that communicator rank show;
@@ -47,6 +48,7 @@ class Prepass:
     calls: np.ndarray           # (bucket, rank index): calls starting in it
     p2p: dict                   # "b", "key", "keys", "n": sends and receives by bucket (``_pairs``)
     step_ns: float = 0.0        # about a step (``_least_recurring``); 0: not known
+    simulate_ends: int = 0      # ncclGroupSimulateEnd calls that returned ncclSuccess
 
     @property
     def unkeyed(self) -> int:
@@ -126,10 +128,12 @@ def prepass(con, first: int, last: int, slow_collective_ms: float | None = None,
                e.op::VARCHAR AS op, e.comm_id_hash AS comm,
                CASE WHEN {p2p} THEN e.rank END AS crank, CASE WHEN {p2p} THEN e.peer END AS peer,
                count(*) AS n, sum(e.duration_ns)::DOUBLE AS ns{slow}{_FROM}
-        WHERE {_RETURNED} AND e.op IN ({', '.join(repr(o) for o in OPS)})
-          AND (COALESCE(e.comm_id_hash, 0) <> 0 OR COALESCE(e.comm, 0) <> 0) AND e.seq IS NOT NULL
+        WHERE {_RETURNED} AND e.op IN ({', '.join(repr(o) for o in [*OPS, 'GROUP_SIMULATE_END'])})
+          AND ((COALESCE(e.comm_id_hash, 0) <> 0 OR COALESCE(e.comm, 0) <> 0) AND e.seq IS NOT NULL
+               OR (e.op = 'GROUP_SIMULATE_END' AND e.ret = 0))
         GROUP BY ALL""").fetchnumpy()
-    keep = ~np.ma.getmaskarray(rows["grank"]) if np.ma.isMaskedArray(rows["grank"]) else np.ones(len(rows["b"]), bool)
+    sim = np.asarray(rows["op"], dtype=object) == "GROUP_SIMULATE_END"
+    keep = ~np.ma.getmaskarray(rows["grank"]) & ~sim
     col = {k: (v.filled(0 if k == "comm" else -1) if np.ma.isMaskedArray(v) else v)[keep] for k, v in rows.items()}
     b = np.clip(col["b"].astype(np.int64), 0, buckets - 1)
     grank, op, n = col["grank"].astype(np.int64), np.asarray(col["op"], dtype=object), col["n"].astype(np.int64)
@@ -151,7 +155,7 @@ def prepass(con, first: int, last: int, slow_collective_ms: float | None = None,
     least = _least_recurring(col["comm"][coll], op[coll], grank[coll], n[coll])
     return Prepass(int(first), width, buckets, ranks, per_op, slow_by, coll_ns, calls,
                    _pairs(b[~coll], grank[~coll], op[~coll], col, ~coll, n[~coll]),
-                   (int(last) - int(first)) / least if least else 0.0)
+                   (int(last) - int(first)) / least if least else 0.0, int(rows["n"][sim].sum()))
 
 
 def _least_recurring(comm: np.ndarray, op: np.ndarray, grank: np.ndarray, n: np.ndarray) -> int:

@@ -49,6 +49,9 @@ all its calls (``sampling.prepass``) gives the rest:
   Where the pre-pass cannot name a send's or receive's pair (a communicator the trace began
   after, which the engine recovers from the call sequences), every step is judged, window
   after window, and the report says why.
+* Calls NCCL never ran: the engine leaves out the calls of a group closed by
+  ncclGroupSimulateEnd, which the pre-pass cannot tell from the others; a session with such
+  a group has every step judged, window after window, and the report says why.
 * The counts of the table (calls per rank and op, over the threshold, retransmits) are the
   whole session's, not extrapolated; retransmits inside a rank's calls are its retransmits
   times the share inside its calls in the judged windows.
@@ -152,11 +155,15 @@ def analyse_windows(con, slow_collective_ms: float | None = None, window_calls: 
     budget = REPLAY_BUDGET if budget is None else budget
     if calls > budget and first is not None and last > first:
         pre = prepass(con, int(first), int(last), slow_collective_ms)
-        if not pre.unkeyed:
+        why = (f"{pre.unkeyed:,} sends and receives are on communicators the trace began after, which only the "
+               "calls around them pair" if pre.unkeyed else
+               f"groups closed by ncclGroupSimulateEnd ({pre.simulate_ends:,} returned ncclSuccess) hold calls NCCL "
+               "never ran, which the counts leave out and only the calls around them tell apart"
+               if pre.simulate_ends else None)
+        if why is None:
             return sampled(con, slow_collective_ms, window_calls, between, (calls, int(first), int(last)), budget, pre)
         out = _every_window(con, slow_collective_ms, window_calls, between, (calls, int(first), int(last)))
-        out.warnings.insert(0, f"every step judged, not a sample: {pre.unkeyed:,} sends and receives are on "
-                               "communicators the trace began after, which only the calls around them pair")
+        out.warnings.insert(0, f"every step judged, not a sample: {why}")
         return out
     if first is None or last <= first:
         return analyse(con, slow_collective_ms)
@@ -408,7 +415,8 @@ def _ranks(wins: list[_Window]) -> list[RankRow]:
 def _whole_counts(out: Report, pre: Prepass, con) -> None:
     """The table's counts of a sampled session: the whole session's collectives per rank and
     op (and over the threshold) and retransmits. Retransmits inside a rank's calls: its
-    retransmits times the share of them inside its calls in the judged windows."""
+    retransmits times the share of them inside its calls in the judged windows. An op no
+    judged window held has no p50/p99 (None: not measured)."""
     rows = {r.rank: r for r in out.ranks}
     for rank in pre.ranks.tolist():
         if rank not in rows:
@@ -418,7 +426,7 @@ def _whole_counts(out: Report, pre: Prepass, con) -> None:
         ops = pre.per_op.get(r.rank, {})
         for op in dict.fromkeys([*r.per_op, *ops]):
             q = r.per_op.get(op, {})
-            r.per_op[op] = {"calls": ops.get(op, 0), "p50_ms": q.get("p50_ms", 0.0), "p99_ms": q.get("p99_ms", 0.0)}
+            r.per_op[op] = {"calls": ops.get(op, 0), "p50_ms": q.get("p50_ms"), "p99_ms": q.get("p99_ms")}
         r.collectives = sum(ops.values())
         if pre.slow is not None:
             r.slow_collectives = pre.slow.get(r.rank, 0)

@@ -112,6 +112,12 @@ def _scale(tmp_path, **kw):
     return gather.LocalSession(tmp_path), scale_layout(16, 3000, 4, "slow-rank")
 
 
+def _table(rep) -> list:
+    """A report's table counts: per rank its collectives, calls per op, over the threshold, retransmits."""
+    return [(r.rank, r.collectives, {k: v["calls"] for k, v in r.per_op.items()}, r.slow_collectives, r.retransmits)
+            for r in rep.ranks]
+
+
 def test_a_rank_slow_only_in_the_middle_third_is_named_on_a_sample_of_windows(tmp_path, monkeypatch):
     """With a replay budget of a sixth of the session, the sample judges two windows spread
     evenly (centred at a quarter and three quarters of the session: outside the slow third)
@@ -154,11 +160,7 @@ def test_a_sampled_sessions_counts_are_the_whole_sessions(tmp_path, monkeypatch)
     assert rep.warnings[0].startswith(f"judged {k} sampled windows of whole steps ("), rep.warnings
     assert rep.collectives == whole.collectives == 48_000
     assert rep.retransmits == whole.retransmits > 0
-    got = [(r.rank, r.collectives, {k: v["calls"] for k, v in r.per_op.items()}, r.slow_collectives, r.retransmits)
-           for r in rep.ranks]
-    want = [(r.rank, r.collectives, {k: v["calls"] for k, v in r.per_op.items()}, r.slow_collectives, r.retransmits)
-            for r in whole.ranks]
-    assert got == want
+    assert _table(rep) == _table(whole)
     assert {r.rank: r.slow_collectives for r in rep.ranks}[lay["victim"]] == 0   # it arrives last: waits least
     assert sum(r.slow_collectives for r in rep.ranks) > 10_000                    # its peers wait 10 ms for it
     assert rep.straggler is not None and rep.straggler.rank == lay["victim"], rep.straggler
@@ -263,3 +265,62 @@ def test_sends_and_receives_the_pre_pass_cannot_pair_have_every_step_judged(tmp_
                                   "communicators the trace began after, which only the calls around them pair")
     whole = analyse_windows(con, budget=10**9).to_dict()
     assert {**rep, "warnings": rep["warnings"][1:]} == whole
+
+
+def test_a_session_with_simulated_groups_has_every_step_judged_and_counts_as_the_engine(tmp_path):
+    """The calls of groups closed by ncclGroupSimulateEnd never ran, and the engine leaves
+    them out; the pre-pass cannot tell them from the others, so a session over the budget
+    with such a group is judged window after window, as one within the budget is: its table
+    counts them as the engine does, and the report says why there is no sample."""
+    from ingero.analysis import analyse
+    from ingero.analysis.windows import analyse_windows
+    from tests.unit.test_simulated_group import _merged, _simulate
+
+    con, _ = _merged(tmp_path)
+    _simulate(con, 2, 30, before_ns=2_000_000, ret=7)     # non-blocking: NCCL launched it, and both count it
+    rep = analyse_windows(con, 5.0, budget=200)
+    assert "sampled window" in rep.warnings[0]
+    assert _table(rep) == _table(analyse(con, 5.0))
+    for step in range(10, 20):
+        _simulate(con, 1, step, before_ns=2_000_000)
+    whole, rep = analyse(con, 5.0), analyse_windows(con, 5.0, budget=200)
+    assert _table(rep) == _table(whole)
+    assert rep.warnings[0] == ("every step judged, not a sample: groups closed by ncclGroupSimulateEnd (10 returned "
+                               "ncclSuccess) hold calls NCCL never ran, which the counts leave out and only the calls "
+                               "around them tell apart")
+    assert {**rep.to_dict(), "warnings": rep.warnings[1:]} == whole.to_dict()
+
+
+def test_an_op_no_sampled_window_held_is_counted_with_no_durations(tmp_path):
+    """Broadcasts made only before the first step are in no window the sample judged: the
+    table counts their calls as the engine does, and has no p50/p99 for them (None; null in
+    JSON), not 0 ms."""
+    import io
+    import json
+
+    from ingero.analysis import analyse
+    from ingero.analysis.model import Report
+    from ingero.analysis.windows import analyse_windows
+    from ingero.report_text import render
+    from tests.unit.test_simulated_group import _merged
+
+    con, _ = _merged(tmp_path)
+    eid = con.execute("SELECT max(event_id) FROM nccl_events").fetchone()[0]
+    firsts = con.execute("SELECT global_rank, any_value(node), any_value(pid), any_value(nranks), min(timestamp_ns) "
+                         "FROM nccl_events GROUP BY ALL ORDER BY 1").fetchall()
+    con.executemany("""INSERT INTO nccl_events (event_id, node, pid, tid, global_rank, rank, nranks, timestamp_ns,
+                       duration_ns, op, comm_id_hash, seq, ret, count, bytes)
+                       VALUES (?, ?, ?, ?, ?, ?, ?, ?, 50000, 'BROADCAST', 2989, ?, 0, 262144, 1048576)""",
+                    [(eid + 2 * g + i + 1, node, pid, pid, g, g, world, t - (2 - i) * 1_000_000, i)
+                     for g, node, pid, world, t in firsts for i in range(2)])
+    whole, rep = analyse(con), analyse_windows(con, budget=200)
+    assert "sampled window" in rep.warnings[0], rep.warnings
+    assert _table(rep) == _table(whole)
+    for r, w in zip(rep.ranks, whole.ranks):
+        assert r.per_op["BROADCAST"] == {"calls": 2, "p50_ms": None, "p99_ms": None}
+        assert w.per_op["BROADCAST"]["p50_ms"] == pytest.approx(0.05)
+        assert all(v["p50_ms"] > 0 and v["p99_ms"] > 0 for op, v in r.per_op.items() if op != "BROADCAST")
+    d = json.loads(json.dumps(rep.to_dict()))
+    assert d["ranks"][0]["per_op"]["BROADCAST"] == {"calls": 2, "p50_ms": None, "p99_ms": None}
+    assert Report.from_dict(d).to_dict() == rep.to_dict()
+    render(rep, io.StringIO())
