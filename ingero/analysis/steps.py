@@ -309,16 +309,21 @@ def _align(first: list[np.ndarray]) -> list[int]:
 
 def _marker_runs(c: Calls, ev: Events, first: np.ndarray) -> tuple[list[np.ndarray], list[int]]:
     """Each marker's boundary instances in order of first arrival (whole steps only: see
-    ``_whole_steps``), and its communicator; markers seen fewer than twice left out.
-    `first`: every instance's earliest member arrival (int64 max: none)."""
+    ``_whole_steps``), and its communicator; markers seen fewer than twice left out. Those at
+    either end holding fewer calls than its fullest are left out too: cut by the trace's or
+    the window's edge, their end waits on calls it does not hold (the last rank to arrive,
+    often the straggler), which no replay can move. `first`: every instance's earliest
+    member arrival (int64 max: none)."""
     seen = first < np.iinfo(np.int64).max
     per, used = [], []
     for comm, op in markers(c, seen, ev):
         ids = np.flatnonzero((c.inst_comm == comm) & (c.inst_op == op) & seen)
-        if len(ids) >= 2:
-            per.append(ids[np.argsort(first[ids], kind="stable")])
+        ids = _whole_steps(c, ev, ids[np.argsort(first[ids], kind="stable")], comm)
+        full = np.flatnonzero(c.inst_size[ids] == c.inst_size[ids].max(initial=0))
+        if len(full) and full[-1] > full[0]:
+            per.append(ids[full[0]:full[-1] + 1])
             used.append(comm)
-    return [_whole_steps(c, ev, p, comm) for p, comm in zip(per, used)], used
+    return per, used
 
 
 def _steps_before(c: Calls, ev: Events, per: list[np.ndarray], used: list[int], off: list[int],

@@ -160,6 +160,28 @@ class _Replayer:
 
     def __init__(self, tl: Timeline, base_step: float):
         self.tl, self.base_step, self.best_ns = tl, base_step, 0.0
+        self._edges: tuple | None = None
+
+    def cut_steps_too(self, w: np.ndarray) -> np.ndarray:
+        """Own work `w`, a fix of the measured inside the whole steps, with each rank's work in
+        the cut steps at the window's edges scaled as its fix scales its work inside. A marker
+        whose boundaries fall elsewhere in the step than a rank's own (a later stage's, against
+        a stage-0 rank's backward) holds part of that rank's cut steps between its boundaries,
+        and the saving a fix of the whole steps only loses there does not shrink with more
+        steps (tp=8,pp=8,dp=16's 19.2 ms/step: 14.6 on 3-step windows without the cut steps, 18.9 with)."""
+        tl, m = self.tl, self.tl.m
+        if self._edges is None:        # each event's rank, the work inside per rank, the events outside
+            seg = np.repeat(np.arange(len(tl.ev.ranks)), np.diff(tl.ev.off))
+            edge = np.flatnonzero(~tl.inwin)
+            was = np.bincount(seg[tl.inwin], weights=m.w[tl.inwin], minlength=len(tl.ev.ranks))
+            self._edges = seg, was, edge, seg[edge]
+        seg, was, edge, edge_rank = self._edges
+        fixed = np.flatnonzero(w != m.w)
+        cut = np.bincount(seg[fixed], weights=(m.w - w)[fixed], minlength=len(was))
+        share = np.divide(was - cut, was, out=np.ones(len(was)), where=was > 0)
+        out = w.copy()
+        out[edge] = m.w[edge] * share[edge_rank]
+        return out
 
     def removed(self, w: np.ndarray | None, x: np.ndarray | None) -> float:
         """Work taken out per step: no replay can save more (a path holds each event once)."""
@@ -176,7 +198,7 @@ class _Replayer:
             return Saving(0.0, None)
         m = self.tl.m
         xs = m.x if x is None else x
-        r = replay(self.tl.ev, m.w if w is None else w, xs)
+        r = replay(self.tl.ev, m.w if w is None else self.cut_steps_too(w), xs)
         ns = self.base_step - self.tl.step_ns(r.e)
         self.best_ns = max(self.best_ns, ns)
         return Saving(ns, WhatIf(r, xs))

@@ -37,9 +37,7 @@ all its calls (``sampling.prepass``) gives the rest:
   as it holds, and two at least (one spread, one uneven).
 * A saving near its floor: when the saving over the judged steps of a candidate a window
   named (none named: of the best) is within SETTLE_PCT of its floor, the sample does not
-  settle the verdict, and a saving that propagates over steps (a pipeline's) looks smaller
-  on a few steps replayed: the sample is judged again, once, on windows SETTLE_WIDER
-  times as long.
+  settle the verdict: it is judged again, once, on windows SETTLE_WIDER times as long.
 * What each stands for: each bucket of the session goes to the judged window whose
   unevenness is nearest its own (``Prepass.stand_for``); a window stands for as many steps as
   its step takes in those buckets' time, and the verdict weighs the windows by those steps
@@ -77,8 +75,8 @@ WINDOW_CALLS = 1_250_000     # NCCL calls per window (the last up to 1.5x): 2.5 
                              # with DuckDB (docs/benchmarks.md), and the chart's operator limit is 2 GiB
 REPLAY_BUDGET = 400_000     # NCCL calls judged at most (replayed): a session holding more is judged on a sample
 SAMPLED_SPREAD, SAMPLED_UNEVEN = 2, 2   # sampled windows spread evenly / where the ranks are most uneven
-MIN_STEPS = 10               # whole steps a sampled window holds at least: a pipeline's saving spreads over steps,
-                             # and 3-step windows replayed 14.6 of tp=8,pp=8,dp=16's 19.0 ms/step (10: 17.6)
+MIN_STEPS = 10               # whole steps a sampled window holds at least (tp=8,pp=8,dp=16's 19.2 ms/step saving
+                             # replays as 18.8 on 10-step windows, 18.9 on 3-step ones: no edge loss to outgrow)
 SETTLE_PCT = 1.5             # a candidate's saving this near its floor (% of the step) is not settled by the sample:
 SETTLE_WIDER = 4             # ... it is judged again on windows this many times as long (up to `window_calls`)
 BOUNDARY_LEAD = 0.25         # a window starts this share of a step before the boundary it opens with
@@ -238,7 +236,6 @@ def sampled(con, slow_collective_ms: float | None, window_calls: int, between, e
             wins.append(win)
         if rounds or width >= cap or not _unsettled(wins):
             break
-        # a few steps replayed make a saving that propagates over steps (a pipeline's) look smaller
         width, rounds, wins = min(cap, SETTLE_WIDER * width), 1, []
         plan = choose(width)
     span = -(-width // pre.width)
