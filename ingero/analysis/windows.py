@@ -75,8 +75,8 @@ WINDOW_CALLS = 1_250_000     # NCCL calls per window (the last up to 1.5x): 2.5 
                              # with DuckDB (docs/benchmarks.md), and the chart's operator limit is 2 GiB
 REPLAY_BUDGET = 400_000     # NCCL calls judged at most (replayed): a session holding more is judged on a sample
 SAMPLED_SPREAD, SAMPLED_UNEVEN = 2, 2   # sampled windows spread evenly / where the ranks are most uneven
-MIN_STEPS = 10               # whole steps a sampled window holds at least (tp=8,pp=8,dp=16's 19.2 ms/step saving
-                             # replays as 18.8 on 10-step windows, 18.9 on 3-step ones: no edge loss to outgrow)
+MIN_STEPS = 10               # whole steps a sampled window holds at least, for the per-step medians its verdict
+                             # rests on (tp=8,pp=8,dp=16's 19.2 ms/step saving replays as 18.8-18.9 on 3 or 10 steps)
 SETTLE_PCT = 1.5             # a candidate's saving this near its floor (% of the step) is not settled by the sample:
 SETTLE_WIDER = 4             # ... it is judged again on windows this many times as long (up to `window_calls`)
 BOUNDARY_LEAD = 0.25         # a window starts this share of a step before the boundary it opens with
