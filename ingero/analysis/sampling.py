@@ -17,8 +17,8 @@ numpy:
 * each rank's time inside collectives per bucket: where the ranks are most uneven (the rank
   with the least time inside collectives, relative to the median rank: the late arriver
   waits least), which ``Prepass.choose`` samples beside the windows spread evenly;
-* about how long a step is, from the collective made least often (``_least_recurring``), so
-  that a window spans whole steps.
+* about how long a step is, from the collective made least often through the session
+  (``_least_recurring``), so that a window spans whole steps.
 """
 
 from __future__ import annotations
@@ -152,27 +152,36 @@ def prepass(con, first: int, last: int, slow_collective_ms: float | None = None,
         d[o] = d.get(o, 0) + k
         if slow_by is not None:
             slow_by[r] += int(s)
-    least = _least_recurring(col["comm"][coll], op[coll], grank[coll], n[coll])
+    least = _least_recurring(b[coll], col["comm"][coll], op[coll], grank[coll], n[coll])
     return Prepass(int(first), width, buckets, ranks, per_op, slow_by, coll_ns, calls,
                    _pairs(b[~coll], grank[~coll], op[~coll], col, ~coll, n[~coll]),
                    (int(last) - int(first)) / least if least else 0.0, int(rows["n"][sim].sum()))
 
 
-def _least_recurring(comm: np.ndarray, op: np.ndarray, grank: np.ndarray, n: np.ndarray) -> int:
+def _least_recurring(b: np.ndarray, comm: np.ndarray, op: np.ndarray, grank: np.ndarray, n: np.ndarray) -> int:
     """Calls per member rank of the collective (one communicator's one op) made least often,
-    of those made MIN_INSTANCES times at least: ``steps`` marks the steps by such a collective,
-    so a step is about the session's length over it (longer, where it is made only every few
-    steps: the windows are then wider than they need be). 0: none."""
+    of those made MIN_INSTANCES times at least and through the session, as ``steps``
+    chooses its markers: the n calls per member of one made through the session span (in
+    buckets, ``b``) half of (n - 1) / n at least of the longest span of a collective sharing
+    a member with it (a collective made only at start-up is in one bucket or two). A step
+    is about the session's length over it (longer, where it is made only every few steps:
+    the windows are then wider than they need be). 0: none."""
     if not len(n):
         return 0
     _, ci = np.unique(comm.astype(np.uint64), return_inverse=True)
     ops, oi = np.unique(op.astype(str), return_inverse=True)
     u, key = np.unique(ci.ravel().astype(np.int64) * len(ops) + oi.ravel(), return_inverse=True)
     key = key.ravel()
-    calls = np.bincount(key, weights=n, minlength=len(u))
-    pairs = np.unique(key * (int(grank.max()) + 2) + grank + 1)         # (collective, rank) pairs
-    members = np.bincount(pairs // (int(grank.max()) + 2), minlength=len(u))
-    per = calls / np.maximum(members, 1)
+    k, r = np.divmod(np.unique(key * (int(grank.max()) + 2) + grank + 1), int(grank.max()) + 2)   # its members
+    per = np.bincount(key, weights=n, minlength=len(u)) / np.bincount(k, minlength=len(u))
+    lo, hi = np.full(len(u), np.iinfo(np.int64).max), np.zeros(len(u), np.int64)
+    np.minimum.at(lo, key, b)
+    np.maximum.at(hi, key, b)
+    longest, whole = np.zeros(r.max() + 1, np.int64), np.zeros(len(u), np.int64)
+    np.maximum.at(longest, r, hi[k] - lo[k] + 1)          # per rank, the longest span of a collective it makes
+    np.maximum.at(whole, k, longest[r])
+    through = 2 * per * (hi - lo + 1) >= (per - 1) * whole
+    per = per[through] if through.any() else per
     per = per[per >= MIN_INSTANCES]
     return int(per.min()) if len(per) else 0
 

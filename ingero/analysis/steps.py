@@ -6,9 +6,12 @@ groups inside a stage, an embedding group of the first and last stage, the
 pipeline's send/recv. A *marker* is a recurring collective (one communicator's
 one op); the markers of one *family* (same op, same group size, about as many
 instances) together cover ranks, e.g. every data-parallel group's gradient
-reduce-scatter. The family chosen recurs least (once per step; seen at least
-MIN_INSTANCES times), then covers the most ranks, then spans the widest groups;
-a family made only every few steps (a loss reduced for logging every N steps) is none
+reduce-scatter. A family made at one end of the trace only (a DDP job's broadcasts
+at start-up, a checkpoint's at the end: its n instances span less than half of
+(n - 1) / n of the longest span of a family sharing a member with it) is none, unless
+nothing else recurs. The family chosen recurs least (once per step; seen at least
+MIN_INSTANCES times), then covers the most ranks, then spans the widest groups; a
+family made only every few steps (a loss reduced for logging every N steps) is none
 (``_every_few_steps``), and its calls take slots of their own after the step's; a
 marker that recurs several times per step (FSDP's per-layer reduce-scatter) marks
 every q-th step boundary, q from the period of its ranks' own call sequence;
@@ -161,7 +164,26 @@ def markers(c: Calls, visible: np.ndarray, ev: Events | None = None) -> list[tup
         return (count(fam), -len(members(fam) & want), -fam[1], fam[0],
                 min(int(c.comm_hash[comm]) for _, comm in fam[2]))
 
+    at = np.flatnonzero(c.inst >= 0)                  # when each collective's calls begin and end
+    at = at[visible[c.inst[at]]]
+    kind = c.inst_comm[c.inst[at]] * 64 + c.inst_op[c.inst[at]]
+    lo, hi = np.full(len(n), np.iinfo(np.int64).max), np.full(len(n), np.iinfo(np.int64).min)
+    np.minimum.at(lo, kind, c.t[at])
+    np.maximum.at(hi, kind, c.t[at])
+
+    def span(fam) -> int:
+        k = [comm * 64 + fam[0] for _, comm in fam[2]]
+        return int(hi[k].max() - lo[k].min())
+
+    def throughout(fam) -> bool:
+        """Whether a family recurs through its members' time, not only at one end of it (a
+        DDP job's broadcasts at start-up): its n instances span half of (n - 1) / n of the
+        longest span of a family sharing a member with it at least."""
+        whole = max((span(f) for f in families if members(f) & members(fam)), default=0)
+        return 2 * count(fam) * span(fam) >= (count(fam) - 1) * whole
+
     left = set(np.unique(c.rank).tolist())
+    families = [f for f in families if throughout(f)] or families
     # a collective seen only twice may be a one-off pair (set-up, checkpoint): a step needs 3
     steady = [f for f in families if count(f) >= MIN_INSTANCES] or families
     if ev is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import duckdb
 import numpy as np
+import pytest
 
 from ingero import schema
 from ingero.analysis import analyse
@@ -102,6 +103,17 @@ def test_a_collective_made_twice_is_no_step_marker_beside_one_that_recurs():
     p = [0, 1]
     setup = [(g, 0xD, p, -5000 + 1000 * k, 10, "ALL_GATHER", None) for k in range(2) for g in p]
     c = _job(6, setup)
+    (comm, op), = markers(c, np.ones(len(c.inst_size), bool))
+    assert int(c.comm_hash[comm]) == 0xA
+
+
+@pytest.mark.parametrize("at_us", [-300, -60_000, 10_100], ids=["start-up", "idle-start-up", "at-the-end"])
+def test_a_collective_made_only_at_one_end_is_no_step_marker_beside_one_that_recurs(at_us):
+    """3 broadcasts 100 µs apart before the first step (a DDP job's at init; long before it:
+    the first step compiled), or after the last (a checkpoint): made least often, but not
+    through the job."""
+    p = [0, 1]
+    c = _job(10, [(g, 0xD, p, at_us + 100 * k, 10, "BROADCAST", None) for k in range(3) for g in p])
     (comm, op), = markers(c, np.ones(len(c.inst_size), bool))
     assert int(c.comm_hash[comm]) == 0xA
 
