@@ -76,7 +76,7 @@ WINDOW_CALLS = 1_250_000     # NCCL calls per window (the last up to 1.5x): 2.5 
 REPLAY_BUDGET = 400_000     # NCCL calls judged at most (replayed): a session holding more is judged on a sample
 SAMPLED_SPREAD, SAMPLED_UNEVEN = 2, 2   # sampled windows spread evenly / where the ranks are most uneven
 MIN_STEPS = 10               # whole steps a sampled window holds at least, for the per-step medians its verdict
-                             # rests on (tp=8,pp=8,dp=16's 19.2 ms/step saving replays as 18.8-18.9 on 3 or 10 steps)
+                             # rests on (a pipeline's saving replays alike on 3 or 10: a window's edges lose none)
 SETTLE_PCT = 1.5             # a candidate's saving this near its floor (% of the step) is not settled by the sample:
 SETTLE_WIDER = 4             # ... it is judged again on windows this many times as long (up to `window_calls`)
 BOUNDARY_LEAD = 0.25         # a window starts this share of a step before the boundary it opens with
@@ -153,12 +153,13 @@ def analyse_windows(con, slow_collective_ms: float | None = None, window_calls: 
     budget = REPLAY_BUDGET if budget is None else budget
     if calls > budget and first is not None and last > first:
         pre = prepass(con, int(first), int(last), slow_collective_ms)
-        why = (f"{pre.unkeyed:,} sends and receives are on communicators the trace began after, which only the "
-               "calls around them pair" if pre.unkeyed else
-               f"groups closed by ncclGroupSimulateEnd ({pre.simulate_ends:,} returned ncclSuccess) hold calls NCCL "
-               "never ran, which the counts leave out and only the calls around them tell apart"
-               if pre.simulate_ends else None)
-        if why is None:
+        if pre.unkeyed:
+            why = (f"{pre.unkeyed:,} sends and receives are on communicators the trace began after, which only the "
+                   "calls around them pair")
+        elif pre.simulate_ends:
+            why = (f"groups closed by ncclGroupSimulateEnd ({pre.simulate_ends:,} returned ncclSuccess) hold calls "
+                   "NCCL never ran, which the counts leave out and only the calls around them tell apart")
+        else:
             return sampled(con, slow_collective_ms, window_calls, between, (calls, int(first), int(last)), budget, pre)
         out = _every_window(con, slow_collective_ms, window_calls, between, (calls, int(first), int(last)))
         out.warnings.insert(0, f"every step judged, not a sample: {why}")
