@@ -342,7 +342,7 @@ def _members_and_peers(rank, op, comm, crank, peer_c) -> tuple[dict, np.ndarray]
     members = {c: sorted(set(v)) for c, v in members.items()}
     peer = np.full(len(rank), -1, np.int64)
     p2p = ((op == _SEND) | (op == _RECV)) & (peer_c >= 0)
-    if p2p.any():
+    if p2p.any() and len(uk):
         pk = comm[p2p] * (1 << 32) + peer_c[p2p]
         i = np.searchsorted(uk, pk)
         ok = (i < len(uk)) & (uk[np.minimum(i, len(uk) - 1)] == pk)

@@ -352,20 +352,26 @@ def _stage_candidate(j: _Job) -> Candidate | None:
     if len(set(tl.stage_of.values())) <= 1:
         return None
     st_med = _stage_medians(tl.stage_of, j.own)
-    # stages of several ranks are compared on their own work less the runqueue wait inside it:
-    # a busy machine starves some slots of some stages (a clean 3D job at load 45: stage 0
-    # +12.9 ms/step of own work, +17.5 of runqueue wait in it), which no fix of the stage removes
+    # stages of several ranks are compared on their own work with the runqueue wait inside it
+    # taken at the job's pooled rate (wait per ns of the rest of the work): a busy machine
+    # starves some slots of some stages (a clean 3D job at load 45: stage 0 +12.9 ms/step of
+    # own work, +17.5 of runqueue wait in it), which no fix of the stage removes, while a stage
+    # that only works longer waits longer in proportion (a 1.5x stage at load 25: 61-74 ms/step
+    # of runqueue wait on one node, 20-65 on the other)
     several = len(tl.stage_of) > len(st_med)
     rq = j.own_rq if several and j.own_rq else {}
-    net = _stage_medians(tl.stage_of, {r: v - rq.get(r, 0.0) for r, v in j.own.items()})
+    rest = {r: max(v - rq.get(r, 0.0), 0.0) for r, v in j.own.items()}
+    worked = sum(rest[r] for r in rq if r in rest)
+    rate = sum(q for r, q in rq.items() if r in rest) / worked if worked > 0 else 0.0
+    net = _stage_medians(tl.stage_of, {r: v * (1.0 + rate) for r, v in rest.items()})
     s = max(net, key=net.__getitem__)
     others = _peer_median(st_med, s)
-    excess = net[s] - _peer_median(net, s)
+    keep = _peer_median(net, s) / net[s] if net[s] > 0 else 1.0
+    excess = st_med[s] * (1.0 - keep)
     if not (excess > 0 and others > 0):
         return None
     members = sorted(r for r, k in tl.stage_of.items() if k == s)
     inst = np.isin(ev.rank, members) & tl.inwin
-    keep = max(0.0, st_med[s] - excess) / st_med[s]
     saved = j.replayer.saving(np.where(inst, (m.w * keep).astype(np.int64), m.w))
     score = round(st_med[s] / others, 2)
     if len(members) == 1:              # a stage of one rank (pure pipeline) is that rank
@@ -376,7 +382,7 @@ def _stage_candidate(j: _Job) -> Candidate | None:
     why = (f"its ranks' own work is {st_med[s] / 1e6:.1f} ms/step vs "
            f"{others / 1e6:.1f} ms for the other stages' median")
     if rq:
-        why += f" ({excess / 1e6:.1f} ms/step more once each rank's runqueue wait is left out)"
+        why += f" ({excess / 1e6:.1f} ms/step more with each rank's runqueue wait taken at the job's rate)"
     return Candidate("stage", members, saved.ns, f"stage {s} ({_span(members)})", score=score,
                      whatif=saved.whatif, why=why)
 

@@ -42,3 +42,13 @@ def test_a_group_that_never_ends_does_not_chain_every_instance_into_one():
     # rank 0's group holds instances 0-3 (its end was not traced); rank 1 ran them one by one
     got = _join(*_events([(0, [0, 1, 2, 3]), (1, [0]), (1, [1]), (1, [2]), (1, [3])]))
     assert got.tolist() == [0, 0, 1, 2, 3]
+
+
+def test_sends_and_receives_with_no_communicator_rank_known_have_no_peer():
+    """No call names its communicator rank (every crank -1): a send's or receive's peer is
+    unknown (-1), not an error."""
+    from ingero.analysis.calls import _RECV, _SEND, _members_and_peers
+
+    members, peer = _members_and_peers(np.array([0, 1]), np.array([_SEND, _RECV]), np.array([5, 5]),
+                                       np.array([-1, -1]), np.array([1, 0]))
+    assert members == {} and peer.tolist() == [-1, -1]

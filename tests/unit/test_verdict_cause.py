@@ -244,6 +244,19 @@ def _lab_fixture(name: str):
     return con, analyse(con)
 
 
+def test_a_lab_slow_stage_on_a_busy_machine_is_named_that_stage():
+    """A real run (fixtures/lab-gpu-slow-stage-busy: the GPU-like slow-stage test of tests/bpf,
+    tp=2, pp=2, dp=2 on 2 nodes x 4, stage 1 1.5x slower, in a CI run beside two cpu-hog lab
+    loops, load ~25). Its ranks waited 20-74 ms/step for a CPU inside 54-94 ms of own work,
+    node-b's most; stage 1, working longer, waited longer. Its own work less all that wait
+    was 6.6 ms/step over the other stage's, a saving of 4.3% and no verdict; taken at the
+    job's pooled rate of wait per ns of work, the wait leaves stage 1's excess standing."""
+    _, rep = _lab_fixture("lab-gpu-slow-stage-busy")
+    s = rep.straggler
+    assert s is not None and (s.kind, s.ranks, s.cause) == ("stage", [2, 3, 6, 7], "compute/unknown"), s
+    assert s.saving_pct > 10, s
+
+
 def test_a_lab_io_stall_on_a_busy_machine_is_io():
     """A real run (fixtures/lab-gpu-io-stall-busy: `bench.verdict_lab` GPU-like io-stall, 2 nodes
     x 2 ranks, beside `--background-load 2` and other lab jobs on 2 cores; every table but the
