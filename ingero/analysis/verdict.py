@@ -168,7 +168,7 @@ class _Replayer:
         whose boundaries fall elsewhere in the step than a rank's own (a later stage's, against
         a stage-0 rank's backward) holds part of that rank's cut steps between its boundaries,
         and the saving a fix of the whole steps only loses there does not shrink with more
-        steps (tp=8,pp=8,dp=16's 19.2 ms/step: 14.6 on 3-step windows without the cut steps, 18.9 with)."""
+        steps."""
         tl, m = self.tl, self.tl.m
         if self._edges is None:        # each event's rank, the work inside per rank, the events outside
             seg = np.repeat(np.arange(len(tl.ev.ranks)), np.diff(tl.ev.off))
@@ -360,10 +360,8 @@ def _stage_candidate(j: _Job) -> Candidate | None:
     # of runqueue wait on one node, 20-65 on the other)
     several = len(tl.stage_of) > len(st_med)
     rq = j.own_rq if several and j.own_rq else {}
-    rest = {r: max(v - rq.get(r, 0.0), 0.0) for r, v in j.own.items()}
-    worked = sum(rest[r] for r in rq if r in rest)
-    rate = sum(q for r, q in rq.items() if r in rest) / worked if worked > 0 else 0.0
-    net = _stage_medians(tl.stage_of, {r: v * (1.0 + rate) for r, v in rest.items()})
+    rate = _runq_rate(rq, j.own) or 0.0
+    net = _stage_medians(tl.stage_of, {r: max(v - rq.get(r, 0.0), 0.0) * (1.0 + rate) for r, v in j.own.items()})
     s = max(net, key=net.__getitem__)
     others = _peer_median(st_med, s)
     keep = _peer_median(net, s) / net[s] if net[s] > 0 else 1.0
@@ -707,10 +705,17 @@ def _own_runq(own_rq: dict | None, own: dict, r: int, excess_step_ns: float, ste
     waits more per ns of work than its peers."""
     if not own_rq or r not in own_rq or len(own_rq) < 2 or excess_step_ns <= 0 or steps <= 0:
         return None
-    rest = {k: max(own.get(k, 0.0) - q, 0.0) for k, q in own_rq.items()}
-    waited, worked = (sum(v[k] for k in own_rq if k != r) for v in (own_rq, rest))
-    expected = own_rq[r] if worked <= 0 else min(own_rq[r], waited / worked * rest[r])
+    rate = _runq_rate(own_rq, own, but=r)
+    expected = own_rq[r] if rate is None else min(own_rq[r], rate * max(own.get(r, 0.0) - own_rq[r], 0.0))
     return OwnRunq(own_rq[r], expected, (own_rq[r] - expected) / excess_step_ns, steps)
+
+
+def _runq_rate(own_rq: dict, own: dict, but: int | None = None) -> float | None:
+    """The ranks' runqueue wait per ns of the rest of their own work (own work less that
+    wait), pooled over the ranks of `own_rq` but `but`; None: no such work."""
+    ks = [k for k in own_rq if k != but]
+    worked = sum(max(own.get(k, 0.0) - own_rq[k], 0.0) for k in ks)
+    return sum(own_rq[k] for k in ks) / worked if worked > 0 else None
 
 
 class _Wait(NamedTuple):
