@@ -61,6 +61,8 @@ import contextlib
 import dataclasses
 import re
 
+import numpy as np
+
 from ingero import schema
 from ingero.analysis import analyse, analyse_part
 from ingero.analysis.calls import P2pCounts
@@ -420,6 +422,7 @@ def _whole_counts(out: Report, pre: Prepass, con) -> None:
         if rank not in rows:
             rows[rank] = RankRow(rank=rank, node=None, pod=None, pid=0)
     retx = retransmits(con)
+    per_rank = dict(zip(*(a.tolist() for a in np.unique(retx.rank, return_counts=True))))
     for r in rows.values():
         ops = pre.per_op.get(r.rank, {})
         for op in dict.fromkeys([*r.per_op, *ops]):
@@ -429,7 +432,7 @@ def _whole_counts(out: Report, pre: Prepass, con) -> None:
         if pre.slow is not None:
             r.slow_collectives = pre.slow.get(r.rank, 0)
         seen, inside = r.retransmits, r.retransmits_in_window
-        r.retransmits = int((retx.rank == r.rank).sum())
+        r.retransmits = per_rank.get(r.rank, 0)
         r.retransmits_in_window = round(r.retransmits * inside / seen) if seen else 0
     out.ranks = sorted(rows.values(), key=lambda r: r.rank)
     out.collectives = sum(r.collectives for r in out.ranks)
